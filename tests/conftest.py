@@ -1,0 +1,21 @@
+"""Shared fixtures. Tests are marked by folder: unit/, integration/, e2e/ (see pyproject markers)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Two cores here: keep each process to one intra-op thread unless a test says otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+_FOLDER_MARKS = {"unit": pytest.mark.unit, "integration": pytest.mark.integration, "e2e": pytest.mark.e2e}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = Path(str(item.fspath)).parent.name
+        mark = _FOLDER_MARKS.get(folder)
+        if mark is not None:
+            item.add_marker(mark)

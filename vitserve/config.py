@@ -1,0 +1,52 @@
+"""One frozen config object, built at the entry point (cli.py) and passed down.
+
+Nothing below the entry point reads environment variables; every field mirrors a SPEC §1 flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str = "demo"
+    model_family: str = "auto"  # qwen2_vl | qwen2_5_vl | qwen3_vl | qwen3_5 | internvl | auto
+    tp: int = 1
+    dp: int = 1
+    visual_batch_max_tokens: int = 8192  # per-step batch budget AND per-image cap; 0 disables both
+    visual_infer_batch_size: int = 64
+    host: str = "127.0.0.1"
+    port: int = 8100
+    llm_endpoint: str | None = None
+    max_queue_tokens: int | None = None  # None -> 4 x budget (see queue_token_limit)
+    max_images_per_request: int = 32
+    max_request_bytes: int = 64 * MIB
+    max_image_pixels: int = 50_000_000
+    request_timeout_s: float = 120.0
+    heartbeat_s: float = 60.0
+    dist_timeout_s: float = 1800.0
+    device: str = "auto"
+    dtype: str = "auto"
+    visual_reserved_mem_gb: float | None = None
+    api_key: str | None = None
+    allow_image_urls: bool = False
+    allowed_url_domains: tuple[str, ...] = field(default_factory=tuple)
+    cache_gb: float = 0.0
+    log_level: str = "info"
+    runtime_dir: str = "/dev/shm/vitserve"  # VITSERVE_RUNTIME_DIR (SPEC §6)
+    master_addr: str | None = None  # torch.distributed store; None -> 127.0.0.1 on a free port
+    master_port: int | None = None
+
+    @property
+    def budget_enabled(self) -> bool:
+        return self.visual_batch_max_tokens > 0
+
+    @property
+    def queue_token_limit(self) -> int | None:
+        """Queued tokens above which new requests get 503; None when unlimited (budget off, no flag)."""
+        if self.max_queue_tokens is not None:
+            return self.max_queue_tokens
+        return 4 * self.visual_batch_max_tokens if self.budget_enabled else None

@@ -1,0 +1,87 @@
+"""Typed errors. Each carries its HTTP status and a stable code (SPEC §2); exactly one handler maps them.
+
+Third-party failures (PIL, HF processors, zmq) are re-raised as one of these with `raise ... from exc`.
+Messages name the limit and the flag that sets it.
+"""
+
+from __future__ import annotations
+
+
+class VitserveError(Exception):
+    """Base of every error vitserve reports to a client."""
+
+    status: int = 500
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, image_index: int | None = None, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.image_index = image_index
+        self.retry_after_s = retry_after_s
+
+    def with_index(self, image_index: int) -> VitserveError:
+        """The same error, attributed to one image of a request."""
+        self.image_index = image_index
+        return self
+
+    def to_body(self) -> dict:
+        err: dict = {"code": self.code, "message": self.message}
+        if self.image_index is not None:
+            err["image_index"] = self.image_index
+        return {"error": err}
+
+
+class InvalidRequest(VitserveError):
+    status, code = 400, "invalid_request"
+
+
+class InvalidImage(VitserveError):
+    status, code = 400, "invalid_image"
+
+
+class ImageTooSmall(VitserveError):
+    status, code = 400, "image_too_small"
+
+
+class AspectRatioTooLarge(VitserveError):
+    status, code = 400, "aspect_ratio_too_large"
+
+
+class TooManyImages(VitserveError):
+    status, code = 400, "too_many_images"
+
+
+class UrlNotAllowed(VitserveError):
+    status, code = 400, "url_not_allowed"
+
+
+class Unauthorized(VitserveError):
+    status, code = 401, "unauthorized"
+
+
+class PayloadTooLarge(VitserveError):
+    status, code = 413, "payload_too_large"
+
+
+class OverTokenBudget(VitserveError):
+    status, code = 413, "over_token_budget"
+
+
+class QueueFull(VitserveError):
+    status, code = 503, "queue_full"
+
+
+class NotReady(VitserveError):
+    status, code = 503, "not_ready"
+
+
+class EncoderFailed(VitserveError):
+    status, code = 503, "encoder_failed"
+
+
+class Timeout(VitserveError):
+    status, code = 504, "timeout"
+
+
+class ConfigError(Exception):
+    """A start-up setting that cannot work; the message names the flag to change."""

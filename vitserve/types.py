@@ -1,0 +1,26 @@
+"""Plain data passed between the processors, the encoder, the engine and the API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ProcessedImage:
+    """One image after the family's processor, ready for the encoder (SPEC §7)."""
+
+    pixel_values: torch.Tensor  # (num_patches, C*T*P*P) for Qwen families; (num_tiles, C, H, W) for InternVL
+    grid_thw: tuple[int, int, int]  # patch grid before merge (InternVL: (num_tiles, h, w) of one tile)
+    num_tokens: int  # merged tokens = rows of the embedding
+    resized_size: tuple[int, int]  # (width, height) fed to the encoder
+    clamped: bool  # True when the token budget shrank the image
+
+
+@dataclass
+class EncodedImage:
+    """The encoder's output for one image (SPEC §7)."""
+
+    embedding: torch.Tensor  # (num_tokens, dim)
+    deepstack: list[torch.Tensor] = field(default_factory=list)  # each (num_tokens, dim); Qwen3-VL/3.5 only
