@@ -24,3 +24,14 @@ class EncodedImage:
 
     embedding: torch.Tensor  # (num_tokens, dim)
     deepstack: list[torch.Tensor] = field(default_factory=list)  # each (num_tokens, dim); Qwen3-VL/3.5 only
+
+
+@dataclass
+class ImageResult:
+    """What the engine returns per image of a request (the API turns it into SPEC §2 JSON)."""
+
+    num_tokens: int
+    embedding: torch.Tensor | None  # (num_tokens, dim); None unless return_embeddings was asked
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+    cached: bool = False
+    timing_ms: dict[str, float] = field(default_factory=dict)  # "queue", "encode", "send"

@@ -1,0 +1,58 @@
+"""Prometheus metrics (SPEC §4), all prefixed `vitserve_`, on a registry of their own.
+
+One `Metrics` object per server; components receive it instead of touching globals, so tests can make
+fresh ones and read values back with `Metrics.value(name, **labels)`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, disable_created_metrics, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_FILL_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.85, 0.9, 0.95, 1.0)
+_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+disable_created_metrics()  # the *_created series only add noise to scrapes
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = "vitserve_"
+        self.requests_total = Counter(p + "requests", "HTTP requests by status code", ["code"], registry=r)
+        self.images_total = Counter(p + "images", "Images by outcome", ["outcome"], registry=r)
+        self.images_clamped_total = Counter(p + "images_clamped", "Images shrunk by the budget", registry=r)
+        self.image_tokens = Histogram(p + "image_tokens", "Tokens per image", buckets=_TOKEN_BUCKETS, registry=r)
+        self.queue_tokens = Gauge(p + "queue_tokens", "Tokens waiting in the queue", registry=r)
+        self.queue_images = Gauge(p + "queue_images", "Images waiting in the queue", registry=r)
+        self.batch_tokens = Histogram(p + "batch_tokens", "Tokens per batch", buckets=_TOKEN_BUCKETS, registry=r)
+        self.batch_images = Histogram(p + "batch_images", "Images per batch", buckets=_COUNT_BUCKETS, registry=r)
+        self.batch_fill_ratio = Histogram(
+            p + "batch_fill_ratio", "Batch tokens / budget", buckets=_FILL_BUCKETS, registry=r
+        )
+        self.stage_seconds = Histogram(
+            p + "stage_seconds", "Time per stage", ["stage"], buckets=_SECONDS_BUCKETS, registry=r
+        )
+        self.embedding_bytes_sent_total = Counter(
+            p + "embedding_bytes_sent", "Embedding bytes pushed to the LLM endpoint", registry=r
+        )
+        self.reserved_memory_bytes = Gauge(
+            p + "reserved_memory_bytes", "Reserved activation memory per rank", ["rank"], registry=r
+        )
+        self.workers_ready = Gauge(p + "workers_ready", "Encoder ranks that are ready", registry=r)
+        self.heartbeats_total = Counter(p + "heartbeats", "Heartbeats broadcast by rank 0", registry=r)
+        # Encoder-output cache (issue: never encode the same image twice).
+        self.cache_hits_total = Counter(p + "cache_hits", "Encoder-output cache hits", registry=r)
+        self.cache_misses_total = Counter(p + "cache_misses", "Encoder-output cache misses", registry=r)
+        self.cache_evictions_total = Counter(p + "cache_evictions", "Encoder-output cache evictions", registry=r)
+        self.cache_bytes = Gauge(p + "cache_bytes", "Bytes held by the encoder-output cache", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """The current value of one sample, e.g. value("vitserve_requests_total", code="200")."""
+        return self.registry.get_sample_value(name, labels)
