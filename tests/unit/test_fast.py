@@ -22,7 +22,6 @@ from vitserve.errors import ConfigError
 from vitserve.model.fast import optimize
 
 
-
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     """Equal to fp32 round-off: max error within 1e-5 of the tensor's own scale (max |want|)."""
     assert got.shape == want.shape
