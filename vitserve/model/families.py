@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,8 +63,8 @@ class FamilyAdapter:
     vision_class: str  # "module:Class" of the tower built from config.vision_config
     key_prefixes: tuple[tuple[str, str], ...]  # (checkpoint prefix, module prefix)
     forward: ForwardFn
-    embed_dim: Callable[[object], int]  # (full config) -> output columns
-    num_deepstack: Callable[[object], int] = lambda config: 0
+    embed_dim: Callable[[Any], int]  # (full config) -> output columns
+    num_deepstack: Callable[[Any], int] = lambda config: 0
 
     def config_cls(self):
         import transformers
