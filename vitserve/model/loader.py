@@ -49,6 +49,13 @@ def load_encoder(
         visual = adapter.build(config)
     weights = read_vision_weights(path, adapter.key_prefixes)
     assign_weights(visual, weights.tensors, path)
+    log.info(
+        "%s: %s vision tower, %d tensors read from %d file(s)",
+        path,
+        adapter.family,
+        len(weights.tensors),
+        len(weights.files_read),
+    )
     return _finish(visual, adapter, config, model_name=model_name_of(path), device=device, dtype=dtype)
 
 
