@@ -8,17 +8,20 @@ guarantee it even with ``max_pixels`` clamped to ``budget * factor**2``:
 - in its grow branch (area below ``min_pixels``) both sides are rounded *up*, so a thin image, or a budget
   close to ``min_pixels``, overshoots (1x100 at min 4 tokens -> 1x20 tokens).
 
-The rule used here: take exactly what the clamped HF processor would produce; when that is over the
-budget, cap the longer side (in merged tokens) so the product fits; when HF was *growing* a small image to
-the processor's ``min_pixels`` and the capped size falls below ``min_pixels``, the processor cannot
-represent the image within the budget -> OverTokenBudget. In HF's shrink branch the result may be below
-``min_pixels`` (HF itself does that when ``max_pixels < min_pixels``); vitserve follows HF there.
+The rule used here: take exactly what the clamped HF processor would produce. When that is over the budget:
+- HF was shrinking (one side forced to one patch group): cap the other side at the budget;
+- HF was growing a small image to ``min_pixels``: pick the grid with ``min_tokens <= tokens <= budget``
+  whose aspect ratio is closest to the image's; when ``budget < min_tokens`` there is none and the image
+  is refused with OverTokenBudget (the processor's minimum is above the budget).
+In HF's shrink branch the result may be below ``min_pixels`` (HF itself does that when
+``max_pixels < min_pixels``); vitserve follows HF there.
 Aspect ratio above 200 -> AspectRatioTooLarge (HF's own limit). A side that would round to zero (only with
 ``min_pixels <= 0``) -> ImageTooSmall.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
@@ -50,6 +53,11 @@ class QwenGeometry:
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
+
+    @property
+    def min_tokens(self) -> int:
+        """Fewest merged tokens the processor grows a small image to (ceil(min_pixels / factor^2))."""
+        return max(1, -(-self.min_pixels // (self.factor * self.factor)))
 
     def clamped_max_pixels(self, budget: int) -> int:
         """The max_pixels to set on the HF object for this budget (0 = no budget)."""
@@ -84,7 +92,10 @@ def _hf_branch(height: int, width: int, factor: int, min_pixels: int, max_pixels
 
 
 def _cap(gh: int, gw: int, budget: int) -> tuple[int, int]:
-    """Largest (gh', gw') <= (gh, gw), shrinking the longer side first, with gh' * gw' <= budget."""
+    """Shrink branch: largest (gh', gw') <= (gh, gw), shrinking the longer side first, gh' * gw' <= budget.
+
+    HF only overshoots here when one side was forced up to a single patch group, so this caps the other.
+    """
     if gh * gw <= budget:
         return gh, gw
     if gh <= gw:
@@ -94,6 +105,25 @@ def _cap(gh: int, gw: int, budget: int) -> tuple[int, int]:
         gh = max(1, budget // gw)
         gw = min(gw, max(1, budget // gh))
     return gh, gw
+
+
+def _fit_grow(width: int, height: int, budget: int, min_tokens: int) -> tuple[int, int]:
+    """Grow branch: the grid with min_tokens <= gh * gw <= budget whose aspect ratio is closest to the
+    image's (ties: more tokens). Exists whenever budget >= min_tokens (1 x budget always qualifies)."""
+    if budget < min_tokens:
+        raise ValueError("no grid between min_tokens and budget")
+    target = math.log(width / height)
+    best: tuple[tuple[float, int], int, int] | None = None
+    for gh in range(1, budget + 1):
+        lo, hi = max(1, -(-min_tokens // gh)), budget // gh
+        if lo > hi:
+            continue
+        gw = min(max(round(gh * width / height), lo), hi)
+        key = (abs(math.log(gw / gh) - target), -gh * gw)
+        if best is None or key < best[0]:
+            best = (key, gh, gw)
+    assert best is not None  # gh = 1, gw = budget qualifies
+    return best[1], best[2]
 
 
 def plan_qwen(width: int, height: int, geo: QwenGeometry, budget: int) -> Plan:
@@ -112,11 +142,13 @@ def plan_qwen(width: int, height: int, geo: QwenGeometry, budget: int) -> Plan:
     hf_native = True
     if budget > 0 and gh * gw > budget:
         hf_native = False
-        gh, gw = _cap(gh, gw, budget)
-        grows = _hf_branch(height, width, f, geo.min_pixels, clamp_max) == "grow"
-        if grows and gh * gw * f * f < geo.min_pixels:
+        if _hf_branch(height, width, f, geo.min_pixels, clamp_max) != "grow":
+            gh, gw = _cap(gh, gw, budget)
+        elif budget >= geo.min_tokens:
+            gh, gw = _fit_grow(width, height, budget, geo.min_tokens)
+        else:
             raise over_budget(
-                -(-geo.min_pixels // (f * f)),
+                geo.min_tokens,
                 budget,
                 f"image {width}x{height} is grown by the processor to its min_pixels={geo.min_pixels}, which",
             )

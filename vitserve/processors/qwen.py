@@ -77,7 +77,7 @@ class QwenProcessor(VisionProcessor):
             "max_pixels": clamp,
             "longest_edge": clamp,  # HF's size["longest_edge"] is a pixel count for this processor
             "min_pixels": self.geometry.min_pixels,
-            "min_tokens": -(-self.geometry.min_pixels // self.geometry.factor**2),
+            "min_tokens": self.geometry.min_tokens,
             "patch_size": self.geometry.patch_size,
             "merge_size": self.geometry.merge_size,
         }
