@@ -113,7 +113,7 @@ def _qwen_item(cfg: Any, budget_tokens: int) -> ProcessedImage:
     merge = int(cfg.spatial_merge_size)
     patch = _first(cfg.patch_size)
     temporal = _first(getattr(cfg, "temporal_patch_size", 2))
-    channels = int(getattr(cfg, "in_channels", None) or getattr(cfg, "in_chans", 3))
+    channels = int(getattr(cfg, "in_channels", None) or getattr(cfg, "in_chans", None) or 3)
     rows, cols = near_square_grid(budget_tokens)  # merged tokens
     h, w = rows * merge, cols * merge  # patches; multiples of merge_size like the processor's output
     gen = torch.Generator().manual_seed(0)  # same pixels on every TP rank
