@@ -166,3 +166,21 @@ def test_internvl_earlier_feature_layer(tmp_path):
     )
     assert float((want - last_layer).abs().max()) > 1e-4  # the setting really changes the output
     assert_exact(load_encoder(str(path)).encode([item])[0].embedding, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_matches_hf_bf16(checkpoints, family):
+    """In bfloat16 too: bit-identical to the full model from_pretrained(dtype=bfloat16) run on the same packed
+    batch (the same operations in the same order, so no round-off allowance is needed)."""
+    path = checkpoints(family)
+    ref = hf_reference(path, family, dtype=torch.bfloat16)
+    enc = load_encoder(str(path), dtype=torch.bfloat16)
+    items = [hf_process(path, family, image(*spec)) for spec in COMPOSITIONS["mixed"]]
+    outs = enc.encode(items)
+    grid = None if family == "internvl" else torch.tensor([it.grid_thw for it in items])
+    want, want_deep = ref(torch.cat([it.pixel_values for it in items]), grid)
+    got = torch.cat([o.embedding for o in outs])
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    for layer, want_layer in enumerate(want_deep):
+        assert torch.equal(torch.cat([o.deepstack[layer] for o in outs]), want_layer)
