@@ -12,6 +12,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from tests.imagegen import noise
 from vitserve.errors import AspectRatioTooLarge, ConfigError, OverTokenBudget
+from vitserve.images import to_rgb
 from vitserve.processors import FAMILIES, family_of_checkpoint, load_image_processor
 
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
@@ -232,3 +233,12 @@ def test_odd_sizes_give_a_documented_error_or_tokens_within_budget(family, size,
     assert 1 <= tokens <= budget
     item = proc.preprocess(Image.new("RGB", size, (200, 10, 30)))
     assert item.num_tokens == tokens
+
+
+@pytest.mark.parametrize("budget", [0, 4])  # 4: 5000x28 takes vitserve's own resize path
+def test_non_rgb_input_uses_the_documented_conversion_on_every_path(budget):
+    rgba = noise(5000, 28, seed=5, mode="RGBA")
+    proc = load_image_processor("qwen2_5_vl", budget)
+    from_rgba = proc.preprocess(rgba).pixel_values
+    assert torch.equal(from_rgba, proc.preprocess(to_rgb(rgba)).pixel_values)
+    assert not torch.equal(from_rgba, proc.preprocess(rgba.convert("RGB")).pixel_values)  # alpha matters
