@@ -236,3 +236,10 @@ def test_mutated_images_raise_only_documented_errors(seed, flips, cut):
         return
     assert decoded.image.mode == "RGB"
     assert decoded.image.size == decoded.original_size
+
+
+def test_alpha_compositing_is_exact_for_every_colour_alpha_pair():
+    colour, alpha = np.meshgrid(np.arange(256), np.arange(256))  # every (c, a) pair
+    rgba = np.stack([colour, colour, colour, alpha], axis=-1).astype(np.uint8)  # (256, 256, 4)
+    got = _pixels(encode(Image.fromarray(rgba, "RGBA"), "PNG"))
+    assert np.array_equal(got, _on_white(rgba[..., :3], rgba[..., 3]))
