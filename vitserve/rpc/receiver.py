@@ -34,9 +34,20 @@ class EmbeddingReceiver:
     endpoint: tcp://host:port or ipc:///path; with bind=True "tcp://127.0.0.1:*" picks a free port,
     and `.endpoint` is the address actually bound.
     bind: True (the default, SPEC §3: the LLM server binds) or False to connect.
+    rcvhwm: messages ZMQ buffers here before back-pressure reaches the sender.
+    max_frame_bytes: ZMQ_MAXMSGSIZE; a peer sending a larger frame is disconnected before the frame
+      is allocated (guards an exposed endpoint against a forged 100 GB frame). None = no limit: a
+      (4096, 3584) float32 embedding is 59 MB, so size it to your largest image, not a guess.
     """
 
-    def __init__(self, endpoint: str, bind: bool = True, *, rcvhwm: int = DEFAULT_RCVHWM) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        bind: bool = True,
+        *,
+        rcvhwm: int = DEFAULT_RCVHWM,
+        max_frame_bytes: int | None = None,
+    ) -> None:
         self.received = 0  # good messages returned by recv()
         self.rejected = 0  # bad messages logged and skipped
         self._lock = threading.Lock()
@@ -44,6 +55,8 @@ class EmbeddingReceiver:
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if max_frame_bytes is not None:
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         try:
             if bind:
                 self._sock.bind(endpoint)
