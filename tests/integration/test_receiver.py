@@ -198,6 +198,26 @@ def test_frame_over_max_frame_bytes_is_refused_and_receiving_goes_on():
         assert rx.recv(timeout_s=10).request_id == "small"
 
 
+def test_close_ends_a_recv_waiting_forever(short_dir):
+    rx = EmbeddingReceiver(f"ipc://{short_dir}/close.sock")
+    outcome: list[BaseException] = []
+
+    def wait_forever() -> None:
+        try:
+            rx.recv()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    th = threading.Thread(target=wait_forever)
+    th.start()
+    time.sleep(0.3)  # let it block in recv(); not an assertion on timing
+    rx.close()
+    th.join(timeout=30)
+    assert not th.is_alive()
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], RuntimeError)
+
+
 def test_recv_times_out_when_nothing_arrives(receiver):
     with pytest.raises(TimeoutError, match="within 0.1 s"):
         receiver.recv(timeout_s=0.1)
