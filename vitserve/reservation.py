@@ -162,9 +162,12 @@ def _internvl_items(encoder: Encoder, budget_tokens: int, max_batch_images: int)
 
 
 def _vision_config(encoder: Encoder) -> Any:
-    cfg = getattr(encoder.visual, "config", None)
+    """The tower's vision config: visual.config (Qwen towers), or visual.vision_tower.config (InternVL)."""
+    visual = encoder.visual
+    tower = getattr(visual, "vision_tower", None)
+    cfg = getattr(visual, "config", None) or getattr(tower, "config", None)
     if cfg is None:
-        raise ConfigError("encoder.visual has no .config; set --visual_reserved_mem_gb to skip the stress")
+        raise ConfigError("the encoder's visual module has no config; set --visual_reserved_mem_gb to skip the stress")
     return getattr(cfg, "vision_config", None) or cfg
 
 
