@@ -3,7 +3,7 @@
     python bench/encoder.py [--quick] [--threads N] [--repeats R] [--json bench/out/encoder.json]
                             [--no-tune-allocator]
 
-One process, one seeded demo-shaped tower (Qwen2.5-VL shape, fp32), three workloads. Timings are medians
+One process, the seeded demo tower (vitserve.model.demo: Qwen2.5-VL layout, fp32), three workloads. Timings are medians
 of R repeats after a warm-up, the three modes interleaved per repeat so that load from other processes
 hits them alike. FLOP/s counts matmul FLOPs analytically (linear layers, patch embedding, attention
 QK^T and AV) and is compared with a large fp32 torch.mm measured in the same run at the same thread count.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import statistics
 import sys
 import time
@@ -26,21 +27,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.vision_utils import get_vision_window_index
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vitserve.model.fast as fast  # noqa: E402
+from vitserve.model.demo import DEMO_VISION_CONFIG as DEMO  # noqa: E402
+from vitserve.model.demo import build_demo_visual  # noqa: E402
 
-PATCH = 14
-
-# The demo model's shape (load_encoder("demo")): Qwen2.5-VL layout at a CPU-friendly width.
-DEMO = {
-    "depth": 8, "hidden_size": 512, "num_heads": 8, "intermediate_size": 1376, "out_hidden_size": 1024,
-    "patch_size": PATCH, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
-    "fullatt_block_indexes": [3, 7],
-}  # fmt: skip
+PATCH = DEMO["patch_size"]
 
 # (width, height) in pixels, multiples of 28 so the grid is what the processor would produce.
 WORKLOADS = {
@@ -72,8 +66,9 @@ class Row:
 
 
 def demo_tower() -> nn.Module:
-    torch.manual_seed(0)
-    return Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(**DEMO)).eval()
+    """The demo model's tower (load_encoder("demo")), HF's forward untouched."""
+    logging.getLogger("vitserve.model.demo").setLevel(logging.ERROR)  # its banner says what we know
+    return build_demo_visual()
 
 
 def make_inputs(sizes: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

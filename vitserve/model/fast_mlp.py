@@ -63,7 +63,9 @@ def mlp_kind(module: nn.Module) -> tuple[Callable, nn.Module] | None:
 
 
 def is_rms_norm(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+    """HF's own RMSNorm classes only: a subclass or a TP ShardedRMSNorm (which all-reduces) keeps its forward."""
+    cls = type(module)
+    return cls.__module__.startswith("transformers.") and cls.__name__.endswith("RMSNorm")
 
 
 def rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
