@@ -25,18 +25,24 @@ Which batch is the worst case:
   max_pixels 12845056 / 28^2) and log that `--visual_reserved_mem_gb` is the way to reserve more.
 
 Measurement:
-- CUDA: `reset_peak_memory_stats`, one `encode`, then the growth of `max_memory_reserved` over the reserved
-  pool before the stress (weights were resident before). No `empty_cache`: the peak stays in the caching
-  allocator for the life of the process, which is what makes it a reservation.
-- CPU: peak RSS growth. We reset the kernel's high-water mark (`echo 5 > /proc/self/clear_refs`) and read
+- CUDA: `reset_peak_memory_stats`, one `encode`, then the larger of the growth of `max_memory_reserved`
+  over the pool before the stress and the peak of `max_memory_allocated` over what was allocated before
+  (weights were resident before; the second covers activations served from blocks the pool already had).
+  No `empty_cache`: the peak stays in the caching allocator for the life of the process, which is what
+  makes it a reservation.
+- CPU: peak RSS growth. We first return free heap pages to the OS (glibc `malloc_trim(0)`), so that memory
+  left free by loading or earlier forwards does not hide part of the worst case; then reset the kernel's
+  high-water mark (`echo 5 > /proc/self/clear_refs`) and read
   `VmHWM` after the forward minus `VmRSS` before it (both from /proc/self/status). If the reset is not
   allowed, `VmHWM` may stay at an older, higher peak and the growth reads 0; we then fall back to the
-  growth of `ru_maxrss`, which has the same blind spot, and log it. On CPU the number is informative (the
-  OS does not hold freed pages for us).
+  growth of `ru_maxrss`, which has the same blind spot, and log it. With vitserve.model.fast's allocator
+  setting (no mmap for large blocks, no trimming) the heap keeps that peak afterwards, like CUDA's pool.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import math
@@ -235,6 +241,7 @@ def _stress_cuda(encoder: Encoder, items: Sequence[ProcessedImage]) -> int:
 
 
 def _stress_cpu(encoder: Encoder, items: Sequence[ProcessedImage]) -> int:
+    _release_free_heap()
     reset = _reset_rss_peak()
     rss_before = _proc_status_kib("VmRSS")
     maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
@@ -244,6 +251,16 @@ def _stress_cpu(encoder: Encoder, items: Sequence[ProcessedImage]) -> int:
         return max(hwm - rss_before, 0) * 1024
     log.warning("could not reset the RSS high-water mark; the CPU reservation may read low")
     return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - maxrss_before, 0) * 1024
+
+
+def _release_free_heap() -> None:
+    """Give free heap pages back to the OS first (glibc malloc_trim), so the RSS growth counts the whole
+    worst case and not only what the heap lacked after earlier work (loading, a previous forward)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the growth may read low
+        pass
 
 
 def _reset_rss_peak() -> bool:
