@@ -14,9 +14,12 @@ Which batch is the worst case:
   of `window_size` pixels, linear in n) but FULL attention over each whole image in
   `fullatt_block_indexes` — which is O(n^2) per image, so one big image is the worst case there as well.
   The grid is near-square with both sides multiples of `spatial_merge_size` (the processor's output shape).
-  Measured (CPU, peak RSS growth, tiny 64-wide towers, 4096 tokens; 1 image / 16 / 64 images):
-  SDPA: Qwen2.5-VL 53.9 / 53.6 / 53.6 MiB, Qwen2-VL 56.7 / 54.7 / 54.2, Qwen3-VL 83.0 / 82.1 / 78.9;
-  eager attention at 1024 tokens (1 / 4 / 16 images): 525 / 59.7 / 14.7 MiB.
+  Measured with the production encoder (load_encoder of tests/checkpoints.py's tiny towers, fast kernels,
+  CPU, peak RSS growth in a fresh process, 1024 tokens as 1 / 2 / 4 / 16 images): Qwen3-VL
+  57.0 / 44.6 / 40.9 / 33.6 MiB, Qwen2.5-VL 46.7 / 35.3 / 30.2 MiB. With HF's eager attention the gap is
+  far larger (tiny tower, 1024 tokens as 1 / 4 / 16 images: 525 / 59.7 / 14.7 MiB).
+  Caveat on CPU: glibc's heap fragments, so a later batch (even the same one) can raise the RSS peak by a
+  few MiB above the stress peak; CUDA's caching allocator reuses its blocks and does not show this.
 - InternVL: every tile is encoded independently at the fixed tile size, so memory grows with the total
   number of tiles in the batch: as many tiles as the budget admits, split into images of at most
   `INTERNVL_MAX_TILES_PER_IMAGE` tiles, at most `max_batch_images` images.
@@ -49,7 +52,7 @@ import math
 import os
 import resource
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,14 +207,21 @@ def reserve(
     """Run the production forward on the worst case (or honour the override) and return what is held."""
     if override_gb is not None:
         return _reserve_override(encoder.device, override_gb)
-    items = worst_case_items(encoder, budget_tokens, max_batch_images)
-    tokens, images = sum(i.num_tokens for i in items), len(items)
+    shape: list[int] = []  # (tokens, images) of the batch, filled in by run()
+
+    def run() -> None:
+        # The batch is built inside the measured window: at runtime a batch's pixel tensors are live in the
+        # worker during its forward too, so on CPU they belong to the peak.
+        items = worst_case_items(encoder, budget_tokens, max_batch_images)
+        shape[:] = [sum(i.num_tokens for i in items), len(items)]
+        encoder.encode(items)
+
     if torch.device(encoder.device).type == "cuda":
-        nbytes = _stress_cuda(encoder, items)
+        nbytes = _stress_cuda(torch.device(encoder.device), run)
     else:
-        nbytes = _stress_cpu(encoder, items)
-    log.info("reserved %d bytes for the worst case (%d tokens in %d images)", nbytes, tokens, images)
-    return Reservation(bytes=nbytes, source="stress", tokens=tokens, images=images)
+        nbytes = _stress_cpu(run)
+    log.info("reserved %d bytes for the worst case (%d tokens in %d images)", nbytes, *shape)
+    return Reservation(bytes=nbytes, source="stress", tokens=shape[0], images=shape[1])
 
 
 def _reserve_override(device: torch.device | str, override_gb: float) -> Reservation:
@@ -226,13 +236,12 @@ def _reserve_override(device: torch.device | str, override_gb: float) -> Reserva
     return Reservation(bytes=nbytes, source="override")
 
 
-def _stress_cuda(encoder: Encoder, items: Sequence[ProcessedImage]) -> int:
-    dev = torch.device(encoder.device)
+def _stress_cuda(dev: torch.device, run: Callable[[], None]) -> int:
     torch.cuda.synchronize(dev)
     reserved_before = torch.cuda.memory_reserved(dev)
     allocated_before = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    encoder.encode(items)
+    run()
     torch.cuda.synchronize(dev)
     peak_alloc = torch.cuda.max_memory_allocated(dev) - allocated_before
     held = torch.cuda.max_memory_reserved(dev) - reserved_before
@@ -240,12 +249,12 @@ def _stress_cuda(encoder: Encoder, items: Sequence[ProcessedImage]) -> int:
     return max(held, peak_alloc)
 
 
-def _stress_cpu(encoder: Encoder, items: Sequence[ProcessedImage]) -> int:
+def _stress_cpu(run: Callable[[], None]) -> int:
     _release_free_heap()
     reset = _reset_rss_peak()
     rss_before = _proc_status_kib("VmRSS")
     maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    encoder.encode(items)
+    run()
     hwm = _proc_status_kib("VmHWM")
     if reset and hwm is not None and rss_before is not None:
         return max(hwm - rss_before, 0) * 1024
