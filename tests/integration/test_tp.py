@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 import pytest
 import torch
 
@@ -51,3 +54,22 @@ def test_tp_equals_tp1_for_every_family(reference, world):
                 assert g.shape == e.shape
                 torch.testing.assert_close(g, e, rtol=0, atol=1e-5, msg=lambda m, k=key, r=rank: f"{k} rank {r}: {m}")
         assert results["reserve"] > 0
+
+
+def _optimized_sharded_outputs(rank: int, world: int) -> dict:
+    from vitserve.parallel.tp import apply_tp
+
+    optimize = importlib.import_module("vitserve.model.fast").optimize  # the "fast" helper's module
+    out = {}
+    for family, kwargs in CASES:
+        visual = apply_tp(optimize(build_visual(family, **kwargs), family), family)  # load_encoder's order
+        out[(family, str(kwargs))] = run_visual(visual, family, *packed_inputs(family))
+    return out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vitserve.model.fast") is None, reason="vitserve.model.fast not merged")
+def test_tp_over_the_fast_kernels_equals_hf_tp1(reference):
+    for rank, results in enumerate(run_ranks(_optimized_sharded_outputs, 2, timeout_s=60)):
+        for key, expected in reference.items():
+            for g, e in zip(results[key], expected, strict=True):
+                torch.testing.assert_close(g, e, rtol=0, atol=1e-5, msg=lambda m, k=key, r=rank: f"{k} rank {r}: {m}")
