@@ -1,0 +1,31 @@
+"""The engine's watchdog: finds dead, hung or failed ranks well before --dist_timeout_s.
+
+Checked every min(heartbeat_s / 4, 0.5) s: a rank whose process exited (SIGKILL, crash, its own exit
+after reporting an error), or a ready rank silent for more than 2 x heartbeat_s (SIGSTOP, a wedged
+host). `WorkerGroup.fault` says which; the callback fails the group's work and tears it down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from vitserve.parallel.pool import WorkerGroup
+
+log = logging.getLogger(__name__)
+
+
+async def watch(groups: Sequence[WorkerGroup], heartbeat_s: float,
+                on_fault: Callable[[WorkerGroup, str], None]) -> None:
+    period = min(heartbeat_s / 4, 0.5)
+    while True:
+        now = time.monotonic()
+        for group in groups:
+            if not group.alive:
+                continue
+            reason = group.fault(now)
+            if reason is not None:
+                on_fault(group, reason)
+        await asyncio.sleep(period)
