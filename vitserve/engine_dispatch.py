@@ -24,6 +24,7 @@ from vitserve.scheduler import Scheduler
 from vitserve.types import EncodedImage, ProcessedImage
 
 log = logging.getLogger(__name__)
+ERROR_GRACE_S = 0.2  # collect the other ranks' errors before failing a group (root cause first)
 
 
 @dataclass(eq=False)
@@ -141,8 +142,7 @@ class Dispatcher:
         elif isinstance(msg, m.ResultMsg):
             self._on_result(group, msg)
         elif isinstance(msg, m.ErrorMsg):
-            where = f"batch {msg.batch_id}" if msg.batch_id >= 0 else msg.stage
-            self.fail_group(group, f"rank {msg.rank} of group {group.index} failed ({where}): {msg.message}")
+            self._on_error(group, msg)
         else:
             log.warning("dropped an unexpected %s message on the status socket", msg.kind.value)
 
@@ -193,10 +193,19 @@ class Dispatcher:
 
     # ------------------------------------------------------------------------------------ faults
 
-    def fail_group(self, group: WorkerGroup, reason: str) -> None:
+    def _on_error(self, group: WorkerGroup, msg: m.ErrorMsg) -> None:
+        """A rank failed. Its peers usually fail a moment later in the collective ("connection reset");
+        wait a beat so the error names the root cause first, then fail the group."""
+        where = f"batch {msg.batch_id}" if msg.batch_id >= 0 else msg.stage
+        group.errors.append(f"rank {msg.rank} of group {group.index} failed ({where}): {msg.message}")
+        if len(group.errors) == 1:
+            asyncio.get_running_loop().call_later(ERROR_GRACE_S, self.fail_group, group, None)
+
+    def fail_group(self, group: WorkerGroup, reason: str | None) -> None:
         """Fail the group's in-flight work, tear it down (no orphans), and stop serving if none is left."""
         if group.state in (GroupState.FAILED, GroupState.STOPPED):
             return
+        reason = "; ".join([*group.errors, *([reason] if reason else [])])  # reported errors first
         group.mark_failed(reason)
         group.kill()
         error = f"encoder group {group.index} failed: {reason}"

@@ -26,12 +26,13 @@ async def test_encode_matches_reference_and_shuts_down_clean(tmp_path, tp):
         assert info["reserved_source"] == "stress"
         files = sorted(os.listdir(config.runtime_dir))
         assert files == [f"reserved_mem_cpu_{r}.json" for r in range(tp)]
-        assert json.loads(open(os.path.join(config.runtime_dir, files[0])).read())["rank"] == 0
+        with open(os.path.join(config.runtime_dir, files[0])) as f:
+            assert json.load(f)["rank"] == 0
 
         items = [fake_item(4, 4, seed=1), fake_item(2, 8, seed=2), fake_item(8, 8, seed=3)]
         results = await engine.encode("r1", items, ["a", "b", "c"], deadline=deadline(), return_embeddings=True)
         assert [r.num_tokens for r in results] == [16, 16, 64]
-        for item, res in zip(items, results):
+        for item, res in zip(items, results, strict=True):
             torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
             assert set(res.timing_ms) == {"queue", "encode", "send"}
         assert engine.metrics.value("vitserve_images_total", outcome="encoded") == 3
@@ -52,13 +53,14 @@ async def test_concurrent_requests_batch_within_budget(tmp_path):
         outs = await asyncio.gather(*(
             engine.encode(f"r{i}", items, [str(k) for k in range(3)], deadline=deadline(), return_embeddings=True)
             for i, items in enumerate(reqs)))
-        for items, results in zip(reqs, outs):
-            for item, res in zip(items, results):
+        for items, results in zip(reqs, outs, strict=True):
+            for item, res in zip(items, results, strict=True):
                 torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
         m = engine.metrics
         assert m.value("vitserve_batch_tokens_count") >= 18 * 8 / 64  # every batch fits the 64-token budget
         assert m.value("vitserve_batch_tokens_bucket", le="64.0") == m.value("vitserve_batch_tokens_count")
-        assert engine.queue_tokens == 0 and engine.queue_images == 0
+        assert engine.queue_tokens == 0
+        assert engine.queue_images == 0
 
 
 async def test_queue_full_names_the_flag(tmp_path):

@@ -55,6 +55,7 @@ class WorkerGroup:
         self.config = config
         self.state = GroupState.STARTING
         self.failure: str | None = None  # why the group failed, for readiness() and errors
+        self.errors: list[str] = []  # ERROR reports from its ranks, in arrival order
         self.ready: dict[int, m.ReadyMsg] = {}  # rank -> its READY
         self.last_seen: list[float] = [time.monotonic()] * config.tp  # rank -> last ALIVE/READY/RESULT
         self.inflight: int | None = None  # batch id, None when idle

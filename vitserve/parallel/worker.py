@@ -237,7 +237,14 @@ class RankWorker:
         """Leave without running collective teardown: a peer may be dead, and barriers would hang."""
         if code == 0:
             self._remove_reservation()
-        self.status.close(linger=2000)  # flush the last RESULT/ERROR
+        liveness = getattr(self, "liveness", None)
+        if liveness is not None:
+            liveness.stop()
+            liveness.join(timeout=1.0)
+        if self.inbox is not None:
+            self.inbox.close(linger=0)
+        self.status.close(linger=2000)
+        self.ctx.term()  # blocks until the last RESULT/ERROR is flushed (or the linger passes)
         os._exit(code)
 
     def _remove_reservation(self) -> None:
