@@ -32,7 +32,7 @@ from vitserve.metrics import Metrics
 from vitserve.parallel import messages as m
 from vitserve.parallel import watchdog
 from vitserve.parallel.pool import GroupState, Rendezvous, WorkerGroup, free_port
-from vitserve.parallel.worker import load_configured_encoder
+from vitserve.parallel.worker import load_configured_encoder, startup_timeout_s
 from vitserve.types import ImageResult, ProcessedImage
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class Engine:
         self._started = True
 
     async def _wait_ready(self) -> None:
-        limit = self.config.dist_timeout_s
+        limit = startup_timeout_s(self.config)
         end = time.monotonic() + limit
         groups = self._dispatch.groups
         while not all(g.state is GroupState.READY for g in groups):
@@ -103,7 +103,8 @@ class Engine:
             if failed:
                 raise ConfigError(f"encoder start-up failed: {failed[0].failure}")
             if time.monotonic() > end:
-                raise ConfigError(f"encoder ranks did not finish start-up within --dist_timeout_s {limit:g}s")
+                raise ConfigError(f"encoder ranks did not finish start-up within {limit:g}s "
+                                  "(--dist_timeout_s, at least 120 s)")
             await asyncio.sleep(0.05)
 
     def _init_llm_push(self) -> None:
@@ -191,6 +192,11 @@ class Engine:
     @property
     def queue_images(self) -> int:
         return self._dispatch.scheduler.queued_items
+
+    @property
+    def llm_messages_sent(self) -> int:
+        """Embedding messages handed to --llm_endpoint so far (0 without one)."""
+        return self._push.sent if self._push is not None else 0
 
     def worker_pids(self) -> dict[int, list[int]]:
         """Group index -> pids of its ranks (for the CLI's logs and for fault tests)."""

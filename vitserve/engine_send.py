@@ -24,17 +24,19 @@ class LLMPush:
         self._model = model_name
         self._metrics = metrics
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitserve-llm-send")
+        self.sent = 0  # messages handed to ZMQ (the receiver must see exactly this many)
 
     async def push(self, *, request_id: str, image_index: int, num_images: int, image_id: str,
                    item: ProcessedImage, encoded: EncodedImage, deadline: float) -> float:
         """Hand one image to ZMQ; returns the seconds it took. Raises Timeout past the deadline."""
         call = functools.partial(
-            self._sender.send, request_id=request_id, image_index=image_index, num_images=num_images,
+            self._sender.send_embedding, request_id=request_id, image_index=image_index, num_images=num_images,
             image_id=image_id, model=self._model, grid_thw=tuple(item.grid_thw), embedding=encoded.embedding,
             deepstack=list(encoded.deepstack), deadline=deadline)
         start = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(self._thread, call)
         seconds = time.monotonic() - start
+        self.sent += 1
         nbytes = sum(t.numel() * t.element_size() for t in (encoded.embedding, *encoded.deepstack))
         self._metrics.embedding_bytes_sent_total.inc(nbytes)
         self._metrics.stage_seconds.labels(stage="send").observe(seconds)

@@ -13,7 +13,8 @@ from vitserve.metrics import Metrics
 
 
 def make_config(tmp_path, **overrides) -> Config:
-    base = {"visual_batch_max_tokens": 64, "visual_infer_batch_size": 8, "heartbeat_s": 0.5, "dist_timeout_s": 10.0,
+    base = {"visual_batch_max_tokens": 64, "visual_infer_batch_size": 8, "heartbeat_s": 1.0, "dist_timeout_s": 10.0,
+            "max_queue_tokens": 1_000_000,
             "request_timeout_s": 30.0, "runtime_dir": str(tmp_path / "runtime"), "device": "cpu"}
     return Config(**{**base, **overrides})
 

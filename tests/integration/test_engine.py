@@ -39,6 +39,7 @@ async def test_encode_matches_reference_and_shuts_down_clean(tmp_path, tp):
         assert engine.metrics.value("vitserve_workers_ready") == tp
         pids = all_pids(engine)
         await engine.shutdown()
+        assert [p.exitcode for g in engine._dispatch.groups for p in g.processes] == [0] * tp  # STOP, not kill
         assert engine.readiness()[0] is False
         with pytest.raises(NotReady):
             await engine.encode("late", items[:1], ["a"], deadline=deadline(), return_embeddings=False)
@@ -66,7 +67,7 @@ async def test_concurrent_requests_batch_within_budget(tmp_path):
 async def test_queue_full_names_the_flag(tmp_path):
     from tests.fakes import FakeEncoderFactory
 
-    config = make_config(tmp_path, max_queue_tokens=64)
+    config = make_config(tmp_path, max_queue_tokens=64)  # the limit under test
     async with running_engine(config, FakeEncoderFactory(sleep_s=0.5)) as engine:
         first = asyncio.create_task(engine.encode("big", [fake_item(8, 8, s) for s in range(3)], ["a", "b", "c"],
                                                   deadline=deadline(), return_embeddings=False))

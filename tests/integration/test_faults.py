@@ -20,7 +20,7 @@ from tests.integration.engine_helpers import (
 )
 from vitserve.errors import ConfigError, EncoderFailed
 
-HEARTBEAT_S = 0.5
+HEARTBEAT_S = 1.0  # 2 x 1 s of silence = hung; shorter flakes on a loaded 2-core machine
 DIST_TIMEOUT_S = 10.0
 
 

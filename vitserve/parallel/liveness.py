@@ -57,11 +57,11 @@ class LivenessThread(threading.Thread):
         self._group, self._rank, self._parent_pid = group, rank, parent_pid
         self._interval = max(heartbeat_s / 2, 0.05)
         self._counters = counters
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         next_report = 0.0
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             if os.getppid() != self._parent_pid:
                 log.error("vitserve worker g%d r%d: parent %d is gone; exiting", self._group, self._rank,
                           self._parent_pid)
@@ -70,7 +70,7 @@ class LivenessThread(threading.Thread):
             if now >= next_report:
                 self._report()
                 next_report = now + self._interval
-            self._stop.wait(min(_PARENT_POLL_S, self._interval))
+            self._halt.wait(min(_PARENT_POLL_S, self._interval))
         self._sock.close()
 
     def _report(self) -> None:
@@ -80,4 +80,4 @@ class LivenessThread(threading.Thread):
             self._sock.send_multipart(m.encode(msg), flags=zmq.NOBLOCK)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()

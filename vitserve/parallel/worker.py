@@ -48,6 +48,11 @@ class WorkerArgs:
         return self.group * self.config.tp + self.rank
 
 
+def startup_timeout_s(config: Config) -> float:
+    """How long start-up (spawn, rendezvous, weights, reservation) may take: --dist_timeout_s, at least 120 s."""
+    return max(config.dist_timeout_s, 120.0)
+
+
 def load_configured_encoder(config: Config):
     """The default encoder_factory: --model on this rank's device (set by _init_device) in --dtype."""
     from vitserve.model import load_encoder
@@ -123,9 +128,12 @@ class RankWorker:
         if not self.distributed:
             return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://{self.args.master_addr}:{self.args.master_port}",
-            world_size=self.cfg.tp, rank=self.args.rank, timeout=timedelta(seconds=self.cfg.dist_timeout_s))
+        # Our own store: ranks may reach the rendezvous far apart (imports, weights) and that wait is bounded
+        # by the start-up limit; --dist_timeout_s bounds each collective afterwards.
+        store = dist.TCPStore(self.args.master_addr, self.args.master_port, self.cfg.tp, self.args.rank == 0,
+                              timeout=timedelta(seconds=startup_timeout_s(self.cfg)))
+        dist.init_process_group(backend, store=store, world_size=self.cfg.tp, rank=self.args.rank,
+                                timeout=timedelta(seconds=self.cfg.dist_timeout_s))
 
     def _init_encoder(self) -> None:
         self.encoder = self.args.encoder_factory(self.cfg)
