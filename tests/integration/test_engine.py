@@ -76,3 +76,55 @@ async def test_queue_full_names_the_flag(tmp_path):
             await engine.encode("more", [fake_item(2, 2, 9)], ["x"], deadline=deadline(), return_embeddings=False)
         assert err.value.retry_after_s >= 1
         assert len(await first) == 3
+
+
+async def test_f8_cancelled_request_is_never_encoded_nor_sent(tmp_path):
+    from tests.fakes import FakeEncoderFactory
+    from vitserve.rpc import EmbeddingReceiver
+
+    log_dir = tmp_path / "hashes"
+    log_dir.mkdir()
+    endpoint = f"ipc://{tmp_path}/llm"
+    config = make_config(tmp_path, llm_endpoint=endpoint, visual_batch_max_tokens=16)
+    with EmbeddingReceiver(endpoint, bind=True) as rx:
+        async with running_engine(config, FakeEncoderFactory(sleep_s=1.0, hash_log_dir=str(log_dir))) as engine:
+            first = asyncio.create_task(engine.encode("stay", [fake_item(4, 4, 1)], ["a"], deadline=deadline(),
+                                                      return_embeddings=False))
+            gone = asyncio.create_task(engine.encode("gone", [fake_item(4, 4, 2), fake_item(4, 4, 3)], ["b", "c"],
+                                                     deadline=deadline(), return_embeddings=False))
+            await asyncio.sleep(0.3)
+            assert engine.queue_images == 2
+            gone.cancel()  # the client disconnected while its images were queued
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            assert engine.queue_images == 0
+            await first
+            await asyncio.sleep(0.5)
+            received = [rx.recv(timeout_s=1.0)]
+            with pytest.raises(TimeoutError):
+                rx.recv(timeout_s=0.5)
+        (log,) = os.listdir(log_dir)
+        with open(log_dir / log) as f:
+            assert len(f.read().split()) == 1  # only "stay" was encoded
+    assert [m.request_id for m in received] == ["stay"]
+
+
+async def test_deadline_passes_while_queued_gives_timeout_and_drops_the_items(tmp_path):
+    from tests.fakes import FakeEncoderFactory
+    from vitserve.errors import Timeout
+
+    log_dir = tmp_path / "hashes"
+    log_dir.mkdir()
+    config = make_config(tmp_path, visual_batch_max_tokens=16)
+    async with running_engine(config, FakeEncoderFactory(sleep_s=1.5, hash_log_dir=str(log_dir))) as engine:
+        first = asyncio.create_task(engine.encode("slow", [fake_item(4, 4, 1)], ["a"], deadline=deadline(),
+                                                  return_embeddings=False))
+        await asyncio.sleep(0.2)
+        with pytest.raises(Timeout, match="--request_timeout_s"):
+            await engine.encode("late", [fake_item(4, 4, 2)], ["b"], deadline=deadline(0.5), return_embeddings=False)
+        assert engine.queue_images == 0
+        await first
+        await asyncio.sleep(0.3)
+    (log,) = os.listdir(log_dir)
+    with open(log_dir / log) as f:
+        assert len(f.read().split()) == 1
