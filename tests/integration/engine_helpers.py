@@ -20,8 +20,9 @@ def make_config(tmp_path, **overrides) -> Config:
 
 
 @contextlib.asynccontextmanager
-async def running_engine(config: Config, factory: FakeEncoderFactory | None = None):
-    engine = Engine(config, Metrics(), encoder_factory=factory or FakeEncoderFactory(), environ={})
+async def running_engine(config: Config, factory: FakeEncoderFactory | None = FakeEncoderFactory()):  # noqa: B008
+    # factory=None in a call means the production encoder; the default argument means the fake
+    engine = Engine(config, Metrics(), encoder_factory=factory, environ={})
     await engine.start()
     try:
         yield engine

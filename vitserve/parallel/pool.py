@@ -124,12 +124,12 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------------------------ watchdog
 
-    def fault(self, now: float) -> str | None:
-        """Why this group cannot serve, or None: a rank exited, or a ready rank went silent."""
+    def fault(self, now: float, *, silence: bool = True) -> str | None:
+        """Why this group cannot serve, or None: a rank exited, or (silence=True) a ready rank went silent."""
         for rank, proc in enumerate(self.processes):
             if not proc.is_alive():
                 return f"rank {rank} (pid {proc.pid}) of group {self.index} exited with code {proc.exitcode}"
-        if self.state is not GroupState.READY:
+        if self.state is not GroupState.READY or not silence:
             return None  # start-up has its own time limit; ranks are silent while importing torch
         limit = 2 * self.config.heartbeat_s
         for rank, seen in enumerate(self.last_seen):

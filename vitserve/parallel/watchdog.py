@@ -20,12 +20,17 @@ log = logging.getLogger(__name__)
 async def watch(groups: Sequence[WorkerGroup], heartbeat_s: float,
                 on_fault: Callable[[WorkerGroup, str], None]) -> None:
     period = min(heartbeat_s / 4, 0.5)
+    last_tick = time.monotonic()
     while True:
         now = time.monotonic()
+        stalled = now - last_tick > period + heartbeat_s / 2
+        last_tick = now
         for group in groups:
             if not group.alive:
                 continue
-            reason = group.fault(now)
+            # After our own event loop was blocked, ALIVE reports may still sit unread in the status socket:
+            # judge silence on the next tick, once the reader caught up (exits are judged right away).
+            reason = group.fault(now, silence=not stalled)
             if reason is not None:
                 on_fault(group, reason)
         await asyncio.sleep(period)
