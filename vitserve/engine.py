@@ -31,8 +31,8 @@ from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Tim
 from vitserve.metrics import Metrics
 from vitserve.parallel import messages as m
 from vitserve.parallel import watchdog
-from vitserve.parallel.pool import GroupState, Rendezvous, WorkerGroup, free_port
-from vitserve.parallel.worker import load_configured_encoder, startup_timeout_s
+from vitserve.parallel.pool import GroupState, WorkerGroup, free_port
+from vitserve.parallel.worker import Rendezvous, load_configured_encoder, startup_timeout_s
 from vitserve.types import ImageResult, ProcessedImage
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class Engine:
     def _init_rendezvous(self, environ: Mapping[str, str]) -> None:
         """Where each group's torch.distributed store listens: the config, else torchrun's env, else a
         free port on 127.0.0.1 per group (read here, at construction, and passed down)."""
-        self._master_addr = self.config.master_addr or environ.get("MASTER_ADDR") or "127.0.0.1"
+        self._master_addr = self.config.master_addr or environ.get("MASTER_ADDR")  # None: one host, FileStore
         port = self.config.master_port or environ.get("MASTER_PORT")
         self._master_port = int(port) if port else None
 
@@ -77,9 +77,8 @@ class Engine:
         status_endpoint = f"ipc://{self._ipc_dir}/status"
         self._status.bind(status_endpoint)
         for g in range(self.config.dp):
-            port = self._master_port + g if self._master_port else free_port(self._master_addr)
             group = WorkerGroup(g, self.config, self.encoder_factory, ctx=self._sync_zmq, ipc_dir=self._ipc_dir,
-                                status_endpoint=status_endpoint, rendezvous=Rendezvous(self._master_addr, port))
+                                status_endpoint=status_endpoint, rendezvous=self._rendezvous(g))
             self._dispatch.groups.append(group)
         self._tasks = [asyncio.create_task(self._dispatch.read_status(self._status), name="vitserve-status"),
                        asyncio.create_task(watchdog.watch(self._dispatch.groups, self.config.heartbeat_s,
@@ -93,6 +92,12 @@ class Engine:
             raise
         self._init_llm_push()
         self._started = True
+
+    def _rendezvous(self, group: int) -> Rendezvous:
+        if self._master_addr is None:
+            return Rendezvous(file=f"{self._ipc_dir}/store-{group}")
+        port = self._master_port + group if self._master_port else free_port(self._master_addr)
+        return Rendezvous(addr=self._master_addr, port=port)
 
     async def _wait_ready(self) -> None:
         limit = startup_timeout_s(self.config)

@@ -14,7 +14,6 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import Enum
 
 import torch.multiprocessing as mp
@@ -22,7 +21,7 @@ import zmq
 
 from vitserve.config import Config
 from vitserve.parallel import messages as m
-from vitserve.parallel.worker import WorkerArgs, run_worker
+from vitserve.parallel.worker import Rendezvous, WorkerArgs, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +31,6 @@ class GroupState(Enum):
     READY = "ready"
     FAILED = "failed"
     STOPPED = "stopped"
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where a group's torch.distributed store listens (resolved at the entry point, passed down)."""
-
-    addr: str
-    port: int
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -75,7 +66,7 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")
         for rank in range(self.config.tp):
             args = WorkerArgs(config=self.config, encoder_factory=self._factory, group=self.index, rank=rank,
-                              master_addr=self._rendezvous.addr, master_port=self._rendezvous.port,
+                              rendezvous=self._rendezvous,
                               batch_endpoint=self.batch_endpoint, status_endpoint=self._status_endpoint,
                               parent_pid=os.getpid())
             proc = ctx.Process(target=run_worker, args=(args,), name=f"vitserve-g{self.index}r{rank}", daemon=True)

@@ -30,6 +30,20 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Rendezvous:
+    """Where a group's ranks meet (resolved at engine construction, passed down).
+
+    Single host (the default): a FileStore in the engine's private runtime dir, because torch's TCPStore
+    server listens on every interface whatever address it is given (SPEC §5 wants 127.0.0.1 / ipc only).
+    A master address from the config or torchrun's MASTER_ADDR/MASTER_PORT: a TCPStore there.
+    """
+
+    file: str | None = None  # FileStore path (single host)
+    addr: str = "127.0.0.1"  # TCPStore host, when file is None
+    port: int = 0
+
+
+@dataclass(frozen=True)
 class WorkerArgs:
     """Everything a rank needs, handed over once at spawn (multiprocessing pickles it into the child)."""
 
@@ -37,8 +51,7 @@ class WorkerArgs:
     encoder_factory: Callable[[Config], object]
     group: int  # DP group index
     rank: int  # rank inside the group
-    master_addr: str  # torch.distributed store of this group
-    master_port: int
+    rendezvous: Rendezvous  # where this group's torch.distributed store is
     batch_endpoint: str  # rank 0 only: where the engine pushes batches
     status_endpoint: str  # every rank: where READY / ALIVE / RESULT / ERROR go
     parent_pid: int
@@ -130,8 +143,14 @@ class RankWorker:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         # Our own store: ranks may reach the rendezvous far apart (imports, weights) and that wait is bounded
         # by the start-up limit; --dist_timeout_s bounds each collective afterwards.
-        store = dist.TCPStore(self.args.master_addr, self.args.master_port, self.cfg.tp, self.args.rank == 0,
-                              timeout=timedelta(seconds=startup_timeout_s(self.cfg)))
+        rv, wait = self.args.rendezvous, timedelta(seconds=startup_timeout_s(self.cfg))
+        if rv.file is not None:
+            store = dist.FileStore(rv.file, self.cfg.tp)
+            store.set_timeout(wait)
+            # one host: keep gloo's / NCCL's own listening sockets on loopback too
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+        else:
+            store = dist.TCPStore(rv.addr, rv.port, self.cfg.tp, self.args.rank == 0, timeout=wait)
         dist.init_process_group(backend, store=store, world_size=self.cfg.tp, rank=self.args.rank,
                                 timeout=timedelta(seconds=self.cfg.dist_timeout_s))
 
