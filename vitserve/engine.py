@@ -63,6 +63,7 @@ class Engine:
         self._active = 0  # encode() calls in progress
         self._tasks: list[asyncio.Task] = []
         self._ipc_dir: str | None = None
+        self._closed = False  # torn down (after shutdown() or a failed start())
         self._push = None  # LLMPush once started with --llm_endpoint
 
     # ------------------------------------------------------------------------------------ start / stop
@@ -119,8 +120,11 @@ class Engine:
             self._push = LLMPush(self.config.llm_endpoint, self.info()["model"], self.metrics)
 
     async def shutdown(self) -> None:
-        """Refuse new work, let accepted requests finish (each bounded by its deadline), stop the ranks."""
+        """Refuse new work, let accepted requests finish (each bounded by its deadline), stop the ranks.
+        Safe to call twice, after a failed start(), or without start()."""
         self._draining = True
+        if self._ipc_dir is None or self._closed:
+            return
         cap = time.monotonic() + self.config.request_timeout_s + 5
         while self._active and time.monotonic() < cap:
             await asyncio.sleep(0.05)
@@ -135,6 +139,9 @@ class Engine:
 
     async def _teardown(self) -> None:
         """Kill whatever still runs (no orphans), stop the tasks, remove sockets and reservation files."""
+        if self._closed:
+            return
+        self._closed = True
         for group in self._dispatch.groups:
             group.kill()
             self._remove_reservations(group)

@@ -118,3 +118,5 @@ async def test_startup_failure_names_the_knob_and_leaves_no_orphans(tmp_path):
     with pytest.raises(ConfigError, match="not divisible by --tp 2"):
         await engine.start()
     assert_gone(all_pids(engine))
+    await engine.shutdown()  # what a CLI does on its way out: harmless after a failed start
+    assert engine.readiness()[0] is False
