@@ -52,7 +52,7 @@ def recv_step(device: torch.device) -> tuple[Kind, BatchMsg | None]:
     dist.broadcast(table, src=0)
     flat = torch.empty(total, dtype=_DTYPES[dtype_code], device=device)
     dist.broadcast(flat, src=0)
-    return kind, BatchMsg(batch_id=batch_id, items=_rebuild(table.cpu().tolist(), flat.cpu()))
+    return kind, BatchMsg(batch_id=batch_id, items=_rebuild(table.cpu().tolist(), flat))  # pixels stay on device
 
 
 def _rebuild(rows: list[list[int]], flat: torch.Tensor) -> list[ProcessedImage]:
