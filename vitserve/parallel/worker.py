@@ -82,10 +82,10 @@ def run_worker(args: WorkerArgs) -> None:
     """Process entry point (top level so the spawn context can import it)."""
     logging.basicConfig(level=args.config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [g{args.group}r{args.rank}] %(name)s: %(message)s")
-    # Ctrl-C and `systemctl stop` signal the whole process group; the engine drains and then sends STOP,
-    # so ranks ignore those and leave on STOP, on SIGKILL, or when the parent is gone (die_with_parent).
+    # Ctrl-C signals the whole process group; the engine drains and then sends STOP, so ranks ignore it.
+    # SIGTERM keeps its default: multiprocessing's exit handler terminates daemon children with it and
+    # then joins them without a timeout.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(args.parent_pid)
     worker = RankWorker(args)
     try:
