@@ -276,7 +276,8 @@ class RankWorker:
         if self.inbox is not None:
             self.inbox.close(linger=0)
         self.status.close(linger=2000)
-        self.ctx.term()  # blocks until the last RESULT/ERROR is flushed (or the linger passes)
+        if liveness is None or not liveness.is_alive():  # term() waits for every socket to be closed
+            self.ctx.term()  # blocks until the last RESULT/ERROR is flushed (or the linger passes)
         os._exit(code)
 
     def _remove_reservation(self) -> None:
