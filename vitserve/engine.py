@@ -70,6 +70,7 @@ class Engine:
 
     async def start(self) -> None:
         """Spawn dp x tp ranks and return once every rank reported READY (after its reservation)."""
+        self._init_llm_push()  # first: a bad --llm_endpoint fails before any rank is spawned
         self._ipc_dir = tempfile.mkdtemp(prefix="vitserve-")  # 0700: only this user reaches the sockets
         self._zmq = zmq.asyncio.Context()
         self._sync_zmq = zmq.Context()
@@ -91,7 +92,8 @@ class Engine:
         except BaseException:
             await self._teardown()
             raise
-        self._init_llm_push()
+        if self._push is not None:
+            self._push.model = self.info()["model"]  # known once the ranks loaded it
         self._started = True
 
     def _rendezvous(self, group: int) -> Rendezvous:
@@ -107,7 +109,7 @@ class Engine:
         while not all(g.state is GroupState.READY for g in groups):
             failed = [g for g in groups if g.state is GroupState.FAILED]
             if failed:
-                raise ConfigError(f"encoder start-up failed: {failed[0].failure}")
+                raise ConfigError(f"encoder start-up failed: {failed[0].failure}{_startup_hint(failed[0].failure)}")
             if time.monotonic() > end:
                 raise ConfigError(f"encoder ranks did not finish start-up within {limit:g}s "
                                   "(--dist_timeout_s, at least 120 s)")
@@ -117,7 +119,7 @@ class Engine:
         if self.config.llm_endpoint:
             from vitserve.engine_send import LLMPush
 
-            self._push = LLMPush(self.config.llm_endpoint, self.info()["model"], self.metrics)
+            self._push = LLMPush(self.config.llm_endpoint, self.metrics)
 
     async def shutdown(self) -> None:
         """Refuse new work, let accepted requests finish (each bounded by its deadline), stop the ranks.
@@ -263,6 +265,13 @@ class Engine:
                 deepstack=list(encoded.deepstack) if return_embeddings else [],
                 timing_ms={"queue": w.queue_s * 1e3, "encode": w.encode_s * 1e3, "send": send_s * 1e3}))
         return results
+
+
+def _startup_hint(failure: str | None) -> str:
+    if failure and "out of memory" in failure.lower():
+        return ("; the worst-case reservation did not fit: lower --visual_batch_max_tokens, raise --tp, "
+                "or set --visual_reserved_mem_gb")
+    return ""
 
 
 async def _wait(future: asyncio.Future, deadline: float, request_id: str):

@@ -17,11 +17,11 @@ from vitserve.types import EncodedImage, ProcessedImage
 
 
 class LLMPush:
-    def __init__(self, endpoint: str, model_name: str, metrics: Metrics):
+    def __init__(self, endpoint: str, metrics: Metrics):
         from vitserve.rpc.sender import LLMSender
 
         self._sender = LLMSender(endpoint)
-        self._model = model_name
+        self.model = ""  # the served model's name, set once the ranks reported it
         self._metrics = metrics
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitserve-llm-send")
         self.sent = 0  # messages handed to ZMQ (the receiver must see exactly this many)
@@ -31,7 +31,7 @@ class LLMPush:
         """Hand one image to ZMQ; returns the seconds it took. Raises Timeout past the deadline."""
         call = functools.partial(
             self._sender.send_embedding, request_id=request_id, image_index=image_index, num_images=num_images,
-            image_id=image_id, model=self._model, grid_thw=tuple(item.grid_thw), embedding=encoded.embedding,
+            image_id=image_id, model=self.model, grid_thw=tuple(item.grid_thw), embedding=encoded.embedding,
             deepstack=list(encoded.deepstack), deadline=deadline)
         start = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(self._thread, call)

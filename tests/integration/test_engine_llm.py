@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
+import pytest
+
 from tests.fakes import FakeEncoderFactory, fake_item
 from tests.integration.engine_helpers import deadline, make_config, running_engine
 from vitserve.errors import Timeout
@@ -72,3 +74,15 @@ async def test_f7_stalled_receiver_blocks_sends_then_504_and_nothing_is_dropped(
         assert indices == list(range(len(indices)))  # in order, no gaps, no duplicates
         if isinstance(outcomes[rid], list):
             assert len(indices) == 14  # a 200 means every image was handed over
+
+
+async def test_bad_llm_endpoint_fails_start_before_spawning(tmp_path):
+    from vitserve.engine import Engine
+    from vitserve.errors import ConfigError
+    from vitserve.metrics import Metrics
+
+    engine = Engine(make_config(tmp_path, llm_endpoint="http://nope"), Metrics(), environ={})
+    with pytest.raises(ConfigError, match="--llm_endpoint"):
+        await engine.start()
+    assert engine.worker_pids() == {}
+    await engine.shutdown()
