@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from vitserve.config import Config
 from vitserve.engine_dispatch import Dispatcher, WorkItem
+from vitserve.engine_send import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
 from vitserve.metrics import Metrics
 from vitserve.parallel import messages as m
@@ -64,7 +65,7 @@ class Engine:
         self._tasks: list[asyncio.Task] = []
         self._ipc_dir: str | None = None
         self._closed = False  # torn down (after shutdown() or a failed start())
-        self._push = None  # LLMPush once started with --llm_endpoint
+        self._push: LLMPush | None = None  # once started with --llm_endpoint
 
     # ------------------------------------------------------------------------------------ start / stop
 
@@ -117,8 +118,6 @@ class Engine:
 
     def _init_llm_push(self) -> None:
         if self.config.llm_endpoint:
-            from vitserve.engine_send import LLMPush
-
             self._push = LLMPush(self.config.llm_endpoint, self.metrics)
 
     async def shutdown(self) -> None:
@@ -157,7 +156,8 @@ class Engine:
         self._status.close(linger=0)
         self._zmq.term()
         self._sync_zmq.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
         self.metrics.workers_ready.set(0)
 
     def _remove_reservations(self, group: WorkerGroup) -> None:

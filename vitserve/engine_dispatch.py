@@ -85,7 +85,7 @@ class Dispatcher:
     def _next_works(self) -> list[WorkItem]:
         now = time.monotonic()
         while (ids := self.scheduler.next_batch()) is not None:
-            works = [self.queued.pop(i) for i in ids]
+            works = [self.queued.pop(i) for i in ids]  # type: ignore[call-overload]  # ids are our ints
             live = []
             for w in works:
                 if w.deadline <= now:  # past --request_timeout_s while queued: dropped, never encoded

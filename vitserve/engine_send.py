@@ -13,13 +13,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from vitserve.metrics import Metrics
+from vitserve.rpc.sender import LLMSender
 from vitserve.types import EncodedImage, ProcessedImage
 
 
 class LLMPush:
     def __init__(self, endpoint: str, metrics: Metrics):
-        from vitserve.rpc.sender import LLMSender
-
         self._sender = LLMSender(endpoint)
         self.model = ""  # the served model's name, set once the ranks reported it
         self._metrics = metrics

@@ -10,6 +10,7 @@ broadcast.py); that path carries only int64 metadata and the pixel tensors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -129,7 +130,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
 # ---------------------------------------------------------------------------------------------- decode
 
 
-def _unpack(frames: list[bytes] | list[memoryview]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+def _unpack(frames: Sequence[bytes | memoryview]) -> tuple[dict[str, Any], list[torch.Tensor]]:
     if not frames:
         raise MessageError("empty message")
     try:
@@ -149,7 +150,7 @@ def _unpack(frames: list[bytes] | list[memoryview]) -> tuple[dict[str, Any], lis
     return header, tensors
 
 
-def decode(frames: list[bytes] | list[memoryview]) -> Message:
+def decode(frames: Sequence[bytes | memoryview]) -> Message:
     """One message from its ZMQ frames; raises MessageError on anything malformed."""
     header, tensors = _unpack(frames)
     header.pop("v")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import zmq
 
 from vitserve.config import Config
+from vitserve.model.base import Encoder
 from vitserve.parallel import broadcast
 from vitserve.parallel import messages as m
 from vitserve.parallel.liveness import LivenessThread, LoopCounters, die_with_parent
@@ -49,7 +50,7 @@ class WorkerArgs:
     """Everything a rank needs, handed over once at spawn (multiprocessing pickles it into the child)."""
 
     config: Config
-    encoder_factory: Callable[[Config], object]
+    encoder_factory: Callable[[Config], Encoder]
     group: int  # DP group index
     rank: int  # rank inside the group
     rendezvous: Rendezvous  # where this group's torch.distributed store is
@@ -107,7 +108,7 @@ class RankWorker:
         self.status.setsockopt(zmq.LINGER, 2000)  # let a final ERROR/RESULT reach the engine before exit
         self.status.connect(args.status_endpoint)
         self.inbox: zmq.Socket | None = None
-        self.encoder = None
+        self.encoder: Encoder | None = None
         self.distributed = self.cfg.tp > 1
 
     # ------------------------------------------------------------------------------------ start-up
@@ -149,6 +150,7 @@ class RankWorker:
         # Our own store: ranks may reach the rendezvous far apart (imports, weights) and that wait is bounded
         # by the start-up limit; --dist_timeout_s bounds each collective afterwards.
         rv, wait = self.args.rendezvous, timedelta(seconds=startup_timeout_s(self.cfg))
+        store: dist.Store
         if rv.file is not None:
             store = dist.FileStore(rv.file, self.cfg.tp)
             store.set_timeout(wait)
@@ -160,17 +162,18 @@ class RankWorker:
                                 timeout=timedelta(seconds=self.cfg.dist_timeout_s))
 
     def _init_encoder(self) -> None:
-        self.encoder = self.args.encoder_factory(self.cfg)
+        self.encoder = enc = self.args.encoder_factory(self.cfg)
         # Encoders that shard themselves (test fakes) say so; real towers get the TP pass.
-        if self.distributed and not getattr(self.encoder, "handles_tp", False):
+        if self.distributed and not getattr(enc, "handles_tp", False):
             from vitserve.parallel.tp import apply_tp  # only needed for tp > 1
 
-            apply_tp(self.encoder.visual, self.encoder.family)
+            apply_tp(enc.visual, enc.family)
 
     def _init_reservation(self) -> None:
         from vitserve.reservation import publish_reservation, reserve
 
         override = self.cfg.visual_reserved_mem_gb
+        assert self.encoder is not None
         res = reserve(self.encoder, budget_tokens=self.cfg.visual_batch_max_tokens,
                       max_batch_images=self.cfg.visual_infer_batch_size, override_gb=override)
         publish_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source)
@@ -185,6 +188,7 @@ class RankWorker:
 
     def _send_ready(self) -> None:
         enc = self.encoder
+        assert enc is not None
         self.status.send_multipart(m.encode(m.ReadyMsg(
             group=self.args.group, rank=self.args.rank, pid=os.getpid(), model_name=enc.model_name,
             family=enc.family, embed_dim=enc.embed_dim, num_deepstack=enc.num_deepstack,
@@ -202,6 +206,7 @@ class RankWorker:
             if kind is m.Kind.HEARTBEAT:
                 self.counters.heartbeats += 1
                 continue
+            assert batch is not None
             outputs = self._forward(batch)  # 2) the same forward on every rank, on its shard
             self.counters.batches += 1
             if self.args.rank == 0:
@@ -237,6 +242,7 @@ class RankWorker:
 
     def _forward(self, batch: m.BatchMsg) -> list:
         try:
+            assert self.encoder is not None
             with torch.inference_mode():
                 items = [self._to_device(it) for it in batch.items]
                 return self.encoder.encode(items)
