@@ -22,6 +22,7 @@ import torch.distributed as dist
 import zmq
 
 from vitserve.config import Config
+from vitserve.errors import ConfigError
 from vitserve.model.base import Encoder
 from vitserve.parallel import broadcast
 from vitserve.parallel import messages as m
@@ -72,11 +73,9 @@ def load_configured_encoder(config: Config):
     """The default encoder_factory: --model on this rank's device (set by _init_device) in --dtype."""
     from vitserve.model import load_encoder
 
-    on_cuda = torch.cuda.is_available() and config.device != "cpu"
-    device = f"cuda:{torch.cuda.current_device()}" if on_cuda else "cpu"
-    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    dtype = dtypes.get(config.dtype, torch.bfloat16 if on_cuda else torch.float32)  # "auto": bf16 on CUDA
-    return load_encoder(config.model, device=device, dtype=dtype, family=config.model_family)
+    on_cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    device = f"cuda:{torch.cuda.current_device()}" if on_cuda else config.device.replace("auto", "cpu")
+    return load_encoder(config.model, device=device, dtype=config.dtype, family=config.model_family)
 
 
 def run_worker(args: WorkerArgs) -> None:
@@ -133,6 +132,12 @@ class RankWorker:
         if want == "auto":
             want = "cuda" if torch.cuda.is_available() else "cpu"
         if want.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ConfigError(f"--device {want} was requested but CUDA is not available; use --device cpu")
+            if self.distributed and torch.cuda.device_count() < self.cfg.tp:  # NCCL: one rank per GPU
+                raise ConfigError(f"--tp {self.cfg.tp} on CUDA needs {self.cfg.tp} GPUs, found "
+                                  f"{torch.cuda.device_count()}; lower --tp")
+            # one rank per GPU when there are enough (--tp x --dp <= GPUs); else groups share round-robin
             index = self.args.global_rank % torch.cuda.device_count()
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", index)
