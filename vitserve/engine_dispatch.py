@@ -127,9 +127,13 @@ class Dispatcher:
             frames = await sock.recv_multipart(copy=False)
             try:
                 msg = m.decode([f.buffer for f in frames])
-                self._on_message(msg)
             except m.MessageError as exc:
                 log.warning("dropped a malformed message on the status socket: %s", exc)
+                continue
+            try:
+                self._on_message(msg)
+            except Exception:  # a bug here must not stop the reader: every future would then hang
+                log.exception("error while handling a %s message", msg.kind.value)
 
     def _on_message(self, msg: m.Message) -> None:
         group = self._group(getattr(msg, "group", -1))

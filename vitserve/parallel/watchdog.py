@@ -30,7 +30,10 @@ async def watch(groups: Sequence[WorkerGroup], heartbeat_s: float,
                 continue
             # After our own event loop was blocked, ALIVE reports may still sit unread in the status socket:
             # judge silence on the next tick, once the reader caught up (exits are judged right away).
-            reason = group.fault(now, silence=not stalled)
-            if reason is not None:
-                on_fault(group, reason)
+            try:
+                reason = group.fault(now, silence=not stalled)
+                if reason is not None:
+                    on_fault(group, reason)
+            except Exception:  # keep watching the other groups; a dead watchdog would hide every fault
+                log.exception("watchdog check of group %d failed", group.index)
         await asyncio.sleep(period)
