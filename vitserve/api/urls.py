@@ -26,7 +26,9 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 def is_public_address(ip: IPAddress) -> bool:
     if isinstance(ip, ipaddress.IPv6Address):
-        embedded = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+        if ip.ipv4_mapped is not None:  # ::ffff:a.b.c.d reaches a.b.c.d: judge that address
+            return is_public_address(ip.ipv4_mapped)
+        embedded = ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
         if embedded is not None and not is_public_address(embedded):
             return False
     blocked = ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_reserved
