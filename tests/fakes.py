@@ -16,7 +16,7 @@ from dataclasses import dataclass, field  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from vitserve.errors import NotReady, QueueFull, Timeout  # noqa: E402
+from vitserve.errors import EncoderFailed, NotReady, QueueFull, Timeout  # noqa: E402
 from vitserve.types import EncodedImage, ImageResult  # noqa: E402
 
 
@@ -133,32 +133,40 @@ class FakeEngine:
             self._cv.notify()
         self._in_flight += 1
         try:
-            return await req.future
-        except asyncio.CancelledError:
-            with self._cv:
-                req.cancelled = True
-                self._queue = deque(e for e in self._queue if e[0] is not req)
+            return await asyncio.wait_for(asyncio.shield(req.future), max(deadline - time.monotonic(), 0))
+        except asyncio.TimeoutError:
+            self._withdraw(req)
+            raise Timeout("deadline passed (--request_timeout_s)") from None
+        except asyncio.CancelledError:  # the client went away: its queued items are never encoded
+            self._withdraw(req)
             raise
         finally:
             self._in_flight -= 1
 
+    def _withdraw(self, req) -> None:
+        with self._cv:
+            req.cancelled = True
+            self._queue = deque(e for e in self._queue if e[0] is not req)
+
     # -- worker thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            self.gate.wait()
+        while self._wait_for_work():
+            self.gate.wait()  # tests clear the gate to let a queue build up
             batch = self._next_batch()
-            if batch is None:
-                return
             if batch:
                 self._forward(batch)
+
+    def _wait_for_work(self) -> bool:
+        with self._cv:
+            while not self._queue:
+                if self._stopping:
+                    return False
+                self._cv.wait(0.05)
+            return True
 
     def _next_batch(self):
         budget = self.config.visual_batch_max_tokens
         with self._cv:
-            while not self._queue:
-                if self._stopping:
-                    return None
-                self._cv.wait(0.05)
             batch, tokens = [], 0
             while self._queue and len(batch) < self.config.visual_infer_batch_size:
                 req, i = self._queue[0]
@@ -178,7 +186,12 @@ class FakeEngine:
 
     def _forward(self, batch) -> None:
         start = time.monotonic()
-        outs = self.encoder.encode([req.items[i] for req, i in batch])
+        try:
+            outs = self.encoder.encode([req.items[i] for req, i in batch])
+        except Exception as exc:
+            for req, _ in batch:
+                self._fail(req, EncoderFailed(f"the encoder failed: {type(exc).__name__}"))
+            return
         encode_ms = (time.monotonic() - start) * 1000
         for (req, i), out in zip(batch, outs, strict=True):
             self.encoded_ids.append(req.image_ids[i])

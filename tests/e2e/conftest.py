@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+USING_STANDINS = False
 try:  # proc's modules; stand-ins only until they are on main (see _standins.py)
     import vitserve.images  # noqa: F401
     import vitserve.processors  # noqa: F401
@@ -11,6 +12,7 @@ try:  # proc's modules; stand-ins only until they are on main (see _standins.py)
 except ImportError:
     from tests.e2e import _standins
 
+    USING_STANDINS = True
     sys.modules["vitserve.images"] = _standins.as_module(
         "vitserve.images", decode_image=_standins.decode_image, DecodedImage=_standins.DecodedImage)
     sys.modules["vitserve.processors"] = _standins.as_module(
