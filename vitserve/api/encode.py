@@ -19,7 +19,7 @@ from vitserve.api.body import ClientGone, read_body
 from vitserve.api.inputs import ParsedRequest, fetch_sources, media_type, parse_json_body, parse_multipart
 from vitserve.api.pipeline import PreparedImage, Preprocessor
 from vitserve.config import Config
-from vitserve.errors import InvalidRequest, Timeout, VitserveError
+from vitserve.errors import InvalidRequest, QueueFull, Timeout, VitserveError
 from vitserve.metrics import Metrics
 from vitserve.rpc.tensors import dtype_name, tensor_to_buffer
 from vitserve.types import ImageResult
@@ -44,6 +44,7 @@ class EncodeHandler:
         parsed: ParsedRequest | None = None
         try:
             parsed = await self._parse(request)
+            self._refuse_if_queue_full()
             blobs = await fetch_sources(parsed.sources, self.config, deadline)
             prepared = await self.pre.prepare(blobs, deadline)
         except VitserveError:
@@ -62,6 +63,13 @@ class EncodeHandler:
             return Response(status_code=499)
         body = await self.pre.run(self._response_body, parsed, prepared, results)
         return JSONResponse(body)
+
+    def _refuse_if_queue_full(self) -> None:
+        """Fast path of the engine's own check: skip decoding when the queue is already at its limit."""
+        limit = self.config.queue_token_limit
+        if limit is not None and self.engine.queue_tokens >= limit:
+            raise QueueFull(f"{self.engine.queue_tokens} tokens queued, limit {limit} (--max_queue_tokens)",
+                            retry_after_s=1.0)
 
     async def _parse(self, request: Request) -> ParsedRequest:
         body = await read_body(request, self.config.max_request_bytes)
