@@ -47,22 +47,25 @@ class EncodeHandler:
             self._refuse_if_queue_full()
             blobs = await fetch_sources(parsed.sources, self.config, deadline)
             prepared = await self.pre.prepare(blobs, deadline)
+            self._count_accepted(prepared)
+            results = await self._encode(request, parsed, prepared, deadline)
         except VitserveError:
             n = len(parsed.sources) if parsed else 0
             self.metrics.images_total.labels(outcome="rejected").inc(n)
             raise
         except ClientGone:
             return Response(status_code=499)
-        for p in prepared:
-            self.metrics.image_tokens.observe(p.item.num_tokens)
-            if p.item.clamped:
-                self.metrics.images_clamped_total.inc()
-        results = await self._encode(request, parsed, prepared, deadline)
         if results is None:
             log.info("request %s: client disconnected while queued; its images were withdrawn", parsed.request_id)
             return Response(status_code=499)
         body = await self.pre.run(self._response_body, parsed, prepared, results)
         return JSONResponse(body)
+
+    def _count_accepted(self, prepared: list[PreparedImage]) -> None:
+        for p in prepared:
+            self.metrics.image_tokens.observe(p.item.num_tokens)
+            if p.item.clamped:
+                self.metrics.images_clamped_total.inc()
 
     def _refuse_if_queue_full(self) -> None:
         """Fast path of the engine's own check: skip decoding when the queue is already at its limit."""
