@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
-import numpy as np
 import torch
 
 DTYPES: dict[str, torch.dtype] = {
@@ -17,7 +17,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
-assert sys.byteorder == "little", "vitserve's wire format is little-endian; big-endian hosts are not supported"
+assert sys.byteorder == "little", (
+    "vitserve's wire format is little-endian; big-endian hosts are not supported"
+)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -35,17 +37,27 @@ def tensor_to_buffer(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
-def tensor_from_buffer(buf: bytes | memoryview, dtype: str, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """A tensor over the received bytes; raises ValueError when the size does not match dtype x shape."""
+def tensor_from_buffer(
+    buf: bytes | memoryview, dtype: str, shape: list[int] | tuple[int, ...]
+) -> torch.Tensor:
+    """A tensor over the received bytes; raises ValueError when the size does not match dtype x shape.
+
+    Zero-copy when `buf` is writable (a zmq.Frame's buffer, a bytearray): the tensor shares that memory
+    and keeps the buffer alive. A read-only buffer (`bytes`) is copied once, because torch tensors are
+    writable and must not alias immutable Python objects.
+    """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; allowed: {sorted(DTYPES)}")
-    if any((not isinstance(d, int)) or d < 0 for d in shape):
+    if any(type(d) is not int or d < 0 for d in shape):  # bool is an int subclass: refuse it too
         raise ValueError(f"bad shape {shape!r}")
     torch_dtype = DTYPES[dtype]
-    expected = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=torch_dtype).element_size()
+    # math.prod on Python ints cannot overflow, so a forged huge shape cannot wrap around to a match.
+    expected = math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size()
     mv = memoryview(buf).cast("B")
     if mv.nbytes != expected:
-        raise ValueError(f"frame holds {mv.nbytes} bytes but dtype {dtype} x shape {list(shape)} needs {expected}")
+        raise ValueError(
+            f"frame holds {mv.nbytes} bytes but dtype {dtype} x shape {list(shape)} needs {expected}"
+        )
     if expected == 0:
         return torch.empty(tuple(shape), dtype=torch_dtype)
     raw = torch.frombuffer(bytearray(mv) if mv.readonly else mv, dtype=torch.uint8)

@@ -1,0 +1,328 @@
+"""Tiny real checkpoints for every family, written by transformers' own save_pretrained, and the HF reference.
+
+make_checkpoint(family, path) builds the FULL model (vision tower + merger/projector + a one-layer language
+model) from tiny seeded configs, saves it as safetensors (optionally sharded, optionally with the old
+`visual.*` key layout) and writes a preprocessor_config.json consistent with the vision config.
+hf_reference(path, family) loads that full model with from_pretrained and returns the vision output the
+LLM would receive, computed exactly the way transformers computes it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl")
+
+# Vision widths are 32 with 4 heads (TP=4 divides heads and every MLP width); the language width is 48 so a
+# mix-up between the vision width and the output width cannot go unnoticed.
+_TEXT_HIDDEN = 48
+_QWEN_TEXT = {
+    "vocab_size": 64,
+    "hidden_size": _TEXT_HIDDEN,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "bos_token_id": None,  # the real ids lie outside the tiny vocabulary
+    "eos_token_id": None,
+}
+# head_dim 12 -> mrope sections sum to 6.
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2]}
+
+VISION_CONFIGS: dict[str, dict] = {
+    # Qwen2-VL: `embed_dim` is the tower width, `hidden_size` the merger output (= LLM width).
+    "qwen2_vl": {
+        "depth": 2,
+        "embed_dim": 32,
+        "hidden_size": _TEXT_HIDDEN,
+        "mlp_ratio": 4,
+        "num_heads": 4,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    # window_size 56 px = 2x2 merged units per window, so a 4x4-unit image has 4 windows; blocks 1 and 3
+    # are full attention, 0 and 2 windowed.
+    "qwen2_5_vl": {
+        "depth": 4,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 4,
+        "out_hidden_size": _TEXT_HIDDEN,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [1, 3],
+    },
+    # 16 learned positions (a 4x4 grid, bilinearly resampled per image); deepstack after blocks 0 and 2.
+    "qwen3_vl": {
+        "depth": 3,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 4,
+        "out_hidden_size": _TEXT_HIDDEN,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [0, 2],
+    },
+    "qwen3_5": {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 4,
+        "out_hidden_size": _TEXT_HIDDEN,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 16,
+    },
+    # 56 px tiles of 14 px patches: 4x4 patches + CLS; pixel shuffle 0.5 -> 4 tokens per tile.
+    "internvl": {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "image_size": [56, 56],
+        "patch_size": [14, 14],
+        "layer_scale_init_value": 0.1,
+    },
+}
+
+# Small pixel limits so tests can use small images; the HF processors clamp to them.
+_QWEN_PIX = {
+    "qwen2_vl": (28, 4, 64, "OPENAI_CLIP"),
+    "qwen2_5_vl": (28, 4, 64, "OPENAI_CLIP"),
+    "qwen3_vl": (32, 4, 64, "HALF"),
+    "qwen3_5": (32, 4, 64, "HALF"),
+}
+_MEANS = {
+    "OPENAI_CLIP": ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]),
+    "HALF": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
+    "IMAGENET": ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+}
+
+
+def _config(family: str):
+    import transformers as tf
+
+    vision = VISION_CONFIGS[family]
+    if family == "qwen2_vl":
+        return tf.Qwen2VLConfig(text_config={**_QWEN_TEXT, "rope_parameters": _MROPE}, vision_config=vision)
+    if family == "qwen2_5_vl":
+        return tf.Qwen2_5_VLConfig(
+            text_config={**_QWEN_TEXT, "rope_parameters": _MROPE}, vision_config=vision
+        )
+    if family == "qwen3_vl":
+        text = {**_QWEN_TEXT, "head_dim": 12, "rope_parameters": {**_MROPE, "mrope_interleaved": True}}
+        return tf.Qwen3VLConfig(text_config=text, vision_config=vision)
+    if family == "qwen3_5":
+        text = {
+            **_QWEN_TEXT,
+            "num_hidden_layers": 2,
+            "head_dim": 12,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+        }
+        return tf.Qwen3_5Config(text_config=text, vision_config=vision)
+    if family == "internvl":
+        text = {"model_type": "qwen2", **_QWEN_TEXT}
+        return tf.InternVLConfig(vision_config=vision, text_config=text, downsample_ratio=0.5)
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
+def _model_class(family: str):
+    import transformers as tf
+
+    return {
+        "qwen2_vl": tf.Qwen2VLForConditionalGeneration,
+        "qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": tf.Qwen3VLForConditionalGeneration,
+        "qwen3_5": tf.Qwen3_5ForConditionalGeneration,
+        "internvl": tf.InternVLForConditionalGeneration,
+    }[family]
+
+
+def _preprocessor_config(family: str) -> dict:
+    if family == "internvl":
+        side = VISION_CONFIGS["internvl"]["image_size"][0]
+        mean, std = _MEANS["IMAGENET"]
+        return {
+            "image_processor_type": "GotOcr2ImageProcessor",
+            "processor_class": "InternVLProcessor",
+            "size": {"height": side, "width": side},
+            "crop_to_patches": True,
+            "min_patches": 1,
+            "max_patches": 4,
+            "do_resize": True,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "do_convert_rgb": True,
+            "resample": 3,
+            "image_mean": mean,
+            "image_std": std,
+        }
+    factor, min_units, max_units, norm = _QWEN_PIX[family]
+    vision = VISION_CONFIGS[family]
+    mean, std = _MEANS[norm]
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "size": {"shortest_edge": factor * factor * min_units, "longest_edge": factor * factor * max_units},
+        "min_pixels": factor * factor * min_units,
+        "max_pixels": factor * factor * max_units,
+        "patch_size": vision["patch_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "resample": 3,
+        "image_mean": mean,
+        "image_std": std,
+    }
+
+
+def _new_key(family: str, key: str) -> str:
+    """Any saved key -> the transformers 5 module layout (model.visual.*, model.language_model.*, lm_head.*).
+
+    save_pretrained in 5.23 writes Qwen2-VL/Qwen2.5-VL and InternVL back in their original hub layout and
+    Qwen3-VL/Qwen3.5 in the module layout, so both directions are normalised through this form.
+    """
+    if family == "internvl":
+        for old, new in _INTERNVL_OLD_TO_NEW:
+            if key.startswith(old):
+                return new + key[len(old) :]
+        return key
+    if key.startswith("visual."):
+        return "model." + key
+    if key.startswith("model.") and not key.startswith(("model.visual.", "model.language_model.")):
+        return "model.language_model." + key[len("model.") :]
+    return key
+
+
+_INTERNVL_OLD_TO_NEW = (
+    ("vision_tower.", "model.vision_tower."),
+    ("multi_modal_projector.", "model.multi_modal_projector."),
+    ("language_model.model.", "model.language_model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def _old_key(family: str, key: str) -> str:
+    """transformers 5 module layout -> the pre-v5 hub layout (visual.* + model.*; InternVL vision_tower.*)."""
+    if family == "internvl":
+        for old, new in _INTERNVL_OLD_TO_NEW:
+            if key.startswith(new):
+                return old + key[len(new) :]
+        return key
+    if key.startswith("model.visual."):
+        return key[len("model.") :]
+    # Qwen2-VL/2.5-VL hub checkpoints keep the language model under model.*; Qwen3-VL/3.5 were published with
+    # model.language_model.* (transformers maps only their vision keys), so only the vision prefix moves.
+    if key.startswith("model.language_model.") and family in ("qwen2_vl", "qwen2_5_vl"):
+        return "model." + key[len("model.language_model.") :]
+    return key
+
+
+def _rewrite_layout(family: str, path: Path, layout: str) -> None:
+    def rename(key: str) -> str:
+        key = _new_key(family, key)
+        return _old_key(family, key) if layout == "visual" else key
+
+    for file in sorted(path.glob("*.safetensors")):
+        tensors = load_file(file)
+        save_file({rename(k): v for k, v in tensors.items()}, file, metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {rename(k): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2))
+
+
+def make_checkpoint(
+    family: str, path, *, layout: str = "model.visual", sharded: bool = False, seed: int = 0
+) -> Path:
+    """Write a tiny real full-model checkpoint of `family` into `path` (created) and return it.
+
+    layout="model.visual": the transformers 5 module layout (model.visual.*, model.language_model.*;
+    InternVL model.vision_tower.*, model.multi_modal_projector.*). layout="visual": the original hub layout
+    (visual.* + model.*; InternVL vision_tower.*, multi_modal_projector.*, language_model.model.*).
+    save_pretrained writes some families one way and some the other; the keys are rewritten to the one asked.
+    sharded=True splits into several shards + model.safetensors.index.json, the vision weights spread over
+    more than one shard and at least one shard holding only language weights.
+    """
+    if layout not in ("model.visual", "visual"):
+        raise ValueError(f"layout must be 'model.visual' or 'visual', got {layout!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = _config(family)
+    model = _model_class(family)(config).eval()
+    _perturb_zero_inits(model, seed)
+    # The vision tower is a few hundred KB; 40 KB shards spread it over several files and leave the
+    # language weights (saved after it) in shards of their own.
+    shard = 40_000 if sharded else "50GB"
+    model.save_pretrained(path, max_shard_size=shard, safe_serialization=True)
+    _rewrite_layout(family, path, layout)
+    (path / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(family), indent=2))
+    return path
+
+
+def _perturb_zero_inits(model: torch.nn.Module, seed: int) -> None:
+    """HF initialises biases to 0 and norms to 1; randomise every tensor so a weight loaded into the wrong
+    slot (or not loaded at all) changes the output."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name or "lm_head" in name:
+                continue
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype)
+            if p.dim() == 1:
+                p.copy_((1.0 if torch.all(p == 1) else 0.0) + 0.1 * noise)
+            elif torch.all(p == 0):
+                p.copy_(0.02 * noise)
+
+
+def vision_prefixes(family: str, layout: str = "model.visual") -> tuple[str, ...]:
+    """Key prefixes of the weights vitserve must read (vision tower + merger/projector)."""
+    if family == "internvl":
+        new = ("model.vision_tower.", "model.multi_modal_projector.")
+        return new if layout == "model.visual" else tuple(p[len("model.") :] for p in new)
+    return ("model.visual.",) if layout == "model.visual" else ("visual.",)
+
+
+def hf_reference(
+    path, family: str
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Load the full model with from_pretrained and return f(pixel_values, grid_thw) -> (embeds, deepstack).
+
+    Qwen families: `model.model.visual(pixel_values, grid_thw=grid_thw)` -> .pooler_output (merged tokens)
+    and, for Qwen3-VL, .deepstack_features. InternVL: `model.model.get_image_features(pixel_values)` ->
+    .pooler_output of shape (tiles, tokens_per_tile, dim), flattened to rows (grid_thw unused).
+    """
+    model = _model_class(family).from_pretrained(str(path), dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def run(pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None):
+        if family == "internvl":
+            out = model.model.get_image_features(pixel_values=pixel_values).pooler_output
+            return out.reshape(-1, out.shape[-1]), []
+        out = model.model.visual(pixel_values, grid_thw=grid_thw)
+        return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
+
+    run.model = model  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,53 @@
+"""TP sharding equals TP=1 (DESIGN invariant 8) on real gloo ranks, for every family, on a packed mixed batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.tp_towers import FAMILIES, build_visual, packed_inputs, run_visual
+
+CASES = [(f, {}) for f in FAMILIES] + [("internvl", {"qk_norm": False})]  # InternVL with and without qk norm
+
+
+def _sharded_outputs(rank: int, world: int, cases) -> dict:
+    """Per rank: build the same seeded tower, shard it, run the packed batch; also the encoder + reservation."""
+    from tests.fakes import TowerEncoder
+    from vitserve.parallel.tp import apply_tp
+    from vitserve.reservation import reserve
+
+    results = {}
+    for family, kwargs in cases:
+        visual = apply_tp(build_visual(family, **kwargs), family)
+        pixels, grid = packed_inputs(family)
+        heads = {b.num_heads for b in visual.modules() if hasattr(b, "num_heads") and hasattr(b, "head_dim")}
+        results[(family, str(kwargs))] = {"outputs": run_visual(visual, family, pixels, grid), "heads": heads}
+    # the production path: encode() under inference_mode, and the start-up stress, on sharded towers
+    enc = TowerEncoder("qwen3_vl", apply_tp(build_visual("qwen3_vl"), "qwen3_vl"))
+    results["reserve"] = reserve(enc, budget_tokens=64, max_batch_images=4, override_gb=None).bytes
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for family, kwargs in CASES:
+        pixels, grid = packed_inputs(family)
+        out[(family, str(kwargs))] = run_visual(build_visual(family, **kwargs), family, pixels, grid)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_equals_tp1_for_every_family(reference, world):
+    per_rank = run_ranks(_sharded_outputs, world, CASES, timeout_s=60)
+    for rank, results in enumerate(per_rank):
+        for key, expected in reference.items():
+            got = results[key]
+            assert got["heads"] == {4 // world}, (key, rank)  # local head count, read at forward time
+            assert len(got["outputs"]) == len(expected)
+            for g, e in zip(got["outputs"], expected, strict=True):
+                assert g.shape == e.shape
+                torch.testing.assert_close(g, e, rtol=0, atol=1e-5, msg=lambda m, k=key, r=rank: f"{k} rank {r}: {m}")
+        assert results["reserve"] > 0

@@ -1,0 +1,181 @@
+"""Worst-case reservation (DESIGN invariant 7) and its publication file (SPEC §6)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+from tests.fakes import TowerEncoder
+from tests.tp_towers import build_visual
+from vitserve.errors import ConfigError
+from vitserve.reservation import (
+    DISABLED_BUDGET_TOKENS,
+    GIB,
+    INTERNVL_MAX_TILES_PER_IMAGE,
+    near_square_grid,
+    publish_reservation,
+    read_reservation,
+    remove_reservation,
+    reservation_path,
+    reserve,
+    worst_case_items,
+)
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def qwen25():
+    return TowerEncoder("qwen2_5_vl", build_visual("qwen2_5_vl"))
+
+
+@pytest.fixture(scope="module")
+def internvl():
+    return TowerEncoder("internvl", build_visual("internvl"))
+
+
+# --- the worst-case batch -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [1, 4, 7, 64, 100, 257, 8191, 8192])
+def test_grid_has_the_most_cells_under_the_budget(budget):
+    rows, cols = near_square_grid(budget)
+    grids = [(r, budget // r) for r in range(1, budget + 1)]
+    best = max(r * c for r, c in grids if max(r, c) <= 200 * min(r, c))
+    assert rows * cols == best <= budget
+    assert rows <= cols <= 200 * rows
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_qwen_worst_case_is_one_image_at_the_budget(family):
+    enc = TowerEncoder(family, build_visual(family))
+    items = worst_case_items(enc, budget_tokens=100, max_batch_images=8)
+    assert len(items) == 1
+    item = items[0]
+    t, h, w = item.grid_thw
+    assert (t, h % 2, w % 2) == (1, 0, 0)  # merge size 2
+    assert item.num_tokens == (h // 2) * (w // 2) == 100  # 10x10 merged
+    assert item.pixel_values.shape == (h * w, 3 * 2 * 2 * 2)  # (patches, C*T*P*P)
+    assert enc.encode(items)[0].embedding.shape == (100, enc.embed_dim)  # the production forward accepts it
+
+
+def test_qwen_worst_case_of_a_prime_budget_is_a_long_strip(qwen25):
+    # 101 is prime: 1x101 merged tokens (aspect 101 <= 200, which HF's processor still emits) beats 10x10
+    (item,) = worst_case_items(qwen25, budget_tokens=101, max_batch_images=1)
+    assert (item.num_tokens, item.grid_thw) == (101, (1, 2, 202))
+    assert qwen25.encode([item])[0].embedding.shape[0] == 101
+
+
+def test_budget_off_stresses_the_documented_default(qwen25):
+    (item,) = worst_case_items(qwen25, budget_tokens=0, max_batch_images=4)
+    assert item.num_tokens == DISABLED_BUDGET_TOKENS
+
+
+def test_internvl_fills_the_budget_with_tiles_in_capped_images(internvl):
+    # 4 tokens per tile (4x4 patches, pixel shuffle 0.5): budget 100 -> 25 tiles = 13 + 12
+    items = worst_case_items(internvl, budget_tokens=100, max_batch_images=8)
+    assert [i.pixel_values.shape[0] for i in items] == [INTERNVL_MAX_TILES_PER_IMAGE, 12]
+    assert sum(i.num_tokens for i in items) == 100
+    assert items[0].pixel_values.shape[1:] == (3, 16, 16)
+    assert items[0].grid_thw == (13, 4, 4)
+    out = internvl.encode(items)
+    assert [o.embedding.shape[0] for o in out] == [52, 48]
+
+
+def test_internvl_respects_the_batch_image_cap(internvl):
+    items = worst_case_items(internvl, budget_tokens=1000, max_batch_images=2)
+    assert len(items) == 2
+    assert sum(i.pixel_values.shape[0] for i in items) == 2 * INTERNVL_MAX_TILES_PER_IMAGE
+
+
+def test_internvl_tile_above_budget_is_a_config_error(internvl):
+    with pytest.raises(ConfigError, match="visual_batch_max_tokens 3"):
+        worst_case_items(internvl, budget_tokens=3, max_batch_images=2)
+
+
+# --- the stress -------------------------------------------------------------------------------------------
+
+
+def test_reserve_measures_a_positive_peak(qwen25):
+    res = reserve(qwen25, budget_tokens=256, max_batch_images=4, override_gb=None)
+    assert res.source == "stress"
+    assert res.bytes > 0
+    assert (res.tokens, res.images) == (256, 1)
+
+
+def test_reserve_override_skips_the_stress(qwen25):
+    res = reserve(qwen25, budget_tokens=256, max_batch_images=4, override_gb=1.5)
+    assert (res.bytes, res.source) == (int(1.5 * GIB), "override")
+
+
+def test_negative_override_is_a_config_error(qwen25):
+    with pytest.raises(ConfigError, match="--visual_reserved_mem_gb"):
+        reserve(qwen25, budget_tokens=256, max_batch_images=4, override_gb=-1)
+
+
+# --- publication ------------------------------------------------------------------------------------------
+
+
+def test_publish_writes_the_spec_fields(tmp_path):
+    path = publish_reservation(tmp_path / "rt", "cuda:0", 1, 12345, "stress")
+    assert path == tmp_path / "rt" / "reserved_mem_cuda:0_1.json"
+    body = json.loads(path.read_text())
+    assert body == {"device": "cuda:0", "rank": 1, "bytes": 12345, "source": "stress", "pid": os.getpid()}
+    assert read_reservation(tmp_path / "rt", "cuda:0", 1) == body
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind
+
+
+def test_remove_deletes_and_tolerates_missing(tmp_path):
+    publish_reservation(tmp_path, "cpu", 0, 1, "override")
+    remove_reservation(tmp_path, "cpu", 0)
+    assert not reservation_path(tmp_path, "cpu", 0).exists()
+    assert read_reservation(tmp_path, "cpu", 0) is None
+    remove_reservation(tmp_path, "cpu", 0)  # second time: nothing to do, no error
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"{", b"\xff\xfe", b"[]", b"null", b'{"device": "cpu"}',
+     b'{"device": "cpu", "rank": 0, "bytes": "9", "source": "stress", "pid": 1}',
+     b'{"device": "cpu", "rank": 0, "bytes": true, "source": "stress", "pid": 1}'],
+)
+def test_reader_returns_none_for_garbage(tmp_path, content):
+    reservation_path(tmp_path, "cpu", 0).write_bytes(content)
+    assert read_reservation(tmp_path, "cpu", 0) is None
+
+
+def test_reader_before_the_directory_exists_returns_none(tmp_path):
+    assert read_reservation(tmp_path / "not" / "there", "cpu", 0) is None
+
+
+def test_concurrent_reader_never_sees_a_partial_file(tmp_path):
+    seen, bad = [], []
+    done = threading.Event()
+
+    def reader():
+        while not done.is_set():
+            body = read_reservation(tmp_path, "cpu", 3)
+            if body is None:
+                if seen:  # once published it must stay readable: a replace is never a gap
+                    bad.append("vanished")
+                continue
+            if body["bytes"] != int(body["source"].split("-")[1]) * 1000:  # fields from one write
+                bad.append(body)
+            seen.append(body["bytes"])
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for n in range(300):
+            publish_reservation(tmp_path, "cpu", 3, n * 1000, f"stress-{n}")
+    finally:
+        done.set()
+        thread.join()
+    assert not bad
+    assert seen  # the reader did overlap the writes
+    assert sorted(seen) == seen  # it saw versions in order, each whole
+    assert [p.name for p in tmp_path.iterdir()] == ["reserved_mem_cpu_3.json"]

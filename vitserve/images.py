@@ -1,0 +1,153 @@
+"""Safe image decoding (SPEC §5): allowlist, header pixel check, EXIF orientation, correct 8-bit RGB.
+
+Order matters: the format and the pixel count are checked from the header (``Image.open`` parses only the
+header) before a single pixel is decoded, so a PNG that declares 30000x30000 is refused without allocating.
+
+Colour conversion rules (all end in 8-bit "RGB"):
+- alpha (RGBA, LA, PA, RGBa, La, P/L/RGB with a tRNS transparency) is composited on white:
+  ``out = round((c * a + 255 * (255 - a)) / 255)``;
+- 16-bit greyscale (I;16, I;16B, I;16L, I;16N) is *scaled*, not clipped: ``out = round(v / 257)``, which maps
+  0..65535 onto 0..255 exactly (65535 -> 255, 257 * k -> k); mode "I" (32-bit int, what some 16-bit TIFF/PNG
+  decoders give) is treated the same way after clipping to 0..65535;
+- "F" (32-bit float) is read as 0..1 when every finite value lies there, else as 0..255 (PIL's convention),
+  clipped; NaN becomes 0;
+- CMYK uses PIL's conversion ``R = round((255 - C) * (255 - K) / 255)`` (no ICC colour management; Adobe's
+  inverted CMYK JPEGs are already un-inverted by PIL's JPEG reader);
+- 1-bit, L, P, YCbCr and the rest use PIL's ``convert("RGB")``.
+Animations: only the first frame is decoded (``seek(0)``; frames are never iterated).
+No image bytes ever go into a message or a log line.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+from vitserve.errors import InvalidImage, PayloadTooLarge, VitserveError
+
+# PIL's names for the formats of SPEC §5; Image.open is told to try only these.
+ALLOWED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+
+# Our --max_image_pixels check is the one that decides; PIL's own global bomb limit (89.5 MP, error at 2x)
+# would otherwise refuse images a user allowed, or warn on ones we accept. This is process-global on purpose.
+Image.MAX_IMAGE_PIXELS = None
+
+_ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
+_SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    """A decoded image: mode "RGB", EXIF orientation applied, first frame only."""
+
+    image: Image.Image
+    original_size: tuple[int, int]  # (width, height) after EXIF orientation
+    format: str  # PIL format name, e.g. "JPEG"
+
+
+def decode_image(data: bytes, *, max_image_pixels: int) -> DecodedImage:
+    """Decode untrusted bytes into an RGB PIL image.
+
+    Raises InvalidImage (not an image, a format outside the allowlist, truncated or corrupt data) or
+    PayloadTooLarge (width x height above ``max_image_pixels``, read from the header before decoding).
+    """
+    if not data:
+        raise InvalidImage("empty image data")
+    img = _open_header(data)
+    fmt = str(img.format)
+    _check_pixels(img.size, max_image_pixels)
+    try:
+        rgb = _decode_first_frame(img)
+    finally:
+        img.close()
+    return DecodedImage(image=rgb, original_size=rgb.size, format=fmt)
+
+
+def _open_header(data: bytes) -> Image.Image:
+    """Parse the header only; identify the format among the allowlist."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        # Only reachable if someone re-armed PIL's global limit; still a size problem, not corrupt data.
+        raise PayloadTooLarge(
+            "image pixel count is over PIL's decompression-bomb limit; see --max_image_pixels"
+        ) from exc
+    except UnidentifiedImageError as exc:
+        raise InvalidImage(
+            f"not an image, or a format outside the allowlist ({', '.join(ALLOWED_FORMATS)})"
+        ) from exc
+    except Exception as exc:
+        # PIL plugins raise SyntaxError, struct.error, ValueError, OSError... on bad headers
+        raise InvalidImage(f"corrupt image header ({type(exc).__name__})") from exc
+
+
+def _check_pixels(size: tuple[int, int], max_image_pixels: int) -> None:
+    width, height = size
+    if width <= 0 or height <= 0:
+        raise InvalidImage(f"image has an empty size {width}x{height}")
+    if max_image_pixels > 0 and width * height > max_image_pixels:
+        raise PayloadTooLarge(
+            f"image is {width}x{height} = {width * height} pixels, over the limit of {max_image_pixels} "
+            "set by --max_image_pixels"
+        )
+
+
+def _decode_first_frame(img: Image.Image) -> Image.Image:
+    """Decode frame 0, apply EXIF orientation, convert to RGB; every PIL failure becomes InvalidImage."""
+    if ImageFile.LOAD_TRUNCATED_IMAGES:
+        # Someone in this process switched on PIL's "accept truncated data" mode; refuse rather than
+        # silently encode half an image.
+        raise InvalidImage("refusing to decode: PIL.ImageFile.LOAD_TRUNCATED_IMAGES is on in this process")
+    try:
+        img.seek(0)
+        img.load()
+        oriented = ImageOps.exif_transpose(img)
+        return to_rgb(oriented)
+    except VitserveError:
+        raise
+    except Exception as exc:  # truncated/corrupt streams raise OSError, SyntaxError, zlib.error, EOFError...
+        raise InvalidImage(f"truncated or corrupt image data ({type(exc).__name__})") from exc
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Convert any PIL mode to 8-bit RGB by the rules in the module docstring."""
+    mode = img.mode
+    if mode == "RGB" and "transparency" not in img.info:
+        return img.copy()
+    if mode in _ALPHA_MODES or "transparency" in img.info:
+        return _composite_on_white(img.convert("RGBA"))
+    if mode in _SIXTEEN_BIT_MODES or mode == "I":
+        return _grey_to_rgb(_scale_16bit(np.asarray(img)))
+    if mode == "F":
+        return _grey_to_rgb(_scale_float(np.asarray(img, dtype=np.float64)))
+    return img.convert("RGB")
+
+
+def _composite_on_white(rgba: Image.Image) -> Image.Image:
+    arr = np.asarray(rgba, dtype=np.uint32)  # (H, W, 4)
+    color, alpha = arr[..., :3], arr[..., 3:4]
+    # round((c*a + 255*(255-a)) / 255); the numerator is an integer and 255 is odd, so +127 rounds half-up exactly
+    out = (color * alpha + 255 * (255 - alpha) + 127) // 255  # (H, W, 3)
+    return Image.fromarray(out.astype(np.uint8), "RGB")
+
+
+def _scale_16bit(values: np.ndarray) -> np.ndarray:
+    v = np.clip(values.astype(np.int64), 0, 65535)
+    return ((v + 128) // 257).astype(np.uint8)  # round(v / 257); never a tie since 257 is odd
+
+
+def _scale_float(values: np.ndarray) -> np.ndarray:
+    finite = values[np.isfinite(values)]
+    scale = 255.0 if finite.size and finite.min() >= 0.0 and finite.max() <= 1.0 else 1.0
+    v = np.nan_to_num(values * scale, nan=0.0, posinf=255.0, neginf=0.0)
+    return np.clip(np.rint(v), 0, 255).astype(np.uint8)
+
+
+def _grey_to_rgb(grey: np.ndarray) -> Image.Image:
+    return Image.fromarray(np.repeat(grey[..., None], 3, axis=-1), "RGB")  # (H, W) -> (H, W, 3)

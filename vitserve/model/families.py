@@ -1,0 +1,153 @@
+"""Per-family facts in one table: which transformers classes build the tower, where its weights live in a
+checkpoint, how one packed forward runs and what comes out. Everything else in vitserve/model is generic."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vitserve.errors import ConfigError
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl")
+
+# Qwen towers live under `model.visual.*` (transformers 5 layout) or `visual.*` (original hub layout); the
+# module built here is the tower itself, so both prefixes map to "".
+_QWEN_KEYS = (("model.visual.", ""), ("visual.", ""))
+# InternVL: the wrapper module (vitserve.model.internvl.InternVLVisual) keeps HF's submodule names.
+_INTERNVL_KEYS = (
+    ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+)
+
+ForwardFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+def _qwen_forward(visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+    """pixel_values (sum patches, C*T*P*P), grid_thw (N, 3) -> merged rows (sum tokens, dim) + deepstack."""
+    out = visual(pixel_values, grid_thw=grid_thw)
+    deepstack = getattr(out, "deepstack_features", None) or []
+    return out.pooler_output, list(deepstack)
+
+
+def _internvl_forward(visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+    """pixel_values (tiles, C, H, W) -> (tiles * tokens_per_tile, dim); grid_thw is not needed."""
+    out = visual(pixel_values)  # (tiles, tokens_per_tile, dim)
+    return out.reshape(-1, out.shape[-1]), []
+
+
+def _qwen2_embed_dim(vision_config) -> int:
+    return (
+        vision_config.hidden_size
+    )  # Qwen2-VL: `embed_dim` is the tower width, `hidden_size` the merger output
+
+
+def _out_hidden(vision_config) -> int:
+    return vision_config.out_hidden_size
+
+
+def _deepstack(vision_config) -> int:
+    return len(getattr(vision_config, "deepstack_visual_indexes", None) or [])
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    family: str  # the vitserve family name
+    config_class: str  # transformers top-level config class of the full model
+    vision_class: str  # "module:Class" of the tower built from config.vision_config
+    key_prefixes: tuple[tuple[str, str], ...]  # (checkpoint prefix, module prefix)
+    forward: ForwardFn
+    embed_dim: Callable[[object], int]  # (full config) -> output columns
+    num_deepstack: Callable[[object], int] = lambda config: 0
+
+    def config_cls(self):
+        import transformers
+
+        return getattr(transformers, self.config_class)
+
+    def build(self, config) -> nn.Module:
+        """The vision module for `config` (full-model config), built on the current default device."""
+        if self.family == "internvl":
+            from vitserve.model.internvl import InternVLVisual
+
+            return InternVLVisual(config)
+        module_name, cls_name = self.vision_class.split(":")
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        return cls._from_config(config.vision_config)
+
+
+def _qwen(
+    family: str, config_class: str, vision_class: str, embed_dim, deepstack=lambda c: 0
+) -> FamilyAdapter:
+    return FamilyAdapter(
+        family=family,
+        config_class=config_class,
+        vision_class=f"transformers.models.{vision_class}",
+        key_prefixes=_QWEN_KEYS,
+        forward=_qwen_forward,
+        embed_dim=lambda config: embed_dim(config.vision_config),
+        num_deepstack=lambda config: deepstack(config.vision_config),
+    )
+
+
+# Keyed by config.json model_type; MoE variants share their dense family's tower and processor.
+ADAPTERS: dict[str, FamilyAdapter] = {
+    "qwen2_vl": _qwen(
+        "qwen2_vl",
+        "Qwen2VLConfig",
+        "qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel",
+        _qwen2_embed_dim,
+    ),
+    "qwen2_5_vl": _qwen(
+        "qwen2_5_vl",
+        "Qwen2_5_VLConfig",
+        "qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
+        _out_hidden,
+    ),
+    "qwen3_vl": _qwen(
+        "qwen3_vl", "Qwen3VLConfig", "qwen3_vl.modeling_qwen3_vl:Qwen3VLVisionModel", _out_hidden, _deepstack
+    ),
+    "qwen3_vl_moe": _qwen(
+        "qwen3_vl",
+        "Qwen3VLMoeConfig",
+        "qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeVisionModel",
+        _out_hidden,
+        _deepstack,
+    ),
+    "qwen3_5": _qwen("qwen3_5", "Qwen3_5Config", "qwen3_5.modeling_qwen3_5:Qwen3_5VisionModel", _out_hidden),
+    "qwen3_5_moe": _qwen(
+        "qwen3_5", "Qwen3_5MoeConfig", "qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeVisionModel", _out_hidden
+    ),
+    "internvl": FamilyAdapter(
+        family="internvl",
+        config_class="InternVLConfig",
+        vision_class="vitserve.model.internvl:InternVLVisual",
+        key_prefixes=_INTERNVL_KEYS,
+        forward=_internvl_forward,
+        embed_dim=lambda config: config.text_config.hidden_size,
+    ),
+}
+
+
+def resolve_adapter(model_type: str | None, family: str = "auto") -> FamilyAdapter:
+    """The adapter for a checkpoint's model_type, or for an explicit --model_family (which wins)."""
+    if family != "auto":
+        if family not in FAMILIES:
+            raise ConfigError(
+                f"unknown --model_family {family!r}; expected one of {', '.join(FAMILIES)} or auto"
+            )
+        adapter = ADAPTERS.get(model_type or "")
+        # Keep the MoE variant's classes when the checkpoint is one; otherwise use the family's own.
+        return adapter if adapter is not None and adapter.family == family else ADAPTERS[family]
+    adapter = ADAPTERS.get(model_type or "")
+    if adapter is None:
+        raise ConfigError(
+            f"unknown model_type {model_type!r} in config.json; set --model_family to one of "
+            f"{', '.join(FAMILIES)} if the checkpoint uses one of those vision towers"
+        )
+    return adapter

@@ -1,0 +1,80 @@
+"""Model-family image processors with an unbreakable per-image token budget (SPEC §7, DESIGN invariant 1).
+
+Usage: ``proc = load_image_processor(checkpoint_dir | family | "demo", max_tokens=8192)``, then
+``proc.count_tokens(width, height) -> int`` and ``proc.preprocess(pil_image) -> ProcessedImage``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from vitserve.errors import ConfigError
+from vitserve.processors.base import VisionProcessor
+from vitserve.processors.budget import Plan
+from vitserve.processors.families import (
+    FAMILIES,
+    QWEN_FAMILIES,
+    family_of_checkpoint,
+    internvl_hf_processor,
+    qwen_hf_processor,
+)
+from vitserve.processors.internvl import InternVLProcessor
+from vitserve.processors.qwen import QwenProcessor
+
+__all__ = [
+    "FAMILIES",
+    "Plan",
+    "VisionProcessor",
+    "family_of_checkpoint",
+    "load_image_processor",
+]
+
+log = logging.getLogger(__name__)
+
+
+def load_image_processor(name_or_path: str, max_tokens: int = 0, *, family: str = "auto") -> VisionProcessor:
+    """A family processor clamped to ``max_tokens`` image tokens per image (0 = exactly as HF ships it).
+
+    ``name_or_path``: a checkpoint directory (read offline), a family name, or "demo" (= qwen2_5_vl).
+    ``family``: "auto" reads it from the checkpoint's config.json (what --model_family auto does).
+    """
+    if max_tokens < 0:
+        raise ConfigError(f"--visual_batch_max_tokens must be >= 0, got {max_tokens}")
+    checkpoint, family = _resolve(str(name_or_path), family)
+    if family in QWEN_FAMILIES:
+        proc: VisionProcessor = QwenProcessor(family, qwen_hf_processor(family, checkpoint), max_tokens)
+    else:
+        hf, patch, tokens_per_tile = internvl_hf_processor(checkpoint)
+        proc = InternVLProcessor(hf, max_tokens, patch_size=patch, tokens_per_tile=tokens_per_tile)
+    _warn_if_minimum_above_budget(proc)
+    return proc
+
+
+def _resolve(name_or_path: str, family: str) -> tuple[Path | None, str]:
+    """(checkpoint dir or None, family) for a --model value and a --model_family value."""
+    if family != "auto" and family not in FAMILIES:
+        raise ConfigError(f"--model_family {family!r} is not one of auto, {', '.join(FAMILIES)}")
+    if name_or_path == "demo":
+        return None, "qwen2_5_vl"
+    if name_or_path in FAMILIES:
+        return None, name_or_path
+    path = Path(name_or_path)
+    if not path.is_dir():
+        raise ConfigError(
+            f"--model {name_or_path!r} is neither a checkpoint directory nor one of demo, {', '.join(FAMILIES)}"
+        )
+    return path, family_of_checkpoint(path) if family == "auto" else family
+
+
+def _warn_if_minimum_above_budget(proc: VisionProcessor) -> None:
+    info = proc.clamp_info()
+    minimum = info.get("min_tokens") or info.get("tokens_per_tile")
+    if proc.max_tokens > 0 and minimum and minimum > proc.max_tokens:
+        log.warning(
+            "the %s processor's minimum of %d tokens per image is above --visual_batch_max_tokens=%d: "
+            "images it must grow (or every image, for tiles) will be refused with 413 over_token_budget",
+            proc.family,
+            minimum,
+            proc.max_tokens,
+        )

@@ -1,0 +1,62 @@
+"""InternVL (HF's GotOcr2ImageProcessorPil with dynamic tiling).
+
+pixel_values: (num_tiles, 3, tile, tile) — the tiles HF cuts (plus the thumbnail when there is more than one
+tile), exactly as InternVLProcessor produces them (it calls the image processor with crop_to_patches=True).
+grid_thw: (num_tiles, tile // patch, tile // patch); num_tokens = num_tiles * tokens_per_tile
+(tokens_per_tile = (tile/patch)^2 * downsample_ratio^2 = 256 for 448/14/0.5).
+resized_size: the tiled canvas (columns * tile, rows * tile) the image is resized to before cutting.
+"""
+
+from __future__ import annotations
+
+from PIL import Image
+
+from vitserve.processors.base import VisionProcessor, call_hf, check_grid
+from vitserve.processors.budget import Plan, TileGeometry, plan_tiles
+from vitserve.types import ProcessedImage
+
+
+class InternVLProcessor(VisionProcessor):
+    def __init__(self, hf, max_tokens: int, *, patch_size: int, tokens_per_tile: int):
+        self.family = "internvl"
+        self.hf = hf
+        self.max_tokens = max_tokens
+        self.geometry = TileGeometry(
+            tile_height=int(hf.size["height"]),
+            tile_width=int(hf.size["width"]),
+            patch_size=patch_size,
+            tokens_per_tile=tokens_per_tile,
+            min_patches=int(hf.min_patches),
+            max_patches=int(hf.max_patches),
+        )
+        if max_tokens > 0:
+            # the clamp lives in the HF object, so calling it directly respects the budget too
+            self.hf.max_patches = self.geometry.clamped_max_patches(max_tokens)
+            self.hf.min_patches = min(self.geometry.min_patches, self.hf.max_patches)
+
+    def plan(self, width: int, height: int) -> Plan:
+        return plan_tiles(width, height, self.geometry, self.max_tokens)
+
+    def preprocess(self, image: Image.Image) -> ProcessedImage:
+        plan = self.plan(*image.size)
+        out = call_hf(self.hf, image, self.family, crop_to_patches=True)
+        pixel_values = out["pixel_values"]  # (num_tiles, 3, tile_h, tile_w)
+        grid = (int(pixel_values.shape[0]), plan.grid_thw[1], plan.grid_thw[2])
+        check_grid(plan, grid, self.family)
+        return ProcessedImage(
+            pixel_values=pixel_values,
+            grid_thw=plan.grid_thw,
+            num_tokens=plan.num_tokens,
+            resized_size=plan.resized_size,
+            clamped=plan.clamped,
+        )
+
+    def clamp_info(self) -> dict:
+        return {
+            "family": self.family,
+            "max_tokens": self.max_tokens,
+            "max_patches": int(self.hf.max_patches),
+            "min_patches": int(self.hf.min_patches),
+            "tile_size": self.geometry.tile_height,
+            "tokens_per_tile": self.geometry.tokens_per_tile,
+        }

@@ -1,0 +1,83 @@
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (all use HF's Qwen2VLImageProcessorPil)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from PIL import Image
+
+from vitserve.processors.base import VisionProcessor, call_hf, check_grid
+from vitserve.processors.budget import Plan, QwenGeometry, plan_qwen
+from vitserve.types import ProcessedImage
+
+
+class QwenProcessor(VisionProcessor):
+    """pixel_values: HF's flat patches (num_patches, C*T*P*P); grid_thw = (1, h_patches, w_patches)."""
+
+    def __init__(self, family: str, hf, max_tokens: int):
+        self.family = family
+        self.hf = hf
+        self.max_tokens = max_tokens
+        self.geometry = QwenGeometry(
+            patch_size=int(hf.patch_size),
+            merge_size=int(hf.merge_size),
+            min_pixels=int(hf.size["shortest_edge"]),
+            max_pixels=int(hf.size["longest_edge"]),
+        )
+        self._clamp_hf()
+
+    def _clamp_hf(self) -> None:
+        """Write the clamp into the HF object so it also holds when HF is called directly.
+
+        transformers 5.x reads only ``size["longest_edge"]`` (``min_pixels``/``max_pixels`` init kwargs are
+        folded into ``size``); older versions read a ``max_pixels`` attribute, set too where it exists.
+        """
+        if self.max_tokens <= 0:
+            return  # exactly as HF ships it
+        clamp = self.geometry.clamped_max_pixels(self.max_tokens)
+        size = self.hf.size
+        if dataclasses.is_dataclass(size):
+            new = {"longest_edge": clamp}
+            if getattr(size, "max_pixels", None) is not None:
+                new["max_pixels"] = clamp
+            self.hf.size = dataclasses.replace(size, **new)
+        else:
+            self.hf.size = {**size, "longest_edge": clamp}
+        if getattr(self.hf, "max_pixels", None) is not None:
+            self.hf.max_pixels = clamp
+
+    def plan(self, width: int, height: int) -> Plan:
+        return plan_qwen(width, height, self.geometry, self.max_tokens)
+
+    def preprocess(self, image: Image.Image) -> ProcessedImage:
+        plan = self.plan(*image.size)
+        if plan.hf_native:
+            out = call_hf(self.hf, image, self.family)
+        else:
+            # HF's smart_resize would overshoot the budget here: resize to the planned size with the same
+            # PIL filter HF uses (its PIL backend resizes uint8 pixels with Image.resize), then let HF do
+            # the rest (rescale, normalize, patchify) without resizing again.
+            resized = image.convert("RGB").resize(plan.resized_size, resample=self.hf.resample)
+            out = call_hf(self.hf, resized, self.family, do_resize=False)
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        check_grid(plan, grid, self.family)  # type: ignore[arg-type]
+        return ProcessedImage(
+            pixel_values=out["pixel_values"],  # (num_patches, C*T*P*P)
+            grid_thw=plan.grid_thw,
+            num_tokens=plan.num_tokens,
+            resized_size=plan.resized_size,
+            clamped=plan.clamped,
+        )
+
+    def clamp_info(self) -> dict:
+        clamp = self.geometry.clamped_max_pixels(self.max_tokens)
+        return {
+            "family": self.family,
+            "max_tokens": self.max_tokens,
+            "max_pixels": clamp,
+            "longest_edge": clamp,  # HF's size["longest_edge"] is a pixel count for this processor
+            "min_pixels": self.geometry.min_pixels,
+            "min_tokens": self.geometry.min_tokens,
+            "patch_size": self.geometry.patch_size,
+            "merge_size": self.geometry.merge_size,
+        }

@@ -1,0 +1,313 @@
+"""Worst-case memory reservation (DESIGN invariant 7) and its publication (SPEC §6).
+
+At start-up every rank runs the production `encoder.encode` once on the batch that maximises activation
+memory under the token budget, keeps that peak in the allocator, and publishes the number so that an LLM
+server sharing the device sizes its KV cache after it. Nothing here allocates buffers production never
+allocates: the stress is exactly one `encode` call.
+
+Which batch is the worst case:
+- Qwen families: ONE image with the most tokens <= budget. Linear layers, norms and the merger cost memory
+  linear in the total patch count, which is the same for one big image or many small ones at the same
+  total; attention is per image (cu_seqlens), and every implementation costs at least as much for one
+  image of n patches as for k images of n/k (eager/SDPA-math scores are O(n^2) per image; padded-batch
+  kernels k*(n/k)^2; flash kernels are linear). Qwen2.5-VL runs window attention in most blocks (windows
+  of `window_size` pixels, linear in n) but FULL attention over each whole image in
+  `fullatt_block_indexes` — which is O(n^2) per image, so one big image is the worst case there as well.
+  The grid is near-square with both sides multiples of `spatial_merge_size` (the processor's output shape).
+- InternVL: every tile is encoded independently at the fixed tile size, so memory grows with the total
+  number of tiles in the batch: as many tiles as the budget admits, split into images of at most
+  `INTERNVL_MAX_TILES_PER_IMAGE` tiles, at most `max_batch_images` images.
+- Budget 0 (disabled): there is no bound on a batch, so no stress can cover it. We stress a documented
+  default (`DISABLED_BUDGET_TOKENS`, the largest image HF's default Qwen2-VL processor yields:
+  max_pixels 12845056 / 28^2) and log that `--visual_reserved_mem_gb` is the way to reserve more.
+
+Measurement:
+- CUDA: `reset_peak_memory_stats`, one `encode`, then the growth of `max_memory_reserved` over the reserved
+  pool before the stress (weights were resident before). No `empty_cache`: the peak stays in the caching
+  allocator for the life of the process, which is what makes it a reservation.
+- CPU: peak RSS growth. We reset the kernel's high-water mark (`echo 5 > /proc/self/clear_refs`) and read
+  `VmHWM` after the forward minus `VmRSS` before it (both from /proc/self/status). If the reset is not
+  allowed, `VmHWM` may stay at an older, higher peak and the growth reads 0; we then fall back to the
+  growth of `ru_maxrss`, which has the same blind spot, and log it. On CPU the number is informative (the
+  OS does not hold freed pages for us).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vitserve.errors import ConfigError
+from vitserve.model.base import Encoder
+from vitserve.types import ProcessedImage
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+DISABLED_BUDGET_TOKENS = 16384  # budget 0: one image of HF's default Qwen2-VL max_pixels (12845056 / 28**2)
+INTERNVL_MAX_TILES_PER_IMAGE = 13  # GotOcr2 processor default max_patches 12 + the thumbnail tile
+MAX_ASPECT_RATIO = 200  # HF smart_resize rejects images with a longer/shorter side ratio above this
+QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+_FIELDS = {"device": str, "rank": int, "bytes": int, "source": str, "pid": int}
+
+
+@dataclass(frozen=True)
+class Reservation:
+    bytes: int  # activation memory held for the worst case (CUDA: allocator pool growth; CPU: RSS growth)
+    source: str  # "stress" | "override"
+    tokens: int = 0  # image tokens in the stressed batch (0 for an override)
+    images: int = 0  # images in the stressed batch
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The worst-case batch
+# ---------------------------------------------------------------------------------------------------------
+
+
+def worst_case_items(encoder: Encoder, budget_tokens: int, max_batch_images: int) -> list[ProcessedImage]:
+    """The synthetic batch that maximises activation memory under the budget and the batch-size cap."""
+    if max_batch_images < 1:
+        raise ConfigError(f"--visual_infer_batch_size must be >= 1, got {max_batch_images}")
+    if budget_tokens <= 0:
+        log.warning(
+            "--visual_batch_max_tokens 0 (budget off): no batch bound exists; stressing a default of %d tokens. "
+            "Set --visual_reserved_mem_gb to reserve for larger batches.",
+            DISABLED_BUDGET_TOKENS,
+        )
+        budget_tokens = DISABLED_BUDGET_TOKENS
+    if encoder.family in QWEN_FAMILIES:
+        return [_qwen_item(_vision_config(encoder), budget_tokens)]
+    if encoder.family == "internvl":
+        return _internvl_items(encoder, budget_tokens, max_batch_images)
+    raise ConfigError(
+        f"no worst-case shape for family {encoder.family!r}; set --visual_reserved_mem_gb to skip the stress"
+    )
+
+
+def near_square_grid(max_cells: int) -> tuple[int, int]:
+    """(rows, cols), rows <= cols, with rows * cols <= max_cells maximal among grids a processor can emit
+    (aspect ratio <= MAX_ASPECT_RATIO); among equals the most square one."""
+    best = (1, 1)
+    for rows in range(math.isqrt(max_cells), 0, -1):
+        cols = max_cells // rows
+        if cols > MAX_ASPECT_RATIO * rows:
+            break  # fewer rows only gets longer and thinner
+        if rows * cols > best[0] * best[1]:
+            best = (rows, cols)
+        if rows * cols == max_cells:
+            break
+    return best
+
+
+def _qwen_item(cfg: Any, budget_tokens: int) -> ProcessedImage:
+    merge = int(cfg.spatial_merge_size)
+    patch = _first(cfg.patch_size)
+    temporal = _first(getattr(cfg, "temporal_patch_size", 2))
+    channels = int(getattr(cfg, "in_channels", None) or getattr(cfg, "in_chans", None) or 3)
+    rows, cols = near_square_grid(budget_tokens)  # merged tokens
+    h, w = rows * merge, cols * merge  # patches; multiples of merge_size like the processor's output
+    gen = torch.Generator().manual_seed(0)  # same pixels on every TP rank
+    pixels = torch.randn(h * w, channels * temporal * patch * patch, generator=gen)  # (h*w, C*T*P*P)
+    return ProcessedImage(
+        pixel_values=pixels,
+        grid_thw=(1, h, w),
+        num_tokens=rows * cols,
+        resized_size=(w * patch, h * patch),
+        clamped=False,
+    )
+
+
+def _internvl_items(encoder: Encoder, budget_tokens: int, max_batch_images: int) -> list[ProcessedImage]:
+    cfg = _vision_config(encoder)
+    image_size = _first(cfg.image_size)
+    patch = _first(cfg.patch_size)
+    ratio = float(_find_attr(encoder, "downsample_ratio", 0.5))
+    side = image_size // patch  # patches per tile side
+    tokens_per_tile = int(side * ratio) ** 2
+    channels = int(getattr(cfg, "num_channels", 3))
+    if tokens_per_tile > budget_tokens:
+        raise ConfigError(
+            f"one InternVL tile is {tokens_per_tile} tokens, above --visual_batch_max_tokens {budget_tokens}"
+        )
+    tiles = min(budget_tokens // tokens_per_tile, max_batch_images * INTERNVL_MAX_TILES_PER_IMAGE)
+    gen = torch.Generator().manual_seed(0)
+    items = []
+    while tiles > 0:
+        n = min(tiles, INTERNVL_MAX_TILES_PER_IMAGE)
+        pixels = torch.randn(n, channels, image_size, image_size, generator=gen)  # (tiles, C, H, W)
+        items.append(
+            ProcessedImage(
+                pixel_values=pixels,
+                grid_thw=(n, side, side),
+                num_tokens=n * tokens_per_tile,
+                resized_size=(image_size, image_size),
+                clamped=False,
+            )
+        )
+        tiles -= n
+    return items
+
+
+def _vision_config(encoder: Encoder) -> Any:
+    cfg = getattr(encoder.visual, "config", None)
+    if cfg is None:
+        raise ConfigError("encoder.visual has no .config; set --visual_reserved_mem_gb to skip the stress")
+    return getattr(cfg, "vision_config", None) or cfg
+
+
+def _find_attr(encoder: Encoder, name: str, default: Any) -> Any:
+    """InternVL keeps downsample_ratio on the full-model config; look where a loader may have put it."""
+    visual = encoder.visual
+    cfg = getattr(visual, "config", None)
+    for holder in (encoder, visual, cfg, getattr(cfg, "vision_config", None)):
+        value = getattr(holder, name, None) if holder is not None else None
+        if value is not None:
+            return value
+    return default
+
+
+def _first(value: Any) -> int:
+    """HF configs give sizes as an int or a per-axis list; the towers here are square."""
+    return int(value[0]) if isinstance(value, (list, tuple)) else int(value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The stress
+# ---------------------------------------------------------------------------------------------------------
+
+
+def reserve(
+    encoder: Encoder, *, budget_tokens: int, max_batch_images: int, override_gb: float | None
+) -> Reservation:
+    """Run the production forward on the worst case (or honour the override) and return what is held."""
+    if override_gb is not None:
+        return _reserve_override(encoder.device, override_gb)
+    items = worst_case_items(encoder, budget_tokens, max_batch_images)
+    tokens, images = sum(i.num_tokens for i in items), len(items)
+    if torch.device(encoder.device).type == "cuda":
+        nbytes = _stress_cuda(encoder, items)
+    else:
+        nbytes = _stress_cpu(encoder, items)
+    log.info("reserved %d bytes for the worst case (%d tokens in %d images)", nbytes, tokens, images)
+    return Reservation(bytes=nbytes, source="stress", tokens=tokens, images=images)
+
+
+def _reserve_override(device: torch.device | str, override_gb: float) -> Reservation:
+    if override_gb < 0:
+        raise ConfigError(f"--visual_reserved_mem_gb must be >= 0, got {override_gb}")
+    nbytes = int(override_gb * GIB)
+    dev = torch.device(device)
+    if dev.type == "cuda" and nbytes > 0:
+        # Allocate and free into the caching allocator: the block stays held by this process (no empty_cache).
+        block = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        del block
+    return Reservation(bytes=nbytes, source="override")
+
+
+def _stress_cuda(encoder: Encoder, items: Sequence[ProcessedImage]) -> int:
+    dev = torch.device(encoder.device)
+    torch.cuda.synchronize(dev)
+    reserved_before = torch.cuda.memory_reserved(dev)
+    allocated_before = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    encoder.encode(items)
+    torch.cuda.synchronize(dev)
+    peak_alloc = torch.cuda.max_memory_allocated(dev) - allocated_before
+    held = torch.cuda.max_memory_reserved(dev) - reserved_before
+    log.info("stress peak: allocated +%d bytes, allocator pool +%d bytes (kept, no empty_cache)", peak_alloc, held)
+    return max(held, peak_alloc)
+
+
+def _stress_cpu(encoder: Encoder, items: Sequence[ProcessedImage]) -> int:
+    reset = _reset_rss_peak()
+    rss_before = _proc_status_kib("VmRSS")
+    maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    encoder.encode(items)
+    hwm = _proc_status_kib("VmHWM")
+    if reset and hwm is not None and rss_before is not None:
+        return max(hwm - rss_before, 0) * 1024
+    log.warning("could not reset the RSS high-water mark; the CPU reservation may read low")
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - maxrss_before, 0) * 1024
+
+
+def _reset_rss_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0) so the next read is the peak of what follows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _proc_status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])  # "VmHWM:   123456 kB"
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Publication (SPEC §6)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def reservation_path(runtime_dir: str | os.PathLike, device: str, rank: int) -> Path:
+    safe_device = str(device).replace(os.sep, "_")
+    return Path(runtime_dir) / f"reserved_mem_{safe_device}_{int(rank)}.json"
+
+
+def publish_reservation(runtime_dir: str | os.PathLike, device: str, rank: int, nbytes: int, source: str) -> Path:
+    """Write the reservation atomically: a temp file in the same directory, fsync, then os.replace."""
+    path = reservation_path(runtime_dir, device, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"device": str(device), "rank": int(rank), "bytes": int(nbytes), "source": source, "pid": os.getpid()}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # readers see the old file or the whole new one, never a partial write
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_reservation(runtime_dir: str | os.PathLike, device: str, rank: int) -> dict | None:
+    """The published reservation, or None when it is not (yet) known. Never raises."""
+    try:
+        text = reservation_path(runtime_dir, device, rank).read_text()
+        body = json.loads(text)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    for key, kind in _FIELDS.items():
+        value = body.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return None
+    return {key: body[key] for key in _FIELDS}
+
+
+def remove_reservation(runtime_dir: str | os.PathLike, device: str, rank: int) -> None:
+    """Delete this rank's file on clean shutdown; a missing file is fine."""
+    try:
+        reservation_path(runtime_dir, device, rank).unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not remove the reservation file: %s", exc)

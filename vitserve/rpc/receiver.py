@@ -1,0 +1,106 @@
+"""EmbeddingReceiver: the LLM server's end of SPEC §3, shipped with vitserve for LLM-server authors.
+
+    from vitserve.rpc import EmbeddingReceiver
+    with EmbeddingReceiver("ipc:///tmp/llm.sock") as rx:     # binds a PULL socket; vitserve connects
+        emb = rx.recv(timeout_s=1.0)                          # ImageEmbedding, or TimeoutError
+        emb.embedding                                         # (num_tokens, dim) torch.Tensor
+
+Messages that are not SPEC §3 v1 (garbage, a pickle, an unknown version, sizes that do not match the
+header) are rejected with one logged error line — the reason, never payload bytes — and recv() goes
+on to the next message. Nothing received is ever unpickled or executed.
+
+Tensors share memory with the received ZMQ frames (no copy after the kernel's): each message owns its
+frames, so the tensors are the receiver's to keep or modify.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from vitserve.rpc.wire import ImageEmbedding, WireError, decode_embedding_message
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RCVHWM = 64  # messages ZMQ buffers on this side before the sender's queue starts filling
+
+
+class EmbeddingReceiver:
+    """A PULL socket that yields ImageEmbedding messages.
+
+    endpoint: tcp://host:port or ipc:///path; with bind=True "tcp://127.0.0.1:*" picks a free port,
+    and `.endpoint` is the address actually bound.
+    bind: True (the default, SPEC §3: the LLM server binds) or False to connect.
+    """
+
+    def __init__(self, endpoint: str, bind: bool = True, *, rcvhwm: int = DEFAULT_RCVHWM) -> None:
+        self.received = 0  # good messages returned by recv()
+        self.rejected = 0  # bad messages logged and skipped
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context(io_threads=1)
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            if bind:
+                self._sock.bind(endpoint)
+                endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            self._ctx.term()
+            raise OSError(
+                f"cannot {'bind' if bind else 'connect'} the embedding receiver at {endpoint!r}: {exc}"
+            ) from exc
+        self.endpoint = endpoint
+
+    def recv(self, timeout_s: float | None = None) -> ImageEmbedding:
+        """The next well-formed message. Raises TimeoutError if none arrives within timeout_s
+        (None waits forever); bad messages in between are logged, counted in `.rejected` and skipped."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                frames = self._recv_frames(deadline, timeout_s)
+                try:
+                    msg = decode_embedding_message(frames)
+                except WireError as exc:
+                    self.rejected += 1
+                    log.error(
+                        "rejected a message on %s (%d frames, %d bytes): %s",
+                        self.endpoint,
+                        len(frames),
+                        sum(len(f) for f in frames),
+                        exc,
+                    )
+                    continue
+                self.received += 1
+                return msg
+
+    def _recv_frames(self, deadline: float | None, timeout_s: float | None) -> list[zmq.Frame]:
+        while True:
+            if deadline is None:
+                wait_ms = None
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no embedding message on {self.endpoint} within {timeout_s} s")
+                wait_ms = max(1, int(remaining * 1000 + 0.999))
+            if self._sock.poll(timeout=wait_ms, flags=zmq.POLLIN):
+                # copy=False: frames keep ZMQ's receive buffers; tensors are built over them in place.
+                return self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._sock.closed:
+                self._sock.close(linger=0)
+                self._ctx.term()
+
+    def __enter__(self) -> EmbeddingReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

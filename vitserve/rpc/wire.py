@@ -1,0 +1,215 @@
+"""The embedding message to the LLM server: SPEC §3, version 1.
+
+One ZMQ multipart message per image:
+
+    frame 0   msgpack map (the header below)
+    frame 1   the embedding's raw bytes, little-endian, C-contiguous, (num_tokens, dim) in `dtype`
+    frame 2.. one per deepstack tensor, same dtype, shapes in `deepstack_shapes`
+
+Decoding trusts nothing: the header is parsed by msgpack only (never pickle; no ext hooks, string map
+keys only, size-capped), every field is type-checked, and every frame size must equal dtype x shape
+before a tensor is built over it. Anything else raises WireError, which the receiver logs and skips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from vitserve.rpc.tensors import dtype_name, tensor_from_buffer, tensor_to_buffer
+
+WIRE_VERSION = 1
+EMBEDDING_DTYPES = ("float32", "float16", "bfloat16")
+MAX_HEADER_BYTES = 64 * 1024  # a real header is ~300 bytes; refuse to msgpack-parse anything huge
+
+
+class WireError(ValueError):
+    """A message that does not follow SPEC §3 v1. The message says what is wrong, never the payload."""
+
+
+@dataclass
+class ImageEmbedding:
+    """One image's embedding as the LLM server receives it (SPEC §3)."""
+
+    request_id: str  # the /encode request it belongs to
+    image_index: int  # position of the image in that request, 0-based
+    num_images: int  # images in that request; messages arrive in image_index order
+    image_id: str  # hex sha256 of the image bytes as received by vitserve
+    grid_thw: tuple[int, int, int]  # patch grid before spatial merge
+    num_tokens: int  # merged tokens = rows of the embedding
+    embedding: torch.Tensor  # (num_tokens, dim)
+    deepstack: list[torch.Tensor] = field(default_factory=list)  # each (n, d), Qwen3-VL / Qwen3.5 only
+    model: str = ""  # the served model's name
+    dtype: str = "float32"  # "float32" | "float16" | "bfloat16", of embedding and deepstack
+
+
+# -- encode -----------------------------------------------------------------------------------------
+def encode_embedding_message(
+    *,
+    request_id: str,
+    image_index: int,
+    num_images: int,
+    image_id: str,
+    model: str,
+    grid_thw: Sequence[int],
+    embedding: torch.Tensor,
+    deepstack: Sequence[torch.Tensor] = (),
+) -> list[bytes | memoryview]:
+    """The frames of one SPEC §3 message. Tensor frames are zero-copy views of contiguous CPU tensors:
+    the caller must not modify `embedding`/`deepstack` in place until ZMQ has sent them."""
+    dtype = _embedding_dtype(embedding, deepstack)
+    header = {
+        "v": WIRE_VERSION,
+        "request_id": request_id,
+        "image_index": image_index,
+        "num_images": num_images,
+        "image_id": image_id,
+        "model": model,
+        "grid_thw": [int(x) for x in grid_thw],
+        "num_tokens": int(embedding.shape[0]),
+        "dtype": dtype,
+        "shape": list(embedding.shape),
+        "deepstack_shapes": [list(d.shape) for d in deepstack],
+    }
+    _check_header(header)  # the sender refuses what a receiver would reject
+    frames: list[bytes | memoryview] = [msgpack.packb(header, use_bin_type=True)]
+    frames.append(tensor_to_buffer(embedding))
+    frames.extend(tensor_to_buffer(d) for d in deepstack)
+    return frames
+
+
+def _embedding_dtype(embedding: torch.Tensor, deepstack: Sequence[torch.Tensor]) -> str:
+    for t in (embedding, *deepstack):
+        if t.dim() != 2:
+            raise WireError(f"embedding tensors must be 2-D (tokens, dim), got shape {tuple(t.shape)}")
+        if t.dtype != embedding.dtype:
+            raise WireError(f"deepstack dtype {t.dtype} differs from the embedding's {embedding.dtype}")
+    name = dtype_name(embedding.dtype)
+    if name not in EMBEDDING_DTYPES:
+        raise WireError(f"embedding dtype {name} is not one of {EMBEDDING_DTYPES}")
+    return name
+
+
+# -- decode -----------------------------------------------------------------------------------------
+def decode_embedding_message(frames: Sequence[Any]) -> ImageEmbedding:
+    """Parse and check one message (frames as bytes, memoryviews or zmq.Frame objects).
+
+    Tensors share memory with writable frames (zmq.Frame from recv(copy=False)) and copy read-only
+    ones (bytes). Raises WireError for anything that is not a well-formed SPEC §3 v1 message.
+    """
+    if len(frames) < 2:
+        raise WireError(f"a v{WIRE_VERSION} message has at least 2 frames, got {len(frames)}")
+    header = _parse_header(_buffer(frames[0]))
+    _check_header(header)
+    expected_frames = 2 + len(header["deepstack_shapes"])
+    if len(frames) != expected_frames:
+        raise WireError(
+            f"header announces {len(header['deepstack_shapes'])} deepstack tensors, so {expected_frames} "
+            f"frames, but the message has {len(frames)}"
+        )
+    dtype = header["dtype"]
+    embedding = _tensor(frames[1], dtype, header["shape"], "embedding (frame 1)")
+    deepstack = [
+        _tensor(frames[2 + k], dtype, shape, f"deepstack {k} (frame {2 + k})")
+        for k, shape in enumerate(header["deepstack_shapes"])
+    ]
+    return ImageEmbedding(
+        request_id=header["request_id"],
+        image_index=header["image_index"],
+        num_images=header["num_images"],
+        image_id=header["image_id"],
+        grid_thw=tuple(header["grid_thw"]),  # type: ignore[arg-type]
+        num_tokens=header["num_tokens"],
+        embedding=embedding,
+        deepstack=deepstack,
+        model=header["model"],
+        dtype=dtype,
+    )
+
+
+def _buffer(frame: Any) -> memoryview:
+    """The bytes of a frame without copying (zmq.Frame exposes .buffer)."""
+    buf = getattr(frame, "buffer", frame)
+    try:
+        return memoryview(buf)
+    except TypeError:
+        raise WireError(f"a frame must be bytes-like, got {type(frame).__name__}") from None
+
+
+def _tensor(frame: Any, dtype: str, shape: list[int], what: str) -> torch.Tensor:
+    try:
+        return tensor_from_buffer(_buffer(frame), dtype, shape)
+    except ValueError as exc:
+        raise WireError(f"{what}: {exc}") from None
+
+
+def _parse_header(raw: memoryview) -> dict:
+    if raw.nbytes > MAX_HEADER_BYTES:
+        raise WireError(f"header frame is {raw.nbytes} bytes, over the {MAX_HEADER_BYTES}-byte limit")
+    try:
+        # msgpack only: no pickle, no ext_hook/object_hook (ext types stay inert ExtType values and
+        # fail the type checks), str/bytes map keys only, strings decoded as UTF-8.
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types for malformed input
+        raise WireError(f"header frame is not a single msgpack value ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise WireError(f"header must be a msgpack map, got {type(header).__name__}")
+    return header
+
+
+_STR_FIELDS = ("request_id", "image_id", "model", "dtype")
+_INT_FIELDS = ("image_index", "num_images", "num_tokens")
+
+
+def _check_header(h: dict) -> None:
+    """Every SPEC §3 v1 field present, typed, and consistent with the others."""
+    version = h.get("v")
+    if version != WIRE_VERSION or type(version) is not int:
+        raise WireError(f"unknown wire version {_kind(version)}; this receiver speaks v{WIRE_VERSION}")
+    _check_scalars(h)
+    _check_shapes(h)
+
+
+def _check_scalars(h: dict) -> None:
+    for name in _STR_FIELDS:
+        if not isinstance(h.get(name), str):
+            raise WireError(f"field {name!r} must be a string, got {_kind(h.get(name))}")
+    for name in _INT_FIELDS:
+        if not _is_count(h.get(name)):
+            raise WireError(f"field {name!r} must be a non-negative integer, got {_kind(h.get(name))}")
+    if not h["image_index"] < h["num_images"]:
+        raise WireError(f"image_index {h['image_index']} is not below num_images {h['num_images']}")
+    if h["dtype"] not in EMBEDDING_DTYPES:
+        raise WireError(f"dtype {_kind(h['dtype'])} is not one of {EMBEDDING_DTYPES}")
+
+
+def _check_shapes(h: dict) -> None:
+    if not _is_dims(h.get("grid_thw"), 3):
+        raise WireError(f"grid_thw must be 3 non-negative integers, got {_kind(h.get('grid_thw'))}")
+    if not _is_dims(h.get("shape"), 2):
+        raise WireError(f"shape must be [num_tokens, dim], got {_kind(h.get('shape'))}")
+    if h["shape"][0] != h["num_tokens"]:
+        raise WireError(f"num_tokens {h['num_tokens']} differs from shape[0] {h['shape'][0]}")
+    shapes = h.get("deepstack_shapes")
+    if not isinstance(shapes, list) or not all(_is_dims(s, 2) for s in shapes):
+        raise WireError(f"deepstack_shapes must be a list of [n, d], got {_kind(shapes)}")
+
+
+def _is_count(x: Any) -> bool:
+    return type(x) is int and x >= 0  # bool is an int subclass: refuse it
+
+
+def _is_dims(x: Any, n: int) -> bool:
+    return isinstance(x, list) and len(x) == n and all(_is_count(d) for d in x)
+
+
+def _kind(x: Any) -> str:
+    """A field's type (and value when short) for an error message, never a long payload."""
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return f"{len(x)} raw bytes"
+    text = repr(x)
+    return text if len(text) <= 40 else f"a {type(x).__name__} of {len(text)} chars"

@@ -1,0 +1,123 @@
+"""The batch scheduler: a pure FIFO token-budget packer (DESIGN invariants 2 and 3).
+
+No I/O, no torch, no asyncio, no threads: the engine owns the locking and calls these methods from one
+place. Items are opaque hashable ids plus their token count (computed once, by the processor's
+`count_tokens`, upstream).
+
+Rules, and the bugs they exist to avoid:
+
+* **Strict FIFO from the head.** `next_batch()` takes items from the head in arrival order and stops at
+  the first item that does not fit the token budget or the image cap. That item *stays at the head*
+  (we only peek at it), so it is the first item of the next batch. Nothing ever skips ahead to a
+  smaller item behind it: skipping would starve large images under a steady stream of small ones, and
+  any reordering desyncs tensor-parallel ranks that replay rank 0's decisions (LightLLM PR #1290:
+  `infer_queue.put(task)` re-queued the rejected image at the *tail*, so rank 0 and rank N encoded
+  different images; the fix was a `_put_front` that re-inserts at the head — peeking gives the same
+  result without ever removing the item).
+* **The first item is always admitted**, even when it alone is over the budget. The per-image cap
+  upstream (DESIGN invariant 1) normally guarantees it fits; if it ever did not, refusing it would
+  leave it at the head forever and the queue would spin without progress. That is TEI issue #723: an
+  entry larger than the batch budget was pushed back to the front on every iteration, an infinite loop
+  that stalled the whole queue. Admitting it alone trades one over-budget batch for liveness.
+* **Cancellation is lazy.** `cancel()` forgets the item in O(1); its slot in the deque is skipped when
+  it reaches the head. Cancelled items are never reordered or re-queued, and `queued_tokens` /
+  `queued_items` exclude them immediately.
+
+Every operation is O(1) amortised: each added entry is appended once and popped once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+
+
+class Scheduler:
+    """FIFO packer of items under a per-batch token budget and image cap.
+
+    budget_tokens: the most tokens in one batch (`--visual_batch_max_tokens`); 0 = unlimited.
+    max_batch_images: the most items in one batch (`--visual_infer_batch_size`), >= 1.
+    """
+
+    def __init__(self, budget_tokens: int, max_batch_images: int):
+        if budget_tokens < 0:
+            raise ValueError(f"budget_tokens must be >= 0 (0 = unlimited), got {budget_tokens}")
+        if max_batch_images < 1:
+            raise ValueError(f"max_batch_images must be >= 1, got {max_batch_images}")
+        self.budget_tokens = budget_tokens
+        self.max_batch_images = max_batch_images
+        # Arrival order as (seq, item_id). An entry is live iff _live[item_id][0] == seq, so an id that
+        # is cancelled and then added again is queued at the tail, not at its old position.
+        self._order: deque[tuple[int, Hashable]] = deque()
+        self._live: dict[Hashable, tuple[int, int]] = {}  # item_id -> (seq, tokens)
+        self._seq = 0
+        self._queued_tokens = 0
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def queued_tokens(self) -> int:
+        """Tokens of the queued, non-cancelled items."""
+        return self._queued_tokens
+
+    @property
+    def queued_items(self) -> int:
+        """Number of queued, non-cancelled items."""
+        return len(self._live)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, item_id: Hashable) -> bool:
+        return item_id in self._live
+
+    # -- commands --------------------------------------------------------------------------------
+    def add(self, item_id: Hashable, tokens: int) -> None:
+        """Queue an item at the tail. Raises ValueError for a duplicate live id or negative tokens."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens} for item {item_id!r}")
+        if item_id in self._live:
+            raise ValueError(f"item {item_id!r} is already queued")
+        self._seq += 1
+        self._live[item_id] = (self._seq, tokens)
+        self._order.append((self._seq, item_id))
+        self._queued_tokens += tokens
+
+    def cancel(self, item_id: Hashable) -> bool:
+        """Forget a queued item. True if it was queued; False if unknown, already batched or cancelled."""
+        entry = self._live.pop(item_id, None)
+        if entry is None:
+            return False
+        self._queued_tokens -= entry[1]
+        return True
+
+    def next_batch(self) -> list[Hashable] | None:
+        """The next batch of item ids in FIFO order, or None when nothing is queued.
+
+        Takes items from the head while the running token sum stays within the budget and the batch
+        has fewer than max_batch_images items; the first item is always taken (see the module doc).
+        """
+        batch: list[Hashable] = []
+        batch_tokens = 0
+        while len(batch) < self.max_batch_images:
+            head = self._peek_live()
+            if head is None:
+                break
+            item_id, tokens = head
+            if batch and self.budget_tokens and batch_tokens + tokens > self.budget_tokens:
+                break  # does not fit: it stays at the head and opens the next batch
+            self._order.popleft()
+            del self._live[item_id]
+            self._queued_tokens -= tokens
+            batch.append(item_id)
+            batch_tokens += tokens
+        return batch or None
+
+    def _peek_live(self) -> tuple[Hashable, int] | None:
+        """The live head (item_id, tokens), dropping cancelled entries in front of it."""
+        while self._order:
+            seq, item_id = self._order[0]
+            entry = self._live.get(item_id)
+            if entry is not None and entry[0] == seq:
+                return item_id, entry[1]
+            self._order.popleft()  # cancelled (or cancelled and re-added later): skip, never reorder
+        return None
