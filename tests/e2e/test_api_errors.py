@@ -12,7 +12,6 @@ import zlib
 import pytest
 from PIL import Image
 
-from tests.e2e.conftest import USING_STANDINS
 from tests.e2e.live import live_server, noise_png, png_bytes
 
 pytestmark = pytest.mark.timeout(120)
@@ -228,7 +227,6 @@ def test_body_over_cap_via_httpx_is_413(client, live):
 
 
 # -- over_token_budget, not_ready, encoder_failed, timeout ---------------------------------------------------
-@pytest.mark.skipif(USING_STANDINS, reason="needs the real processors (proc helper) for InternVL's minimum")
 def test_image_above_budget_after_clamping_is_413_over_token_budget():
     from vitserve.processors import load_image_processor
 
@@ -264,8 +262,8 @@ class BrokenEncoder:
 
 
 def test_encoder_failure_in_flight_is_503_encoder_failed():
-    from tests.fakes import FakeEngine
     from tests.e2e.live import TEST_CONFIG
+    from tests.fakes import FakeEngine
     from vitserve.metrics import Metrics
 
     with live_server(engine=FakeEngine(TEST_CONFIG, Metrics(), encoder=BrokenEncoder())) as srv, srv.client() as c:
