@@ -124,6 +124,7 @@ class FakeEngine:
         self._stopping = False
         self._in_flight = 0
         self._thread: threading.Thread | None = None
+        self.failed = asyncio.Event()  # set by tests to play "every encoder group is dead"
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -192,7 +192,8 @@ def _build_service(config: Config):
     from vitserve.processors import load_image_processor
 
     sock = bind_socket(config.host, config.port)
-    processor = load_image_processor(config.model, max_tokens=config.visual_batch_max_tokens)
+    processor = load_image_processor(config.model, max_tokens=config.visual_batch_max_tokens,
+                                     family=config.model_family)
     metrics = Metrics()
     engine = Engine(config, metrics)
     return Service(config, engine, processor, metrics, sock=sock, banner=render_banner)

@@ -25,7 +25,6 @@ from vitserve.errors import ConfigError
 from vitserve.metrics import Metrics
 
 log = logging.getLogger("vitserve")
-_ENGINE_POLL_S = 0.5
 
 
 class _Server(uvicorn.Server):
@@ -61,18 +60,15 @@ class Service:
         self.state = ServerState()
         self.app = create_app(config, engine, processor, metrics, state=self.state)
         self.sock = sock or bind_socket(config.host, config.port)
+        self.port: int = self.sock.getsockname()[1]  # the real one when --port 0
         self.banner = banner
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started = threading.Event()
 
-    @property
-    def port(self) -> int:
-        return self.sock.getsockname()[1]
-
     def request_stop(self) -> None:
         """Thread-safe: what SIGTERM does."""
-        if self._loop is not None and self._stop is not None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stop.set)
 
     async def run(self) -> int:
@@ -124,12 +120,11 @@ class Service:
         self.app.state.preprocessor.close()
 
     async def _watch_engine(self) -> None:
-        """Returns when the engine says it cannot serve again (engine.dead() is True; optional hook)."""
-        probe = getattr(self.engine, "dead", None)
-        while True:
-            await asyncio.sleep(_ENGINE_POLL_S)
-            if callable(probe) and probe():
-                return
+        """Returns when the engine says no encoder group is left (engine.failed, an asyncio.Event)."""
+        failed = getattr(self.engine, "failed", None)
+        if failed is None:
+            await asyncio.Event().wait()  # an engine without the signal: only a signal stops us
+        await failed.wait()
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
