@@ -188,15 +188,15 @@ def render_banner(service) -> str:
 
 def _build_service(config: Config):
     from vitserve.api.server import Service, bind_socket
-    from vitserve.engine import Engine
     from vitserve.processors import load_image_processor
 
-    sock = bind_socket(config.host, config.port)
     processor = load_image_processor(config.model, max_tokens=config.visual_batch_max_tokens,
                                      family=config.model_family)
+    sock = bind_socket(config.host, config.port)
+    from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed
+
     metrics = Metrics()
-    engine = Engine(config, metrics)
-    return Service(config, engine, processor, metrics, sock=sock, banner=render_banner)
+    return Service(config, Engine(config, metrics), processor, metrics, sock=sock, banner=render_banner)
 
 
 def main(argv: list[str] | None = None) -> int:
