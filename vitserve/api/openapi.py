@@ -41,7 +41,7 @@ ERROR_RESPONSES: dict = {
 
 def add_schemas(schema: dict) -> dict:
     """Put the request/response models into components/schemas (with their nested definitions)."""
-    models = [EncodeJSONRequest, EncodeMultipartRequest, EncodeResponse, ErrorBody]
+    models: list = [EncodeJSONRequest, EncodeMultipartRequest, EncodeResponse, ErrorBody]
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.update(defs.get("$defs", {}))

@@ -76,7 +76,8 @@ class Preprocessor:
         decoded.image.close()
         self.metrics.stage_seconds.labels(stage="decode").observe(t1 - t0)
         self.metrics.stage_seconds.labels(stage="preprocess").observe(t2 - t1)
-        return PreparedImage(item, image_id, tuple(decoded.original_size), t1 - t0, t2 - t1)
+        width, height = decoded.original_size
+        return PreparedImage(item, image_id, (width, height), t1 - t0, t2 - t1)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -122,9 +122,7 @@ class Service:
     async def _watch_engine(self) -> None:
         """Returns when the engine says no encoder group is left (engine.failed, an asyncio.Event)."""
         failed = getattr(self.engine, "failed", None)
-        if failed is None:
-            await asyncio.Event().wait()  # an engine without the signal: only a signal stops us
-        await failed.wait()
+        await (failed or asyncio.Event()).wait()  # an engine without the signal: only a signal stops us
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -75,7 +75,7 @@ async def resolve_public(host: str, port: int, timeout_s: float) -> IPAddress:
         raise Timeout(f"resolving {host!r} passed the deadline (--request_timeout_s)") from None
     except OSError:
         raise InvalidRequest(f"host {host!r} of the image URL cannot be resolved") from None
-    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
     for ip in addresses:
         if not is_public_address(ip):
             raise UrlNotAllowed(f"host {host!r} resolves to {ip}, which is not a public address")
