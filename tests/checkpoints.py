@@ -306,18 +306,20 @@ def vision_prefixes(family: str, layout: str = "model.visual") -> tuple[str, ...
 
 
 def hf_reference(
-    path, family: str
+    path, family: str, dtype: torch.dtype = torch.float32
 ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]:
     """Load the full model with from_pretrained and return f(pixel_values, grid_thw) -> (embeds, deepstack).
 
     Qwen families: `model.model.visual(pixel_values, grid_thw=grid_thw)` -> .pooler_output (merged tokens)
     and, for Qwen3-VL, .deepstack_features. InternVL: `model.model.get_image_features(pixel_values)` ->
     .pooler_output of shape (tiles, tokens_per_tile, dim), flattened to rows (grid_thw unused).
+    dtype is passed to from_pretrained; pixels are cast to it as transformers' get_image_features does.
     """
-    model = _model_class(family).from_pretrained(str(path), dtype=torch.float32).eval()
+    model = _model_class(family).from_pretrained(str(path), dtype=dtype).eval()
 
     @torch.inference_mode()
     def run(pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None):
+        pixel_values = pixel_values.to(dtype)
         if family == "internvl":
             out = model.model.get_image_features(pixel_values=pixel_values).pooler_output
             return out.reshape(-1, out.shape[-1]), []

@@ -25,9 +25,9 @@ class TowerEncoder:
         self.embed_dim = self._out_dim()
 
     def _out_dim(self) -> int:
-        cfg = self.visual.config
         if self.family == "internvl":
-            return cfg.text_config.hidden_size
+            return self.visual.multi_modal_projector.linear_2.out_features
+        cfg = self.visual.config
         return getattr(cfg, "out_hidden_size", None) or cfg.hidden_size
 
     def encode(self, items):

@@ -61,7 +61,8 @@ class InternVLVisual(nn.Module):
         from transformers import AutoModel
         from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
 
-        self.config = config
+        # like vitserve/model/internvl.py: no .config of its own, downsample_ratio as an attribute
+        self.downsample_ratio = config.downsample_ratio
         self.vision_tower = AutoModel.from_config(config.vision_config)
         self.multi_modal_projector = InternVLMultiModalProjector(config)
 
@@ -71,7 +72,7 @@ class InternVLVisual(nn.Module):
         feats = self.vision_tower(pixel_values=pixel_values).last_hidden_state[:, 1:, :]  # drop CLS
         n, seq, dim = feats.shape
         side = int(seq**0.5)
-        feats = InternVLModel.pixel_shuffle(None, feats.reshape(n, side, side, dim), self.config.downsample_ratio)
+        feats = InternVLModel.pixel_shuffle(None, feats.reshape(n, side, side, dim), self.downsample_ratio)
         return self.multi_modal_projector(feats.reshape(n, -1, feats.shape[-1]))  # (tiles, tokens, out)
 
 

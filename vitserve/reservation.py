@@ -14,6 +14,9 @@ Which batch is the worst case:
   of `window_size` pixels, linear in n) but FULL attention over each whole image in
   `fullatt_block_indexes` — which is O(n^2) per image, so one big image is the worst case there as well.
   The grid is near-square with both sides multiples of `spatial_merge_size` (the processor's output shape).
+  Measured (CPU, peak RSS growth, tiny 64-wide towers, 4096 tokens; 1 image / 16 / 64 images):
+  SDPA: Qwen2.5-VL 53.9 / 53.6 / 53.6 MiB, Qwen2-VL 56.7 / 54.7 / 54.2, Qwen3-VL 83.0 / 82.1 / 78.9;
+  eager attention at 1024 tokens (1 / 4 / 16 images): 525 / 59.7 / 14.7 MiB.
 - InternVL: every tile is encoded independently at the fixed tile size, so memory grows with the total
   number of tiles in the batch: as many tiles as the budget admits, split into images of at most
   `INTERNVL_MAX_TILES_PER_IMAGE` tiles, at most `max_batch_images` images.
@@ -159,9 +162,12 @@ def _internvl_items(encoder: Encoder, budget_tokens: int, max_batch_images: int)
 
 
 def _vision_config(encoder: Encoder) -> Any:
-    cfg = getattr(encoder.visual, "config", None)
+    """The tower's vision config: visual.config (Qwen towers), or visual.vision_tower.config (InternVL)."""
+    visual = encoder.visual
+    tower = getattr(visual, "vision_tower", None)
+    cfg = getattr(visual, "config", None) or getattr(tower, "config", None)
     if cfg is None:
-        raise ConfigError("encoder.visual has no .config; set --visual_reserved_mem_gb to skip the stress")
+        raise ConfigError("the encoder's visual module has no config; set --visual_reserved_mem_gb to skip the stress")
     return getattr(cfg, "vision_config", None) or cfg
 
 

@@ -189,6 +189,35 @@ def test_bad_messages_are_logged_and_skipped(receiver, tmp_path, caplog):
     assert "SECRET" not in caplog.text, "payload bytes leaked into the log"
 
 
+def test_frame_over_max_frame_bytes_is_refused_and_receiving_goes_on():
+    with EmbeddingReceiver("tcp://127.0.0.1:*", max_frame_bytes=4096) as rx, LLMSender(rx.endpoint) as tx:
+        send(tx, request_id="huge", embedding=torch.zeros(64, 64))  # 16 KiB frame: peer disconnected
+        with pytest.raises(TimeoutError):
+            rx.recv(timeout_s=0.5)
+        send(tx, request_id="small")  # ZMQ reconnects on its own
+        assert rx.recv(timeout_s=10).request_id == "small"
+
+
+def test_close_ends_a_recv_waiting_forever(short_dir):
+    rx = EmbeddingReceiver(f"ipc://{short_dir}/close.sock")
+    outcome: list[BaseException] = []
+
+    def wait_forever() -> None:
+        try:
+            rx.recv()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    th = threading.Thread(target=wait_forever)
+    th.start()
+    time.sleep(0.3)  # let it block in recv(); not an assertion on timing
+    rx.close()
+    th.join(timeout=30)
+    assert not th.is_alive()
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], RuntimeError)
+
+
 def test_recv_times_out_when_nothing_arrives(receiver):
     with pytest.raises(TimeoutError, match="within 0.1 s"):
         receiver.recv(timeout_s=0.1)

@@ -7,6 +7,8 @@ Each image's rows must equal the reference run on that image alone, whatever it 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -149,3 +151,36 @@ def test_vitserve_processor_pixels_match_hf_reference(checkpoints):
         for item, out in zip(items, enc.encode(items), strict=True):
             want, _ = reference_rows(ref, family, item)
             assert_exact(out.embedding, want)
+
+
+def test_internvl_earlier_feature_layer(tmp_path):
+    """vision_feature_layer != -1 takes hidden_states[layer] (InternVL configs may pick an earlier layer)."""
+    path = make_checkpoint("internvl", tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    config["vision_feature_layer"] = -2
+    (path / "config.json").write_text(json.dumps(config))
+    item = hf_process(path, "internvl", image(100, 150, 0))
+    want, _ = reference_rows(hf_reference(path, "internvl"), "internvl", item)
+    last_layer, _ = reference_rows(
+        hf_reference(make_checkpoint("internvl", tmp_path / "b"), "internvl"), "internvl", item
+    )
+    assert float((want - last_layer).abs().max()) > 1e-4  # the setting really changes the output
+    assert_exact(load_encoder(str(path)).encode([item])[0].embedding, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_matches_hf_bf16(checkpoints, family):
+    """In bfloat16 too: bit-identical to the full model from_pretrained(dtype=bfloat16) run on the same packed
+    batch (the same operations in the same order, so no round-off allowance is needed)."""
+    path = checkpoints(family)
+    ref = hf_reference(path, family, dtype=torch.bfloat16)
+    enc = load_encoder(str(path), dtype=torch.bfloat16)
+    items = [hf_process(path, family, image(*spec)) for spec in COMPOSITIONS["mixed"]]
+    outs = enc.encode(items)
+    grid = None if family == "internvl" else torch.tensor([it.grid_thw for it in items])
+    want, want_deep = ref(torch.cat([it.pixel_values for it in items]), grid)
+    got = torch.cat([o.embedding for o in outs])
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    for layer, want_layer in enumerate(want_deep):
+        assert torch.equal(torch.cat([o.deepstack[layer] for o in outs]), want_layer)

@@ -6,6 +6,8 @@ import io
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from tests.imagegen import animated_gif, encode, noise, palette_with_alpha, png_header_only, with_orientation
@@ -196,3 +198,48 @@ def test_animated_gif_later_frames_are_never_read():
     data, first = animated_gif(300)
     cut = data[: len(data) // 2]  # frames past the middle are gone; reading them would fail
     assert np.array_equal(np.asarray(decode_image(cut, max_image_pixels=LIMIT).image), np.asarray(first))
+
+
+def test_real_60_megapixel_image_refused_from_header():
+    # RELIABILITY B1: a real, valid 8000x7500 JPEG (60 MP) over the 50 MP default
+    data = encode(Image.new("L", (8000, 7500)), "JPEG", quality=10)
+    with pytest.raises(PayloadTooLarge, match="--max_image_pixels"):
+        decode_image(data, max_image_pixels=LIMIT)
+
+
+# --- fuzz: only the documented error types escape (RELIABILITY B10, in-process and time-boxed) ----------
+
+_SEEDS = [
+    encode(noise(12, 9, seed=13), "PNG"),
+    encode(noise(12, 9, seed=13), "JPEG"),
+    encode(noise(12, 9, seed=13, mode="RGBA"), "WEBP"),
+    encode(noise(12, 9, seed=13), "BMP"),
+    encode(noise(12, 9, seed=13, mode="CMYK"), "TIFF"),
+    animated_gif(5)[0],
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.sampled_from(_SEEDS),
+    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=8),
+    cut=st.integers(0, 10_000),
+)
+def test_mutated_images_raise_only_documented_errors(seed, flips, cut):
+    data = bytearray(seed)
+    for pos, value in flips:
+        data[pos % len(data)] = value
+    data = data[: max(0, len(data) - cut % (len(data) + 1))]
+    try:
+        decoded = decode_image(bytes(data), max_image_pixels=100_000)
+    except (InvalidImage, PayloadTooLarge):
+        return
+    assert decoded.image.mode == "RGB"
+    assert decoded.image.size == decoded.original_size
+
+
+def test_alpha_compositing_is_exact_for_every_colour_alpha_pair():
+    colour, alpha = np.meshgrid(np.arange(256), np.arange(256))  # every (c, a) pair
+    rgba = np.stack([colour, colour, colour, alpha], axis=-1).astype(np.uint8)  # (256, 256, 4)
+    got = _pixels(encode(Image.fromarray(rgba, "RGBA"), "PNG"))
+    assert np.array_equal(got, _on_white(rgba[..., :3], rgba[..., 3]))

@@ -14,6 +14,7 @@ from tests.checkpoints import FAMILIES, make_checkpoint, vision_prefixes
 from vitserve.errors import ConfigError
 from vitserve.model import Encoder, load_encoder
 from vitserve.model.families import ADAPTERS
+from vitserve.model.loader import model_name_of
 from vitserve.model.weights import INDEX_FILE, read_vision_weights
 from vitserve.types import ProcessedImage
 
@@ -232,3 +233,22 @@ def test_demo_is_seeded_qwen2_5_shaped_and_warns(caplog):
     assert torch.isfinite(first).all()
     torch.manual_seed(1234)  # the demo weights do not depend on the global RNG
     assert torch.equal(load_encoder("demo").encode([item])[0].embedding, first)
+
+
+@pytest.mark.parametrize("model_type", sorted(ADAPTERS))
+def test_every_adapter_builds_its_tower_on_meta(model_type):
+    """The MoE variants have no tiny checkpoint here; at least their class paths and configs must resolve."""
+    adapter = ADAPTERS[model_type]
+    config = adapter.config_cls()()
+    with torch.device("meta"):
+        visual = adapter.build(config)
+    assert all(p.is_meta for p in visual.parameters())
+    assert adapter.embed_dim(config) > 0
+    assert adapter.num_deepstack(config) == (3 if adapter.family == "qwen3_vl" else 0)
+
+
+def test_model_name_of_hf_cache_snapshot(tmp_path):
+    snapshot = tmp_path / "models--Qwen--Qwen2.5-VL-7B-Instruct" / "snapshots" / "a1b2c3"
+    snapshot.mkdir(parents=True)
+    assert model_name_of(snapshot) == "Qwen/Qwen2.5-VL-7B-Instruct"
+    assert model_name_of(tmp_path / "plain-dir") == "plain-dir"

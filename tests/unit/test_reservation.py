@@ -179,3 +179,30 @@ def test_concurrent_reader_never_sees_a_partial_file(tmp_path):
     assert seen  # the reader did overlap the writes
     assert sorted(seen) == seen  # it saw versions in order, each whole
     assert [p.name for p in tmp_path.iterdir()] == ["reserved_mem_cpu_3.json"]
+
+
+# --- CUDA: the peak stays in the caching allocator (runs where a GPU is present) ---------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_cuda_stress_keeps_the_peak_and_a_second_worst_case_does_not_grow_the_pool():
+    enc = TowerEncoder("qwen2_5_vl", build_visual("qwen2_5_vl", width=64, mlp=128), device="cuda")
+    allocated_before = torch.cuda.memory_allocated()
+    res = reserve(enc, budget_tokens=2048, max_batch_images=4, override_gb=None)
+    held = torch.cuda.memory_reserved()
+    assert res.bytes > 0
+    assert held >= allocated_before + res.bytes  # no empty_cache: the pool still holds the peak
+    enc.encode(worst_case_items(enc, 2048, 4))
+    enc.encode(worst_case_items(enc, 512, 4) * 4)  # the same budget as four smaller images
+    assert torch.cuda.memory_reserved() == held  # runtime at the budget fits in what was reserved
+
+
+@cuda
+def test_cuda_override_reserves_the_amount_in_the_allocator():
+    enc = TowerEncoder("qwen2_5_vl", build_visual("qwen2_5_vl"), device="cuda")
+    before = torch.cuda.memory_reserved()
+    res = reserve(enc, budget_tokens=256, max_batch_images=4, override_gb=0.25)
+    assert (res.bytes, res.source) == (GIB // 4, "override")
+    assert torch.cuda.memory_reserved() - before >= GIB // 4

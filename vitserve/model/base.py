@@ -19,7 +19,9 @@ class Encoder(Protocol):
     num_deepstack: int  # deepstack tensors per image (Qwen3-VL / Qwen3.5), else 0
     dtype: torch.dtype
     device: torch.device
-    visual: nn.Module  # the vision tower + merger/projector that encode() runs; the TP pass shards it in place
+    visual: (
+        nn.Module
+    )  # the vision tower + merger/projector that encode() runs; the TP pass shards it in place
 
     def encode(self, items: Sequence[ProcessedImage]) -> list[EncodedImage]:
         """One packed forward over all items; outputs in input order."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,26 +60,33 @@ def _deepstack(vision_config) -> int:
 class FamilyAdapter:
     family: str  # the vitserve family name
     config_class: str  # transformers top-level config class of the full model
-    vision_class: str  # "module:Class" of the tower built from config.vision_config
+    build: Callable[[Any], nn.Module]  # (full config) -> the vision module, on the current default device
     key_prefixes: tuple[tuple[str, str], ...]  # (checkpoint prefix, module prefix)
     forward: ForwardFn
-    embed_dim: Callable[[object], int]  # (full config) -> output columns
-    num_deepstack: Callable[[object], int] = lambda config: 0
+    embed_dim: Callable[[Any], int]  # (full config) -> output columns
+    num_deepstack: Callable[[Any], int] = lambda config: 0
 
     def config_cls(self):
         import transformers
 
         return getattr(transformers, self.config_class)
 
-    def build(self, config) -> nn.Module:
-        """The vision module for `config` (full-model config), built on the current default device."""
-        if self.family == "internvl":
-            from vitserve.model.internvl import InternVLVisual
 
-            return InternVLVisual(config)
-        module_name, cls_name = self.vision_class.split(":")
-        cls = getattr(importlib.import_module(module_name), cls_name)
+def _hf_tower(path: str) -> Callable[[Any], nn.Module]:
+    """Build transformers' tower class ("module:Class" under transformers.models) from config.vision_config."""
+
+    def build(config) -> nn.Module:
+        module_name, cls_name = path.split(":")
+        cls = getattr(importlib.import_module(f"transformers.models.{module_name}"), cls_name)
         return cls._from_config(config.vision_config)
+
+    return build
+
+
+def _internvl_build(config) -> nn.Module:
+    from vitserve.model.internvl import InternVLVisual
+
+    return InternVLVisual(config)
 
 
 def _qwen(
@@ -87,7 +95,7 @@ def _qwen(
     return FamilyAdapter(
         family=family,
         config_class=config_class,
-        vision_class=f"transformers.models.{vision_class}",
+        build=_hf_tower(vision_class),
         key_prefixes=_QWEN_KEYS,
         forward=_qwen_forward,
         embed_dim=lambda config: embed_dim(config.vision_config),
@@ -126,7 +134,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
     "internvl": FamilyAdapter(
         family="internvl",
         config_class="InternVLConfig",
-        vision_class="vitserve.model.internvl:InternVLVisual",
+        build=_internvl_build,
         key_prefixes=_INTERNVL_KEYS,
         forward=_internvl_forward,
         embed_dim=lambda config: config.text_config.hidden_size,

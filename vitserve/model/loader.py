@@ -49,7 +49,14 @@ def load_encoder(
         visual = adapter.build(config)
     weights = read_vision_weights(path, adapter.key_prefixes)
     assign_weights(visual, weights.tensors, path)
-    return _finish(visual, adapter, config, model_name=path.resolve().name, device=device, dtype=dtype)
+    log.info(
+        "%s: %s vision tower, %d tensors read from %d file(s)",
+        path,
+        adapter.family,
+        len(weights.tensors),
+        len(weights.files_read),
+    )
+    return _finish(visual, adapter, config, model_name=model_name_of(path), device=device, dtype=dtype)
 
 
 def _load_demo(device: torch.device, dtype: torch.dtype) -> HFVisionEncoder:
@@ -88,6 +95,15 @@ def _optimize(visual: nn.Module, family: str) -> nn.Module:
     `vitserve.model.fast.optimize(visual, family)` in here.
     """
     return visual
+
+
+def model_name_of(path: Path) -> str:
+    """The checkpoint directory's name; for a Hugging Face cache snapshot (models--org--name/snapshots/<sha>)
+    the repo id "org/name", since the directory name there is a commit hash."""
+    parts = path.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--") :].replace("--", "/")
+    return parts[-1]
 
 
 def _read_config_json(path: Path) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,8 +12,6 @@ from torch import nn
 from tqdm import tqdm
 
 from vitserve.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -8,6 +8,7 @@ from typing import Any
 from PIL import Image
 
 from vitserve.errors import VitserveError
+from vitserve.images import to_rgb
 from vitserve.processors.budget import Plan
 from vitserve.types import ProcessedImage
 
@@ -47,6 +48,12 @@ def check_grid(plan: Plan, grid: tuple[int, int, int], family: str) -> None:
         raise VitserveError(
             f"{family} processor produced grid {tuple(grid)} but the token plan said {plan.grid_thw}"
         )
+
+
+def as_rgb(image: Image.Image) -> Image.Image:
+    """vitserve's documented RGB conversion (alpha on white, 16-bit scaled, ...) for callers that pass a
+    non-RGB image directly; HF's own conversion then has nothing left to do, on every resize path."""
+    return image if image.mode == "RGB" else to_rgb(image)
 
 
 def call_hf(hf: Any, image: Image.Image, family: str, **kwargs: Any) -> Any:

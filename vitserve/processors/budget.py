@@ -21,7 +21,6 @@ Aspect ratio above 200 -> AspectRatioTooLarge (HF's own limit). A side that woul
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
@@ -109,21 +108,28 @@ def _cap(gh: int, gw: int, budget: int) -> tuple[int, int]:
 
 def _fit_grow(width: int, height: int, budget: int, min_tokens: int) -> tuple[int, int]:
     """Grow branch: the grid with min_tokens <= gh * gw <= budget whose aspect ratio is closest to the
-    image's (ties: more tokens). Exists whenever budget >= min_tokens (1 x budget always qualifies)."""
+    image's (ratio distance max(r/t, t/r), compared exactly in integers), then the most tokens, then the
+    fewest rows. Exists whenever budget >= min_tokens (1 x budget always qualifies)."""
     if budget < min_tokens:
         raise ValueError("no grid between min_tokens and budget")
-    target = math.log(width / height)
-    best: tuple[tuple[float, int], int, int] | None = None
+    best: tuple[int, int, int, int] | None = None  # (error numerator, error denominator, gh, gw)
     for gh in range(1, budget + 1):
         lo, hi = max(1, -(-min_tokens // gh)), budget // gh
         if lo > hi:
             continue
-        gw = min(max(round(gh * width / height), lo), hi)
-        key = (abs(math.log(gw / gh) - target), -gh * gw)
-        if best is None or key < best[0]:
-            best = (key, gh, gw)
+        ideal = gh * width // height  # the best gw is the floor or the ceil of gh * width / height
+        for gw in (min(max(ideal, lo), hi), min(max(ideal + 1, lo), hi)):
+            # gw/gh vs width/height: error = max(gw*height, width*gh) / min(...) >= 1
+            num, den = max(gw * height, width * gh), min(gw * height, width * gh)
+            if best is None or _better(num, den, gh * gw, best):
+                best = (num, den, gh, gw)
     assert best is not None  # gh = 1, gw = budget qualifies
-    return best[1], best[2]
+    return best[2], best[3]
+
+
+def _better(num: int, den: int, tokens: int, best: tuple[int, int, int, int]) -> bool:
+    lhs, rhs = num * best[1], best[0] * den  # num/den vs best error, without floats
+    return lhs < rhs or (lhs == rhs and tokens > best[2] * best[3])
 
 
 def plan_qwen(width: int, height: int, geo: QwenGeometry, budget: int) -> Plan:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from PIL import Image
 
-from vitserve.processors.base import VisionProcessor, call_hf, check_grid
+from vitserve.processors.base import VisionProcessor, as_rgb, call_hf, check_grid
 from vitserve.processors.budget import Plan, TileGeometry, plan_tiles
 from vitserve.types import ProcessedImage
 
@@ -39,7 +39,7 @@ class InternVLProcessor(VisionProcessor):
 
     def preprocess(self, image: Image.Image) -> ProcessedImage:
         plan = self.plan(*image.size)
-        out = call_hf(self.hf, image, self.family, crop_to_patches=True)
+        out = call_hf(self.hf, as_rgb(image), self.family, crop_to_patches=True)
         pixel_values = out["pixel_values"]  # (num_tiles, 3, tile_h, tile_w)
         grid = (int(pixel_values.shape[0]), plan.grid_thw[1], plan.grid_thw[2])
         check_grid(plan, grid, self.family)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from PIL import Image
+from transformers.image_utils import SizeDict
 
-from vitserve.processors.base import VisionProcessor, call_hf, check_grid
+from vitserve.processors.base import VisionProcessor, as_rgb, call_hf, check_grid
 from vitserve.processors.budget import Plan, QwenGeometry, plan_qwen
 from vitserve.types import ProcessedImage
 
@@ -36,9 +37,9 @@ class QwenProcessor(VisionProcessor):
             return  # exactly as HF ships it
         clamp = self.geometry.clamped_max_pixels(self.max_tokens)
         size = self.hf.size
-        if dataclasses.is_dataclass(size):
+        if isinstance(size, SizeDict):
             new = {"longest_edge": clamp}
-            if getattr(size, "max_pixels", None) is not None:
+            if size.max_pixels is not None:
                 new["max_pixels"] = clamp
             self.hf.size = dataclasses.replace(size, **new)
         else:
@@ -51,13 +52,14 @@ class QwenProcessor(VisionProcessor):
 
     def preprocess(self, image: Image.Image) -> ProcessedImage:
         plan = self.plan(*image.size)
+        image = as_rgb(image)
         if plan.hf_native:
             out = call_hf(self.hf, image, self.family)
         else:
             # HF's smart_resize would overshoot the budget here: resize to the planned size with the same
             # PIL filter HF uses (its PIL backend resizes uint8 pixels with Image.resize), then let HF do
             # the rest (rescale, normalize, patchify) without resizing again.
-            resized = image.convert("RGB").resize(plan.resized_size, resample=self.hf.resample)
+            resized = image.resize(plan.resized_size, resample=self.hf.resample)
             out = call_hf(self.hf, resized, self.family, do_resize=False)
         grid = tuple(int(x) for x in out["image_grid_thw"][0])
         check_grid(plan, grid, self.family)  # type: ignore[arg-type]

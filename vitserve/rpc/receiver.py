@@ -26,6 +26,7 @@ from vitserve.rpc.wire import ImageEmbedding, WireError, decode_embedding_messag
 log = logging.getLogger(__name__)
 
 DEFAULT_RCVHWM = 64  # messages ZMQ buffers on this side before the sender's queue starts filling
+_POLL_SLICE_S = 0.2  # longest single wait in recv(); bounds how long close() waits for a blocked recv()
 
 
 class EmbeddingReceiver:
@@ -34,16 +35,30 @@ class EmbeddingReceiver:
     endpoint: tcp://host:port or ipc:///path; with bind=True "tcp://127.0.0.1:*" picks a free port,
     and `.endpoint` is the address actually bound.
     bind: True (the default, SPEC §3: the LLM server binds) or False to connect.
+    rcvhwm: messages ZMQ buffers here before back-pressure reaches the sender.
+    max_frame_bytes: ZMQ_MAXMSGSIZE; a peer sending a larger frame is disconnected before the frame
+      is allocated (guards an exposed endpoint against a forged 100 GB frame). None = no limit: a
+      (4096, 3584) float32 embedding is 59 MB, so size it to your largest image, not a guess.
     """
 
-    def __init__(self, endpoint: str, bind: bool = True, *, rcvhwm: int = DEFAULT_RCVHWM) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        bind: bool = True,
+        *,
+        rcvhwm: int = DEFAULT_RCVHWM,
+        max_frame_bytes: int | None = None,
+    ) -> None:
         self.received = 0  # good messages returned by recv()
         self.rejected = 0  # bad messages logged and skipped
         self._lock = threading.Lock()
+        self._closing = False
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if max_frame_bytes is not None:
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         try:
             if bind:
                 self._sock.bind(endpoint)
@@ -60,7 +75,8 @@ class EmbeddingReceiver:
 
     def recv(self, timeout_s: float | None = None) -> ImageEmbedding:
         """The next well-formed message. Raises TimeoutError if none arrives within timeout_s
-        (None waits forever); bad messages in between are logged, counted in `.rejected` and skipped."""
+        (None waits forever); bad messages in between are logged, counted in `.rejected` and skipped.
+        Raises RuntimeError once the receiver is closed."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             while True:
@@ -82,18 +98,20 @@ class EmbeddingReceiver:
 
     def _recv_frames(self, deadline: float | None, timeout_s: float | None) -> list[zmq.Frame]:
         while True:
-            if deadline is None:
-                wait_ms = None
-            else:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"no embedding message on {self.endpoint} within {timeout_s} s")
-                wait_ms = max(1, int(remaining * 1000 + 0.999))
+            if self._closing:
+                raise RuntimeError(f"EmbeddingReceiver on {self.endpoint} is closed")
+            remaining = _POLL_SLICE_S if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no embedding message on {self.endpoint} within {timeout_s} s")
+            # Poll in slices, so close() from another thread ends a recv() that waits forever.
+            wait_ms = max(1, int(min(remaining, _POLL_SLICE_S) * 1000 + 0.999))
             if self._sock.poll(timeout=wait_ms, flags=zmq.POLLIN):
                 # copy=False: frames keep ZMQ's receive buffers; tensors are built over them in place.
                 return self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
 
     def close(self) -> None:
+        """Close the socket; a recv() waiting in another thread raises RuntimeError within 0.2 s."""
+        self._closing = True
         with self._lock:
             if not self._sock.closed:
                 self._sock.close(linger=0)

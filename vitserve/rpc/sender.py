@@ -96,7 +96,8 @@ class LLMSender:
     def send_frames(self, frames: list, *, deadline: float) -> int:
         """Send pre-encoded frames as one multipart message; see send_embedding."""
         nbytes = sum(memoryview(f).nbytes for f in frames)
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        wait_s = min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
+        if not self._lock.acquire(timeout=wait_s):
             raise self._timeout("another send held the socket")
         try:
             if self._closed:
@@ -120,8 +121,10 @@ class LLMSender:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self._timeout("the LLM server did not take the message (it is slow or gone)")
-            # poll() takes milliseconds; round up so we never spin on a sub-millisecond remainder.
-            if not self._sock.poll(timeout=max(1, int(remaining * 1000 + 0.999)), flags=zmq.POLLOUT):
+            # poll() takes milliseconds: round up so we never spin on a sub-millisecond remainder, and
+            # wake at least every second so a far (or infinite) deadline needs no special case.
+            wait_ms = max(1, int(min(remaining, 1.0) * 1000 + 0.999))
+            if not self._sock.poll(timeout=wait_ms, flags=zmq.POLLOUT):
                 continue
             try:
                 self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)

@@ -34,7 +34,7 @@ def tensor_to_buffer(t: torch.Tensor) -> memoryview:
     t = t.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: view the same bytes as int16
         t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
+    return t.numpy().data.cast("B")  # ndarray.data: a memoryview over the same memory
 
 
 def tensor_from_buffer(

@@ -1,0 +1,163 @@
+"""ZMQ handoff bandwidth of one image embedding, vitserve -> LLM server (SPEC §3), against memcpy.
+
+    python bench/transfer.py [--messages 20] [--reps 10] [--tokens 4096] [--dim 3584]
+
+The real code path: LLMSender.send_embedding in a child process (as the API process would) pushes the
+same (tokens, dim) embedding repeatedly; EmbeddingReceiver.recv in this process takes it — including
+header decode, size checks and the tensor built over the received frame. Bandwidth is steady-state:
+bytes of messages 1..N over the time from receiving message 0 to receiving message N.
+
+The baseline is measured in the same run on the same bytes: torch `clone()` (allocate + copy, as the
+receiver must allocate each message too) and `copy_()` into a preallocated tensor (pure memcpy).
+Ratio = ZMQ GB/s / memcpy GB/s; the target is >= 0.5 of clone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from functools import partial
+
+import torch
+import zmq
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vitserve.rpc import (  # noqa: E402
+    EmbeddingReceiver,
+    LLMSender,
+    decode_embedding_message,
+    encode_embedding_message,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def make_embedding(tokens: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(tokens, dim, generator=g).to(dtype)  # (tokens, dim)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def bench_memcpy(t: torch.Tensor, reps: int) -> dict[str, float]:
+    """Median GB/s of clone() (alloc + copy) and copy_() into a preallocated tensor."""
+    nbytes = t.numel() * t.element_size()
+    dst = torch.empty_like(t)
+    clone_s, copy_s = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        c = t.clone()
+        clone_s.append(time.perf_counter() - t0)
+        del c
+        t0 = time.perf_counter()
+        dst.copy_(t)
+        copy_s.append(time.perf_counter() - t0)
+    return {
+        "clone": gbps(nbytes, statistics.median(clone_s)),
+        "copy_": gbps(nbytes, statistics.median(copy_s)),
+    }
+
+
+def _sender_main(endpoint: str, tokens: int, dim: int, dtype_name: str, n: int, zero_copy: bool) -> None:
+    torch.set_num_threads(1)
+    emb = make_embedding(tokens, dim, DTYPES[dtype_name])
+    fields = {"request_id": "bench", "num_images": n, "image_id": "0" * 64, "model": "bench",
+              "grid_thw": (1, 2 * tokens // 64, 128), "embedding": emb}  # fmt: skip
+    if zero_copy:  # the production path
+        with LLMSender(endpoint, linger_s=30.0) as tx:
+            for i in range(n):
+                tx.send_embedding(image_index=i, deadline=time.monotonic() + 60, **fields)
+        return
+    # The naive path, for comparison: pyzmq copies each frame into a ZMQ message first.
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(endpoint)
+    for i in range(n):
+        sock.send_multipart(encode_embedding_message(image_index=i, **fields), copy=True)
+    sock.close(linger=30_000)
+    ctx.term()
+
+
+def _recv_copying(sock: zmq.Socket, timeout_s: float):
+    """The naive receive: frames copied to bytes, then to a writable buffer by the decoder."""
+    if not sock.poll(timeout=int(timeout_s * 1000)):
+        raise TimeoutError("no message")
+    return decode_embedding_message(sock.recv_multipart(copy=True))
+
+
+def bench_zmq(endpoint: str, tokens: int, dim: int, dtype_name: str, messages: int, zero_copy: bool) -> float:
+    """Steady-state GB/s of sender process -> receiver, checking the last message's bytes."""
+    ctx = mp.get_context("spawn")
+    with EmbeddingReceiver(endpoint) as rx:
+        recv = rx.recv if zero_copy else partial(_recv_copying, rx._sock)
+        args = (rx.endpoint, tokens, dim, dtype_name, messages + 1, zero_copy)
+        proc = ctx.Process(target=_sender_main, args=args)
+        proc.start()
+        try:
+            first = recv(timeout_s=120)
+            t0 = time.perf_counter()
+            for _ in range(messages):
+                last = recv(timeout_s=120)
+            elapsed = time.perf_counter() - t0
+        finally:
+            proc.join(timeout=60)
+    expected = make_embedding(tokens, dim, DTYPES[dtype_name])
+    assert torch.equal(last.embedding, expected), "received bytes differ from the sent embedding"
+    del first
+    return gbps(messages * expected.numel() * expected.element_size(), elapsed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--dim", type=int, default=3584)
+    ap.add_argument("--messages", type=int, default=20, help="timed messages per transport")
+    ap.add_argument("--reps", type=int, default=10, help="memcpy repetitions (median)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--naive", action="store_true", help="also time pyzmq copy=True sends and receives")
+    ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # memcpy of one tensor is what the receiver's one thread gets
+    results = []
+    with tempfile.TemporaryDirectory(prefix="vs-bench-", dir="/tmp") as tmp:
+        for dtype_name in args.dtypes.split(","):
+            emb = make_embedding(args.tokens, args.dim, DTYPES[dtype_name])
+            mb = emb.numel() * emb.element_size() / 1e6
+            for transport, endpoint, zero_copy in [
+                ("ipc", f"ipc://{tmp}/bench.sock", True),
+                ("tcp", "tcp://127.0.0.1:*", True),
+                ("ipc copy=True", f"ipc://{tmp}/bench.sock", False),
+            ]:
+                if transport.endswith("copy=True") and not args.naive:
+                    continue
+                # memcpy right before each transport, so both see the same machine load
+                mem = bench_memcpy(emb, args.reps)
+                bw = bench_zmq(endpoint, args.tokens, args.dim, dtype_name, args.messages, zero_copy)
+                row = {
+                    "dtype": dtype_name, "MB": round(mb, 1), "transport": transport, "zmq_GBps": round(bw, 2),
+                    "clone_GBps": round(mem["clone"], 2), "copy_GBps": round(mem["copy_"], 2),
+                    "ratio_vs_clone": round(bw / mem["clone"], 2), "ratio_vs_copy": round(bw / mem["copy_"], 2),
+                }  # fmt: skip
+                results.append(row)
+                print(
+                    f"{dtype_name:>8} {mb:5.1f} MB {transport:>13}: {bw:6.2f} GB/s | memcpy clone {mem['clone']:6.2f}"
+                    f" copy_ {mem['copy_']:6.2f} GB/s | ratio vs clone {row['ratio_vs_clone']:.2f}"
+                    f" vs copy_ {row['ratio_vs_copy']:.2f}",
+                    flush=True,
+                )
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
