@@ -67,7 +67,7 @@ class CliServer:
 
 
 BASE_ARGS = ["--model", "demo", "--port", "0", "--visual_batch_max_tokens", "256", "--heartbeat_s", "2",
-             "--dist_timeout_s", "120", "--device", "cpu", "--request_timeout_s", "120"]
+             "--dist_timeout_s", "120", "--device", "cpu", "--request_timeout_s", "240"]
 
 
 def test_startup_failure_exits_nonzero_naming_the_knob(tmp_path):
@@ -115,7 +115,7 @@ def test_f6_sigterm_under_load_drains_and_exits_0(cli_server):
     assert found
     assert {a for a, _ in found} <= {"127.0.0.1", "::1"}, found
 
-    images = [noise_png(448, 448, seed=i) for i in range(24)]  # 24 x 256 tokens = 24 batches at the budget
+    images = [noise_png(448, 448, seed=i) for i in range(6)]  # 6 x 256 tokens = 6 batches (~2 s each here)
     big: list = []
 
     def send_big():
@@ -125,7 +125,7 @@ def test_f6_sigterm_under_load_drains_and_exits_0(cli_server):
     t = threading.Thread(target=send_big)
     t.start()
     end = time.monotonic() + 60
-    while metric(srv.url, "vitserve_image_tokens_count") < 24:  # accepted and handed to the engine
+    while metric(srv.url, "vitserve_image_tokens_count") < 6:  # accepted and handed to the engine
         assert time.monotonic() < end, "the big request never reached the engine"
         time.sleep(0.02)
     srv.proc.send_signal(signal.SIGTERM)
@@ -136,7 +136,7 @@ def test_f6_sigterm_under_load_drains_and_exits_0(cli_server):
     assert late.json()["error"]["code"] == "not_ready"
     t.join(200)
     assert big[0].status_code == 200, big[0].text
-    assert len(big[0].json()["images"]) == 24
+    assert len(big[0].json()["images"]) == 6
     assert srv.proc.wait(60) == 0, srv.text[-3000:]
 
 
