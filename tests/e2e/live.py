@@ -34,11 +34,13 @@ class Live:
 
 
 @contextlib.contextmanager
-def live_server(config: Config | None = None, *, engine=None, processor=None, **overrides):
+def live_server(config: Config | None = None, *, engine=None, processor=None, make_engine=None, **overrides):
+    """make_engine(config, metrics) builds the engine (e.g. the real vitserve.engine.Engine); default FakeEngine."""
     config = replace(config or TEST_CONFIG, **overrides)
     metrics = Metrics()
-    processor = processor or load_image_processor("qwen2_5_vl", max_tokens=config.visual_batch_max_tokens)
-    engine = engine or FakeEngine(config, metrics)
+    processor = processor or load_image_processor(
+        "qwen2_5_vl" if config.model == "demo" else config.model, max_tokens=config.visual_batch_max_tokens)
+    engine = engine or (make_engine or FakeEngine)(config, metrics)
     service = Service(config, engine, processor, metrics, sock=bind_socket("127.0.0.1", 0))
     result: dict = {}
 
@@ -47,7 +49,7 @@ def live_server(config: Config | None = None, *, engine=None, processor=None, **
 
     thread = threading.Thread(target=run, name="live-server", daemon=True)
     thread.start()
-    if not service.started.wait(60):
+    if not service.started.wait(300):
         raise RuntimeError(f"server did not start: {result}")
     live = Live(f"http://127.0.0.1:{service.port}", service, engine, metrics, config, result)
     try:
