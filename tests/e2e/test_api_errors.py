@@ -307,3 +307,17 @@ def test_logs_after_bad_inputs_hold_no_image_bytes_or_base64(caplog):
             assert encoded[i:i + 24] not in text
         assert repr(data[:16])[2:-1] not in text
     assert "secret-bytes" not in text
+
+
+def test_body_that_trickles_in_past_the_deadline_is_504():
+    with live_server(request_timeout_s=1.0) as srv, socket.create_connection(("127.0.0.1", srv.service.port)) as s:
+        s.settimeout(30)
+        s.sendall(b"POST /encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        reply = b""
+        while b"}}" not in reply:  # the rest of the body never comes; read the whole answer
+            part = s.recv(65536)
+            if not part:
+                break
+            reply += part
+        assert reply.startswith(b"HTTP/1.1 504"), reply[:200]
+        assert b'"timeout"' in reply

@@ -43,7 +43,7 @@ class EncodeHandler:
         deadline = time.monotonic() + self.config.request_timeout_s
         parsed: ParsedRequest | None = None
         try:
-            parsed = await self._parse(request)
+            parsed = await self._parse_within(request, deadline)
             self._refuse_if_queue_full()
             blobs = await fetch_sources(parsed.sources, self.config, deadline)
             prepared = await self.pre.prepare(blobs, deadline)
@@ -73,6 +73,14 @@ class EncodeHandler:
         if limit is not None and self.engine.queue_tokens >= limit:
             raise QueueFull(f"{self.engine.queue_tokens} tokens queued, limit {limit} (--max_queue_tokens)",
                             retry_after_s=1.0)
+
+    async def _parse_within(self, request: Request, deadline: float) -> ParsedRequest:
+        """A body that trickles in (slowloris) is bounded by the request deadline too."""
+        try:
+            return await asyncio.wait_for(self._parse(request), max(deadline - time.monotonic(), 0))
+        except asyncio.TimeoutError:
+            raise Timeout(f"the request body did not arrive within {self.config.request_timeout_s}s "
+                          "(--request_timeout_s)") from None
 
     async def _parse(self, request: Request) -> ParsedRequest:
         body = await read_body(request, self.config.max_request_bytes)
