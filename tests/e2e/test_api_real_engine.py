@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import threading
 
 import pytest
 import torch
@@ -98,3 +99,44 @@ def test_ready_and_metrics_with_real_workers(real):
         assert c.get("/ready").json() == {"status": "ready"}
         text = c.get("/metrics").text
     assert "vitserve_workers_ready 1.0" in text
+
+
+def test_f8_real_engine_disconnect_while_queued_is_never_encoded_nor_sent(tmp_path):
+    """The demo tower (~2 s per 256-token batch here) keeps the worker busy while a second client gives up."""
+    import time
+
+    import httpx
+
+    from vitserve.rpc import EmbeddingReceiver
+
+    endpoint = f"ipc://{tmp_path}/llm.sock"
+    receiver = EmbeddingReceiver(endpoint, bind=True)
+    busy = [noise_png(448, 448, seed=s) for s in range(3)]  # 3 x 256 tokens: 3 batches
+    gone = noise_png(448, 448, seed=99)
+    try:
+        with live_server(model="demo", visual_batch_max_tokens=256, heartbeat_s=2, dist_timeout_s=120,
+                         device="cpu", runtime_dir=str(tmp_path), llm_endpoint=endpoint, request_timeout_s=200,
+                         make_engine=engine_mod.Engine) as srv:
+            first: list = []
+
+            def occupy():
+                with httpx.Client(base_url=srv.url, timeout=200) as c:
+                    first.append(c.post("/encode", files=[("images", (f"{i}.png", b)) for i, b in enumerate(busy)],
+                                        data={"request_id": "busy"}))
+
+            t = threading.Thread(target=occupy)
+            t.start()
+            while (srv.metrics.value("vitserve_image_tokens_count") or 0) < 3:  # "busy" is in the engine
+                time.sleep(0.01)
+            with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url,
+                                                                timeout=httpx.Timeout(60, read=1.5)) as c:
+                c.post("/encode", files=[("images", ("g.png", gone))], data={"request_id": "gone"})
+            t.join(200)
+            assert first[0].status_code == 200, first[0].text
+            with VitserveClient(srv.url) as c:
+                c.encode([noise_png(56, 56)], request_id="marker")
+            ids = [receiver.recv(timeout_s=60).request_id for _ in range(4)]
+            assert ids == ["busy", "busy", "busy", "marker"]
+            assert srv.metrics.value("vitserve_requests_total", code="499") == 1
+    finally:
+        receiver.close()
