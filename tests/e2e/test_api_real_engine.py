@@ -101,42 +101,86 @@ def test_ready_and_metrics_with_real_workers(real):
     assert "vitserve_workers_ready 1.0" in text
 
 
-def test_f8_real_engine_disconnect_while_queued_is_never_encoded_nor_sent(tmp_path):
-    """The demo tower (~2 s per 256-token batch here) keeps the worker busy while a second client gives up."""
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo tower (~2 s per 256-token batch on this CPU) keeps the worker busy long enough to queue behind."""
+    from vitserve.rpc import EmbeddingReceiver
+
+    tmp = tmp_path_factory.mktemp("demo")
+    endpoint = f"ipc://{tmp}/llm.sock"
+    receiver = EmbeddingReceiver(endpoint, bind=True)
+    with live_server(model="demo", visual_batch_max_tokens=256, max_queue_tokens=1024, heartbeat_s=2,
+                     dist_timeout_s=120, device="cpu", runtime_dir=str(tmp), llm_endpoint=endpoint,
+                     request_timeout_s=200, make_engine=engine_mod.Engine) as srv:
+        yield srv, receiver
+    receiver.close()
+
+
+def occupy(srv, request_id: str, n: int = 3) -> tuple[threading.Thread, list]:
+    """Send n x 256-token images in the background; returns once the engine holds them."""
     import time
 
     import httpx
 
-    from vitserve.rpc import EmbeddingReceiver
+    images = [noise_png(448, 448, seed=s) for s in range(n)]
+    before = srv.metrics.value("vitserve_image_tokens_count") or 0
+    out: list = []
 
-    endpoint = f"ipc://{tmp_path}/llm.sock"
-    receiver = EmbeddingReceiver(endpoint, bind=True)
-    busy = [noise_png(448, 448, seed=s) for s in range(3)]  # 3 x 256 tokens: 3 batches
-    gone = noise_png(448, 448, seed=99)
-    try:
-        with live_server(model="demo", visual_batch_max_tokens=256, heartbeat_s=2, dist_timeout_s=120,
-                         device="cpu", runtime_dir=str(tmp_path), llm_endpoint=endpoint, request_timeout_s=200,
-                         make_engine=engine_mod.Engine) as srv:
-            first: list = []
+    def send():
+        with httpx.Client(base_url=srv.url, timeout=200) as c:
+            out.append(c.post("/encode", files=[("images", (f"{i}.png", b)) for i, b in enumerate(images)],
+                              data={"request_id": request_id}))
 
-            def occupy():
-                with httpx.Client(base_url=srv.url, timeout=200) as c:
-                    first.append(c.post("/encode", files=[("images", (f"{i}.png", b)) for i, b in enumerate(busy)],
-                                        data={"request_id": "busy"}))
+    t = threading.Thread(target=send)
+    t.start()
+    while (srv.metrics.value("vitserve_image_tokens_count") or 0) < before + n:  # handed to the engine
+        time.sleep(0.01)
+    return t, out
 
-            t = threading.Thread(target=occupy)
-            t.start()
-            while (srv.metrics.value("vitserve_image_tokens_count") or 0) < 3:  # "busy" is in the engine
-                time.sleep(0.01)
-            with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url,
-                                                                timeout=httpx.Timeout(60, read=1.5)) as c:
-                c.post("/encode", files=[("images", ("g.png", gone))], data={"request_id": "gone"})
-            t.join(200)
-            assert first[0].status_code == 200, first[0].text
-            with VitserveClient(srv.url) as c:
-                c.encode([noise_png(56, 56)], request_id="marker")
-            ids = [receiver.recv(timeout_s=60).request_id for _ in range(4)]
-            assert ids == ["busy", "busy", "busy", "marker"]
-            assert srv.metrics.value("vitserve_requests_total", code="499") == 1
-    finally:
-        receiver.close()
+
+@pytest.mark.slow  # ~1 min with the demo tower; tests/e2e/test_api_load.py covers F8 in the default run
+def test_f8_real_engine_disconnect_while_queued_is_never_encoded_nor_sent(demo):
+    import httpx
+
+    srv, receiver = demo
+    t, first = occupy(srv, "busy")
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url, timeout=httpx.Timeout(60, read=1.5)) as c:
+        c.post("/encode", files=[("images", ("g.png", noise_png(448, 448, seed=99)))], data={"request_id": "gone"})
+    t.join(200)
+    assert first[0].status_code == 200, first[0].text
+    with VitserveClient(srv.url) as c:
+        c.encode([noise_png(56, 56)], request_id="marker")
+    ids = [receiver.recv(timeout_s=60).request_id for _ in range(4)]
+    assert ids == ["busy", "busy", "busy", "marker"]
+    assert srv.metrics.value("vitserve_requests_total", code="499") == 1
+
+
+@pytest.mark.slow  # the default run covers L2 in tests/e2e/test_api_load.py
+def test_l2_real_engine_burst_gets_fast_queue_full_and_ready_stays_200(demo):
+    import httpx
+
+    srv, receiver = demo
+    t, first = occupy(srv, "busy2")
+    img = noise_png(448, 448, seed=5)
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=200) as c:
+            async def one(k):
+                return await c.post("/encode", files=[("images", ("b.png", img))], data={"request_id": f"b{k}"})
+            return await asyncio.gather(*(one(k) for k in range(40)))  # 40 x 256 = 10x the 1024-token queue
+
+    answers = asyncio.run(burst())
+    with srv.client() as c:
+        assert c.get("/ready").status_code == 200
+    t.join(200)
+    assert first[0].status_code == 200
+    ok = [r for r in answers if r.status_code == 200]
+    full = [r for r in answers if r.status_code != 200]
+    assert ok
+    assert len(full) >= 30
+    for r in full:
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "queue_full"
+        assert int(r.headers["retry-after"]) >= 1
+    got = sorted(receiver.recv(timeout_s=60).request_id for _ in range(3 + len(ok)))
+    assert got == sorted(["busy2"] * 3 + [r.json()["request_id"] for r in ok])
