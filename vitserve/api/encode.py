@@ -97,6 +97,8 @@ class EncodeHandler:
         self, request: Request, parsed: ParsedRequest, prepared: list[PreparedImage], deadline: float
     ) -> list[ImageResult] | None:
         """The engine's results, or None when the client went away first (its queued work is cancelled)."""
+        if await request.is_disconnected():  # left while we decoded: enqueue nothing at all
+            return None
         work = asyncio.ensure_future(self.engine.encode(
             parsed.request_id, [p.item for p in prepared], [p.image_id for p in prepared],
             deadline=deadline, return_embeddings=parsed.return_embeddings,
