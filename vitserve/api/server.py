@@ -13,6 +13,7 @@ import contextlib
 import logging
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -86,8 +87,8 @@ class Service:
             server.should_exit = True
             await serving
             return 1
-        if self.banner is not None:
-            log.info("%s", self.banner(self))
+        if self.banner is not None:  # printed whatever --log_level says: it is the record of every guard
+            print(self.banner(self), file=sys.stderr, flush=True)
         self.started.set()
         return await self._serve_until_stopped(server, serving)
 
