@@ -140,6 +140,7 @@ def test_f6_sigterm_under_load_drains_and_exits_0(cli_server):
     assert srv.proc.wait(60) == 0, srv.text[-3000:]
 
 
+@pytest.mark.slow  # in the default run: tests/e2e/test_service.py (engine.failed -> exit 1, in-process)
 def test_no_encoder_group_left_exits_nonzero(cli_server):
     srv = cli_server
     workers = children_of(srv.proc.pid)
