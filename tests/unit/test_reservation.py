@@ -15,7 +15,6 @@ from vitserve.model import load_encoder
 from vitserve.reservation import (
     DISABLED_BUDGET_TOKENS,
     GIB,
-    INTERNVL_MAX_TILES_PER_IMAGE,
     near_square_grid,
     publish_reservation,
     read_reservation,
@@ -93,8 +92,8 @@ def test_budget_off_stresses_the_documented_default(qwen25):
 
 def test_internvl_fills_the_budget_with_tiles_in_capped_images(internvl):
     # 4 tokens per tile (4x4 patches, pixel shuffle 0.5): budget 100 -> 25 tiles = 13 + 12
-    items = worst_case_items(internvl, budget_tokens=100, max_batch_images=8)
-    assert [i.pixel_values.shape[0] for i in items] == [INTERNVL_MAX_TILES_PER_IMAGE, 12]
+    items = worst_case_items(internvl, budget_tokens=100, max_batch_images=8, max_tiles_per_image=13)
+    assert [i.pixel_values.shape[0] for i in items] == [13, 12]
     assert sum(i.num_tokens for i in items) == 100
     assert items[0].pixel_values.shape[1:] == (3, 56, 56)
     assert items[0].grid_thw == (13, 4, 4)
@@ -102,10 +101,15 @@ def test_internvl_fills_the_budget_with_tiles_in_capped_images(internvl):
     assert [o.embedding.shape[0] for o in out] == [52, 48]
 
 
+def test_internvl_without_a_tile_cap_the_budget_bounds_the_batch(internvl):
+    (item,) = worst_case_items(internvl, budget_tokens=101, max_batch_images=1)
+    assert (item.pixel_values.shape[0], item.num_tokens) == (25, 100)
+
+
 def test_internvl_respects_the_batch_image_cap(internvl):
-    items = worst_case_items(internvl, budget_tokens=1000, max_batch_images=2)
+    items = worst_case_items(internvl, budget_tokens=1000, max_batch_images=2, max_tiles_per_image=13)
     assert len(items) == 2
-    assert sum(i.pixel_values.shape[0] for i in items) == 2 * INTERNVL_MAX_TILES_PER_IMAGE
+    assert sum(i.pixel_values.shape[0] for i in items) == 2 * 13
 
 
 def test_internvl_tile_above_budget_is_a_config_error(internvl):
