@@ -25,6 +25,12 @@ def _sharded_outputs(rank: int, world: int, cases) -> dict:
         pixels, grid = packed_inputs(family)
         heads = {b.num_heads for b in visual.modules() if hasattr(b, "num_heads") and hasattr(b, "head_dim")}
         results[(family, str(kwargs))] = {"outputs": run_visual(visual, family, pixels, grid), "heads": heads}
+    if world == 4:  # two TP groups of 2 in one world (how dp x tp could be laid out): shard within the group
+        import torch.distributed as dist
+
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+        visual = apply_tp(build_visual("qwen2_5_vl"), "qwen2_5_vl", group=pairs[rank // 2])
+        results["pair"] = run_visual(visual, "qwen2_5_vl", *packed_inputs("qwen2_5_vl"))
     return results
 
 
@@ -49,4 +55,7 @@ def test_tp_equals_tp1_for_every_family(reference, world):
             for g, e in zip(got["outputs"], expected, strict=True):
                 assert g.shape == e.shape
                 torch.testing.assert_close(g, e, rtol=0, atol=1e-5, msg=lambda m, k=key, r=rank: f"{k} rank {r}: {m}")
+        if world == 4:
+            for g, e in zip(results["pair"], reference[("qwen2_5_vl", "{}")], strict=True):
+                torch.testing.assert_close(g, e, rtol=0, atol=1e-5)
 
