@@ -77,7 +77,7 @@ _FIELDS = {"device": str, "rank": int, "bytes": int, "source": str, "pid": int}
 
 @dataclass(frozen=True)
 class Reservation:
-    bytes: int  # activation memory held for the worst case (CUDA: allocator pool growth; CPU: RSS growth)
+    bytes: int  # activation memory of the worst case (CUDA: max of pool and allocated-peak growth; CPU: RSS growth)
     source: str  # "stress" | "override"
     tokens: int = 0  # image tokens in the stressed batch (0 for an override)
     images: int = 0  # images in the stressed batch
