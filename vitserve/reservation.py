@@ -21,8 +21,11 @@ Which batch is the worst case:
   Caveat on CPU: glibc's heap fragments, so a later batch (even the same one) can raise the RSS peak by a
   few MiB above the stress peak; CUDA's caching allocator reuses its blocks and does not show this.
 - InternVL: every tile is encoded independently at the fixed tile size, so memory grows with the total
-  number of tiles in the batch: as many tiles as the budget admits, split into images of at most
-  `INTERNVL_MAX_TILES_PER_IMAGE` tiles, at most `max_batch_images` images.
+  number of tiles in the batch: as many tiles as the budget admits. The per-image tile cap is the
+  processor's (clamped `max_patches` + the thumbnail) and is not known to the encoder; when the caller
+  passes it (`max_tiles_per_image`), the tiles are split into images of at most that many, at most
+  `max_batch_images` images; without it the budget alone bounds the batch (one image holding every tile —
+  the same memory as several images, and never less than a real batch).
 - Budget 0 (disabled): there is no bound on a batch, so no stress can cover it. We stress a documented
   default (`DISABLED_BUDGET_TOKENS`, the largest image HF's default Qwen2-VL processor yields:
   max_pixels 12845056 / 28^2) and log that `--visual_reserved_mem_gb` is the way to reserve more.
@@ -67,7 +70,6 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DISABLED_BUDGET_TOKENS = 16384  # budget 0: one image of HF's default Qwen2-VL max_pixels (12845056 / 28**2)
-INTERNVL_MAX_TILES_PER_IMAGE = 13  # GotOcr2 processor default max_patches 12 + the thumbnail tile
 MAX_ASPECT_RATIO = 200  # HF smart_resize rejects images with a longer/shorter side ratio above this
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 _FIELDS = {"device": str, "rank": int, "bytes": int, "source": str, "pid": int}
@@ -75,7 +77,7 @@ _FIELDS = {"device": str, "rank": int, "bytes": int, "source": str, "pid": int}
 
 @dataclass(frozen=True)
 class Reservation:
-    bytes: int  # activation memory held for the worst case (CUDA: allocator pool growth; CPU: RSS growth)
+    bytes: int  # activation memory of the worst case (CUDA: max of pool and allocated-peak growth; CPU: RSS growth)
     source: str  # "stress" | "override"
     tokens: int = 0  # image tokens in the stressed batch (0 for an override)
     images: int = 0  # images in the stressed batch
@@ -86,8 +88,13 @@ class Reservation:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def worst_case_items(encoder: Encoder, budget_tokens: int, max_batch_images: int) -> list[ProcessedImage]:
-    """The synthetic batch that maximises activation memory under the budget and the batch-size cap."""
+def worst_case_items(
+    encoder: Encoder, budget_tokens: int, max_batch_images: int, *, max_tiles_per_image: int | None = None
+) -> list[ProcessedImage]:
+    """The synthetic batch that maximises activation memory under the budget and the batch-size cap.
+
+    max_tiles_per_image: InternVL only, the processor's per-image tile limit (max_patches + 1), if known.
+    """
     if max_batch_images < 1:
         raise ConfigError(f"--visual_infer_batch_size must be >= 1, got {max_batch_images}")
     if budget_tokens <= 0:
@@ -100,7 +107,7 @@ def worst_case_items(encoder: Encoder, budget_tokens: int, max_batch_images: int
     if encoder.family in QWEN_FAMILIES:
         return [_qwen_item(_vision_config(encoder), budget_tokens)]
     if encoder.family == "internvl":
-        return _internvl_items(encoder, budget_tokens, max_batch_images)
+        return _internvl_items(encoder, budget_tokens, max_batch_images, max_tiles_per_image)
     raise ConfigError(
         f"no worst-case shape for family {encoder.family!r}; set --visual_reserved_mem_gb to skip the stress"
     )
@@ -139,7 +146,9 @@ def _qwen_item(cfg: Any, budget_tokens: int) -> ProcessedImage:
     )
 
 
-def _internvl_items(encoder: Encoder, budget_tokens: int, max_batch_images: int) -> list[ProcessedImage]:
+def _internvl_items(
+    encoder: Encoder, budget_tokens: int, max_batch_images: int, max_tiles_per_image: int | None
+) -> list[ProcessedImage]:
     cfg = _vision_config(encoder)
     image_size = _first(cfg.image_size)
     patch = _first(cfg.patch_size)
@@ -151,11 +160,13 @@ def _internvl_items(encoder: Encoder, budget_tokens: int, max_batch_images: int)
         raise ConfigError(
             f"one InternVL tile is {tokens_per_tile} tokens, above --visual_batch_max_tokens {budget_tokens}"
         )
-    tiles = min(budget_tokens // tokens_per_tile, max_batch_images * INTERNVL_MAX_TILES_PER_IMAGE)
+    tiles = budget_tokens // tokens_per_tile
+    per_image = max(1, max_tiles_per_image) if max_tiles_per_image else tiles
+    tiles = min(tiles, max_batch_images * per_image)
     gen = torch.Generator().manual_seed(0)
     items = []
     while tiles > 0:
-        n = min(tiles, INTERNVL_MAX_TILES_PER_IMAGE)
+        n = min(tiles, per_image)
         pixels = torch.randn(n, channels, image_size, image_size, generator=gen)  # (tiles, C, H, W)
         items.append(
             ProcessedImage(
@@ -202,9 +213,17 @@ def _first(value: Any) -> int:
 
 
 def reserve(
-    encoder: Encoder, *, budget_tokens: int, max_batch_images: int, override_gb: float | None
+    encoder: Encoder,
+    *,
+    budget_tokens: int,
+    max_batch_images: int,
+    override_gb: float | None,
+    max_tiles_per_image: int | None = None,
 ) -> Reservation:
-    """Run the production forward on the worst case (or honour the override) and return what is held."""
+    """Run the production forward on the worst case (or honour the override) and return what is held.
+
+    max_tiles_per_image: InternVL only, see worst_case_items.
+    """
     if override_gb is not None:
         return _reserve_override(encoder.device, override_gb)
     shape: list[int] = []  # (tokens, images) of the batch, filled in by run()
@@ -212,7 +231,7 @@ def reserve(
     def run() -> None:
         # The batch is built inside the measured window: at runtime a batch's pixel tensors are live in the
         # worker during its forward too, so on CPU they belong to the peak.
-        items = worst_case_items(encoder, budget_tokens, max_batch_images)
+        items = worst_case_items(encoder, budget_tokens, max_batch_images, max_tiles_per_image=max_tiles_per_image)
         shape[:] = [sum(i.num_tokens for i in items), len(items)]
         encoder.encode(items)
 
