@@ -31,7 +31,7 @@ from vitserve.rpc.wire import ImageEmbedding, WireError, decode_embedding_messag
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RCVHWM = 64  # messages ZMQ buffers on this side before the sender's queue starts filling
+DEFAULT_RCVHWM = 8  # messages ZMQ buffers here before the sender's queue fills (8 x 59 MB at most)
 _POLL_SLICE_S = 0.2  # longest single wait in recv(); bounds how long close() waits for a blocked recv()
 
 
