@@ -15,8 +15,8 @@ frames, so the tensors are the receiver's to keep or modify.
 Throughput tip (glibc): libzmq mallocs a fresh buffer per received frame, and frames over glibc's mmap
 threshold (32 MB at most) get fresh pages that fault in on every message. Starting the LLM server with
 `MALLOC_MMAP_THRESHOLD_=1000000000 MALLOC_TRIM_THRESHOLD_=2000000000` lets freed buffers be reused:
-about 2x the bandwidth for 59 MB frames in bench/transfer.py. It is process-wide, so vitserve does not
-set it for you.
+about 2x the bandwidth for 59 MB frames in paired runs on a loaded VM (bench/RESULTS.md, "Transfer").
+It is process-wide, so vitserve does not set it for you.
 """
 
 from __future__ import annotations
