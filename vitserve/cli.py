@@ -196,7 +196,8 @@ def _build_service(config: Config):
     from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed
 
     metrics = Metrics()
-    return Service(config, Engine(config, metrics), processor, metrics, sock=sock, banner=render_banner)
+    engine = Engine(config, metrics, processor_clamp=processor.clamp_info())  # the clamp keys the cache
+    return Service(config, engine, processor, metrics, sock=sock, banner=render_banner)
 
 
 def main(argv: list[str] | None = None) -> int:
