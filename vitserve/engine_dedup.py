@@ -10,10 +10,11 @@ For each image of a request, Engine.encode asks the WorkTable for a Slot:
 The queued WorkItem is cancelled only when its last waiter leaves. A successful encode is stored in the
 cache. Deduplication runs with --cache_gb 0 too: it costs one dict lookup per image.
 
-The key is the image bytes' sha256 (the API's image_id) plus the configuration fingerprint (vitserve/cache.py),
-set once the ranks reported their model, dtype and device. An image_id that is not a sha256 hex digest
-(a caller's own label) says nothing about the content, so such an image is always encoded on its own. Everything here runs on the engine's event
-loop thread and never awaits between reading and updating the table, so it needs no lock.
+The key is the image bytes' sha256 (the API's image_id) plus the configuration fingerprint
+(vitserve/cache.py), set once the ranks reported their model, dtype and device. An image_id that is not
+a sha256 hex digest (a caller's own label) says nothing about the content, so such an image is always
+encoded on its own. Everything here runs on the engine's event loop thread and never awaits between
+reading and updating the table, so it needs no lock.
 """
 
 from __future__ import annotations
