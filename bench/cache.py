@@ -77,10 +77,24 @@ async def run_mode(mode: str, args, processor, images) -> dict:
         await asyncio.gather(*(client() for _ in range(args.clients)))
         seconds = time.perf_counter() - start
         encoded = (engine.metrics.value("vitserve_batch_images_sum") or 0.0) - before
-        return {"mode": mode, "order": args.order, "images": len(work), "encoded": int(encoded), "seconds": round(seconds, 3),
-                "images_per_s": round(len(work) / seconds, 2), "tokens_per_image": items[0].num_tokens}
+        row = {"mode": mode, "order": args.order, "images": len(work), "encoded": int(encoded),
+               "seconds": round(seconds, 3), "images_per_s": round(len(work) / seconds, 2),
+               "tokens_per_image": items[0].num_tokens}
+        if mode == "cache":
+            row["hit_ms"] = round(await hit_seconds(engine, items[0], images[0][0]) * 1e3, 3)
+        return row
     finally:
         await engine.shutdown()
+
+
+async def hit_seconds(engine, item, image_id: str, n: int = 200) -> float:
+    """Mean engine.encode() latency of a one-image request served from the cache (inline embeddings off)."""
+    start = time.perf_counter()
+    for k in range(n):
+        (res,) = await engine.encode(f"hit{k}", [item], [image_id], deadline=time.monotonic() + 60,
+                                     return_embeddings=False)
+        assert res.cached
+    return (time.perf_counter() - start) / n
 
 
 async def main() -> None:
