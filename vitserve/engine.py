@@ -212,6 +212,11 @@ class Engine:
         """Embedding messages handed to --llm_endpoint so far (0 without one)."""
         return self._push.sent if self._push is not None else 0
 
+    def groups(self) -> list[dict]:
+        """Per encoder group: {"group", "state" (starting|ready|failed|stopped), "failure", "pids"}."""
+        return [{"group": g.index, "state": g.state.value, "failure": g.failure, "pids": g.pids}
+                for g in self._dispatch.groups]
+
     def worker_pids(self) -> dict[int, list[int]]:
         """Group index -> pids of its ranks (for the CLI's logs and for fault tests)."""
         return {g.index: g.pids for g in self._dispatch.groups}

@@ -68,7 +68,8 @@ async def test_l4_idle_past_the_dist_timeout_then_serve(tmp_path, idle_s):
 async def test_dp2_both_groups_serve_and_one_survives_the_other(tmp_path):
     log_dir = tmp_path / "hashes"
     log_dir.mkdir()
-    config = make_config(tmp_path, dp=2, visual_batch_max_tokens=16, visual_infer_batch_size=1)
+    # heartbeat 2 s: this test is about sharing the queue, not about detecting hangs fast
+    config = make_config(tmp_path, dp=2, visual_batch_max_tokens=16, visual_infer_batch_size=1, heartbeat_s=2.0)
     factory = FakeEncoderFactory(hash_log_dir=str(log_dir), sleep_s=0.2)
     async with running_engine(config, factory) as engine:
         await _mixed_load(engine, 6)
@@ -77,9 +78,12 @@ async def test_dp2_both_groups_serve_and_one_survives_the_other(tmp_path):
         assert min(counts) >= 2  # the idle group pulls from the shared queue too
 
         kill_quietly(engine.worker_pids()[0][0], signal.SIGKILL)
-        while engine.readiness()[0]:
+        while engine.groups()[0]["state"] != "failed":
             await asyncio.sleep(0.05)
-        assert "group 0" in engine.readiness()[1]
+        assert engine.groups()[1]["state"] == "ready"
+        ready, reason = engine.readiness()
+        assert not ready  # a dead rank is never "ready" (DESIGN invariant 5), though group 1 still serves
+        assert "group 0" in reason
         await _mixed_load(engine, 4, seed=1000)  # group 1 serves the whole queue
         assert not engine.failed.is_set()
         assert engine.metrics.value("vitserve_workers_ready") == 1
