@@ -132,3 +132,17 @@ async def test_s1_ranks_listen_on_loopback_only(tmp_path):
         addrs += _listening(os.getpid())
     assert addrs  # gloo's pairs listen somewhere: it must be loopback
     assert all(a.startswith(loopback) for a in addrs), addrs
+
+
+async def test_a_blocked_event_loop_does_not_kill_healthy_ranks(tmp_path):
+    import time
+
+    async with running_engine(make_config(tmp_path, heartbeat_s=1.0)) as engine:
+        time.sleep(3.0)  # the API process hogs its loop (3 x heartbeat): ALIVE reports pile up unread
+        assert engine.readiness() == (True, "ok")
+        await asyncio.sleep(1.0)  # the watchdog and the status reader run again
+        assert engine.groups()[0]["state"] == "ready"
+        assert engine.readiness() == (True, "ok")
+        item = fake_item(2, 2, seed=3)
+        (res,) = await engine.encode("after", [item], ["a"], deadline=deadline(), return_embeddings=True)
+        torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
