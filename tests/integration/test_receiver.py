@@ -268,6 +268,22 @@ def test_close_flushes_queued_messages_within_linger(receiver):
     assert [receiver.recv(timeout_s=10).image_index for _ in range(5)] == list(range(5))
 
 
+def test_waiting_for_the_lock_respects_the_deadline(short_dir):
+    with LLMSender(f"ipc://{short_dir}/nobody.sock", sndhwm=1, linger_s=0.1) as tx:
+        send(tx, image_index=0, num_images=3)  # fills the queue: nobody reads
+        blocked = threading.Thread(
+            target=lambda: pytest.raises(Timeout, send, tx, image_index=1, num_images=3,
+                                         deadline=time.monotonic() + 3.0)
+        )  # fmt: skip
+        blocked.start()
+        while not tx._lock.locked():  # wait until that send holds the socket
+            time.sleep(0.01)
+        with pytest.raises(Timeout, match="another send held the socket"):
+            send(tx, image_index=2, num_images=3, deadline=time.monotonic() + 0.1)
+        blocked.join()
+        assert tx.messages_sent == 1
+
+
 def test_expired_deadline_sends_nothing(receiver):
     with LLMSender(receiver.endpoint) as tx:
         with pytest.raises(Timeout):
