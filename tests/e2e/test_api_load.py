@@ -135,3 +135,22 @@ async def test_async_client_errors_carry_status_and_code():
                 await ac.encode([b"a", b"b"])
             assert exc.value.code == "too_many_images"
             assert await ac.ready()
+
+
+def test_client_accepts_paths_bytes_and_pil_images(tmp_path):
+    import io
+
+    from PIL import Image
+
+    data = noise_png(80, 60, seed=4)
+    path = tmp_path / "x.png"
+    path.write_bytes(data)
+    pil = Image.open(io.BytesIO(data))
+    with live_server() as srv, VitserveClient(srv.url) as c:
+        out = c.encode([path, str(path), data, pil], request_id="kinds")
+        with pytest.raises(TypeError):
+            c.encode([12345])
+    ids = [img["image_id"] for img in out["images"]]
+    assert ids[0] == ids[1] == ids[2] == __import__("hashlib").sha256(data).hexdigest()
+    assert [img["original_size"] for img in out["images"]] == [[80, 60]] * 4
+    assert out["request_id"] == "kinds"
