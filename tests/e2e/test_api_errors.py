@@ -321,3 +321,11 @@ def test_body_that_trickles_in_past_the_deadline_is_504():
             reply += part
         assert reply.startswith(b"HTTP/1.1 504"), reply[:200]
         assert b'"timeout"' in reply
+
+
+def test_base64_with_data_url_prefix_and_line_breaks_is_accepted(client):
+    raw = b64(png_bytes(50, 40))
+    wrapped = "\n".join(raw[i:i + 76] for i in range(0, len(raw), 76))
+    r = client.post("/encode", json={"images": [{"b64": "data:image/png;base64," + raw}, {"b64": wrapped}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["images"][0]["image_id"] == r.json()["images"][1]["image_id"]
