@@ -207,3 +207,22 @@ def test_l2_real_engine_burst_gets_fast_queue_full_and_ready_stays_200(demo):
         assert int(r.headers["retry-after"]) >= 1
     got = sorted(receiver.recv(timeout_s=60).request_id for _ in range(3 + len(ok)))
     assert got == sorted(["busy2"] * 3 + [r.json()["request_id"] for r in ok])
+
+
+def test_tp2_through_http_matches_the_hf_reference_and_reports_both_ranks(checkpoint, tmp_path):
+    from tests.checkpoints import hf_reference
+    from vitserve.images import decode_image
+    from vitserve.processors import load_image_processor
+
+    data = noise_png(700, 500, seed=8)
+    with live_server(model=str(checkpoint), tp=2, visual_batch_max_tokens=BUDGET, heartbeat_s=2, dist_timeout_s=60,
+                     device="cpu", runtime_dir=str(tmp_path), make_engine=engine_mod.Engine) as srv, \
+            VitserveClient(srv.url) as c:
+        out = c.encode([data], return_embeddings=True)["images"][0]
+        info = c.info()
+    assert (info["tp"], info["dp"]) == (2, 1)
+    assert sorted(info["reserved_memory_bytes"]) == ["0", "1"]
+    item = load_image_processor(str(checkpoint), max_tokens=BUDGET).preprocess(
+        decode_image(data, max_image_pixels=50_000_000).image)
+    ref, _ = hf_reference(checkpoint, "qwen2_5_vl")(item.pixel_values, torch.tensor([item.grid_thw]))
+    torch.testing.assert_close(out["embedding"], ref, rtol=1e-4, atol=1e-5)  # fp32 round-off, TP all_reduce
