@@ -33,8 +33,8 @@ from vitserve.engine_send import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
 from vitserve.metrics import Metrics
 from vitserve.parallel import messages as m
-from vitserve.parallel import watchdog
 from vitserve.parallel.pool import GroupState, WorkerGroup, free_port
+from vitserve.parallel.watchdog import Watchdog
 from vitserve.parallel.worker import Rendezvous, load_configured_encoder, startup_timeout_s
 from vitserve.types import ImageResult, ProcessedImage
 
@@ -86,9 +86,9 @@ class Engine:
             group = WorkerGroup(g, self.config, self.encoder_factory, ctx=self._sync_zmq, ipc_dir=self._ipc_dir,
                                 status_endpoint=status_endpoint, rendezvous=self._rendezvous(g))
             self._dispatch.groups.append(group)
+        self._watchdog = Watchdog(self._dispatch.groups, self.config.heartbeat_s, self._dispatch.fail_group)
         self._tasks = [asyncio.create_task(self._dispatch.read_status(self._status), name="vitserve-status"),
-                       asyncio.create_task(watchdog.watch(self._dispatch.groups, self.config.heartbeat_s,
-                                                          self._dispatch.fail_group), name="vitserve-watchdog")]
+                       asyncio.create_task(self._watchdog.run(), name="vitserve-watchdog")]
         for group in self._dispatch.groups:
             group.spawn()
         try:
@@ -184,6 +184,8 @@ class Engine:
         if failed:
             return False, "; ".join(f for f in failed if f)
         now, limit = time.monotonic(), 2 * self.config.heartbeat_s
+        if self._watchdog.loop_stalled(now):  # our loop was blocked: reports may be unread, not missing
+            return True, "ok"
         for group in self._dispatch.groups:
             for rank, seen in enumerate(group.last_seen):
                 if now - seen > limit:
@@ -216,6 +218,11 @@ class Engine:
     def llm_messages_sent(self) -> int:
         """Embedding messages handed to --llm_endpoint so far (0 without one)."""
         return self._push.sent if self._push is not None else 0
+
+    def groups(self) -> list[dict]:
+        """Per encoder group: {"group", "state" (starting|ready|failed|stopped), "failure", "pids"}."""
+        return [{"group": g.index, "state": g.state.value, "failure": g.failure, "pids": g.pids}
+                for g in self._dispatch.groups]
 
     def worker_pids(self) -> dict[int, list[int]]:
         """Group index -> pids of its ranks (for the CLI's logs and for fault tests)."""

@@ -1,8 +1,8 @@
 """Encoder groups as seen from the engine: spawn, talk to rank 0, tear down without orphans.
 
 A group is `tp` spawned processes sharing one torch.distributed process group; rank 0 PULLs batches from
-the group's own ZMQ socket (bound here, in the engine's private runtime dir). Every rank PUSHes to the
-engine's one status socket. At most one batch is in flight per group.
+the group's own ZMQ socket (rank 0 binds it in the engine's private runtime dir; the engine connects).
+Every rank PUSHes to the engine's one status socket. At most one batch is in flight per group.
 """
 
 from __future__ import annotations
@@ -57,7 +57,11 @@ class WorkerGroup:
         self.batch_endpoint = f"ipc://{ipc_dir}/batch-{index}"
         self._sock = ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(self.batch_endpoint)
+        # Rank 0 binds, we connect: a connecting PUSH has its queue from the start, so a batch sent right
+        # after READY waits there even if rank 0's end is not wired yet (a bound PUSH without a peer
+        # refuses a non-blocking send: EAGAIN).
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 20)  # rank 0 binds seconds later; retry often (ms)
+        self._sock.connect(self.batch_endpoint)
         self.processes: list = []
 
     # ------------------------------------------------------------------------------------ life cycle
