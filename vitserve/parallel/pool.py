@@ -24,6 +24,7 @@ from vitserve.parallel import messages as m
 from vitserve.parallel.worker import Rendezvous, WorkerArgs, run_worker
 
 log = logging.getLogger(__name__)
+SEND_WAIT_MS = 2000  # the most the event loop waits for rank 0's batch socket to accept a message
 
 
 class GroupState(Enum):
@@ -90,7 +91,15 @@ class WorkerGroup:
         return self.state is GroupState.READY and self.inflight is None
 
     def send(self, msg: m.BatchMsg | m.StopMsg) -> None:
-        """Queue a message for rank 0 without blocking (one batch in flight is far below the HWM)."""
+        """Queue a message for rank 0 (one batch in flight is far below the HWM).
+
+        Normally the socket takes it at once. Under load the ipc connection can still be (re)wiring when a
+        batch is due, and the non-blocking send then failed with EAGAIN, failing a healthy group (seen in
+        test_f8 on a loaded machine); waiting up to SEND_WAIT_MS for POLLOUT covers that and costs nothing
+        when the socket is writable.
+        """
+        if not self._sock.poll(SEND_WAIT_MS, zmq.POLLOUT):
+            raise zmq.Again(f"rank 0 of group {self.index} took no message for {SEND_WAIT_MS} ms")
         self._sock.send_multipart(m.encode(msg), flags=zmq.NOBLOCK, copy=False)
 
     def mark_failed(self, reason: str) -> None:
