@@ -4,13 +4,12 @@ Back-pressure, never loss: when the LLM server reads slowly, ZMQ queues up to th
 then a send *blocks* (we poll for POLLOUT; we never send with DONTWAIT-and-drop). A send that is still
 blocked at the request's deadline raises vitserve.errors.Timeout (the API answers 504) and nothing of
 that message was handed to ZMQ: multipart messages are atomic, so the receiver never sees half of one.
-Every message `send_embedding` returned for is delivered, unless the receiver is gone for longer than
-the linger at close (see `close`).
+Every message `send_embedding` returned for is delivered while the sender is open; at close, see
+`close` for the linger bound and a libzmq limitation.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -21,9 +20,9 @@ import zmq
 from vitserve.errors import ConfigError, Timeout
 from vitserve.rpc.wire import encode_embedding_message
 
-log = logging.getLogger(__name__)
-
-DEFAULT_SNDHWM = 64  # messages queued in ZMQ before sends block: ~64 images, a few batches' worth
+# Messages queued in ZMQ before sends block. Sends are zero-copy, so each queued message keeps its
+# embedding alive: 8 x 59 MB (4096 x 3584 float32) = 470 MB at most in the API process.
+DEFAULT_SNDHWM = 8
 DEFAULT_LINGER_S = 5.0  # how long close() keeps flushing queued messages to a slow/absent receiver
 
 
@@ -140,7 +139,13 @@ class LLMSender:
 
     def close(self) -> None:
         """Close the socket. Queued messages keep flushing for up to linger_s (the LINGER option) —
-        bounded, so shutdown cannot hang on a receiver that is gone; what is left after that is lost."""
+        bounded, so shutdown cannot hang on a receiver that is gone; what is left after that is lost.
+
+        Known libzmq limitation (libzmq #4660, #3774, #1922; reproduced here on ipc:// with small HWMs):
+        if the receiver sits at its RCVHWM when this socket hangs up, the receiving engine can drop
+        the tail still in the kernel buffer, even within the linger period. vitserve therefore keeps
+        one sender for the life of the service and closes it only at shutdown, after the drain.
+        """
         with self._lock:
             if self._closed:
                 return
