@@ -70,9 +70,10 @@ def _patch(module: nn.Module, forward: Callable) -> None:
 
 
 def _is_qwen_attention(module: nn.Module) -> bool:
+    # proj may already be TP's RowParallelLinear (an nn.Module, not an nn.Linear): the forward only calls it
     return (
         isinstance(getattr(module, "qkv", None), nn.Linear)
-        and isinstance(getattr(module, "proj", None), nn.Linear)
+        and isinstance(getattr(module, "proj", None), nn.Module)
         and hasattr(module, "num_heads")
         and hasattr(module, "scaling")
     )
