@@ -99,7 +99,7 @@ class WorkerGroup:
         when the socket is writable.
         """
         if not self._sock.poll(SEND_WAIT_MS, zmq.POLLOUT):
-            raise zmq.Again(f"rank 0 of group {self.index} took no message for {SEND_WAIT_MS} ms")
+            raise TimeoutError(f"rank 0 of group {self.index} took no message for {SEND_WAIT_MS} ms")
         self._sock.send_multipart(m.encode(msg), flags=zmq.NOBLOCK, copy=False)
 
     def mark_failed(self, reason: str) -> None:
