@@ -36,6 +36,15 @@ DECODE_ERRORS = (InvalidImage, PayloadTooLarge)  # decode_image's docstring
 PREPROCESS_ERRORS = (ImageTooSmall, AspectRatioTooLarge, OverTokenBudget)  # VisionProcessor.plan's docstring
 
 PROCESSOR = load_image_processor("qwen2_5_vl", max_tokens=BUDGET_TOKENS)
+_counts = {"decoded": 0, "preprocessed": 0}
+
+
+def _count(key: str) -> None:
+    """libFuzzer exits without running Python's atexit, so progress goes to stderr at powers of two."""
+    _counts[key] += 1
+    n = _counts[key]
+    if n & (n - 1) == 0:
+        print(f"B10 {key} {n}", file=sys.stderr, flush=True)
 
 
 def test_one_input(data: bytes) -> None:
@@ -43,8 +52,10 @@ def test_one_input(data: bytes) -> None:
         decoded = decode_image(data, max_image_pixels=MAX_IMAGE_PIXELS)
     except DECODE_ERRORS:
         return
+    _count("decoded")
     try:
         PROCESSOR.preprocess(decoded.image)
+        _count("preprocessed")
     except PREPROCESS_ERRORS:
         return
     except VitserveError as exc:

@@ -68,4 +68,6 @@ def test_only_documented_errors_escape_the_decode_path(tmp_path):
         f"saved: {[str(artifacts / f) for f in found]}\n{log}")
     runs = [line for line in proc.stderr.splitlines() if "Done" in line and "runs" in line]
     assert runs, f"atheris did not report its run count:\n{log}"
-    print(runs[-1])
+    preprocessed = [int(line.split()[-1]) for line in proc.stderr.splitlines() if line.startswith("B10 preprocessed")]
+    assert preprocessed, f"no fuzzed input reached the processor (the seeds should):\n{log}"
+    print(f"{runs[-1]}; inputs that decoded and preprocessed: at least {max(preprocessed)}")
