@@ -91,7 +91,7 @@ class FakeEncoder:
 
     def _hooks(self, items) -> None:
         h = self.hooks
-        if self.calls < h.hooks_after_calls:  # the reservation stress is call 0
+        if self.calls < h.hooks_after_calls:  # the reservation stress ends at call 0
             return
         if h.hash_log_dir:
             with open(os.path.join(h.hash_log_dir, f"rank{self.rank}-pid{os.getpid()}.log"), "a") as f:
@@ -110,13 +110,21 @@ class FakeEncoderFactory:
     seed: int = 0
     sleep_s: float = 0.0  # per forward, after the reservation
     raise_on_rank: int | None = None  # this rank's forward raises ...
-    raise_on_call: int = 1  # ... from this encode() call on (call 0 is the reservation stress)
+    raise_on_call: int = 1  # ... from this encode() call on (calls <= 0 are the reservation stress)
     hash_log_dir: str | None = None  # each rank appends a hash of every batch it ran
     hooks_after_calls: int = 1
 
     def __call__(self, config) -> FakeEncoder:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        return FakeEncoder(self, rank, config.tp)
+        enc = FakeEncoder(self, rank, config.tp)
+        if config.visual_reserved_mem_gb is None:
+            # The stress runs several batches (reservation.stress_batches); number the calls so that its last
+            # one is call 0 and the first runtime batch call 1, whatever that count is.
+            from vitserve.reservation import stress_batches
+
+            enc.calls = 1 - sum(1 for _ in stress_batches(enc, config.visual_batch_max_tokens,
+                                                          config.visual_infer_batch_size))
+        return enc
 
 # ---------------------------------------------------------------------------------------------------------
 # api helper: a tiny deterministic Encoder and an in-process Engine with the exact contract of INTERFACES.md

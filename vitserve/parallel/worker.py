@@ -86,6 +86,11 @@ def run_worker(args: WorkerArgs) -> None:
     # SIGTERM keeps its default: multiprocessing's exit handler terminates daemon children with it and
     # then joins them without a timeout.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not args.config.device.startswith("cuda"):
+        # Before any thread of ours exists (zmq I/O, liveness), so that they share the main thread's heap.
+        from vitserve.model.fast_alloc import tune_cpu_allocator
+
+        tune_cpu_allocator()
     die_with_parent(args.parent_pid)
     worker = RankWorker(args)
     try:
@@ -216,6 +221,9 @@ class RankWorker:
             self.counters.batches += 1
             if self.args.rank == 0:
                 self._reply(batch.batch_id, outputs)  # 3) embeddings back to the engine
+            # Drop this batch's frames before waiting for the next: otherwise two batches' pixels are live in
+            # zmq's receive arena at once, and the runtime peak outgrows the reservation (RELIABILITY L3).
+            del batch, outputs
 
     def _next_step(self) -> tuple[m.Kind, m.BatchMsg | None]:
         if self.args.rank != 0:
