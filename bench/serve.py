@@ -81,26 +81,44 @@ def launched(kind: str, budget: int, threads: int, log_path: Path):
                 proc.wait()
 
 
-def bench_server(kind: str, bodies: dict, profile: dict, threads: int, out_dir: Path) -> dict:
-    results: dict = {}
-    with launched(kind, profile["budget"], threads, out_dir / f"{kind}.log") as url:
+def bench_servers(kinds: list[str], bodies: dict, profile: dict, threads: int, out_dir: Path) -> dict:
+    """Start every server (one after the other), then run each point on each server back to back.
+
+    Interleaving the servers point by point (alternating which goes first) means both see the same
+    background load on a shared machine; an idle server costs nothing but memory.
+    """
+    results: dict = {kind: {} for kind in kinds}
+    with contextlib.ExitStack() as stack:
+        urls = {kind: stack.enter_context(launched(kind, profile["budget"], threads, out_dir / f"{kind}.log"))
+                for kind in kinds}
+        flip = False
         for workload, wl_bodies in bodies.items():
             _, concurrencies, duration, cap = profile[workload]
-            # warm-up (unmeasured): every distinct size once, so lazy init and allocator growth are done
-            asyncio.run(run_point(url, wl_bodies[:4], concurrency=1, duration_s=duration, max_requests=4,
-                                  timeout_s=600))
-            results[workload] = []
+            for kind in kinds:  # warm-up (unmeasured): lazy init, allocator growth
+                asyncio.run(run_point(urls[kind], wl_bodies[:4], concurrency=1, duration_s=duration,
+                                      max_requests=4, timeout_s=600))
+                results[kind][workload] = []
             for conc in concurrencies:
-                before = scrape_batch_metrics(url)
-                point = asyncio.run(run_point(url, wl_bodies, concurrency=conc, duration_s=duration,
-                                              max_requests=cap, timeout_s=600))
-                row = {**point.summary(), **batch_delta(before, scrape_batch_metrics(url))}
-                row["mean_batch_fill_ratio"] = row.pop("mean_batch_fill_ratio", None)
-                results[workload].append(row)
-                print(f"[{kind}] {workload:5s} c={conc:<3d} {row['images_per_s']:.3f} img/s "
-                      f"p50={_fmt(row['p50_s'])} p99={_fmt(row['p99_s'])} fill={_fmt(row['mean_batch_fill_ratio'])} "
-                      f"errors={row['errors']}", flush=True)
+                for kind in (kinds[::-1] if flip else kinds):
+                    row = measure_point(kind, urls[kind], workload, wl_bodies, conc, duration, cap)
+                    results[kind][workload].append(row)
+                flip = not flip
+    for kind in kinds:  # rows in concurrency order whatever order they ran in
+        for rows in results[kind].values():
+            rows.sort(key=lambda r: r["concurrency"])
     return results
+
+
+def measure_point(kind: str, url: str, workload: str, bodies: list[bytes], conc: int, duration: float,
+                  cap: int) -> dict:
+    before = scrape_batch_metrics(url)
+    point = asyncio.run(run_point(url, bodies, concurrency=conc, duration_s=duration, max_requests=cap,
+                                  timeout_s=600))
+    row = {**point.summary(), **batch_delta(before, scrape_batch_metrics(url)), "loadavg": os.getloadavg()[0]}
+    print(f"[{kind}] {workload:5s} c={conc:<3d} {row['images_per_s']:.3f} img/s "
+          f"p50={_fmt(row['p50_s'])} p99={_fmt(row['p99_s'])} fill={_fmt(row['mean_batch_fill_ratio'])} "
+          f"errors={row['errors']} load={row['loadavg']:.1f}", flush=True)
+    return row
 
 
 def encoder_only(images: dict[str, list[bytes]], budget: int, threads: int, reps: int) -> dict:
@@ -193,7 +211,7 @@ def main() -> None:
     workloads = args.workloads.split(",")
     images = {w: WORKLOADS[w](profile[w][0]) for w in workloads}
     bodies = {w: json_bodies(images[w]) for w in workloads}
-    servers = {kind: bench_server(kind, bodies, profile, args.threads, args.out) for kind in args.servers.split(",")}
+    servers = bench_servers(args.servers.split(","), bodies, profile, args.threads, args.out)
     enc = encoder_only(images, profile["budget"], args.threads, args.reps)
     notes["loadavg_end"] = os.getloadavg()
     report = {"profile": "quick" if args.quick else "full", "budget": profile["budget"], "machine": notes,
