@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from vitserve.errors import VitserveError
 from vitserve.images import DecodedImage
 from vitserve.types import ProcessedImage
 
@@ -37,7 +38,10 @@ class JpegDraft:
         target = plan.resized_size
         if target[0] * 2 > width or target[1] * 2 > height:
             return None  # no power-of-two reduction keeps the target
-        again = self.processor.plan(*target)
+        try:
+            again = self.processor.plan(*target)
+        except VitserveError:  # e.g. a target below min_pixels that the processor would grow again
+            return None
         if again.grid_thw != plan.grid_thw or again.resized_size != target:
             return None  # the plan is not a fixed point here: keep the full decode, exact grid guaranteed
         return target
