@@ -4,8 +4,9 @@
     python bench/serve.py                      # the full sweep (budget 2048, longer points)
     python bench/plot.py bench/out/serve-latest.json
 
-Starts `vitserve --model demo` (the real CLI, a subprocess on a free 127.0.0.1 port), drives it with a
-concurrency sweep on three generated workloads, stops it, then does the same for bench/baseline_server.py.
+Starts `vitserve --model demo` (the real CLI, a subprocess on a free 127.0.0.1 port), then
+bench/baseline_server.py, and drives both with a concurrency sweep on three generated workloads, each point
+run on both servers back to back (alternating which goes first) so both see the same background load.
 Then measures encoder-only throughput in-process (vitserve.model.load_encoder("demo").encode) on the same
 processed images packed into full-budget FIFO batches, the ceiling the service can reach:
 service overhead = 1 - best e2e images/s / encoder-only images/s.
@@ -37,8 +38,8 @@ from bench.workloads import WORKLOADS  # noqa: E402
 
 # (images generated, concurrencies, seconds per point, request cap per point) per workload
 PROFILES = {
-    "quick": {"budget": 1024, "small": (24, (1, 4, 16), 15, 400), "mixed": (8, (1, 4, 16), 25, 24),
-              "large": (3, (1, 4), 25, 12)},
+    "quick": {"budget": 1024, "small": (24, (1, 4, 16), 30, 400), "mixed": (8, (1, 4, 16), 20, 20),
+              "large": (3, (1, 4), 20, 8)},
     "full": {"budget": 2048, "small": (64, (1, 4, 16, 64), 30, 2000), "mixed": (16, (1, 4, 16), 60, 200),
              "large": (6, (1, 4, 16), 60, 100)},
 }
@@ -121,8 +122,11 @@ def measure_point(kind: str, url: str, workload: str, bodies: list[bytes], conc:
     return row
 
 
-def encoder_only(images: dict[str, list[bytes]], budget: int, threads: int, reps: int) -> dict:
-    """Images/s of load_encoder("demo").encode on full-budget FIFO batches of the same processed images."""
+def encoder_only(images: dict[str, list[bytes]], budget: int, threads: int, reps: int, force_fast: bool) -> dict:
+    """Images/s of load_encoder("demo").encode on full-budget FIFO batches of the same processed images.
+
+    force_fast: apply vitserve.model.fast.optimize if load_encoder did not (a what-if while it is not wired).
+    """
     import torch
 
     from vitserve.images import decode_image
@@ -133,7 +137,12 @@ def encoder_only(images: dict[str, list[bytes]], budget: int, threads: int, reps
     torch.set_num_threads(threads)
     encoder = load_encoder("demo")
     processor = load_image_processor("demo", max_tokens=budget)
-    out = {"fast_kernels": any(hasattr(m, "_vitserve_plans") for m in encoder.visual.modules())}
+    out: dict = {"fast_kernels_in_load_encoder": _has_fast(encoder.visual)}
+    if force_fast and not out["fast_kernels_in_load_encoder"]:
+        from vitserve.model.fast import optimize
+
+        optimize(encoder.visual, "qwen2_5_vl")
+    out["fast_kernels"] = _has_fast(encoder.visual)
     for workload, blobs in images.items():
         items = [processor.preprocess(decode_image(b, max_image_pixels=0).image) for b in blobs]
         sched = Scheduler(budget, 64)
@@ -151,13 +160,25 @@ def encoder_only(images: dict[str, list[bytes]], budget: int, threads: int, reps
         out[workload] = {"images_per_s": reps * len(items) / seconds, "batches": len(batches),
                          "mean_batch_fill_ratio": sum(it.num_tokens for it in items) / (len(batches) * budget),
                          "tokens_per_image": sum(it.num_tokens for it in items) / len(items)}
-        print(f"[encoder-only] {workload:5s} {out[workload]['images_per_s']:.3f} img/s "
+        print(f"[encoder-only fast={out['fast_kernels']}] {workload:5s} {out[workload]['images_per_s']:.3f} img/s "
               f"({len(batches)} batches, fill {out[workload]['mean_batch_fill_ratio']:.2f})", flush=True)
     return out
 
 
+def _has_fast(visual) -> bool:
+    return any(hasattr(m, "_vitserve_plans") for m in visual.modules())  # set by fast.optimize
+
+
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+def _git_head() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %s"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def machine_notes(threads: int) -> dict:
@@ -173,7 +194,7 @@ def summarize(servers: dict, enc: dict) -> dict:
     """Speed-up vitserve/baseline at each workload's best point, overhead vs encoder-only, fill at saturation."""
     out = {}
     for workload in enc:
-        if workload == "fast_kernels" or workload not in servers.get("vitserve", {}):
+        if not isinstance(enc[workload], dict) or workload not in servers.get("vitserve", {}):
             continue
         v = max(servers["vitserve"][workload], key=lambda r: r["images_per_s"])
         b = max(servers.get("baseline", {}).get(workload, [{"images_per_s": 0}]), key=lambda r: r["images_per_s"])
@@ -212,10 +233,13 @@ def main() -> None:
     images = {w: WORKLOADS[w](profile[w][0]) for w in workloads}
     bodies = {w: json_bodies(images[w]) for w in workloads}
     servers = bench_servers(args.servers.split(","), bodies, profile, args.threads, args.out)
-    enc = encoder_only(images, profile["budget"], args.threads, args.reps)
+    enc = encoder_only(images, profile["budget"], args.threads, args.reps, force_fast=False)
+    enc_fast = enc if enc["fast_kernels"] else encoder_only(images, profile["budget"], args.threads, args.reps,
+                                                             force_fast=True)
     notes["loadavg_end"] = os.getloadavg()
     report = {"profile": "quick" if args.quick else "full", "budget": profile["budget"], "machine": notes,
               "workload_params": {w: profile[w] for w in workloads}, "servers": servers, "encoder_only": enc,
+              "encoder_only_fast": enc_fast, "git": _git_head(),
               "summary": summarize(servers, enc), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     text = json.dumps(report, indent=1)
     (args.out / f"serve-{report['profile']}-{int(time.time())}.json").write_text(text)
