@@ -8,7 +8,8 @@ Colour conversion rules (all end in 8-bit "RGB"):
   ``out = round((c * a + 255 * (255 - a)) / 255)``;
 - 16-bit greyscale (I;16, I;16B, I;16L, I;16N) is *scaled*, not clipped: ``out = round(v / 257)``, which maps
   0..65535 onto 0..255 exactly (65535 -> 255, 257 * k -> k); mode "I" (32-bit int, what some 16-bit TIFF/PNG
-  decoders give) is treated the same way after clipping to 0..65535;
+  decoders give) is treated the same way after clipping to 0..65535; 16-bit *colour* PNG/TIFF never reach
+  us as 16-bit: PIL's readers keep the high byte (v >> 8, at most 1 below round(v / 257));
 - "F" (32-bit float) is read as 0..1 when every finite value lies there, else as 0..255 (PIL's convention),
   clipped; NaN becomes 0;
 - CMYK uses PIL's conversion ``R = round((255 - C) * (255 - K) / 255)`` (no ICC colour management; Adobe's

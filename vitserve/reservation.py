@@ -14,36 +14,48 @@ Which batch is the worst case:
   of `window_size` pixels, linear in n) but FULL attention over each whole image in
   `fullatt_block_indexes` — which is O(n^2) per image, so one big image is the worst case there as well.
   The grid is near-square with both sides multiples of `spatial_merge_size` (the processor's output shape).
-  Measured (CPU, peak RSS growth, tiny 64-wide towers, 4096 tokens; 1 image / 16 / 64 images):
-  SDPA: Qwen2.5-VL 53.9 / 53.6 / 53.6 MiB, Qwen2-VL 56.7 / 54.7 / 54.2, Qwen3-VL 83.0 / 82.1 / 78.9;
-  eager attention at 1024 tokens (1 / 4 / 16 images): 525 / 59.7 / 14.7 MiB.
+  Measured with the production encoder (load_encoder of tests/checkpoints.py's tiny towers, fast kernels,
+  CPU, peak RSS growth in a fresh process, 1024 tokens as 1 / 2 / 4 / 16 images): Qwen3-VL
+  57.0 / 44.6 / 40.9 / 33.6 MiB, Qwen2.5-VL 46.7 / 35.3 / 30.2 MiB. With HF's eager attention the gap is
+  far larger (tiny tower, 1024 tokens as 1 / 4 / 16 images: 525 / 59.7 / 14.7 MiB).
+  Caveat on CPU: glibc's heap fragments, so a later batch (even the same one) can raise the RSS peak by a
+  few MiB above the stress peak; CUDA's caching allocator reuses its blocks and does not show this.
 - InternVL: every tile is encoded independently at the fixed tile size, so memory grows with the total
-  number of tiles in the batch: as many tiles as the budget admits, split into images of at most
-  `INTERNVL_MAX_TILES_PER_IMAGE` tiles, at most `max_batch_images` images.
+  number of tiles in the batch: as many tiles as the budget admits. The per-image tile cap is the
+  processor's (clamped `max_patches` + the thumbnail) and is not known to the encoder; when the caller
+  passes it (`max_tiles_per_image`), the tiles are split into images of at most that many, at most
+  `max_batch_images` images; without it the budget alone bounds the batch (one image holding every tile —
+  the same memory as several images, and never less than a real batch).
 - Budget 0 (disabled): there is no bound on a batch, so no stress can cover it. We stress a documented
   default (`DISABLED_BUDGET_TOKENS`, the largest image HF's default Qwen2-VL processor yields:
   max_pixels 12845056 / 28^2) and log that `--visual_reserved_mem_gb` is the way to reserve more.
 
 Measurement:
-- CUDA: `reset_peak_memory_stats`, one `encode`, then the growth of `max_memory_reserved` over the reserved
-  pool before the stress (weights were resident before). No `empty_cache`: the peak stays in the caching
-  allocator for the life of the process, which is what makes it a reservation.
-- CPU: peak RSS growth. We reset the kernel's high-water mark (`echo 5 > /proc/self/clear_refs`) and read
+- CUDA: `reset_peak_memory_stats`, one `encode`, then the larger of the growth of `max_memory_reserved`
+  over the pool before the stress and the peak of `max_memory_allocated` over what was allocated before
+  (weights were resident before; the second covers activations served from blocks the pool already had).
+  No `empty_cache`: the peak stays in the caching allocator for the life of the process, which is what
+  makes it a reservation.
+- CPU: peak RSS growth. We first return free heap pages to the OS (glibc `malloc_trim(0)`), so that memory
+  left free by loading or earlier forwards does not hide part of the worst case; then reset the kernel's
+  high-water mark (`echo 5 > /proc/self/clear_refs`) and read
   `VmHWM` after the forward minus `VmRSS` before it (both from /proc/self/status). If the reset is not
   allowed, `VmHWM` may stay at an older, higher peak and the growth reads 0; we then fall back to the
-  growth of `ru_maxrss`, which has the same blind spot, and log it. On CPU the number is informative (the
-  OS does not hold freed pages for us).
+  growth of `ru_maxrss`, which has the same blind spot, and log it. With vitserve.model.fast's allocator
+  setting (no mmap for large blocks, no trimming) the heap keeps that peak afterwards, like CUDA's pool.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import math
 import os
 import resource
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +70,6 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DISABLED_BUDGET_TOKENS = 16384  # budget 0: one image of HF's default Qwen2-VL max_pixels (12845056 / 28**2)
-INTERNVL_MAX_TILES_PER_IMAGE = 13  # GotOcr2 processor default max_patches 12 + the thumbnail tile
 MAX_ASPECT_RATIO = 200  # HF smart_resize rejects images with a longer/shorter side ratio above this
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 _FIELDS = {"device": str, "rank": int, "bytes": int, "source": str, "pid": int}
@@ -66,7 +77,7 @@ _FIELDS = {"device": str, "rank": int, "bytes": int, "source": str, "pid": int}
 
 @dataclass(frozen=True)
 class Reservation:
-    bytes: int  # activation memory held for the worst case (CUDA: allocator pool growth; CPU: RSS growth)
+    bytes: int  # activation memory of the worst case (CUDA: max of pool and allocated-peak growth; CPU: RSS growth)
     source: str  # "stress" | "override"
     tokens: int = 0  # image tokens in the stressed batch (0 for an override)
     images: int = 0  # images in the stressed batch
@@ -77,8 +88,13 @@ class Reservation:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def worst_case_items(encoder: Encoder, budget_tokens: int, max_batch_images: int) -> list[ProcessedImage]:
-    """The synthetic batch that maximises activation memory under the budget and the batch-size cap."""
+def worst_case_items(
+    encoder: Encoder, budget_tokens: int, max_batch_images: int, *, max_tiles_per_image: int | None = None
+) -> list[ProcessedImage]:
+    """The synthetic batch that maximises activation memory under the budget and the batch-size cap.
+
+    max_tiles_per_image: InternVL only, the processor's per-image tile limit (max_patches + 1), if known.
+    """
     if max_batch_images < 1:
         raise ConfigError(f"--visual_infer_batch_size must be >= 1, got {max_batch_images}")
     if budget_tokens <= 0:
@@ -91,7 +107,7 @@ def worst_case_items(encoder: Encoder, budget_tokens: int, max_batch_images: int
     if encoder.family in QWEN_FAMILIES:
         return [_qwen_item(_vision_config(encoder), budget_tokens)]
     if encoder.family == "internvl":
-        return _internvl_items(encoder, budget_tokens, max_batch_images)
+        return _internvl_items(encoder, budget_tokens, max_batch_images, max_tiles_per_image)
     raise ConfigError(
         f"no worst-case shape for family {encoder.family!r}; set --visual_reserved_mem_gb to skip the stress"
     )
@@ -130,7 +146,9 @@ def _qwen_item(cfg: Any, budget_tokens: int) -> ProcessedImage:
     )
 
 
-def _internvl_items(encoder: Encoder, budget_tokens: int, max_batch_images: int) -> list[ProcessedImage]:
+def _internvl_items(
+    encoder: Encoder, budget_tokens: int, max_batch_images: int, max_tiles_per_image: int | None
+) -> list[ProcessedImage]:
     cfg = _vision_config(encoder)
     image_size = _first(cfg.image_size)
     patch = _first(cfg.patch_size)
@@ -142,11 +160,13 @@ def _internvl_items(encoder: Encoder, budget_tokens: int, max_batch_images: int)
         raise ConfigError(
             f"one InternVL tile is {tokens_per_tile} tokens, above --visual_batch_max_tokens {budget_tokens}"
         )
-    tiles = min(budget_tokens // tokens_per_tile, max_batch_images * INTERNVL_MAX_TILES_PER_IMAGE)
+    tiles = budget_tokens // tokens_per_tile
+    per_image = max(1, max_tiles_per_image) if max_tiles_per_image else tiles
+    tiles = min(tiles, max_batch_images * per_image)
     gen = torch.Generator().manual_seed(0)
     items = []
     while tiles > 0:
-        n = min(tiles, INTERNVL_MAX_TILES_PER_IMAGE)
+        n = min(tiles, per_image)
         pixels = torch.randn(n, channels, image_size, image_size, generator=gen)  # (tiles, C, H, W)
         items.append(
             ProcessedImage(
@@ -193,19 +213,34 @@ def _first(value: Any) -> int:
 
 
 def reserve(
-    encoder: Encoder, *, budget_tokens: int, max_batch_images: int, override_gb: float | None
+    encoder: Encoder,
+    *,
+    budget_tokens: int,
+    max_batch_images: int,
+    override_gb: float | None,
+    max_tiles_per_image: int | None = None,
 ) -> Reservation:
-    """Run the production forward on the worst case (or honour the override) and return what is held."""
+    """Run the production forward on the worst case (or honour the override) and return what is held.
+
+    max_tiles_per_image: InternVL only, see worst_case_items.
+    """
     if override_gb is not None:
         return _reserve_override(encoder.device, override_gb)
-    items = worst_case_items(encoder, budget_tokens, max_batch_images)
-    tokens, images = sum(i.num_tokens for i in items), len(items)
+    shape: list[int] = []  # (tokens, images) of the batch, filled in by run()
+
+    def run() -> None:
+        # The batch is built inside the measured window: at runtime a batch's pixel tensors are live in the
+        # worker during its forward too, so on CPU they belong to the peak.
+        items = worst_case_items(encoder, budget_tokens, max_batch_images, max_tiles_per_image=max_tiles_per_image)
+        shape[:] = [sum(i.num_tokens for i in items), len(items)]
+        encoder.encode(items)
+
     if torch.device(encoder.device).type == "cuda":
-        nbytes = _stress_cuda(encoder, items)
+        nbytes = _stress_cuda(torch.device(encoder.device), run)
     else:
-        nbytes = _stress_cpu(encoder, items)
-    log.info("reserved %d bytes for the worst case (%d tokens in %d images)", nbytes, tokens, images)
-    return Reservation(bytes=nbytes, source="stress", tokens=tokens, images=images)
+        nbytes = _stress_cpu(run)
+    log.info("reserved %d bytes for the worst case (%d tokens in %d images)", nbytes, *shape)
+    return Reservation(bytes=nbytes, source="stress", tokens=shape[0], images=shape[1])
 
 
 def _reserve_override(device: torch.device | str, override_gb: float) -> Reservation:
@@ -220,13 +255,12 @@ def _reserve_override(device: torch.device | str, override_gb: float) -> Reserva
     return Reservation(bytes=nbytes, source="override")
 
 
-def _stress_cuda(encoder: Encoder, items: Sequence[ProcessedImage]) -> int:
-    dev = torch.device(encoder.device)
+def _stress_cuda(dev: torch.device, run: Callable[[], None]) -> int:
     torch.cuda.synchronize(dev)
     reserved_before = torch.cuda.memory_reserved(dev)
     allocated_before = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    encoder.encode(items)
+    run()
     torch.cuda.synchronize(dev)
     peak_alloc = torch.cuda.max_memory_allocated(dev) - allocated_before
     held = torch.cuda.max_memory_reserved(dev) - reserved_before
@@ -234,16 +268,27 @@ def _stress_cuda(encoder: Encoder, items: Sequence[ProcessedImage]) -> int:
     return max(held, peak_alloc)
 
 
-def _stress_cpu(encoder: Encoder, items: Sequence[ProcessedImage]) -> int:
+def _stress_cpu(run: Callable[[], None]) -> int:
+    _release_free_heap()
     reset = _reset_rss_peak()
     rss_before = _proc_status_kib("VmRSS")
     maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    encoder.encode(items)
+    run()
     hwm = _proc_status_kib("VmHWM")
     if reset and hwm is not None and rss_before is not None:
         return max(hwm - rss_before, 0) * 1024
     log.warning("could not reset the RSS high-water mark; the CPU reservation may read low")
     return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - maxrss_before, 0) * 1024
+
+
+def _release_free_heap() -> None:
+    """Give free heap pages back to the OS first (glibc malloc_trim), so the RSS growth counts the whole
+    worst case and not only what the heap lacked after earlier work (loading, a previous forward)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the growth may read low
+        pass
 
 
 def _reset_rss_peak() -> bool:

@@ -242,3 +242,16 @@ def test_non_rgb_input_uses_the_documented_conversion_on_every_path(budget):
     from_rgba = proc.preprocess(rgba).pixel_values
     assert torch.equal(from_rgba, proc.preprocess(to_rgb(rgba)).pixel_values)
     assert not torch.equal(from_rgba, proc.preprocess(rgba.convert("RGB")).pixel_values)  # alpha matters
+
+
+def test_combined_processor_config_is_read(tmp_path):
+    # newer checkpoints ship only processor_config.json with the image processor nested in it
+    nested = {
+        "image_processor": {"size": {"shortest_edge": 4096, "longest_edge": 512 * 1024}, "patch_size": 16}
+    }
+    ckpt = _write_checkpoint(tmp_path, {"model_type": "qwen3_5"})
+    (ckpt / "processor_config.json").write_text(json.dumps(nested))
+    proc = load_image_processor(str(ckpt), 0)
+    assert (proc.hf.size["shortest_edge"], proc.hf.size["longest_edge"]) == (4096, 512 * 1024)
+    h, w = smart_resize(4096, 4096, 32, 4096, 512 * 1024)
+    assert proc.count_tokens(4096, 4096) == (h // 32) * (w // 32) == 22 * 22

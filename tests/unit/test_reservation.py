@@ -9,13 +9,12 @@ import threading
 import pytest
 import torch
 
-from tests.fakes import TowerEncoder
-from tests.tp_towers import build_visual
+from tests.checkpoints import make_checkpoint
 from vitserve.errors import ConfigError
+from vitserve.model import load_encoder
 from vitserve.reservation import (
     DISABLED_BUDGET_TOKENS,
     GIB,
-    INTERNVL_MAX_TILES_PER_IMAGE,
     near_square_grid,
     publish_reservation,
     read_reservation,
@@ -29,13 +28,26 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def qwen25():
-    return TowerEncoder("qwen2_5_vl", build_visual("qwen2_5_vl"))
+def checkpoint(tmp_path_factory):
+    """family -> a tiny real checkpoint (tests/checkpoints.py), written once per module."""
+    paths: dict = {}
+
+    def get(family: str):
+        if family not in paths:
+            paths[family] = make_checkpoint(family, tmp_path_factory.mktemp(family))
+        return paths[family]
+
+    return get
 
 
 @pytest.fixture(scope="module")
-def internvl():
-    return TowerEncoder("internvl", build_visual("internvl"))
+def qwen25(checkpoint):
+    return load_encoder(str(checkpoint("qwen2_5_vl")))
+
+
+@pytest.fixture(scope="module")
+def internvl(checkpoint):
+    return load_encoder(str(checkpoint("internvl")))  # 56 px tiles of 14 px patches: 4 tokens per tile
 
 
 # --- the worst-case batch -------------------------------------------------------------------------------
@@ -51,15 +63,18 @@ def test_grid_has_the_most_cells_under_the_budget(budget):
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
-def test_qwen_worst_case_is_one_image_at_the_budget(family):
-    enc = TowerEncoder(family, build_visual(family))
+def test_qwen_worst_case_is_one_image_at_the_budget(family, checkpoint):
+    enc = load_encoder(str(checkpoint(family)))
+    cfg = enc.visual.config
     items = worst_case_items(enc, budget_tokens=100, max_batch_images=8)
     assert len(items) == 1
     item = items[0]
     t, h, w = item.grid_thw
     assert (t, h % 2, w % 2) == (1, 0, 0)  # merge size 2
     assert item.num_tokens == (h // 2) * (w // 2) == 100  # 10x10 merged
-    assert item.pixel_values.shape == (h * w, 3 * 2 * 2 * 2)  # (patches, C*T*P*P)
+    features = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+    assert item.pixel_values.shape == (h * w, features)  # (patches, C*T*P*P)
+    assert item.resized_size == (w * cfg.patch_size, h * cfg.patch_size)
     assert enc.encode(items)[0].embedding.shape == (100, enc.embed_dim)  # the production forward accepts it
 
 
@@ -77,19 +92,24 @@ def test_budget_off_stresses_the_documented_default(qwen25):
 
 def test_internvl_fills_the_budget_with_tiles_in_capped_images(internvl):
     # 4 tokens per tile (4x4 patches, pixel shuffle 0.5): budget 100 -> 25 tiles = 13 + 12
-    items = worst_case_items(internvl, budget_tokens=100, max_batch_images=8)
-    assert [i.pixel_values.shape[0] for i in items] == [INTERNVL_MAX_TILES_PER_IMAGE, 12]
+    items = worst_case_items(internvl, budget_tokens=100, max_batch_images=8, max_tiles_per_image=13)
+    assert [i.pixel_values.shape[0] for i in items] == [13, 12]
     assert sum(i.num_tokens for i in items) == 100
-    assert items[0].pixel_values.shape[1:] == (3, 16, 16)
+    assert items[0].pixel_values.shape[1:] == (3, 56, 56)
     assert items[0].grid_thw == (13, 4, 4)
     out = internvl.encode(items)
     assert [o.embedding.shape[0] for o in out] == [52, 48]
 
 
+def test_internvl_without_a_tile_cap_the_budget_bounds_the_batch(internvl):
+    (item,) = worst_case_items(internvl, budget_tokens=101, max_batch_images=1)
+    assert (item.pixel_values.shape[0], item.num_tokens) == (25, 100)
+
+
 def test_internvl_respects_the_batch_image_cap(internvl):
-    items = worst_case_items(internvl, budget_tokens=1000, max_batch_images=2)
+    items = worst_case_items(internvl, budget_tokens=1000, max_batch_images=2, max_tiles_per_image=13)
     assert len(items) == 2
-    assert sum(i.pixel_values.shape[0] for i in items) == 2 * INTERNVL_MAX_TILES_PER_IMAGE
+    assert sum(i.pixel_values.shape[0] for i in items) == 2 * 13
 
 
 def test_internvl_tile_above_budget_is_a_config_error(internvl):
@@ -187,8 +207,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 @cuda
-def test_cuda_stress_keeps_the_peak_and_a_second_worst_case_does_not_grow_the_pool():
-    enc = TowerEncoder("qwen2_5_vl", build_visual("qwen2_5_vl", width=64, mlp=128), device="cuda")
+def test_cuda_stress_keeps_the_peak_and_a_second_worst_case_does_not_grow_the_pool(checkpoint):
+    enc = load_encoder(str(checkpoint("qwen2_5_vl")), device="cuda")
     allocated_before = torch.cuda.memory_allocated()
     res = reserve(enc, budget_tokens=2048, max_batch_images=4, override_gb=None)
     held = torch.cuda.memory_reserved()
@@ -200,8 +220,8 @@ def test_cuda_stress_keeps_the_peak_and_a_second_worst_case_does_not_grow_the_po
 
 
 @cuda
-def test_cuda_override_reserves_the_amount_in_the_allocator():
-    enc = TowerEncoder("qwen2_5_vl", build_visual("qwen2_5_vl"), device="cuda")
+def test_cuda_override_reserves_the_amount_in_the_allocator(checkpoint):
+    enc = load_encoder(str(checkpoint("qwen2_5_vl")), device="cuda")
     before = torch.cuda.memory_reserved()
     res = reserve(enc, budget_tokens=256, max_batch_images=4, override_gb=0.25)
     assert (res.bytes, res.source) == (GIB // 4, "override")

@@ -51,13 +51,18 @@ _MLP_ROW = ("fc2", "down_proj", "linear_fc2")
 _ATTN_ROW = ("proj", "projection_layer")
 
 
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x @ w_shard^T) + b: the input's last dim is this rank's slice, the output is whole."""
+class RowParallelLinear(nn.Linear):
+    """y = all_reduce(x @ w_shard^T) + b: the input's last dim is this rank's slice, the output is whole.
+
+    A subclass of nn.Linear (same `weight` / `bias` names and shapes conventions) so code that recognises
+    linear layers by type, e.g. vitserve.model.fast's attention check, still does after this pass.
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a fresh (out, in) weight
         self.weight = nn.Parameter(weight, requires_grad=False)  # (out, in / tp)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)  # (out,), not sharded
+        # (out,), not sharded; register_parameter accepts None like nn.Linear(bias=False) does
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
         self.group = group
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 

@@ -113,10 +113,21 @@ def _first(value: Any) -> int:
     return int(value[0] if isinstance(value, (list, tuple)) else value)
 
 
+def has_image_processor_config(checkpoint: Path | None) -> bool:
+    """preprocessor_config.json, or (newer checkpoints) processor_config.json with an "image_processor"
+    section: both are what HF's from_pretrained reads."""
+    if checkpoint is None:
+        return False
+    if (checkpoint / "preprocessor_config.json").is_file():
+        return True
+    combined = read_json(checkpoint / "processor_config.json")
+    return isinstance((combined or {}).get("image_processor"), dict)
+
+
 def qwen_hf_processor(family: str, checkpoint: Path | None) -> Qwen2VLImageProcessorPil:
     """The checkpoint's preprocessor_config.json, or the family's public defaults with the patch geometry
     of its config.json."""
-    if checkpoint is not None and (checkpoint / "preprocessor_config.json").is_file():
+    if has_image_processor_config(checkpoint):
         return Qwen2VLImageProcessorPil.from_pretrained(str(checkpoint), local_files_only=True)
     params = dict(DEFAULTS[family])
     vision = _vision_config(read_json(checkpoint / "config.json") if checkpoint else None)
@@ -142,8 +153,7 @@ def internvl_hf_processor(checkpoint: Path | None) -> tuple[GotOcr2ImageProcesso
     vision = _vision_config(config)
     patch = _first(vision.get("patch_size", INTERNVL_PATCH_SIZE))
     ratio = float(config.get("downsample_ratio", INTERNVL_DOWNSAMPLE_RATIO))
-    preproc = checkpoint / "preprocessor_config.json" if checkpoint else None
-    if config.get("model_type") != "internvl_chat" and preproc is not None and preproc.is_file():
+    if config.get("model_type") != "internvl_chat" and has_image_processor_config(checkpoint):
         hf = GotOcr2ImageProcessorPil.from_pretrained(str(checkpoint), local_files_only=True)
     else:
         params = dict(DEFAULTS["internvl"])
