@@ -223,6 +223,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1, help="encoder-only repetitions over each workload")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
+    # a SIGTERM (e.g. `timeout`) unwinds normally, so the servers' finally blocks stop them
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     profile = dict(PROFILES["quick" if args.quick else "full"])
     if args.budget:
         profile["budget"] = args.budget
