@@ -7,6 +7,7 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from bench.workloads import jpeg_bytes, photo_like, png_bytes
@@ -125,3 +126,53 @@ def test_pixel_limit_is_still_checked_before_any_decode(photo):
 
     with pytest.raises(PayloadTooLarge, match="--max_image_pixels"):
         decode_image(jpeg_bytes(photo), max_image_pixels=1000, draft_target=lambda w, h: (100, 75))
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "expected"),
+    [
+        ([], {}, True),  # on by default (fidelity measured in bench/RESULTS.md)
+        (["--no-jpeg_draft"], {}, False),
+        (["--no-jpeg-draft"], {}, False),
+        ([], {"VITSERVE_JPEG_DRAFT": "0"}, False),
+        ([], {"VITSERVE_JPEG_DRAFT": "false"}, False),
+        (["--jpeg_draft"], {"VITSERVE_JPEG_DRAFT": "0"}, True),  # the flag wins
+        (["--no-jpeg_draft"], {"VITSERVE_JPEG_DRAFT": "1"}, False),
+    ],
+)
+def test_flag_and_environment_wiring(argv, environ, expected):
+    from vitserve.cli import build_config
+
+    assert build_config(argv, environ).jpeg_draft is expected
+
+
+def test_bad_environment_value_names_the_variable():
+    from vitserve.cli import build_config
+    from vitserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="VITSERVE_JPEG_DRAFT"):
+        build_config([], {"VITSERVE_JPEG_DRAFT": "maybe"})
+
+
+@pytest.mark.parametrize("jpeg_draft", [True, False])
+async def test_the_api_pipeline_uses_the_flag(jpeg_draft):
+    import time
+
+    from vitserve.api.pipeline import Preprocessor
+    from vitserve.metrics import Metrics
+
+    processor = load_image_processor("qwen2_5_vl", max_tokens=64)
+    data = jpeg_bytes(photo_like(1600, 1200, seed=11))
+    pre = Preprocessor(processor, max_image_pixels=0, metrics=Metrics(), workers=1, jpeg_draft=jpeg_draft)
+    try:
+        (prepared,) = await pre.prepare([data], time.monotonic() + 60)
+    finally:
+        pre.close()
+    _, via_draft = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=True)
+    _, via_full = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=False)
+    assert not torch.equal(via_draft.pixel_values, via_full.pixel_values)  # the two paths are distinguishable
+    expected = via_draft if jpeg_draft else via_full
+    assert torch.equal(prepared.item.pixel_values, expected.pixel_values)
+    assert prepared.original_size == (1600, 1200)
+    assert prepared.item.grid_thw == processor.plan(1600, 1200).grid_thw
+    assert prepared.item.clamped is True
