@@ -35,6 +35,8 @@ def plot_throughput(report: dict, path: Path) -> None:
                 label = "encoder only" + (" (fast kernels)" if report[key].get("fast_kernels") else " (HF)")
                 ax.axhline(enc["images_per_s"], color="grey", linestyle=style, label=label)
         ax.set_xscale("log", base=2)
+        ticks = sorted({r["concurrency"] for rows in report["servers"].values() for r in rows[workload]})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel("images / s")
         ax.set_title(f"{workload}")
@@ -71,12 +73,38 @@ def plot_latency_cdf(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _f(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown_tables(report: dict) -> str:
+    """The Serving tables of bench/RESULTS.md."""
+    lines = ["| workload | server | clients | images/s | p50 s | p99 s | mean batch fill | mean images/batch | ok | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for workload in report["workload_params"]:
+        for kind, rows in report["servers"].items():
+            for r in rows[workload]:
+                lines.append(f"| {workload} | {kind} | {r['concurrency']} | {_f(r['images_per_s'], 3)} | {_f(r['p50_s'])} "
+                             f"| {_f(r['p99_s'])} | {_f(r.get('mean_batch_fill_ratio'))} "
+                             f"| {_f(r.get('mean_batch_images'), 1)} | {r['images_ok']} | {r['errors'] or ''} |")
+    lines += ["", "| workload | vitserve best img/s | baseline best img/s | speed-up | encoder-only img/s "
+              "| e2e / encoder-only | fill at highest concurrency |", "|---|---|---|---|---|---|---|"]
+    for workload, s in report["summary"].items():
+        lines.append(f"| {workload} | {_f(s['vitserve_best_images_per_s'], 3)} | {_f(s['baseline_best_images_per_s'], 3)} "
+                     f"| {_f(s['speedup'])}x | {_f(s['encoder_only_images_per_s'], 3)} | {_f(s['e2e_over_encoder_only'])} "
+                     f"| {_f(s['fill_at_saturation'])} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("report", nargs="?", type=Path, default=ROOT / "bench" / "out" / "serve-latest.json")
     ap.add_argument("--out", type=Path, default=ROOT / "bench")
+    ap.add_argument("--markdown", action="store_true", help="also print the RESULTS.md tables")
     args = ap.parse_args()
     report = json.loads(args.report.read_text())
+    if args.markdown:
+        print(markdown_tables(report))
     plot_throughput(report, args.out / "serve_throughput.png")
     plot_latency_cdf(report, args.out / "serve_latency_cdf.png")
     print(f"wrote {args.out / 'serve_throughput.png'} and {args.out / 'serve_latency_cdf.png'}")
