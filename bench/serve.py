@@ -231,6 +231,7 @@ def main() -> None:
         profile["budget"] = args.budget
     args.out.mkdir(parents=True, exist_ok=True)
     notes = machine_notes(args.threads)
+    git_head = _git_head()  # the code the servers start with (the tree may change during a long run)
 
     workloads = args.workloads.split(",")
     images = {w: WORKLOADS[w](profile[w][0]) for w in workloads}
@@ -243,7 +244,7 @@ def main() -> None:
     notes["loadavg_end"] = os.getloadavg()
     report = {"profile": "quick" if args.quick else "full", "budget": profile["budget"], "machine": notes,
               "workload_params": {w: profile[w] for w in workloads}, "servers": servers, "encoder_only": enc,
-              "encoder_only_fast": enc_fast, "git": _git_head(),
+              "encoder_only_fast": enc_fast, "git": git_head,
               "summary": summarize(servers, enc), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     text = json.dumps(report, indent=1)
     (args.out / f"serve-{report['profile']}-{int(time.time())}.json").write_text(text)
