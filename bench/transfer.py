@@ -70,7 +70,9 @@ def bench_memcpy(t: torch.Tensor, reps: int) -> dict[str, float]:
     }
 
 
-def _sender_main(endpoint: str, tokens: int, dim: int, dtype_name: str, n: int, zero_copy: bool) -> None:
+def _sender_main(
+    endpoint: str, tokens: int, dim: int, dtype_name: str, n: int, zero_copy: bool, done
+) -> None:
     torch.set_num_threads(1)
     emb = make_embedding(tokens, dim, DTYPES[dtype_name])
     fields = {"request_id": "bench", "num_images": n, "image_id": "0" * 64, "model": "bench",
@@ -79,6 +81,7 @@ def _sender_main(endpoint: str, tokens: int, dim: int, dtype_name: str, n: int, 
         with LLMSender(endpoint, linger_s=30.0) as tx:
             for i in range(n):
                 tx.send_embedding(image_index=i, deadline=time.monotonic() + 60, **fields)
+            done.wait(120)  # close only once all arrived (see LLMSender.close on libzmq's hang-up)
         return
     # The naive path, for comparison: pyzmq copies each frame into a ZMQ message first.
     ctx = zmq.Context()
@@ -86,6 +89,7 @@ def _sender_main(endpoint: str, tokens: int, dim: int, dtype_name: str, n: int, 
     sock.connect(endpoint)
     for i in range(n):
         sock.send_multipart(encode_embedding_message(image_index=i, **fields), copy=True)
+    done.wait(120)
     sock.close(linger=30_000)
     ctx.term()
 
@@ -102,7 +106,8 @@ def bench_zmq(endpoint: str, tokens: int, dim: int, dtype_name: str, messages: i
     ctx = mp.get_context("spawn")
     with EmbeddingReceiver(endpoint) as rx:
         recv = rx.recv if zero_copy else partial(_recv_copying, rx._sock)
-        args = (rx.endpoint, tokens, dim, dtype_name, messages + 1, zero_copy)
+        done = ctx.Event()
+        args = (rx.endpoint, tokens, dim, dtype_name, messages + 1, zero_copy, done)
         proc = ctx.Process(target=_sender_main, args=args)
         proc.start()
         try:
@@ -112,6 +117,7 @@ def bench_zmq(endpoint: str, tokens: int, dim: int, dtype_name: str, messages: i
                 last = recv(timeout_s=120)
             elapsed = time.perf_counter() - t0
         finally:
+            done.set()
             proc.join(timeout=60)
     expected = make_embedding(tokens, dim, DTYPES[dtype_name])
     assert torch.equal(last.embedding, expected), "received bytes differ from the sent embedding"

@@ -163,6 +163,14 @@ def _mib(n: int | None) -> str:
     return "unknown" if n is None else f"{n / 2**20:.1f} MiB"
 
 
+def _resolved_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def render_banner(service) -> str:
     """One block with every resolved setting that guards memory or load (SPEC §1)."""
     c: Config = service.config
@@ -173,7 +181,7 @@ def render_banner(service) -> str:
     lines = [
         f"vitserve {__import__('vitserve').__version__} serving on http://{c.host}:{service.port}",
         f"  model: {info.get('model')} (family {info.get('family')}, dim {info.get('embed_dim')}, "
-        f"dtype {info.get('dtype')}, device {c.device})",
+        f"dtype {info.get('dtype')}, device {_resolved_device(c.device)})",
         f"  budget: {budget}; at most {c.visual_infer_batch_size} images per batch",
         f"  processor clamp: {service.processor.clamp_info()}",
         f"  layout: tp={info.get('tp', c.tp)} dp={info.get('dp', c.dp)}",
@@ -197,7 +205,8 @@ def _build_service(config: Config):
     from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed
 
     metrics = Metrics()
-    return Service(config, Engine(config, metrics), processor, metrics, sock=sock, banner=render_banner)
+    engine = Engine(config, metrics, processor_clamp=processor.clamp_info())  # the clamp keys the cache
+    return Service(config, engine, processor, metrics, sock=sock, banner=render_banner)
 
 
 def main(argv: list[str] | None = None) -> int:

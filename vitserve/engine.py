@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import math
 import os
@@ -21,18 +20,21 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from vitserve.cache import make_cache
 from vitserve.config import Config
-from vitserve.engine_dispatch import Dispatcher, WorkItem
+from vitserve.engine_dedup import Slot, WorkTable
+from vitserve.engine_dispatch import Dispatcher
 from vitserve.engine_send import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
 from vitserve.metrics import Metrics
 from vitserve.parallel import messages as m
-from vitserve.parallel import watchdog
 from vitserve.parallel.pool import GroupState, WorkerGroup, free_port
+from vitserve.parallel.watchdog import Watchdog
 from vitserve.parallel.worker import Rendezvous, load_configured_encoder, startup_timeout_s
 from vitserve.types import ImageResult, ProcessedImage
 
@@ -41,10 +43,11 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, config: Config, metrics: Metrics, *, encoder_factory: Callable | None = None,
-                 environ: Mapping[str, str] | None = None):
+                 environ: Mapping[str, str] | None = None, processor_clamp: Mapping[str, Any] | None = None):
         self.config = config
         self.metrics = metrics
         self.encoder_factory = encoder_factory or load_configured_encoder
+        self.processor_clamp = processor_clamp  # the processor's clamp_info(); part of the cache fingerprint
         self._init_rendezvous(os.environ if environ is None else environ)
         self._init_state()
 
@@ -58,7 +61,7 @@ class Engine:
     def _init_state(self) -> None:
         self._dispatch = Dispatcher(self.config, self.metrics)
         self.failed = self._dispatch.all_failed  # set when no encoder group is left
-        self._ids = itertools.count()
+        self._table = WorkTable(self._dispatch, make_cache(self.config, self.metrics))  # cache + dedup
         self._started = False
         self._draining = False
         self._active = 0  # encode() calls in progress
@@ -83,9 +86,9 @@ class Engine:
             group = WorkerGroup(g, self.config, self.encoder_factory, ctx=self._sync_zmq, ipc_dir=self._ipc_dir,
                                 status_endpoint=status_endpoint, rendezvous=self._rendezvous(g))
             self._dispatch.groups.append(group)
+        self._watchdog = Watchdog(self._dispatch.groups, self.config.heartbeat_s, self._dispatch.fail_group)
         self._tasks = [asyncio.create_task(self._dispatch.read_status(self._status), name="vitserve-status"),
-                       asyncio.create_task(watchdog.watch(self._dispatch.groups, self.config.heartbeat_s,
-                                                          self._dispatch.fail_group), name="vitserve-watchdog")]
+                       asyncio.create_task(self._watchdog.run(), name="vitserve-watchdog")]
         for group in self._dispatch.groups:
             group.spawn()
         try:
@@ -95,6 +98,8 @@ class Engine:
             raise
         if self._push is not None:
             self._push.model = self.info()["model"]  # known once the ranks loaded it
+        self._table.set_fingerprint(self.config, self.processor_clamp, self.info(),
+                                    self._dispatch.groups[0].ready[0].device)
         self._started = True
 
     def _rendezvous(self, group: int) -> Rendezvous:
@@ -179,6 +184,8 @@ class Engine:
         if failed:
             return False, "; ".join(f for f in failed if f)
         now, limit = time.monotonic(), 2 * self.config.heartbeat_s
+        if self._watchdog.loop_stalled(now):  # our loop was blocked: reports may be unread, not missing
+            return True, "ok"
         for group in self._dispatch.groups:
             for rank, seen in enumerate(group.last_seen):
                 if now - seen > limit:
@@ -212,6 +219,11 @@ class Engine:
         """Embedding messages handed to --llm_endpoint so far (0 without one)."""
         return self._push.sent if self._push is not None else 0
 
+    def groups(self) -> list[dict]:
+        """Per encoder group: {"group", "state" (starting|ready|failed|stopped), "failure", "pids"}."""
+        return [{"group": g.index, "state": g.state.value, "failure": g.failure, "pids": g.pids}
+                for g in self._dispatch.groups]
+
     def worker_pids(self) -> dict[int, list[int]]:
         """Group index -> pids of its ranks (for the CLI's logs and for fault tests)."""
         return {g.index: g.pids for g in self._dispatch.groups}
@@ -220,16 +232,18 @@ class Engine:
 
     async def encode(self, request_id: str, items: list[ProcessedImage], image_ids: list[str], *,
                      deadline: float, return_embeddings: bool) -> list[ImageResult]:
-        """Encode a request's images, push each to the LLM in order, return once all were handed over."""
-        self._admit(items)
-        works = [WorkItem(id=next(self._ids), item=it, deadline=deadline,
-                          future=asyncio.get_running_loop().create_future()) for it in items]
+        """Encode a request's images, push each to the LLM in order, return once all were handed over.
+        Cache hits and images already queued or encoding (same sha256 image_id) are not encoded again."""
+        self._admit([])
+        slots = self._table.acquire(items, image_ids, deadline)  # see engine_dedup.py
         self._active += 1
         try:
-            self._dispatch.add(works)
-            return await self._complete(request_id, works, image_ids, deadline, return_embeddings)
+            fresh = self._table.fresh_works(slots)
+            self._admit([w.item for w in fresh])  # only new work counts against --max_queue_tokens
+            self._dispatch.add(fresh)
+            return await self._complete(request_id, slots, image_ids, deadline, return_embeddings)
         finally:
-            self._dispatch.cancel(works)  # timeout, disconnect or error: drop what is still queued
+            self._table.release(slots)  # timeout, disconnect or error: drop queued work nobody else awaits
             self._active -= 1
 
     def _admit(self, items: list[ProcessedImage]) -> None:
@@ -243,7 +257,7 @@ class Engine:
         limit = self.config.queue_token_limit
         queued, tokens = self.queue_tokens, sum(it.num_tokens for it in items)
         # An empty queue always admits, so one request larger than the limit is not refused forever.
-        if limit is not None and queued and queued + tokens > limit:
+        if limit is not None and queued and tokens and queued + tokens > limit:
             raise QueueFull(f"{queued} tokens are queued and this request adds {tokens}, above --max_queue_tokens "
                             f"{limit}", retry_after_s=self._retry_after_s(queued))
 
@@ -251,19 +265,26 @@ class Engine:
         rate = self._dispatch.tokens_per_s
         return float(min(60, max(1, math.ceil(queued / rate)))) if rate > 0 else 1.0
 
-    async def _complete(self, request_id: str, works: list[WorkItem], image_ids: list[str], deadline: float,
+    async def _complete(self, request_id: str, slots: list[Slot], image_ids: list[str], deadline: float,
                         return_embeddings: bool) -> list[ImageResult]:
         results = []
-        for k, w in enumerate(works):
-            encoded = await _wait(w.future, deadline, request_id)
+        for k, slot in enumerate(slots):
+            # shielded: this request leaving must not cancel an encode that other requests share
+            encoded = slot.cached
+            if encoded is None:
+                encoded = await _wait(asyncio.shield(slot.future), deadline, request_id)
             send_s = 0.0
             if self._push is not None:  # image k goes out only after 0..k-1 were handed over
-                send_s = await self._push.push(request_id=request_id, image_index=k, num_images=len(works),
-                                               image_id=image_ids[k], item=w.item, encoded=encoded, deadline=deadline)
+                send_s = await self._push.push(request_id=request_id, image_index=k, num_images=len(slots),
+                                               image_id=image_ids[k], item=slot.item, encoded=encoded,
+                                               deadline=deadline)
+            if slot.reused:  # a cache hit, or another request's encode of the same image
+                self.metrics.images_total.labels(outcome="cached").inc()
+            queue_s, encode_s = slot.timing
             results.append(ImageResult(
-                num_tokens=w.item.num_tokens, embedding=encoded.embedding if return_embeddings else None,
-                deepstack=list(encoded.deepstack) if return_embeddings else [],
-                timing_ms={"queue": w.queue_s * 1e3, "encode": w.encode_s * 1e3, "send": send_s * 1e3}))
+                num_tokens=slot.item.num_tokens, embedding=encoded.embedding if return_embeddings else None,
+                deepstack=list(encoded.deepstack) if return_embeddings else [], cached=slot.reused,
+                timing_ms={"queue": queue_s * 1e3, "encode": encode_s * 1e3, "send": send_s * 1e3}))
         return results
 
 

@@ -72,3 +72,13 @@ def noise_png(width: int, height: int, seed: int = 0) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def real_engine_options(tmp_dir) -> dict:
+    """live_server(**...) overrides for the REAL Engine: spawned workers over a tiny real Qwen2.5-VL checkpoint."""
+    from tests.checkpoints import make_checkpoint
+    from vitserve.engine import Engine
+
+    checkpoint = make_checkpoint("qwen2_5_vl", tmp_dir / "ckpt")
+    return {"model": str(checkpoint), "make_engine": Engine, "heartbeat_s": 2.0, "dist_timeout_s": 60.0,
+            "device": "cpu", "runtime_dir": str(tmp_dir / "rt")}

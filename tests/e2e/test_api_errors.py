@@ -12,7 +12,7 @@ import zlib
 import pytest
 from PIL import Image
 
-from tests.e2e.live import live_server, noise_png, png_bytes
+from tests.e2e.live import live_server, noise_png, png_bytes, real_engine_options
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,9 +48,16 @@ def png_header_only(width: int, height: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def live():
-    with live_server(max_request_bytes=256 * 1024, max_images_per_request=4) as srv:
+def live(tmp_path_factory):
+    """The real Engine (worker processes, tiny checkpoint): bad input must never disturb real workers."""
+    try:
+        options = real_engine_options(tmp_path_factory.mktemp("errors"))
+    except ImportError:  # branch without vitserve.engine yet: the FakeEngine keeps the HTTP checks running
+        options = {}
+    with live_server(max_request_bytes=256 * 1024, max_images_per_request=4, **options) as srv:
+        pids = srv.engine.worker_pids() if options else None
         yield srv
+        assert (srv.engine.worker_pids() if options else None) == pids  # no worker restarted in this module
 
 
 @pytest.fixture
@@ -321,3 +328,11 @@ def test_body_that_trickles_in_past_the_deadline_is_504():
             reply += part
         assert reply.startswith(b"HTTP/1.1 504"), reply[:200]
         assert b'"timeout"' in reply
+
+
+def test_base64_with_data_url_prefix_and_line_breaks_is_accepted(client):
+    raw = b64(png_bytes(50, 40))
+    wrapped = "\n".join(raw[i:i + 76] for i in range(0, len(raw), 76))
+    r = client.post("/encode", json={"images": [{"b64": "data:image/png;base64," + raw}, {"b64": wrapped}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["images"][0]["image_id"] == r.json()["images"][1]["image_id"]

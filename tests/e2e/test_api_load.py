@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import io
 import threading
 import time
 
 import httpx
 import pytest
 import torch
+from PIL import Image
 
 from tests.e2e.live import live_server, noise_png
 from vitserve.client import AsyncVitserveClient, VitserveClient, VitserveClientError
@@ -102,7 +106,7 @@ def test_f8_client_disconnect_while_queued_is_never_encoded():
         srv.engine.gate.set()
         with VitserveClient(srv.url) as c:
             out = c.encode([other_img])
-        gone_id = __import__("hashlib").sha256(gone_img).hexdigest()
+        gone_id = hashlib.sha256(gone_img).hexdigest()
         assert out["images"][0]["image_id"] in srv.engine.encoded_ids
         assert gone_id not in srv.engine.encoded_ids
         assert srv.metrics.value("vitserve_requests_total", code="499") == 1
@@ -135,3 +139,44 @@ async def test_async_client_errors_carry_status_and_code():
                 await ac.encode([b"a", b"b"])
             assert exc.value.code == "too_many_images"
             assert await ac.ready()
+
+
+def test_client_accepts_paths_bytes_and_pil_images(tmp_path):
+    data = noise_png(80, 60, seed=4)
+    path = tmp_path / "x.png"
+    path.write_bytes(data)
+    pil = Image.open(io.BytesIO(data))
+    with live_server() as srv, VitserveClient(srv.url) as c:
+        out = c.encode([path, str(path), data, pil], request_id="kinds")
+        with pytest.raises(TypeError):
+            c.encode([12345])
+    ids = [img["image_id"] for img in out["images"]]
+    assert ids[0] == ids[1] == ids[2] == hashlib.sha256(data).hexdigest()
+    assert [img["original_size"] for img in out["images"]] == [[80, 60]] * 4
+    assert out["request_id"] == "kinds"
+
+
+def test_bfloat16_embeddings_travel_bit_exact():
+    from tests.e2e.live import TEST_CONFIG
+    from tests.fakes import FakeEngine, TinyEncoder
+    from vitserve.metrics import Metrics
+    from vitserve.types import EncodedImage
+
+    class Bf16Encoder(TinyEncoder):
+        dtype = torch.bfloat16
+
+        def encode(self, items):
+            return [EncodedImage(o.embedding.to(torch.bfloat16)) for o in super().encode(items)]
+
+    data = noise_png(90, 70, seed=6)
+    with live_server(engine=FakeEngine(TEST_CONFIG, Metrics(), encoder=Bf16Encoder())) as srv, \
+            VitserveClient(srv.url) as c:
+        got = c.encode([data], return_embeddings=True)["images"][0]
+        body = {"images": [{"b64": base64.b64encode(data).decode()}], "return_embeddings": True}
+        raw = httpx.post(srv.url + "/encode", json=body).json()["images"][0]["embedding"]
+    assert raw["dtype"] == "bfloat16"
+    assert got["embedding"].dtype == torch.bfloat16
+    assert list(got["embedding"].shape) == raw["shape"]
+    processor = srv.service.app.state.preprocessor.processor
+    direct = Bf16Encoder().encode([processor.preprocess(Image.open(io.BytesIO(data)).convert("RGB"))])[0]
+    assert torch.equal(got["embedding"].view(torch.int16), direct.embedding.view(torch.int16))

@@ -15,6 +15,7 @@ from vitserve.client import AsyncVitserveClient, VitserveClient
 
 engine_mod = pytest.importorskip("vitserve.engine")
 pytestmark = pytest.mark.timeout(600)
+BUDGET = 32
 SIZES = [(40, 30), (200, 150), (64, 640), (500, 380), (90, 90), (333, 77), (1200, 900), (28, 28)]
 
 
@@ -32,7 +33,8 @@ def real(checkpoint, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rt")
     endpoint = f"ipc://{tmp}/llm.sock"
     receiver = EmbeddingReceiver(endpoint, bind=True)
-    with live_server(model=str(checkpoint), visual_batch_max_tokens=256, heartbeat_s=2, dist_timeout_s=60,
+    # the tiny checkpoint's own processor allows 64 tokens; a 32-token budget makes the clamp do real work
+    with live_server(model=str(checkpoint), visual_batch_max_tokens=BUDGET, max_queue_tokens=100_000, heartbeat_s=2, dist_timeout_s=60,
                      device="cpu", runtime_dir=str(tmp), llm_endpoint=endpoint, request_timeout_s=120,
                      make_engine=engine_mod.Engine) as srv:
         yield srv, receiver
@@ -71,10 +73,31 @@ def test_l1_real_engine_concurrent_clients_match_single_runs_and_reach_the_llm_o
         for i, (pick, img) in enumerate(zip(picks, resp["images"], strict=True)):
             ref = single[pick]
             assert img["image_id"] == ref["image_id"]
-            assert img["num_tokens"] == ref["num_tokens"] <= 256
+            assert img["num_tokens"] == ref["num_tokens"] <= BUDGET
             torch.testing.assert_close(img["embedding"], ref["embedding"], rtol=1e-5, atol=1e-5)
             wire = by_key[(resp["request_id"], i)]
             assert torch.equal(wire.embedding, img["embedding"])  # what the LLM got is what the client got
+
+
+def test_budget_guard_clamps_and_the_embedding_equals_the_hf_reference(real, checkpoint):
+    from tests.checkpoints import hf_reference
+    from vitserve.images import decode_image
+    from vitserve.processors import load_image_processor
+
+    srv, receiver = real
+    data = noise_png(1200, 900, seed=7)
+    with VitserveClient(srv.url) as c:
+        out = c.encode([data], return_embeddings=True, request_id="clamp")["images"][0]
+    drain(receiver, 1)
+    assert out["clamped"] is True
+    assert out["num_tokens"] <= BUDGET
+    assert out["original_size"] == [1200, 900]
+    item = load_image_processor(str(checkpoint), max_tokens=BUDGET).preprocess(
+        decode_image(data, max_image_pixels=50_000_000).image)
+    assert list(item.resized_size) == out["resized_size"]
+    assert list(item.grid_thw) == out["grid_thw"]
+    ref, _ = hf_reference(checkpoint, "qwen2_5_vl")(item.pixel_values, torch.tensor([item.grid_thw]))
+    torch.testing.assert_close(out["embedding"], ref, rtol=1e-4, atol=1e-5)  # fp32 round-off
 
 
 def test_bad_inputs_leave_workers_untouched_and_next_request_succeeds(real):
@@ -184,3 +207,22 @@ def test_l2_real_engine_burst_gets_fast_queue_full_and_ready_stays_200(demo):
         assert int(r.headers["retry-after"]) >= 1
     got = sorted(receiver.recv(timeout_s=60).request_id for _ in range(3 + len(ok)))
     assert got == sorted(["busy2"] * 3 + [r.json()["request_id"] for r in ok])
+
+
+def test_tp2_through_http_matches_the_hf_reference_and_reports_both_ranks(checkpoint, tmp_path):
+    from tests.checkpoints import hf_reference
+    from vitserve.images import decode_image
+    from vitserve.processors import load_image_processor
+
+    data = noise_png(700, 500, seed=8)
+    with live_server(model=str(checkpoint), tp=2, visual_batch_max_tokens=BUDGET, heartbeat_s=2, dist_timeout_s=60,
+                     device="cpu", runtime_dir=str(tmp_path), make_engine=engine_mod.Engine) as srv, \
+            VitserveClient(srv.url) as c:
+        out = c.encode([data], return_embeddings=True)["images"][0]
+        info = c.info()
+    assert (info["tp"], info["dp"]) == (2, 1)
+    assert sorted(info["reserved_memory_bytes"]) == ["0", "1"]
+    item = load_image_processor(str(checkpoint), max_tokens=BUDGET).preprocess(
+        decode_image(data, max_image_pixels=50_000_000).image)
+    ref, _ = hf_reference(checkpoint, "qwen2_5_vl")(item.pixel_values, torch.tensor([item.grid_thw]))
+    torch.testing.assert_close(out["embedding"], ref, rtol=1e-4, atol=1e-5)  # fp32 round-off, TP all_reduce

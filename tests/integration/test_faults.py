@@ -68,7 +68,7 @@ async def test_f1_queued_requests_fail_when_the_group_dies(tmp_path):
         assert_gone(pids)
 
 
-@pytest.mark.parametrize("victim", [0, 1])
+@pytest.mark.parametrize("victim", [pytest.param(0, marks=pytest.mark.slow), 1])
 async def test_f2_sigkill_mid_batch_errors_well_before_dist_timeout(tmp_path, victim):
     async with running_engine(_config(tmp_path), FakeEncoderFactory(sleep_s=3.0)) as engine:
         pids = all_pids(engine)

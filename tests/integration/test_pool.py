@@ -68,7 +68,8 @@ async def test_l4_idle_past_the_dist_timeout_then_serve(tmp_path, idle_s):
 async def test_dp2_both_groups_serve_and_one_survives_the_other(tmp_path):
     log_dir = tmp_path / "hashes"
     log_dir.mkdir()
-    config = make_config(tmp_path, dp=2, visual_batch_max_tokens=16, visual_infer_batch_size=1)
+    # heartbeat 2 s: this test is about sharing the queue, not about detecting hangs fast
+    config = make_config(tmp_path, dp=2, visual_batch_max_tokens=16, visual_infer_batch_size=1, heartbeat_s=2.0)
     factory = FakeEncoderFactory(hash_log_dir=str(log_dir), sleep_s=0.2)
     async with running_engine(config, factory) as engine:
         await _mixed_load(engine, 6)
@@ -77,9 +78,12 @@ async def test_dp2_both_groups_serve_and_one_survives_the_other(tmp_path):
         assert min(counts) >= 2  # the idle group pulls from the shared queue too
 
         kill_quietly(engine.worker_pids()[0][0], signal.SIGKILL)
-        while engine.readiness()[0]:
+        while engine.groups()[0]["state"] != "failed":
             await asyncio.sleep(0.05)
-        assert "group 0" in engine.readiness()[1]
+        assert engine.groups()[1]["state"] == "ready"
+        ready, reason = engine.readiness()
+        assert not ready  # a dead rank is never "ready" (DESIGN invariant 5), though group 1 still serves
+        assert "group 0" in reason
         await _mixed_load(engine, 4, seed=1000)  # group 1 serves the whole queue
         assert not engine.failed.is_set()
         assert engine.metrics.value("vitserve_workers_ready") == 1
@@ -128,3 +132,17 @@ async def test_s1_ranks_listen_on_loopback_only(tmp_path):
         addrs += _listening(os.getpid())
     assert addrs  # gloo's pairs listen somewhere: it must be loopback
     assert all(a.startswith(loopback) for a in addrs), addrs
+
+
+async def test_a_blocked_event_loop_does_not_kill_healthy_ranks(tmp_path):
+    import time
+
+    async with running_engine(make_config(tmp_path, heartbeat_s=1.0)) as engine:
+        time.sleep(3.0)  # the API process hogs its loop (3 x heartbeat): ALIVE reports pile up unread
+        assert engine.readiness() == (True, "ok")
+        await asyncio.sleep(1.0)  # the watchdog and the status reader run again
+        assert engine.groups()[0]["state"] == "ready"
+        assert engine.readiness() == (True, "ok")
+        item = fake_item(2, 2, seed=3)
+        (res,) = await engine.encode("after", [item], ["a"], deadline=deadline(), return_embeddings=True)
+        torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)

@@ -112,6 +112,7 @@ def test_concurrent_senders_deliver_each_message_once_in_request_order(receiver,
     threads_n, requests_per_thread, images = 4, 3, 5
     shared = LLMSender(receiver.endpoint) if shared_sender else None
     errors: list[BaseException] = []
+    drained = threading.Event()
 
     def worker(t: int) -> None:
         tx = shared or LLMSender(receiver.endpoint)
@@ -123,13 +124,19 @@ def test_concurrent_senders_deliver_each_message_once_in_request_order(receiver,
         except BaseException as exc:  # surfaced by the assertion below
             errors.append(exc)
         finally:
+            # Close only after everything was received: closing while the receiver sits at its HWM
+            # can lose the queued tail in libzmq (see LLMSender.close); vitserve closes at shutdown.
+            drained.wait(timeout=60)
             if shared is None:
                 tx.close()
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(threads_n)]
     for th in threads:
         th.start()
-    got = [receiver.recv(timeout_s=10) for _ in range(threads_n * requests_per_thread * images)]
+    try:
+        got = [receiver.recv(timeout_s=10) for _ in range(threads_n * requests_per_thread * images)]
+    finally:
+        drained.set()
     for th in threads:
         th.join()
     if shared is not None:
@@ -251,6 +258,30 @@ def test_absent_receiver_times_out_and_close_is_bounded(short_dir):
     tx.close()  # returns after linger_s although 2 messages are still queued
     with pytest.raises(RuntimeError, match="closed"):
         send(tx)
+
+
+def test_close_flushes_queued_messages_within_linger(receiver):
+    tx = LLMSender(receiver.endpoint, linger_s=10.0)
+    for i in range(5):
+        send(tx, image_index=i, num_images=5)  # handed to ZMQ; maybe not yet on the wire
+    tx.close()  # LINGER keeps the context alive until they are delivered
+    assert [receiver.recv(timeout_s=10).image_index for _ in range(5)] == list(range(5))
+
+
+def test_waiting_for_the_lock_respects_the_deadline(short_dir):
+    with LLMSender(f"ipc://{short_dir}/nobody.sock", sndhwm=1, linger_s=0.1) as tx:
+        send(tx, image_index=0, num_images=3)  # fills the queue: nobody reads
+        blocked = threading.Thread(
+            target=lambda: pytest.raises(Timeout, send, tx, image_index=1, num_images=3,
+                                         deadline=time.monotonic() + 3.0)
+        )  # fmt: skip
+        blocked.start()
+        while not tx._lock.locked():  # wait until that send holds the socket
+            time.sleep(0.01)
+        with pytest.raises(Timeout, match="another send held the socket"):
+            send(tx, image_index=2, num_images=3, deadline=time.monotonic() + 0.1)
+        blocked.join()
+        assert tx.messages_sent == 1
 
 
 def test_expired_deadline_sends_nothing(receiver):

@@ -16,7 +16,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vitserve.api.body import ClientGone, read_body
-from vitserve.api.inputs import ParsedRequest, fetch_sources, media_type, parse_json_body, parse_multipart
+from vitserve.api.inputs import (
+    ParsedRequest,
+    fetch_sources,
+    media_type,
+    parse_json_body,
+    parse_multipart_body,
+)
 from vitserve.api.pipeline import PreparedImage, Preprocessor
 from vitserve.config import Config
 from vitserve.errors import InvalidRequest, QueueFull, Timeout, VitserveError
@@ -86,7 +92,7 @@ class EncodeHandler:
         body = await read_body(request, self.config.max_request_bytes)
         kind = media_type(request)
         if kind == "multipart/form-data":
-            return await parse_multipart(request, self.config)
+            return await self.pre.run(parse_multipart_body, request.headers, body, self.config)
         if kind not in ("", "application/json") and not kind.endswith("+json"):
             raise InvalidRequest(f"unsupported Content-Type {kind!r}; send application/json or multipart/form-data")
         if not body:

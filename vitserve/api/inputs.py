@@ -14,8 +14,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from starlette.datastructures import UploadFile
-from starlette.exceptions import HTTPException
+from starlette.datastructures import Headers, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
 from vitserve.api.schemas import REQUEST_ID_MAX_CHARS, parse_json_request
@@ -101,13 +101,32 @@ def _parse_bool(value: str) -> bool:
     raise InvalidRequest("return_embeddings must be 'true' or 'false'")
 
 
-async def parse_multipart(request: Request, config: Config) -> ParsedRequest:
+def parse_multipart_body(headers: Headers, body: bytes, config: Config) -> ParsedRequest:
+    """CPU-bound (~8 ms per MB with python-multipart): run it on the preprocessing pool, not the event loop.
+
+    Starlette's parser is async only; a private event loop in this worker thread drives it.
+    """
+
+    async def stream():
+        yield body
+
+    parser = MultiPartParser(headers, stream(), max_files=config.max_images_per_request + 1, max_fields=8)
+    parser.spool_max_size = config.max_request_bytes  # the body is in memory already: no temp files on disk
     try:
-        form = await request.form(max_files=config.max_images_per_request + 1, max_fields=8)
-    except HTTPException as exc:
-        if "files" in str(exc.detail).lower():
+        form = asyncio.run(parser.parse())
+    except MultiPartException as exc:
+        if "files" in exc.message.lower():
             check_count(config.max_images_per_request + 1, config)
-        raise InvalidRequest(f"malformed multipart body: {exc.detail}") from None
+        raise InvalidRequest(f"malformed multipart body: {exc.message}") from None
+    try:
+        return _form_request(form, config)
+    finally:
+        for _, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                value.file.close()
+
+
+def _form_request(form, config: Config) -> ParsedRequest:
     request_id, return_embeddings, sources = None, False, []
     for key, value in form.multi_items():
         if key not in _FORM_FIELDS:
@@ -115,14 +134,14 @@ async def parse_multipart(request: Request, config: Config) -> ParsedRequest:
         if key == "images":
             if not isinstance(value, UploadFile):
                 raise InvalidRequest("'images' must be file parts (filename=...)")
-            sources.append(ImageSource(data=await value.read()))
+            value.file.seek(0)
+            sources.append(ImageSource(data=value.file.read()))
         elif isinstance(value, UploadFile):
             raise InvalidRequest(f"form field {key!r} must be a plain value, not a file")
         elif key == "request_id":
             request_id = value
         else:
             return_embeddings = _parse_bool(value)
-    await form.close()
     check_count(len(sources), config)
     return ParsedRequest(check_request_id(request_id), sources, return_embeddings)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,7 @@ def optimize(visual: nn.Module, family: str) -> nn.Module:
 
 def _optimize_module(module: nn.Module, plans: PlanCache) -> None:
     if _is_qwen_attention(module) and not _flash_requested(module):
-        module._vitserve_plans = plans
+        setattr(module, "_vitserve_plans", plans)  # noqa: B010 (nn.Module's typed __setattr__)
         _patch(module, qwen_attention_forward)
     elif _is_linear_patch_embed(module):
         _patch(module, linear_patch_embed_forward)
@@ -55,7 +56,7 @@ def _optimize_module(module: nn.Module, plans: PlanCache) -> None:
         _patch(module, rms_norm_forward)
     elif (kind := mlp_kind(module)) is not None:
         forward, act = kind
-        module._vitserve_inplace_act = inplace_activation(act)
+        setattr(module, "_vitserve_inplace_act", inplace_activation(act))  # noqa: B010
         _patch(module, forward)
 
 
@@ -69,9 +70,10 @@ def _patch(module: nn.Module, forward: Callable) -> None:
 
 
 def _is_qwen_attention(module: nn.Module) -> bool:
+    # proj may already be TP's RowParallelLinear (an nn.Module, not an nn.Linear): the forward only calls it
     return (
         isinstance(getattr(module, "qkv", None), nn.Linear)
-        and isinstance(getattr(module, "proj", None), nn.Linear)
+        and isinstance(getattr(module, "proj", None), nn.Module)
         and hasattr(module, "num_heads")
         and hasattr(module, "scaling")
     )
@@ -101,7 +103,7 @@ def _use_sdpa(visual: nn.Module) -> None:
             config._attn_implementation = "sdpa"
 
 
-def linear_patch_embed_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def linear_patch_embed_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     """Conv3d with kernel == stride over one patch is a matmul with the flattened kernel."""
     conv = self.proj
     weight = conv.weight.reshape(conv.out_channels, -1)  # (E, C*T*P*P), a view
@@ -110,7 +112,7 @@ def linear_patch_embed_forward(self: nn.Module, hidden_states: torch.Tensor) -> 
 
 
 def qwen_attention_forward(
-    self: nn.Module,
+    self: Any,
     hidden_states: torch.Tensor,
     cu_seqlens: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -120,6 +122,8 @@ def qwen_attention_forward(
     """Same signature and math as HF's Qwen*VisionAttention.forward (SDPA path)."""
     n_tokens = hidden_states.shape[0]
     qkv = self.qkv(hidden_states).view(n_tokens, 3, self.num_heads, -1)  # (N, 3, H, D); H read now (TP)
+    if position_embeddings is None:  # HF's tower always passes them; say so rather than fail obscurely
+        raise TypeError("qwen_attention_forward needs position_embeddings (cos, sin)")
     cos, sin = position_embeddings  # (N, D) each
     qk = apply_rotary(qkv[:, :2], cos, sin)  # (N, 2, H, D)
     plan = self._vitserve_plans.get(cu_seqlens)

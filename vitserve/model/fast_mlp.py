@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ def inplace_activation(act: nn.Module) -> Activation | None:
     return None
 
 
-def _activate(module: nn.Module, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _activate(module: Any, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """act(x), in place on x when autograd cannot need x (x is a fresh Linear output)."""
     inplace = module._vitserve_inplace_act
     if inplace is None or torch.is_grad_enabled():
@@ -35,7 +36,7 @@ def _activate(module: nn.Module, act: nn.Module, x: torch.Tensor) -> torch.Tenso
     return inplace(x)
 
 
-def gated_mlp_forward(self: nn.Module, hidden_state: torch.Tensor) -> torch.Tensor:
+def gated_mlp_forward(self: Any, hidden_state: torch.Tensor) -> torch.Tensor:
     """Qwen2.5-VL: down(act(gate(x)) * up(x)), the product written into gate's output."""
     gate = _activate(self, self.act_fn, self.gate_proj(hidden_state))  # (N, I)
     up = self.up_proj(hidden_state)  # (N, I)
@@ -43,7 +44,7 @@ def gated_mlp_forward(self: nn.Module, hidden_state: torch.Tensor) -> torch.Tens
     return self.down_proj(gate)
 
 
-def fc_mlp_forward(self: nn.Module, hidden_state: torch.Tensor) -> torch.Tensor:
+def fc_mlp_forward(self: Any, hidden_state: torch.Tensor) -> torch.Tensor:
     """Qwen2-VL (fc1/act/fc2) and Qwen3-VL / Qwen3.5 (linear_fc1/act_fn/linear_fc2)."""
     if hasattr(self, "fc1"):
         return self.fc2(_activate(self, self.act, self.fc1(hidden_state)))
@@ -52,13 +53,14 @@ def fc_mlp_forward(self: nn.Module, hidden_state: torch.Tensor) -> torch.Tensor:
 
 def mlp_kind(module: nn.Module) -> tuple[Callable, nn.Module] | None:
     """(the forward to patch in, its activation module) when `module` is a known vision MLP shape."""
-    names = set(dict(module.named_children()))
+    children = dict(module.named_children())
+    names = set(children)
     if {"gate_proj", "up_proj", "down_proj", "act_fn"} <= names:
-        return gated_mlp_forward, module.act_fn
+        return gated_mlp_forward, children["act_fn"]
     if names == {"fc1", "act", "fc2"}:
-        return fc_mlp_forward, module.act
+        return fc_mlp_forward, children["act"]
     if names == {"linear_fc1", "act_fn", "linear_fc2"}:  # the mergers also have a norm; they stay HF's
-        return fc_mlp_forward, module.act_fn
+        return fc_mlp_forward, children["act_fn"]
     return None
 
 
@@ -68,7 +70,7 @@ def is_rms_norm(module: nn.Module) -> bool:
     return cls.__module__.startswith("transformers.") and cls.__name__.endswith("RMSNorm")
 
 
-def rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     """HF's RMSNorm, weight * (x * rsqrt(mean(x^2) + eps)), in three passes over x instead of six.
 
     The mean of squares comes from one vector_norm reduction (F.rms_norm is not fused on CPU: measured no

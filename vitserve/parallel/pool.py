@@ -1,8 +1,8 @@
 """Encoder groups as seen from the engine: spawn, talk to rank 0, tear down without orphans.
 
 A group is `tp` spawned processes sharing one torch.distributed process group; rank 0 PULLs batches from
-the group's own ZMQ socket (bound here, in the engine's private runtime dir). Every rank PUSHes to the
-engine's one status socket. At most one batch is in flight per group.
+the group's own ZMQ socket (rank 0 binds it in the engine's private runtime dir; the engine connects).
+Every rank PUSHes to the engine's one status socket. At most one batch is in flight per group.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from vitserve.parallel import messages as m
 from vitserve.parallel.worker import Rendezvous, WorkerArgs, run_worker
 
 log = logging.getLogger(__name__)
+SEND_WAIT_MS = 2000  # the most the event loop waits for rank 0's batch socket to accept a message
 
 
 class GroupState(Enum):
@@ -57,7 +58,11 @@ class WorkerGroup:
         self.batch_endpoint = f"ipc://{ipc_dir}/batch-{index}"
         self._sock = ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(self.batch_endpoint)
+        # Rank 0 binds, we connect: a connecting PUSH has its queue from the start, so a batch sent right
+        # after READY waits there even if rank 0's end is not wired yet (a bound PUSH without a peer
+        # refuses a non-blocking send: EAGAIN).
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 20)  # rank 0 binds seconds later; retry often (ms)
+        self._sock.connect(self.batch_endpoint)
         self.processes: list = []
 
     # ------------------------------------------------------------------------------------ life cycle
@@ -86,7 +91,15 @@ class WorkerGroup:
         return self.state is GroupState.READY and self.inflight is None
 
     def send(self, msg: m.BatchMsg | m.StopMsg) -> None:
-        """Queue a message for rank 0 without blocking (one batch in flight is far below the HWM)."""
+        """Queue a message for rank 0 (one batch in flight is far below the HWM).
+
+        Normally the socket takes it at once. Under load the ipc connection can still be (re)wiring when a
+        batch is due, and the non-blocking send then failed with EAGAIN, failing a healthy group (seen in
+        test_f8 on a loaded machine); waiting up to SEND_WAIT_MS for POLLOUT covers that and costs nothing
+        when the socket is writable.
+        """
+        if not self._sock.poll(SEND_WAIT_MS, zmq.POLLOUT):
+            raise TimeoutError(f"rank 0 of group {self.index} took no message for {SEND_WAIT_MS} ms")
         self._sock.send_multipart(m.encode(msg), flags=zmq.NOBLOCK, copy=False)
 
     def mark_failed(self, reason: str) -> None:

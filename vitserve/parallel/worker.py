@@ -55,7 +55,7 @@ class WorkerArgs:
     group: int  # DP group index
     rank: int  # rank inside the group
     rendezvous: Rendezvous  # where this group's torch.distributed store is
-    batch_endpoint: str  # rank 0 only: where the engine pushes batches
+    batch_endpoint: str  # rank 0 only: binds it; the engine's PUSH connects and sends batches
     status_endpoint: str  # every rank: where READY / ALIVE / RESULT / ERROR go
     parent_pid: int
 
@@ -189,7 +189,7 @@ class RankWorker:
             return
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.connect(self.args.batch_endpoint)
+        self.inbox.bind(self.args.batch_endpoint)  # bound before READY: the engine's queued batches flow in
 
     def _send_ready(self) -> None:
         enc = self.encoder

@@ -62,7 +62,9 @@ class EmbeddingReceiver:
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        # Non-zero linger: when a sender disconnects, the messages of its pipe that recv() has not
+        # taken yet are kept rather than dropped. close() still closes with linger 0 (nothing to flush).
+        self._sock.setsockopt(zmq.LINGER, -1)
         if max_frame_bytes is not None:
             self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         try:

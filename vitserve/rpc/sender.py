@@ -4,8 +4,8 @@ Back-pressure, never loss: when the LLM server reads slowly, ZMQ queues up to th
 then a send *blocks* (we poll for POLLOUT; we never send with DONTWAIT-and-drop). A send that is still
 blocked at the request's deadline raises vitserve.errors.Timeout (the API answers 504) and nothing of
 that message was handed to ZMQ: multipart messages are atomic, so the receiver never sees half of one.
-Every message `send_embedding` returned for is delivered, unless the receiver is gone for longer than
-the linger at close (see `close`).
+Every message `send_embedding` returned for is delivered while the sender is open; at close, see
+`close` for the linger bound and a libzmq limitation.
 """
 
 from __future__ import annotations
@@ -139,7 +139,13 @@ class LLMSender:
 
     def close(self) -> None:
         """Close the socket. Queued messages keep flushing for up to linger_s (the LINGER option) —
-        bounded, so shutdown cannot hang on a receiver that is gone; what is left after that is lost."""
+        bounded, so shutdown cannot hang on a receiver that is gone; what is left after that is lost.
+
+        Known libzmq limitation (libzmq #4660, #3774, #1922; reproduced here on ipc:// with small HWMs):
+        if the receiver sits at its RCVHWM when this socket hangs up, the receiving engine can drop
+        the tail still in the kernel buffer, even within the linger period. vitserve therefore keeps
+        one sender for the life of the service and closes it only at shutdown, after the drain.
+        """
         with self._lock:
             if self._closed:
                 return
