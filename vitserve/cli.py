@@ -80,6 +80,7 @@ FLAGS: dict[str, tuple[Callable, str]] = {
     "allow_image_urls": (parse_bool, "accept {'url': ...} images (SSRF-guarded)"),
     "allowed_url_domains": (parse_domains, "comma-separated domains URL images may come from"),
     "cache_gb": (float, "encoder-output cache size in GiB; 0 disables"),
+    "jpeg_draft": (parse_bool, "decode big JPEGs at 1/2-1/8 scale when the budget clamp shrinks them anyway"),
     "log_level": (str, "debug | info | warning | error"),
     "runtime_dir": (str, "private runtime directory (ipc sockets, reservation files)"),
 }
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         names = [f"--{flag}"] + ([f"--{flag.replace('_', '-')}"] if "_" in flag else [])
         default = _DEFAULTS.get(flag)
         full_help = f"{help_text} [default: {default}; env {env_name(flag)}]"
-        if flag == "allow_image_urls":
+        if flag in ("allow_image_urls", "jpeg_draft"):  # switches: --flag / --no-flag
             p.add_argument(*names, dest=flag, action=argparse.BooleanOptionalAction, help=full_help)
         else:
             p.add_argument(*names, dest=flag, metavar=flag.upper(), type=str, help=full_help)

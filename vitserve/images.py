@@ -22,6 +22,7 @@ No image bytes ever go into a message or a log line.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,13 +48,25 @@ class DecodedImage:
     image: Image.Image
     original_size: tuple[int, int]  # (width, height) after EXIF orientation
     format: str  # PIL format name, e.g. "JPEG"
+    draft_scale: int = 1  # 1 = full decode; 2/4/8 = JPEG decoded at 1/scale, then resized to the target
 
 
-def decode_image(data: bytes, *, max_image_pixels: int) -> DecodedImage:
+# (width, height) after EXIF orientation -> the (width, height) the processor will resize it to, or None
+# when no reduced decode should be tried (see vitserve.jpeg_draft.JpegDraft).
+DraftTarget = Callable[[int, int], "tuple[int, int] | None"]
+_SWAPS_AXES = frozenset({5, 6, 7, 8})  # EXIF orientations that transpose width and height
+
+
+def decode_image(data: bytes, *, max_image_pixels: int, draft_target: DraftTarget | None = None) -> DecodedImage:
     """Decode untrusted bytes into an RGB PIL image.
 
     Raises InvalidImage (not an image, a format outside the allowlist, truncated or corrupt data) or
     PayloadTooLarge (width x height above ``max_image_pixels``, read from the header before decoding).
+
+    ``draft_target`` (--jpeg_draft): for a JPEG whose planned resize target is at most half its size, libjpeg
+    decodes at the largest scale 1/2, 1/4 or 1/8 that still is >= the target in both sides, and the result
+    is resized to exactly the target with the same bicubic filter the processors use, so the processor then
+    plans the same grid. ``original_size`` stays the full size from the header.
     """
     if not data:
         raise InvalidImage("empty image data")
@@ -61,10 +74,49 @@ def decode_image(data: bytes, *, max_image_pixels: int) -> DecodedImage:
     fmt = str(img.format)
     _check_pixels(img.size, max_image_pixels)
     try:
+        draft = _apply_draft(img, draft_target) if draft_target is not None and fmt == "JPEG" else None
         rgb = _decode_first_frame(img)
     finally:
         img.close()
-    return DecodedImage(image=rgb, original_size=rgb.size, format=fmt)
+    if draft is None:
+        return DecodedImage(image=rgb, original_size=rgb.size, format=fmt)
+    target, original, scale = draft
+    resized = rgb.resize(target, resample=Image.Resampling.BICUBIC)  # the processors' filter (HF's resample)
+    rgb.close()
+    return DecodedImage(image=resized, original_size=original, format=fmt, draft_scale=scale)
+
+
+def _orientation(img: Image.Image) -> int:
+    try:
+        return int(img.getexif().get(0x0112, 1))
+    except Exception:  # a broken EXIF block: exif_transpose will ignore it too
+        return 1
+
+
+def _oriented_size(img: Image.Image, size: tuple[int, int]) -> tuple[int, int]:
+    return (size[1], size[0]) if _orientation(img) in _SWAPS_AXES else size
+
+
+def _apply_draft(
+    img: Image.Image, draft_target: DraftTarget
+) -> tuple[tuple[int, int], tuple[int, int], int] | None:
+    """Ask libjpeg for a reduced decode; returns (target size, original oriented size, scale) or None."""
+    original = _oriented_size(img, img.size)
+    target = draft_target(*original)
+    if target is None:
+        return None
+    stored_target = _oriented_size(img, target)  # the draft works on the stored (unrotated) axes
+    if min(img.size[0] // stored_target[0], img.size[1] // stored_target[1]) < 2:
+        return None  # no scale >= 2 keeps both sides at or above the target
+    before = img.size
+    try:
+        img.draft(img.mode, stored_target)  # PIL picks s in (8, 4, 2) with ceil(side / s) >= target side
+    except Exception as exc:
+        raise InvalidImage(f"corrupt JPEG header ({type(exc).__name__})") from exc
+    if img.size == before:
+        return None  # PIL declined (e.g. a JPEG with several tiles)
+    scale = max(2, round(before[0] / img.size[0]))  # sides are ceil(side / s), so this rounds back to s
+    return (int(target[0]), int(target[1])), original, scale
 
 
 def _open_header(data: bytes) -> Image.Image:

@@ -76,7 +76,8 @@ def create_app(config: Config, engine, processor, metrics: Metrics, *, state: Se
     app = FastAPI(title="vitserve", version=vitserve.__version__,
                   description="Vision-encoder embeddings for multimodal LLMs (SPEC §2).")
     app.state.server = state
-    app.state.preprocessor = pre = Preprocessor(processor, max_image_pixels=config.max_image_pixels, metrics=metrics)
+    app.state.preprocessor = pre = Preprocessor(processor, max_image_pixels=config.max_image_pixels, metrics=metrics,
+                                                jpeg_draft=config.jpeg_draft)
     encode = EncodeHandler(config, engine, pre, metrics)
     for exc_type in (VitserveError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _handle)

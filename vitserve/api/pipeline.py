@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from vitserve.errors import InvalidImage, Timeout, VitserveError
 from vitserve.images import decode_image
+from vitserve.jpeg_draft import JpegDraft
 from vitserve.metrics import Metrics
 from vitserve.types import ProcessedImage
 
@@ -40,8 +41,10 @@ def default_workers() -> int:
 class Preprocessor:
     """Owns the pool; `prepare(blobs)` returns every image ready for the engine, or raises for the first bad one."""
 
-    def __init__(self, processor, *, max_image_pixels: int, metrics: Metrics, workers: int | None = None):
+    def __init__(self, processor, *, max_image_pixels: int, metrics: Metrics, workers: int | None = None,
+                 jpeg_draft: bool = False):
         self.processor = processor
+        self.draft = JpegDraft(processor) if jpeg_draft else None  # --jpeg_draft (vitserve/jpeg_draft.py)
         self.max_image_pixels = max_image_pixels
         self.metrics = metrics
         self.pool = ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="vitserve-pre")
@@ -69,9 +72,11 @@ class Preprocessor:
     def _prepare_one(self, data: bytes) -> PreparedImage:
         t0 = time.perf_counter()
         image_id = hashlib.sha256(data).hexdigest()
-        decoded = decode_image(data, max_image_pixels=self.max_image_pixels)
+        decoded = decode_image(data, max_image_pixels=self.max_image_pixels, draft_target=self.draft)
         t1 = time.perf_counter()
         item = self.processor.preprocess(decoded.image)
+        if self.draft is not None:
+            item = self.draft.finish(item, decoded)
         t2 = time.perf_counter()
         decoded.image.close()
         self.metrics.stage_seconds.labels(stage="decode").observe(t1 - t0)

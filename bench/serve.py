@@ -1,0 +1,257 @@
+"""End-to-end serving benchmark: vitserve vs the naive baseline server, same run, same model, same load.
+
+    python bench/serve.py --quick              # a few minutes on a small CPU box (budget 1024)
+    python bench/serve.py                      # the full sweep (budget 2048, longer points)
+    python bench/plot.py bench/out/serve-latest.json
+
+Starts `vitserve --model demo` (the real CLI, a subprocess on a free 127.0.0.1 port), then
+bench/baseline_server.py, and drives both with a concurrency sweep on three generated workloads, each point
+run on both servers back to back (alternating which goes first) so both see the same background load.
+Then measures encoder-only throughput in-process (vitserve.model.load_encoder("demo").encode) on the same
+processed images packed into full-budget FIFO batches, the ceiling the service can reach:
+service overhead = 1 - best e2e images/s / encoder-only images/s.
+Everything is bounded: each point stops issuing after its duration or request cap; servers are stopped with
+SIGTERM (then SIGKILL). Raw JSON goes to bench/out/ (gitignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.loadgen import batch_delta, json_bodies, run_point, scrape_batch_metrics, wait_ready  # noqa: E402
+from bench.workloads import WORKLOADS  # noqa: E402
+
+# (images generated, concurrencies, seconds per point, request cap per point) per workload
+PROFILES = {
+    "quick": {"budget": 1024, "small": (24, (1, 4, 16), 30, 400), "mixed": (8, (1, 4, 16), 20, 20),
+              "large": (3, (1, 4), 20, 8)},
+    "full": {"budget": 2048, "small": (64, (1, 4, 16, 64), 30, 2000), "mixed": (16, (1, 4, 16), 60, 200),
+             "large": (6, (1, 4, 16), 60, 100)},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(kind: str, port: int, budget: int, threads: int, runtime_dir: str) -> list[str]:
+    if kind == "vitserve":
+        return [sys.executable, "-m", "vitserve.cli", "--model", "demo", "--host", "127.0.0.1",
+                "--port", str(port), "--visual_batch_max_tokens", str(budget),
+                # the benchmark measures throughput, not admission control: room for every client's request
+                "--max_queue_tokens", str(64 * budget), "--runtime_dir", runtime_dir, "--log_level", "warning"]
+    return [sys.executable, str(ROOT / "bench" / "baseline_server.py"), "--port", str(port),
+            "--budget", str(budget), "--threads", str(threads)]
+
+
+@contextlib.contextmanager
+def launched(kind: str, budget: int, threads: int, log_path: Path):
+    """Run one server as a subprocess; yield its URL once ready; always stop it."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as runtime_dir, open(log_path, "w") as log:
+        proc = subprocess.Popen(server_command(kind, port, budget, threads, runtime_dir), cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(url, "/ready" if kind == "vitserve" else "/health", 300, proc)
+            yield url
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def bench_servers(kinds: list[str], bodies: dict, profile: dict, threads: int, out_dir: Path) -> dict:
+    """Start every server (one after the other), then run each point on each server back to back.
+
+    Interleaving the servers point by point (alternating which goes first) means both see the same
+    background load on a shared machine; an idle server costs nothing but memory.
+    """
+    results: dict = {kind: {} for kind in kinds}
+    with contextlib.ExitStack() as stack:
+        urls = {kind: stack.enter_context(launched(kind, profile["budget"], threads, out_dir / f"{kind}.log"))
+                for kind in kinds}
+        flip = False
+        for workload, wl_bodies in bodies.items():
+            _, concurrencies, duration, cap = profile[workload]
+            for kind in kinds:  # warm-up (unmeasured): lazy init, allocator growth
+                asyncio.run(run_point(urls[kind], wl_bodies[:4], concurrency=1, duration_s=duration,
+                                      max_requests=4, timeout_s=600))
+                results[kind][workload] = []
+            for conc in concurrencies:
+                for kind in (kinds[::-1] if flip else kinds):
+                    row = measure_point(kind, urls[kind], workload, wl_bodies, conc, duration, cap)
+                    results[kind][workload].append(row)
+                flip = not flip
+    for kind in kinds:  # rows in concurrency order whatever order they ran in
+        for rows in results[kind].values():
+            rows.sort(key=lambda r: r["concurrency"])
+    return results
+
+
+def measure_point(kind: str, url: str, workload: str, bodies: list[bytes], conc: int, duration: float,
+                  cap: int) -> dict:
+    before = scrape_batch_metrics(url)
+    point = asyncio.run(run_point(url, bodies, concurrency=conc, duration_s=duration, max_requests=cap,
+                                  timeout_s=600))
+    row = {**point.summary(), **batch_delta(before, scrape_batch_metrics(url)), "loadavg": os.getloadavg()[0]}
+    print(f"[{kind}] {workload:5s} c={conc:<3d} {row['images_per_s']:.3f} img/s "
+          f"p50={_fmt(row['p50_s'])} p99={_fmt(row['p99_s'])} fill={_fmt(row['mean_batch_fill_ratio'])} "
+          f"errors={row['errors']} load={row['loadavg']:.1f}", flush=True)
+    return row
+
+
+def encoder_only(images: dict[str, list[bytes]], budget: int, threads: int, reps: int, force_fast: bool) -> dict:
+    """Images/s of load_encoder("demo").encode on full-budget FIFO batches of the same processed images.
+
+    force_fast: apply vitserve.model.fast.optimize if load_encoder did not (a what-if while it is not wired).
+    """
+    import torch
+
+    from vitserve.images import decode_image
+    from vitserve.model import load_encoder
+    from vitserve.processors import load_image_processor
+    from vitserve.scheduler import Scheduler
+
+    torch.set_num_threads(threads)
+    encoder = load_encoder("demo")
+    processor = load_image_processor("demo", max_tokens=budget)
+    out: dict = {"fast_kernels_in_load_encoder": _has_fast(encoder.visual)}
+    if force_fast and not out["fast_kernels_in_load_encoder"]:
+        from vitserve.model.fast import optimize
+
+        optimize(encoder.visual, "qwen2_5_vl")
+    out["fast_kernels"] = _has_fast(encoder.visual)
+    for workload, blobs in images.items():
+        items = [processor.preprocess(decode_image(b, max_image_pixels=0).image) for b in blobs]
+        sched = Scheduler(budget, 64)
+        for i, item in enumerate(items):
+            sched.add(i, item.num_tokens)
+        batches = []
+        while (batch := sched.next_batch()) is not None:
+            batches.append([items[i] for i in batch])
+        for batch in batches:  # warm-up pass: every batch shape once (first-shape costs, as the server's warm-up)
+            encoder.encode(batch)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for batch in batches:
+                encoder.encode(batch)
+        seconds = time.perf_counter() - t0
+        out[workload] = {"images_per_s": reps * len(items) / seconds, "batches": len(batches),
+                         "mean_batch_fill_ratio": sum(it.num_tokens for it in items) / (len(batches) * budget),
+                         "tokens_per_image": sum(it.num_tokens for it in items) / len(items)}
+        print(f"[encoder-only fast={out['fast_kernels']}] {workload:5s} {out[workload]['images_per_s']:.3f} img/s "
+              f"({len(batches)} batches, fill {out[workload]['mean_batch_fill_ratio']:.2f})", flush=True)
+    return out
+
+
+def _has_fast(visual) -> bool:
+    return any(hasattr(m, "_vitserve_plans") for m in visual.modules())  # set by fast.optimize
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _git_head() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %s"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_notes(threads: int) -> dict:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_start": os.getloadavg(), "torch": torch.__version__,
+            "python": platform.python_version(), "torch_threads": threads}
+
+
+def summarize(servers: dict, enc: dict) -> dict:
+    """Speed-up vitserve/baseline at each workload's best point, overhead vs encoder-only, fill at saturation."""
+    out = {}
+    for workload in enc:
+        if not isinstance(enc[workload], dict) or workload not in servers.get("vitserve", {}):
+            continue
+        v = max(servers["vitserve"][workload], key=lambda r: r["images_per_s"])
+        b = max(servers.get("baseline", {}).get(workload, [{"images_per_s": 0}]), key=lambda r: r["images_per_s"])
+        sat = servers["vitserve"][workload][-1]  # highest concurrency
+        out[workload] = {
+            "vitserve_best_images_per_s": v["images_per_s"],
+            "baseline_best_images_per_s": b["images_per_s"],
+            "speedup": v["images_per_s"] / b["images_per_s"] if b["images_per_s"] else None,
+            "encoder_only_images_per_s": enc[workload]["images_per_s"],
+            "e2e_over_encoder_only": v["images_per_s"] / enc[workload]["images_per_s"],
+            "service_overhead": 1 - v["images_per_s"] / enc[workload]["images_per_s"],
+            "fill_at_saturation": sat["mean_batch_fill_ratio"],
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the small profile (a few minutes on 2 cores)")
+    ap.add_argument("--budget", type=int, help="--visual_batch_max_tokens (default: 1024 quick, 2048 full)")
+    ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1),
+                    help="torch threads of the baseline and the encoder-only run; vitserve's worker uses "
+                         "cpu_count // (tp*dp), i.e. the same with tp=dp=1")
+    ap.add_argument("--workloads", default="small,mixed,large")
+    ap.add_argument("--servers", default="vitserve,baseline", help="comma list, or 'none' for encoder-only")
+    ap.add_argument("--reps", type=int, default=1, help="encoder-only repetitions over each workload")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    args = ap.parse_args()
+    # a SIGTERM (e.g. `timeout`) unwinds normally, so the servers' finally blocks stop them
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    profile = dict(PROFILES["quick" if args.quick else "full"])
+    if args.budget:
+        profile["budget"] = args.budget
+    args.out.mkdir(parents=True, exist_ok=True)
+    notes = machine_notes(args.threads)
+    git_head = _git_head()  # the code the servers start with (the tree may change during a long run)
+
+    workloads = args.workloads.split(",")
+    images = {w: WORKLOADS[w](profile[w][0]) for w in workloads}
+    bodies = {w: json_bodies(images[w]) for w in workloads}
+    kinds = [k for k in args.servers.split(",") if k and k != "none"]  # "none": encoder-only
+    servers = bench_servers(kinds, bodies, profile, args.threads, args.out) if kinds else {}
+    enc = encoder_only(images, profile["budget"], args.threads, args.reps, force_fast=False)
+    enc_fast = enc if enc["fast_kernels"] else encoder_only(images, profile["budget"], args.threads, args.reps,
+                                                             force_fast=True)
+    notes["loadavg_end"] = os.getloadavg()
+    report = {"profile": "quick" if args.quick else "full", "budget": profile["budget"], "machine": notes,
+              "workload_params": {w: profile[w] for w in workloads}, "servers": servers, "encoder_only": enc,
+              "encoder_only_fast": enc_fast, "git": git_head,
+              "summary": summarize(servers, enc), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    text = json.dumps(report, indent=1)
+    (args.out / f"serve-{report['profile']}-{int(time.time())}.json").write_text(text)
+    if kinds:
+        (args.out / "serve-latest.json").write_text(text)
+    print(json.dumps(report["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Reduced-scale JPEG decoding (--jpeg_draft): never below the planned target, JPEG only, same plan as the
+full decode, EXIF orientation respected, and the flag wiring."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from bench.workloads import jpeg_bytes, photo_like, png_bytes
+from vitserve.images import decode_image
+from vitserve.jpeg_draft import JpegDraft, decode_and_preprocess
+from vitserve.processors import load_image_processor
+
+pytestmark = pytest.mark.unit
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.fixture(scope="module")
+def photo() -> Image.Image:
+    return photo_like(1600, 1200, seed=3)
+
+
+@pytest.mark.parametrize("target", [(800, 600), (799, 601), (400, 300), (401, 299), (200, 150), (150, 140),
+                                    (60, 40), (1000, 100), (100, 700)])
+def test_draft_never_decodes_below_the_target_and_takes_the_largest_scale(photo, target):
+    calls = []
+
+    def draft_target(w, h):
+        calls.append((w, h))
+        return target
+
+    decoded = decode_image(jpeg_bytes(photo), max_image_pixels=0, draft_target=draft_target)
+    assert calls == [(1600, 1200)]
+    assert decoded.original_size == (1600, 1200)
+    s = decoded.draft_scale
+    assert s in (1, 2, 4, 8)
+    # the reduced decode (ceil(side / s)) is at least the target on both sides ...
+    assert _ceil_div(1600, s) >= target[0]
+    assert _ceil_div(1200, s) >= target[1]
+    # ... and the next scale would have gone below it (or s is libjpeg's largest)
+    if s < 8:
+        assert 1600 // (2 * s) < target[0] or 1200 // (2 * s) < target[1]
+    assert decoded.image.size == (target if s > 1 else (1600, 1200))
+    assert decoded.image.mode == "RGB"
+
+
+def test_draft_is_off_for_non_jpeg(photo):
+    calls = []
+    decoded = decode_image(png_bytes(photo), max_image_pixels=0,
+                           draft_target=lambda w, h: calls.append((w, h)) or (200, 150))
+    assert calls == []
+    assert decoded.draft_scale == 1
+    assert decoded.image.size == (1600, 1200)
+
+
+def test_no_draft_target_decodes_exactly_as_before(photo):
+    data = jpeg_bytes(photo)
+    plain = decode_image(data, max_image_pixels=0)
+    declined = decode_image(data, max_image_pixels=0, draft_target=lambda w, h: None)
+    assert declined.draft_scale == plain.draft_scale == 1
+    assert np.array_equal(np.asarray(plain.image), np.asarray(declined.image))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("budget", [16, 64, 256, 1024, 0])
+@pytest.mark.parametrize("size", [(1600, 1200), (1200, 1600), (1599, 901), (3000, 200)])
+def test_draft_keeps_the_full_paths_plan(family, budget, size):
+    processor = load_image_processor(family, max_tokens=budget)
+    data = jpeg_bytes(photo_like(*size, seed=size[0]))
+    dec_full, full = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=False)
+    dec_draft, draft = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=True)
+    assert dec_draft.original_size == dec_full.original_size == size
+    assert draft.grid_thw == full.grid_thw
+    assert draft.num_tokens == full.num_tokens
+    assert draft.resized_size == full.resized_size
+    assert draft.clamped == full.clamped
+    assert draft.pixel_values.shape == full.pixel_values.shape
+    # the clamp shrinks these well below half: a draft must apply (qwen3_vl at 16/64 tokens shrinks below
+    # its own min_pixels, a plan that is not a fixed point: JpegDraft keeps the full decode there)
+    if (budget == 256 or (family == "qwen2_5_vl" and budget in (16, 64))) and size != (3000, 200):
+        assert dec_draft.draft_scale > 1
+    if budget == 0:
+        assert dec_draft.draft_scale == 1  # no clamp: nothing shrinks 2x, nothing to gain
+
+
+def test_draft_pixels_stay_close_to_the_full_decode():
+    processor = load_image_processor("qwen2_5_vl", max_tokens=64)
+    data = jpeg_bytes(photo_like(1600, 1200, seed=9))
+    _, full = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=False)
+    decoded, draft = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=True)
+    assert decoded.draft_scale == 4
+    # normalized pixels (CLIP std ~0.27 per 255 levels): a mean difference of 0.05 is ~3.5 grey levels
+    assert float((full.pixel_values - draft.pixel_values).abs().mean()) < 0.05
+
+
+def test_exif_rotation_is_planned_on_the_oriented_size():
+    stored = photo_like(1600, 1200, seed=5)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees: oriented size is 1200x1600
+    buf = io.BytesIO()
+    stored.save(buf, format="JPEG", quality=90, exif=exif.tobytes())
+    processor = load_image_processor("qwen2_5_vl", max_tokens=64)
+    dec_full, full = decode_and_preprocess(buf.getvalue(), processor, max_image_pixels=0, jpeg_draft=False)
+    dec_draft, draft = decode_and_preprocess(buf.getvalue(), processor, max_image_pixels=0, jpeg_draft=True)
+    assert dec_full.original_size == dec_draft.original_size == (1200, 1600)
+    assert dec_draft.draft_scale > 1
+    assert dec_draft.image.size == processor.plan(1200, 1600).resized_size
+    assert draft.grid_thw == full.grid_thw
+    assert draft.resized_size == full.resized_size
+
+
+def test_internvl_keeps_the_full_decode():
+    processor = load_image_processor("internvl", max_tokens=256)
+    assert JpegDraft(processor)(1600, 1200) is None
+
+
+def test_pixel_limit_is_still_checked_before_any_decode(photo):
+    from vitserve.errors import PayloadTooLarge
+
+    with pytest.raises(PayloadTooLarge, match="--max_image_pixels"):
+        decode_image(jpeg_bytes(photo), max_image_pixels=1000, draft_target=lambda w, h: (100, 75))
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "expected"),
+    [
+        ([], {}, True),  # on by default (fidelity measured in bench/RESULTS.md)
+        (["--no-jpeg_draft"], {}, False),
+        (["--no-jpeg-draft"], {}, False),
+        ([], {"VITSERVE_JPEG_DRAFT": "0"}, False),
+        ([], {"VITSERVE_JPEG_DRAFT": "false"}, False),
+        (["--jpeg_draft"], {"VITSERVE_JPEG_DRAFT": "0"}, True),  # the flag wins
+        (["--no-jpeg_draft"], {"VITSERVE_JPEG_DRAFT": "1"}, False),
+    ],
+)
+def test_flag_and_environment_wiring(argv, environ, expected):
+    from vitserve.cli import build_config
+
+    assert build_config(argv, environ).jpeg_draft is expected
+
+
+def test_bad_environment_value_names_the_variable():
+    from vitserve.cli import build_config
+    from vitserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="VITSERVE_JPEG_DRAFT"):
+        build_config([], {"VITSERVE_JPEG_DRAFT": "maybe"})
+
+
+@pytest.mark.parametrize("jpeg_draft", [True, False])
+async def test_the_api_pipeline_uses_the_flag(jpeg_draft):
+    import time
+
+    from vitserve.api.pipeline import Preprocessor
+    from vitserve.metrics import Metrics
+
+    processor = load_image_processor("qwen2_5_vl", max_tokens=64)
+    data = jpeg_bytes(photo_like(1600, 1200, seed=11))
+    pre = Preprocessor(processor, max_image_pixels=0, metrics=Metrics(), workers=1, jpeg_draft=jpeg_draft)
+    try:
+        (prepared,) = await pre.prepare([data], time.monotonic() + 60)
+    finally:
+        pre.close()
+    _, via_draft = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=True)
+    _, via_full = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=False)
+    assert not torch.equal(via_draft.pixel_values, via_full.pixel_values)  # the two paths are distinguishable
+    expected = via_draft if jpeg_draft else via_full
+    assert torch.equal(prepared.item.pixel_values, expected.pixel_values)
+    assert prepared.original_size == (1600, 1200)
+    assert prepared.item.grid_thw == processor.plan(1600, 1200).grid_thw
+    assert prepared.item.clamped is True
