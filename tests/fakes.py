@@ -1,22 +1,27 @@
 """Fakes that are real implementations of vitserve's interfaces, for tests where a real part cannot run."""
 
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vitserve.errors import EncoderFailed, NotReady, QueueFull, Timeout
+from vitserve.types import EncodedImage, ImageResult, ProcessedImage
 
 # ------------------------------------------------------------------------------------------------------
-# FakeEncoder (core): a deterministic Encoder with real computation and, at tp > 1, a real collective.
+# FakeEncoder: a deterministic Encoder with real computation and, at tp > 1, a real collective.
 # ------------------------------------------------------------------------------------------------------
-
-import hashlib  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from vitserve.types import EncodedImage, ProcessedImage  # noqa: E402
 
 FAKE_PATCH_COLS = 3 * 2 * 14 * 14  # one Qwen2.5-VL patch row (C*T*P*P), so reservation's worst case fits
 FAKE_MERGE = 4  # rows merged into one token, like the 2x2 spatial merge
@@ -69,7 +74,7 @@ class FakeEncoder:
     device = torch.device("cpu")
     handles_tp = True  # shards itself; the worker must not run apply_tp on it
 
-    def __init__(self, hooks: "FakeEncoderFactory", rank: int, tp: int):
+    def __init__(self, hooks: FakeEncoderFactory, rank: int, tp: int):
         if hooks.embed_dim % tp:
             raise ValueError(f"embed_dim {hooks.embed_dim} is not divisible by --tp {tp}")
         self.embed_dim, self.hooks, self.rank, self.tp = hooks.embed_dim, hooks, rank, tp
@@ -127,22 +132,10 @@ class FakeEncoderFactory:
         return enc
 
 # ---------------------------------------------------------------------------------------------------------
-# api helper: a tiny deterministic Encoder and an in-process Engine with the exact contract of INTERFACES.md
+# FakeEngine: a tiny deterministic Encoder and an in-process Engine with the exact Engine contract
 # (queue limit, FIFO token budget, deadlines, cancellation, drain), so the HTTP layer can be tested through a
 # real uvicorn server where the multi-process Engine is not wanted (e.g. to hold the queue still).
 # ---------------------------------------------------------------------------------------------------------
-
-import asyncio  # noqa: E402
-import threading  # noqa: E402
-from collections import deque  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from vitserve.errors import EncoderFailed, NotReady, QueueFull, Timeout  # noqa: E402
-from vitserve.types import ImageResult  # noqa: E402
-
 
 class TinyEncoder:
     """Encoder protocol: each 2x2 merge unit (4 consecutive patch rows, Qwen order) -> one seeded linear.
