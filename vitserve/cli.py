@@ -191,6 +191,8 @@ def render_banner(service) -> str:
         f"max_image_pixels={c.max_image_pixels}, request_timeout_s={c.request_timeout_s}",
         f"  llm_endpoint: {c.llm_endpoint or 'none (inline only)'}; api_key: {'set' if c.api_key else 'none'}; "
         f"image URLs: {'on for ' + ','.join(c.allowed_url_domains) if c.allow_image_urls else 'off'}",
+        f"  cache: {f'{c.cache_gb:g} GiB' if c.cache_gb > 0 else 'off'} (in-flight dedup always on); "
+        f"jpeg_draft: {'on' if c.jpeg_draft else 'off'}",
     ]
     return "\n".join(lines)
 
