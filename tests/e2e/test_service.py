@@ -64,7 +64,7 @@ def test_banner_names_every_guard():
     for needle in ("256 tokens per batch and per image", "processor clamp: {", "'max_pixels'", "tp=1 dp=1",
                    "rank 0:", "source: override", "max_queue_tokens=999", "max_images_per_request=32",
                    "max_request_bytes=67108864", "max_image_pixels=50000000", "request_timeout_s=30",
-                   f"http://127.0.0.1:{srv.service.port}"):
+                   "cache: off", "jpeg_draft: on", f"http://127.0.0.1:{srv.service.port}"):
         assert needle in text, needle
 
 
