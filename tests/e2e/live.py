@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import io
 import threading
+import time
 from dataclasses import dataclass, replace
 
 import httpx
@@ -82,3 +83,11 @@ def real_engine_options(tmp_dir) -> dict:
     checkpoint = make_checkpoint("qwen2_5_vl", tmp_dir / "ckpt")
     return {"model": str(checkpoint), "make_engine": Engine, "heartbeat_s": 2.0, "dist_timeout_s": 60.0,
             "device": "cpu", "runtime_dir": str(tmp_dir / "rt")}
+
+
+def wait_until(predicate, what: str, limit_s: float = 30.0) -> None:
+    end = time.monotonic() + limit_s
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.01)

@@ -14,19 +14,11 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.e2e.live import live_server, noise_png
+from tests.e2e.live import live_server, noise_png, wait_until
 from vitserve.client import AsyncVitserveClient, VitserveClient, VitserveClientError
 
 pytestmark = pytest.mark.timeout(180)
 SIZES = [(40, 30), (200, 150), (64, 640), (500, 380), (90, 90), (333, 77), (1200, 900), (28, 28)]
-
-
-def wait_until(predicate, what: str, limit_s: float = 30.0) -> None:
-    end = time.monotonic() + limit_s
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"never happened: {what}")
-        time.sleep(0.01)
 
 
 def test_l1_concurrent_clients_all_succeed_and_match_single_runs():

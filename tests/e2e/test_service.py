@@ -4,23 +4,14 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import httpx
 import pytest
 
-from tests.e2e.live import live_server, noise_png
+from tests.e2e.live import live_server, noise_png, wait_until
 from vitserve.cli import render_banner
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def wait_until(predicate, what: str, limit_s: float = 30.0) -> None:
-    end = time.monotonic() + limit_s
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"never happened: {what}")
-        time.sleep(0.01)
 
 
 def test_stop_drains_in_flight_refuses_new_and_exits_0():
