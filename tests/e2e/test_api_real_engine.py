@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import os
+import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from tests.e2e.live import live_server, noise_png
+from tests.e2e.live import live_server, noise_png, wait_until
 from vitserve.client import AsyncVitserveClient, VitserveClient
 
 engine_mod = pytest.importorskip("vitserve.engine")
@@ -126,17 +130,46 @@ def test_ready_and_metrics_with_real_workers(real):
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """The demo tower (~2 s per 256-token batch on this CPU) keeps the worker busy long enough to queue behind."""
+    """The demo tower behind real HTTP; the tests hold its rank with SIGSTOP so work queues behind it
+    deterministically, however fast the machine is."""
     from vitserve.rpc import EmbeddingReceiver
 
     tmp = tmp_path_factory.mktemp("demo")
     endpoint = f"ipc://{tmp}/llm.sock"
     receiver = EmbeddingReceiver(endpoint, bind=True)
-    with live_server(model="demo", visual_batch_max_tokens=256, max_queue_tokens=1024, heartbeat_s=2,
+    # heartbeat 10 s: the tests below hold the rank (SIGSTOP) for a few seconds; 2 x 10 s is far from "hung".
+    with live_server(model="demo", visual_batch_max_tokens=256, max_queue_tokens=1024, heartbeat_s=10,
                      dist_timeout_s=120, device="cpu", runtime_dir=str(tmp), llm_endpoint=endpoint,
                      request_timeout_s=200, make_engine=engine_mod.Engine) as srv:
         yield srv, receiver
     receiver.close()
+
+
+@contextlib.contextmanager
+def held(srv):
+    """Stop every encoder rank (SIGSTOP) while the block runs: batches handed to it wait, the rest queue."""
+    pids = [pid for group in srv.engine.worker_pids().values() for pid in group]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def drain_in_background(receiver, count: int) -> tuple[threading.Thread, list]:
+    """Receive `count` messages in the background, as an LLM server would: a receiver that stops reading makes
+    sends block (SPEC §3), and the HTTP answers wait for the sends."""
+    got: list = []
+
+    def run():
+        for _ in range(count):
+            got.append(receiver.recv(timeout_s=120).request_id)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, got
 
 
 def occupy(srv, request_id: str, n: int = 3) -> tuple[threading.Thread, list]:
@@ -166,16 +199,20 @@ def test_f8_real_engine_disconnect_while_queued_is_never_encoded_nor_sent(demo):
     import httpx
 
     srv, receiver = demo
-    t, first = occupy(srv, "busy")
-    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url, timeout=httpx.Timeout(60, read=1.5)) as c:
-        c.post("/encode", files=[("images", ("g.png", noise_png(448, 448, seed=99)))], data={"request_id": "gone"})
+    with held(srv):  # "busy" fills the rank, "gone" must wait in the queue
+        t, first = occupy(srv, "busy")
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url,
+                                                            timeout=httpx.Timeout(60, read=1.5)) as c:
+            c.post("/encode", files=[("images", ("g.png", noise_png(448, 448, seed=99)))],
+                   data={"request_id": "gone"})
+        wait_until(lambda: srv.metrics.value("vitserve_requests_total", code="499") == 1, "the disconnect")
+    drained, ids = drain_in_background(receiver, 4)
     t.join(200)
     assert first[0].status_code == 200, first[0].text
     with VitserveClient(srv.url) as c:
         c.encode([noise_png(56, 56)], request_id="marker")
-    ids = [receiver.recv(timeout_s=60).request_id for _ in range(4)]
+    drained.join(120)
     assert ids == ["busy", "busy", "busy", "marker"]
-    assert srv.metrics.value("vitserve_requests_total", code="499") == 1
 
 
 @pytest.mark.slow  # the default run covers L2 in tests/e2e/test_api_load.py
@@ -183,30 +220,40 @@ def test_l2_real_engine_burst_gets_fast_queue_full_and_ready_stays_200(demo):
     import httpx
 
     srv, receiver = demo
-    t, first = occupy(srv, "busy2")
-    img = noise_png(448, 448, seed=5)
+    # distinct images: identical ones would join one in-flight encode (dedup) and add no queued tokens
+    imgs = [noise_png(448, 448, seed=100 + k) for k in range(40)]
 
     async def burst():
         async with httpx.AsyncClient(base_url=srv.url, timeout=200) as c:
             async def one(k):
-                return await c.post("/encode", files=[("images", ("b.png", img))], data={"request_id": f"b{k}"})
+                return await c.post("/encode", files=[("images", ("b.png", imgs[k]))], data={"request_id": f"b{k}"})
             return await asyncio.gather(*(one(k) for k in range(40)))  # 40 x 256 = 10x the 1024-token queue
 
-    answers = asyncio.run(burst())
-    with srv.client() as c:
-        assert c.get("/ready").status_code == 200
+    drained, got = drain_in_background(receiver, 3 + 2)  # busy2's 3 images and the 2 burst requests the queue has room for
+    pool = ThreadPoolExecutor(1)  # the burst's two admitted requests can only finish after the rank resumes
+    try:
+        with held(srv):  # 256 tokens on the rank, 512 queued: room for exactly two more 256-token requests
+            t, first = occupy(srv, "busy2")
+            answers_f = pool.submit(asyncio.run, burst())
+            wait_until(lambda: (srv.metrics.value("vitserve_requests_total", code="503") or 0) >= 38,
+                       "38 refusals", limit_s=15)
+            with srv.client() as c:
+                assert c.get("/ready").status_code == 200
+        answers = answers_f.result(timeout=200)
+    finally:
+        pool.shutdown(wait=False)
     t.join(200)
+    drained.join(120)
     assert first[0].status_code == 200
     ok = [r for r in answers if r.status_code == 200]
     full = [r for r in answers if r.status_code != 200]
-    assert ok
-    assert len(full) >= 30
+    assert len(ok) == 2
+    assert len(full) == 38
     for r in full:
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "queue_full"
         assert int(r.headers["retry-after"]) >= 1
-    got = sorted(receiver.recv(timeout_s=60).request_id for _ in range(3 + len(ok)))
-    assert got == sorted(["busy2"] * 3 + [r.json()["request_id"] for r in ok])
+    assert sorted(got) == sorted(["busy2"] * 3 + [r.json()["request_id"] for r in ok])
 
 
 def test_tp2_through_http_matches_the_hf_reference_and_reports_both_ranks(checkpoint, tmp_path):
