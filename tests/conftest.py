@@ -19,3 +19,14 @@ def pytest_collection_modifyitems(config, items):
         mark = _FOLDER_MARKS.get(folder)
         if mark is not None:
             item.add_marker(mark)
+
+
+@pytest.fixture
+def one_thread():
+    """Run the test with one torch thread (tiny models: threads only add contention on 2 cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -18,13 +18,7 @@ from vitserve.model.loader import model_name_of
 from vitserve.model.weights import INDEX_FILE, read_vision_weights
 from vitserve.types import ProcessedImage
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def qwen_item(grid=(1, 4, 6), patch=14, seed=0) -> ProcessedImage:
