@@ -18,8 +18,10 @@ Which batch is the worst case:
   CPU, peak RSS growth in a fresh process, 1024 tokens as 1 / 2 / 4 / 16 images): Qwen3-VL
   57.0 / 44.6 / 40.9 / 33.6 MiB, Qwen2.5-VL 46.7 / 35.3 / 30.2 MiB. With HF's eager attention the gap is
   far larger (tiny tower, 1024 tokens as 1 / 4 / 16 images: 525 / 59.7 / 14.7 MiB).
-  Caveat on CPU: glibc's heap fragments, so a later batch (even the same one) can raise the RSS peak by a
-  few MiB above the stress peak; CUDA's caching allocator reuses its blocks and does not show this.
+  Caveat on CPU: glibc's heap fragments, so later batches (even the same one) can raise the RSS peak above
+  the stress peak — measured 0 to 35 MiB over a 56 MiB stress (tiny Qwen2-VL, 1024 tokens, 12 mixed
+  full-budget batches), varying run to run, with or without malloc_trim or MALLOC_ARENA_MAX=1. An RSS check
+  against the published number on CPU needs that margin; CUDA's caching allocator reuses its blocks.
 - InternVL: every tile is encoded independently at the fixed tile size, so memory grows with the total
   number of tiles in the batch: as many tiles as the budget admits. The per-image tile cap is the
   processor's (clamped `max_patches` + the thumbnail) and is not known to the encoder; when the caller
