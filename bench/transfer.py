@@ -1,6 +1,6 @@
 """ZMQ handoff bandwidth of one image embedding, vitserve -> LLM server (SPEC §3), against memcpy.
 
-    python bench/transfer.py [--messages 10] [--trials 3] [--naive] [--tokens 4096] [--dim 3584]
+    python bench/transfer.py [--naive] [--tune-malloc] [--messages 10] [--trials 3] [--tokens 4096] [--dim 3584]
 
 The real code path: LLMSender.send_embedding in a child process (as the API process would) pushes the
 same (tokens, dim) embedding repeatedly; EmbeddingReceiver.recv in this process takes it — including
@@ -10,12 +10,15 @@ bytes of messages 1..N over the time from receiving message 0 to receiving messa
 The baseline is measured in the same run on the same bytes, alternating with the ZMQ trials: torch
 `clone()` (allocate + copy, as the receiver must allocate each message too) and `copy_()` into a
 preallocated tensor (pure memcpy). Each figure is the best of --trials. Ratio = ZMQ GB/s / memcpy GB/s;
-the target is >= 0.5 of clone. `--naive` adds pyzmq copy=True on both ends, to show what zero-copy buys.
+the target is >= 0.5 of clone. `--naive` adds pyzmq copy=True on both ends, to show what zero-copy buys;
+`--tune-malloc` then repeats the zero-copy rows with glibc's large-block mmap off in the receiving process.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import multiprocessing as mp
 import os
@@ -116,6 +119,42 @@ def bench_zmq(endpoint: str, tokens: int, dim: int, dtype_name: str, messages: i
     return gbps(messages * expected.numel() * expected.element_size(), elapsed)
 
 
+def tune_malloc() -> bool:
+    """glibc: no mmap for large blocks, no heap trimming, so libzmq's receive buffers (and clone()'s)
+    reuse warm pages instead of faulting in fresh ones. Same knob as vitserve/model/fast_alloc.py."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(-4, 0)) and bool(mallopt(-1, 2**31 - 1))  # M_MMAP_MAX, M_TRIM_THRESHOLD
+
+
+def run_row(args, tmp: str, dtype_name: str, transport: str, zero_copy: bool, malloc: str) -> dict:
+    """Alternate memcpy and ZMQ trials so both see the same machine load; keep the best of each
+    (on a shared machine, the best run is the one least disturbed by neighbours)."""
+    endpoint = f"ipc://{tmp}/bench.sock" if transport == "ipc" else "tcp://127.0.0.1:*"
+    emb = make_embedding(args.tokens, args.dim, DTYPES[dtype_name])
+    mem = {"clone": 0.0, "copy_": 0.0}
+    bw = 0.0
+    for _ in range(args.trials):
+        trial = bench_memcpy(emb, args.reps)
+        mem = {k: max(mem[k], trial[k]) for k in mem}
+        bw = max(bw, bench_zmq(endpoint, args.tokens, args.dim, dtype_name, args.messages, zero_copy))
+    row = {
+        "dtype": dtype_name, "MB": round(emb.numel() * emb.element_size() / 1e6, 1),
+        "path": f"{transport}{'' if zero_copy else ' copy=True'}", "malloc": malloc, "zmq_GBps": round(bw, 2),
+        "clone_GBps": round(mem["clone"], 2), "copy_GBps": round(mem["copy_"], 2),
+        "ratio_vs_clone": round(bw / mem["clone"], 2), "ratio_vs_copy": round(bw / mem["copy_"], 2),
+    }  # fmt: skip
+    print(
+        f"{dtype_name:>8} {row['MB']:5.1f} MB {row['path']:>13} malloc={malloc:<5}: {bw:6.2f} GB/s"
+        f" | memcpy clone {mem['clone']:6.2f} copy_ {mem['copy_']:6.2f} GB/s"
+        f" | ratio vs clone {row['ratio_vs_clone']:.2f} vs copy_ {row['ratio_vs_copy']:.2f}",
+        flush=True,
+    )
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096)
@@ -127,43 +166,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--naive", action="store_true", help="also time pyzmq copy=True sends and receives")
+    ap.add_argument(
+        "--tune-malloc", action="store_true", help="then repeat ipc/tcp with glibc mmap off (receiver)"
+    )
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # memcpy of one tensor is what the receiver's one thread gets
+    dtypes = args.dtypes.split(",")
+    paths = [("ipc", True), ("tcp", True)] + ([("ipc", False)] if args.naive else [])
     results = []
     with tempfile.TemporaryDirectory(prefix="vs-bench-", dir="/tmp") as tmp:
-        for dtype_name in args.dtypes.split(","):
-            emb = make_embedding(args.tokens, args.dim, DTYPES[dtype_name])
-            mb = emb.numel() * emb.element_size() / 1e6
-            for transport, endpoint, zero_copy in [
-                ("ipc", f"ipc://{tmp}/bench.sock", True),
-                ("tcp", "tcp://127.0.0.1:*", True),
-                ("ipc copy=True", f"ipc://{tmp}/bench.sock", False),
-            ]:
-                if transport.endswith("copy=True") and not args.naive:
-                    continue
-                # Alternate memcpy and ZMQ trials so both see the same machine load; keep the best of
-                # each (on a shared machine, the best run is the one least disturbed by neighbours).
-                mem = {"clone": 0.0, "copy_": 0.0}
-                bw = 0.0
-                for _ in range(args.trials):
-                    trial = bench_memcpy(emb, args.reps)
-                    mem = {k: max(mem[k], trial[k]) for k in mem}
-                    bw = max(
-                        bw, bench_zmq(endpoint, args.tokens, args.dim, dtype_name, args.messages, zero_copy)
-                    )
-                row = {
-                    "dtype": dtype_name, "MB": round(mb, 1), "transport": transport, "zmq_GBps": round(bw, 2),
-                    "clone_GBps": round(mem["clone"], 2), "copy_GBps": round(mem["copy_"], 2),
-                    "ratio_vs_clone": round(bw / mem["clone"], 2), "ratio_vs_copy": round(bw / mem["copy_"], 2),
-                }  # fmt: skip
-                results.append(row)
-                print(
-                    f"{dtype_name:>8} {mb:5.1f} MB {transport:>13}: {bw:6.2f} GB/s | memcpy clone {mem['clone']:6.2f}"
-                    f" copy_ {mem['copy_']:6.2f} GB/s | ratio vs clone {row['ratio_vs_clone']:.2f}"
-                    f" vs copy_ {row['ratio_vs_copy']:.2f}",
-                    flush=True,
-                )
+        for dtype_name in dtypes:
+            for transport, zero_copy in paths:
+                results.append(run_row(args, tmp, dtype_name, transport, zero_copy, "glibc"))
+        # The knob cannot be undone in a process, so its rows come last.
+        if args.tune_malloc and tune_malloc():
+            for dtype_name in dtypes:
+                for transport in ("ipc", "tcp"):
+                    results.append(run_row(args, tmp, dtype_name, transport, True, "tuned"))
     if args.json:
         print(json.dumps(results))
     return 0

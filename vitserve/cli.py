@@ -1,13 +1,214 @@
-"""The `vitserve` entry point (placeholder until the HTTP front door lands)."""
+"""The `vitserve` entry point: flags + VITSERVE_* environment -> one frozen Config -> Service.run().
+
+This is the only place that reads the environment (SPEC §1): each flag also reads VITSERVE_<FLAG_UPPER>
+(the flag wins), VITSERVE_RUNTIME_DIR sets the runtime directory, and torchrun's MASTER_ADDR/MASTER_PORT
+set the torch.distributed store address.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import re
 import sys
+from collections.abc import Callable, Mapping
+
+from vitserve.config import Config
+from vitserve.errors import ConfigError, VitserveError
+from vitserve.metrics import Metrics
+
+log = logging.getLogger("vitserve")
+FAMILIES = ("auto", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '67108864', '64MiB', '64M', '1.5GB' (K/M/G/T are powers of 1024 either way)."""
+    m = _SIZE.match(text.replace("_", "").replace(",", ""))
+    if not m:
+        raise ValueError(f"not a size: {text!r}")
+    scale = 1024 ** "_kmgt".index(m.group(2).lower() or "_")
+    return int(float(m.group(1)) * scale)
+
+
+def parse_int(text: str) -> int:
+    return int(text.replace(",", "").replace("_", ""))
+
+
+def parse_bool(text: str) -> bool:
+    v = text.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def parse_domains(text: str) -> tuple[str, ...]:
+    return tuple(d.strip().lower() for d in text.split(",") if d.strip())
+
+
+def _optional(convert: Callable) -> Callable:
+    return lambda text: None if text.strip().lower() in ("", "none") else convert(text)
+
+
+# flag -> (parser, help).  Defaults come from Config, so there is one source of truth for them.
+FLAGS: dict[str, tuple[Callable, str]] = {
+    "model": (str, "local HF checkpoint directory, or 'demo' (random weights; embeddings mean nothing)"),
+    "model_family": (str, f"one of {', '.join(FAMILIES)}"),
+    "tp": (parse_int, "tensor-parallel ranks per encoder group"),
+    "dp": (parse_int, "independent encoder groups sharing one queue"),
+    "visual_batch_max_tokens": (parse_int, "token budget per batch AND per image (after merge); 0 disables"),
+    "visual_infer_batch_size": (parse_int, "at most this many images per batch"),
+    "host": (str, "HTTP bind address"),
+    "port": (parse_int, "HTTP port"),
+    "llm_endpoint": (_optional(str), "ZMQ endpoint of the LLM server (tcp://host:port or ipc:///path)"),
+    "max_queue_tokens": (_optional(parse_int), "queued tokens above which requests get 503 (default 4 x budget)"),
+    "max_images_per_request": (parse_int, "more images in one request -> 400"),
+    "max_request_bytes": (parse_size, "larger body -> 413 (accepts 64MiB style sizes)"),
+    "max_image_pixels": (parse_int, "decoded width x height above this -> 413 (checked from the header)"),
+    "request_timeout_s": (float, "end-to-end deadline (504 after it)"),
+    "heartbeat_s": (float, "rank-0 heartbeat interval"),
+    "dist_timeout_s": (float, "torch.distributed timeout"),
+    "device": (str, "auto | cpu | cuda | cuda:N"),
+    "dtype": (str, "auto | float32 | bfloat16 | float16"),
+    "visual_reserved_mem_gb": (_optional(float), "skip the start-up stress and reserve this much (GiB)"),
+    "api_key": (_optional(str), "require 'Authorization: Bearer KEY' on every route but /health"),
+    "allow_image_urls": (parse_bool, "accept {'url': ...} images (SSRF-guarded)"),
+    "allowed_url_domains": (parse_domains, "comma-separated domains URL images may come from"),
+    "cache_gb": (float, "encoder-output cache size in GiB; 0 disables"),
+    "log_level": (str, "debug | info | warning | error"),
+    "runtime_dir": (str, "private runtime directory (ipc sockets, reservation files)"),
+}
+_DEFAULTS = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+             for f in dataclasses.fields(Config)}
+
+
+def env_name(flag: str) -> str:
+    return "VITSERVE_" + flag.upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vitserve", description="Serve the vision encoder of a multimodal LLM.",
+                                argument_default=argparse.SUPPRESS)
+    for flag, (_, help_text) in FLAGS.items():
+        names = [f"--{flag}"] + ([f"--{flag.replace('_', '-')}"] if "_" in flag else [])
+        default = _DEFAULTS.get(flag)
+        full_help = f"{help_text} [default: {default}; env {env_name(flag)}]"
+        if flag == "allow_image_urls":
+            p.add_argument(*names, dest=flag, action=argparse.BooleanOptionalAction, help=full_help)
+        else:
+            p.add_argument(*names, dest=flag, metavar=flag.upper(), type=str, help=full_help)
+    return p
+
+
+def _convert(flag: str, raw, source: str):
+    if isinstance(raw, bool):
+        return raw
+    try:
+        return FLAGS[flag][0](raw)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def build_config(argv: list[str] | None, environ: Mapping[str, str]) -> Config:
+    """Flags, then VITSERVE_* env, then Config defaults. Raises ConfigError naming the knob."""
+    args = vars(build_parser().parse_args(argv))
+    values: dict = {}
+    for flag in FLAGS:
+        if flag in args:
+            values[flag] = _convert(flag, args[flag], f"--{flag}")
+        elif env_name(flag) in environ:
+            values[flag] = _convert(flag, environ[env_name(flag)], env_name(flag))
+    if environ.get("MASTER_ADDR"):
+        values["master_addr"] = environ["MASTER_ADDR"]
+    if environ.get("MASTER_PORT"):
+        values["master_port"] = _convert("port", environ["MASTER_PORT"], "MASTER_PORT")
+    config = Config(**values)
+    validate(config)
+    return config
+
+
+def _positive(config: Config, *flags: str, allow_zero: bool = False) -> None:
+    for flag in flags:
+        value = getattr(config, flag)
+        if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+            raise ConfigError(f"--{flag} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def validate(config: Config) -> None:
+    _positive(config, "tp", "dp", "visual_infer_batch_size", "max_images_per_request", "max_request_bytes",
+              "max_image_pixels", "request_timeout_s", "heartbeat_s", "dist_timeout_s")
+    _positive(config, "visual_batch_max_tokens", "max_queue_tokens", "cache_gb", "visual_reserved_mem_gb",
+              allow_zero=True)
+    if not 0 <= config.port <= 65535:
+        raise ConfigError(f"--port must be 0..65535, got {config.port}")
+    if config.model_family not in FAMILIES:
+        raise ConfigError(f"--model_family {config.model_family!r} is not one of {', '.join(FAMILIES)}")
+    if config.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype {config.dtype!r} is not one of auto, float32, bfloat16, float16")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
+        raise ConfigError(f"--device {config.device!r} is not one of auto, cpu, cuda, cuda:N")
+    if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ConfigError(f"--log_level {config.log_level!r} is not one of debug, info, warning, error")
+    if config.llm_endpoint is not None and not re.match(r"^(tcp|ipc)://.+", config.llm_endpoint):
+        raise ConfigError(f"--llm_endpoint {config.llm_endpoint!r} must be tcp://host:port or ipc:///path")
+
+
+def _mib(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def render_banner(service) -> str:
+    """One block with every resolved setting that guards memory or load (SPEC §1)."""
+    c: Config = service.config
+    info = service.engine.info()
+    reserved = info.get("reserved_memory_bytes") or {}
+    per_rank = ", ".join(f"rank {r}: {_mib(b)}" for r, b in sorted(reserved.items())) or "unknown"
+    budget = f"{c.visual_batch_max_tokens} tokens per batch and per image" if c.budget_enabled else "OFF (no clamp)"
+    lines = [
+        f"vitserve {__import__('vitserve').__version__} serving on http://{c.host}:{service.port}",
+        f"  model: {info.get('model')} (family {info.get('family')}, dim {info.get('embed_dim')}, "
+        f"dtype {info.get('dtype')}, device {c.device})",
+        f"  budget: {budget}; at most {c.visual_infer_batch_size} images per batch",
+        f"  processor clamp: {service.processor.clamp_info()}",
+        f"  layout: tp={info.get('tp', c.tp)} dp={info.get('dp', c.dp)}",
+        f"  reserved memory per rank: {per_rank} (source: {info.get('reserved_source')})",
+        f"  queue: max_queue_tokens={c.queue_token_limit or 'unlimited'}; request: "
+        f"max_images_per_request={c.max_images_per_request}, max_request_bytes={c.max_request_bytes}, "
+        f"max_image_pixels={c.max_image_pixels}, request_timeout_s={c.request_timeout_s}",
+        f"  llm_endpoint: {c.llm_endpoint or 'none (inline only)'}; api_key: {'set' if c.api_key else 'none'}; "
+        f"image URLs: {'on for ' + ','.join(c.allowed_url_domains) if c.allow_image_urls else 'off'}",
+    ]
+    return "\n".join(lines)
+
+
+def _build_service(config: Config):
+    from vitserve.api.server import Service, bind_socket
+    from vitserve.processors import load_image_processor
+
+    processor = load_image_processor(config.model, max_tokens=config.visual_batch_max_tokens,
+                                     family=config.model_family)
+    sock = bind_socket(config.host, config.port)
+    from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed
+
+    metrics = Metrics()
+    return Service(config, Engine(config, metrics), processor, metrics, sock=sock, banner=render_banner)
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("vitserve: the HTTP server is not built yet", file=sys.stderr)
-    return 2
+    try:
+        config = build_config(argv, os.environ)
+        logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        service = _build_service(config)
+    except (ConfigError, VitserveError, OSError) as exc:
+        print(f"vitserve: start-up failed: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(service.run())
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 from vitserve.errors import ConfigError
 from vitserve.model.fast import optimize
+from vitserve.model.fast_attention import build_plan, packed_attention
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -158,3 +159,22 @@ def test_internvl_keeps_hf_math_and_uses_sdpa():
     tiles = torch.randn(3, 3, 56, 56, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         assert_close(fast(tiles).last_hidden_state, reference(tiles).last_hidden_state)
+
+
+def test_plan_groups_equal_lengths_and_runs_them_as_one_call():
+    cu_seqlens = torch.tensor([0, 4, 8, 11, 15, 15, 19, 21], dtype=torch.int32)  # lengths 4 4 3 4 0 4 2
+    plan = build_plan(cu_seqlens)
+    assert plan.total == 21
+    assert [(g.length, g.count) for g in plan.groups] == [(4, 4), (3, 1), (2, 1)]
+    assert plan.groups[0].index is not None  # the 4s are not back to back: gathered
+    assert plan.groups[1].index is None  # a single segment is a slice
+    assert plan.groups[1].start == 8
+    q, k, v = torch.randn(3, 21, 2, 8).unbind(0)  # (N, H, D) each
+    got = packed_attention(q, k, v, plan, scale=0.3)
+    bounds = cu_seqlens.tolist()
+    want = [
+        torch.softmax(q[a:b].transpose(0, 1) @ k[a:b].transpose(0, 1).mT * 0.3, -1) @ v[a:b].transpose(0, 1)
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        if b > a
+    ]  # per segment (H, L, D), the loop HF runs
+    assert_close(got, torch.cat([w.transpose(0, 1).reshape(w.shape[1], -1) for w in want]))

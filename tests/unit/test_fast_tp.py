@@ -61,3 +61,4 @@ def test_head_count_is_read_at_forward_time():
     attn.num_heads = 3  # 64 columns do not split into 3 heads: the forward must notice
     with torch.inference_mode(), pytest.raises(RuntimeError):
         attn(hidden, **args)
+

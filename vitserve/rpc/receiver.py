@@ -15,8 +15,8 @@ frames, so the tensors are the receiver's to keep or modify.
 Throughput tip (glibc): libzmq mallocs a fresh buffer per received frame, and frames over glibc's mmap
 threshold (32 MB at most) get fresh pages that fault in on every message. Starting the LLM server with
 `MALLOC_MMAP_THRESHOLD_=1000000000 MALLOC_TRIM_THRESHOLD_=2000000000` lets freed buffers be reused:
-about 2x the bandwidth for 59 MB frames in bench/transfer.py. It is process-wide, so vitserve does not
-set it for you.
+about 2x the bandwidth for 59 MB frames in paired runs on a loaded VM (bench/RESULTS.md, "Transfer").
+It is process-wide, so vitserve does not set it for you.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from vitserve.rpc.wire import ImageEmbedding, WireError, decode_embedding_messag
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RCVHWM = 64  # messages ZMQ buffers on this side before the sender's queue starts filling
+DEFAULT_RCVHWM = 8  # messages ZMQ buffers here before the sender's queue fills (8 x 59 MB at most)
 _POLL_SLICE_S = 0.2  # longest single wait in recv(); bounds how long close() waits for a blocked recv()
 
 

@@ -1,0 +1,74 @@
+"""A real vitserve Service (uvicorn + engine) on an ephemeral 127.0.0.1 port, in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import threading
+from dataclasses import dataclass, replace
+
+import httpx
+from PIL import Image
+
+from tests.fakes import FakeEngine
+from vitserve.api.server import Service, bind_socket
+from vitserve.config import Config
+from vitserve.metrics import Metrics
+from vitserve.processors import load_image_processor
+
+TEST_CONFIG = Config(port=0, visual_batch_max_tokens=256, request_timeout_s=30)
+
+
+@dataclass
+class Live:
+    url: str
+    service: Service
+    engine: object
+    metrics: Metrics
+    config: Config
+    result: dict
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 30), **kw)
+
+
+@contextlib.contextmanager
+def live_server(config: Config | None = None, *, engine=None, processor=None, make_engine=None, **overrides):
+    """make_engine(config, metrics) builds the engine (e.g. the real vitserve.engine.Engine); default FakeEngine."""
+    config = replace(config or TEST_CONFIG, **overrides)
+    metrics = Metrics()
+    processor = processor or load_image_processor(
+        "qwen2_5_vl" if config.model == "demo" else config.model, max_tokens=config.visual_batch_max_tokens)
+    engine = engine or (make_engine or FakeEngine)(config, metrics)
+    service = Service(config, engine, processor, metrics, sock=bind_socket("127.0.0.1", 0))
+    result: dict = {}
+
+    def run() -> None:
+        result["code"] = asyncio.run(service.run())
+
+    thread = threading.Thread(target=run, name="live-server", daemon=True)
+    thread.start()
+    if not service.started.wait(300):
+        raise RuntimeError(f"server did not start: {result}")
+    live = Live(f"http://127.0.0.1:{service.port}", service, engine, metrics, config, result)
+    try:
+        yield live
+    finally:
+        service.request_stop()
+        thread.join(60)
+
+
+def png_bytes(width: int, height: int, color=(200, 30, 60), mode="RGB", fmt="PNG") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, (width, height), color).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def noise_png(width: int, height: int, seed: int = 0) -> bytes:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()

@@ -1,0 +1,137 @@
+"""L1, L2, F8 and the budget guard through a real uvicorn server, driven by vitserve's own clients."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from tests.e2e.live import live_server, noise_png
+from vitserve.client import AsyncVitserveClient, VitserveClient, VitserveClientError
+
+pytestmark = pytest.mark.timeout(180)
+SIZES = [(40, 30), (200, 150), (64, 640), (500, 380), (90, 90), (333, 77), (1200, 900), (28, 28)]
+
+
+def wait_until(predicate, what: str, limit_s: float = 30.0) -> None:
+    end = time.monotonic() + limit_s
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.01)
+
+
+def test_l1_concurrent_clients_all_succeed_and_match_single_runs():
+    images = [noise_png(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]
+    with live_server() as srv:
+        with VitserveClient(srv.url) as c:  # reference: each image alone
+            single = [c.encode([img], return_embeddings=True)["images"][0] for img in images]
+
+        async def one_client(k: int) -> list[dict]:
+            async with AsyncVitserveClient(srv.url) as ac:
+                out = []
+                for j in range(3):
+                    picks = [(k + j + m) % len(images) for m in range(1 + (k % 3))]
+                    resp = await ac.encode([images[p] for p in picks], return_embeddings=True,
+                                           request_id=f"c{k}-{j}")
+                    out.extend(zip(picks, resp["images"], strict=True))
+                return out
+
+        async def all_clients():
+            return await asyncio.gather(*(one_client(k) for k in range(16)))
+
+        results = asyncio.run(all_clients())
+    seen = 0
+    for per_client in results:
+        for pick, img in per_client:
+            ref = single[pick]
+            assert img["image_id"] == ref["image_id"]
+            assert img["num_tokens"] == ref["num_tokens"] == img["embedding"].shape[0]
+            torch.testing.assert_close(img["embedding"], ref["embedding"], rtol=1e-5, atol=1e-5)  # fp32 round-off
+            seen += 1
+    assert seen == sum(3 * (1 + (k % 3)) for k in range(16))
+    assert srv.metrics.value("vitserve_requests_total", code="200") == len(images) + 48
+
+
+def test_l2_burst_of_ten_times_queue_capacity():
+    img = noise_png(112, 112)  # 16 tokens at the test budget
+    with live_server(max_queue_tokens=64) as srv, srv.client() as c:
+        srv.engine.gate.clear()  # hold the encoder so the burst meets a full queue
+        accepted: list[httpx.Response] = []
+
+        def send(results: list):
+            with srv.client() as cc:
+                results.append(cc.post("/encode", files=[("images", ("x.png", img))]))
+
+        waiting = [threading.Thread(target=send, args=(accepted,)) for _ in range(4)]
+        for t in waiting:
+            t.start()
+        wait_until(lambda: srv.engine.queue_tokens == 64, "4 requests x 16 tokens queued")
+        t0 = time.monotonic()
+        rejected = [c.post("/encode", files=[("images", ("x.png", img))]) for _ in range(36)]
+        reject_s = time.monotonic() - t0
+        assert c.get("/ready").status_code == 200
+        srv.engine.gate.set()
+        for t in waiting:
+            t.join(60)
+    assert [r.status_code for r in accepted] == [200] * 4
+    for r in rejected:
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "queue_full"
+        assert int(r.headers["retry-after"]) >= 1
+    print(f"L2: 36 rejections answered in {reject_s * 1000:.0f} ms while the encoder was held")
+
+
+def test_f8_client_disconnect_while_queued_is_never_encoded():
+    gone_img, other_img = noise_png(100, 100, seed=11), noise_png(100, 100, seed=12)
+    with live_server() as srv:
+        srv.engine.gate.clear()
+
+        def impatient():
+            with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url, timeout=httpx.Timeout(30, read=1.0)) as cc:
+                cc.post("/encode", files=[("images", ("g.png", gone_img))])
+
+        t = threading.Thread(target=impatient)
+        t.start()
+        t.join(30)
+        wait_until(lambda: srv.engine.queue_images == 0, "the disconnected request's images withdrawn")
+        srv.engine.gate.set()
+        with VitserveClient(srv.url) as c:
+            out = c.encode([other_img])
+        gone_id = __import__("hashlib").sha256(gone_img).hexdigest()
+        assert out["images"][0]["image_id"] in srv.engine.encoded_ids
+        assert gone_id not in srv.engine.encoded_ids
+        assert srv.metrics.value("vitserve_requests_total", code="499") == 1
+
+
+def test_budget_guard_clamps_an_oversized_image():
+    with live_server() as srv, VitserveClient(srv.url) as c:
+        budget = srv.config.visual_batch_max_tokens
+        out = c.encode([noise_png(1600, 1200)], return_embeddings=True)["images"][0]
+        assert out["clamped"] is True
+        assert out["num_tokens"] <= budget
+        assert out["embedding"].shape[0] == out["num_tokens"]
+        assert out["resized_size"][0] < 1600
+        small = c.encode([noise_png(56, 56)])["images"][0]
+        assert small["clamped"] is False
+        info = c.info()
+        assert info["budget_tokens"] == budget
+        assert info["processor_clamp"]
+        text = httpx.get(srv.url + "/metrics").text
+        assert "vitserve_images_clamped_total 1.0" in text
+
+
+async def test_async_client_errors_carry_status_and_code():
+    with live_server(max_images_per_request=1) as srv:
+        async with AsyncVitserveClient(srv.url) as ac:
+            with pytest.raises(VitserveClientError) as exc:
+                await ac.encode([b"junk"])
+            assert (exc.value.status, exc.value.code, exc.value.image_index) == (400, "invalid_image", 0)
+            with pytest.raises(VitserveClientError) as exc:
+                await ac.encode([b"a", b"b"])
+            assert exc.value.code == "too_many_images"
+            assert await ac.ready()

@@ -1,0 +1,186 @@
+"""The HTTP front door over the REAL Engine (spawned worker processes, a tiny real Qwen2.5-VL checkpoint) and a
+real LLM-side EmbeddingReceiver: L1 end to end, and bad input leaves the workers untouched."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+
+import pytest
+import torch
+
+from tests.e2e.live import live_server, noise_png
+from vitserve.client import AsyncVitserveClient, VitserveClient
+
+engine_mod = pytest.importorskip("vitserve.engine")
+pytestmark = pytest.mark.timeout(600)
+SIZES = [(40, 30), (200, 150), (64, 640), (500, 380), (90, 90), (333, 77), (1200, 900), (28, 28)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tests.checkpoints import make_checkpoint
+
+    return make_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def real(checkpoint, tmp_path_factory):
+    from vitserve.rpc import EmbeddingReceiver
+
+    tmp = tmp_path_factory.mktemp("rt")
+    endpoint = f"ipc://{tmp}/llm.sock"
+    receiver = EmbeddingReceiver(endpoint, bind=True)
+    with live_server(model=str(checkpoint), visual_batch_max_tokens=256, heartbeat_s=2, dist_timeout_s=60,
+                     device="cpu", runtime_dir=str(tmp), llm_endpoint=endpoint, request_timeout_s=120,
+                     make_engine=engine_mod.Engine) as srv:
+        yield srv, receiver
+    receiver.close()
+
+
+def drain(receiver, n: int) -> list:
+    return [receiver.recv(timeout_s=60) for _ in range(n)]
+
+
+def test_l1_real_engine_concurrent_clients_match_single_runs_and_reach_the_llm_once(real):
+    srv, receiver = real
+    images = [noise_png(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]
+    with VitserveClient(srv.url) as c:
+        single = [c.encode([img], return_embeddings=True, request_id=f"single-{i}")["images"][0]
+                  for i, img in enumerate(images)]
+    got_single = drain(receiver, len(images))
+    assert sorted(e.request_id for e in got_single) == sorted(f"single-{i}" for i in range(len(images)))
+
+    async def one_client(k: int):
+        picks = [(k + m) % len(images) for m in range(1 + k % 2)]
+        async with AsyncVitserveClient(srv.url) as ac:
+            resp = await ac.encode([images[p] for p in picks], return_embeddings=True, request_id=f"c{k}")
+        return picks, resp
+
+    async def everyone():
+        return await asyncio.gather(*(one_client(k) for k in range(16)))
+
+    out = asyncio.run(everyone())
+    expected = {(resp["request_id"], i) for _, resp in out for i in range(len(resp["images"]))}
+    received = drain(receiver, len(expected))
+    keys = [(e.request_id, e.image_index) for e in received]
+    assert sorted(keys) == sorted(expected)  # every image reached the LLM exactly once
+    by_key = {(e.request_id, e.image_index): e for e in received}
+    for picks, resp in out:
+        for i, (pick, img) in enumerate(zip(picks, resp["images"], strict=True)):
+            ref = single[pick]
+            assert img["image_id"] == ref["image_id"]
+            assert img["num_tokens"] == ref["num_tokens"] <= 256
+            torch.testing.assert_close(img["embedding"], ref["embedding"], rtol=1e-5, atol=1e-5)
+            wire = by_key[(resp["request_id"], i)]
+            assert torch.equal(wire.embedding, img["embedding"])  # what the LLM got is what the client got
+
+
+def test_bad_inputs_leave_workers_untouched_and_next_request_succeeds(real):
+    srv, receiver = real
+    pids = srv.engine.worker_pids()
+    with srv.client() as c:
+        for body in ({"images": [{"b64": "@@"}]}, {"images": [{"b64": base64.b64encode(b"junk").decode()}]},
+                     {"images": []}):
+            assert c.post("/encode", json=body).status_code == 400
+        ok = c.post("/encode", files=[("images", ("a.png", noise_png(64, 64)))], data={"request_id": "after-bad"})
+        assert ok.status_code == 200, ok.text
+        info = c.get("/v1/info").json()
+    assert drain(receiver, 1)[0].request_id == "after-bad"  # the 400s sent nothing
+    assert srv.engine.worker_pids() == pids
+    assert info["reserved_source"] == "stress"
+    assert info["reserved_memory_bytes"]["0"] > 0
+
+
+def test_ready_and_metrics_with_real_workers(real):
+    srv, _ = real
+    with srv.client() as c:
+        assert c.get("/ready").json() == {"status": "ready"}
+        text = c.get("/metrics").text
+    assert "vitserve_workers_ready 1.0" in text
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo tower (~2 s per 256-token batch on this CPU) keeps the worker busy long enough to queue behind."""
+    from vitserve.rpc import EmbeddingReceiver
+
+    tmp = tmp_path_factory.mktemp("demo")
+    endpoint = f"ipc://{tmp}/llm.sock"
+    receiver = EmbeddingReceiver(endpoint, bind=True)
+    with live_server(model="demo", visual_batch_max_tokens=256, max_queue_tokens=1024, heartbeat_s=2,
+                     dist_timeout_s=120, device="cpu", runtime_dir=str(tmp), llm_endpoint=endpoint,
+                     request_timeout_s=200, make_engine=engine_mod.Engine) as srv:
+        yield srv, receiver
+    receiver.close()
+
+
+def occupy(srv, request_id: str, n: int = 3) -> tuple[threading.Thread, list]:
+    """Send n x 256-token images in the background; returns once the engine holds them."""
+    import time
+
+    import httpx
+
+    images = [noise_png(448, 448, seed=s) for s in range(n)]
+    before = srv.metrics.value("vitserve_image_tokens_count") or 0
+    out: list = []
+
+    def send():
+        with httpx.Client(base_url=srv.url, timeout=200) as c:
+            out.append(c.post("/encode", files=[("images", (f"{i}.png", b)) for i, b in enumerate(images)],
+                              data={"request_id": request_id}))
+
+    t = threading.Thread(target=send)
+    t.start()
+    while (srv.metrics.value("vitserve_image_tokens_count") or 0) < before + n:  # handed to the engine
+        time.sleep(0.01)
+    return t, out
+
+
+@pytest.mark.slow  # ~1 min with the demo tower; tests/e2e/test_api_load.py covers F8 in the default run
+def test_f8_real_engine_disconnect_while_queued_is_never_encoded_nor_sent(demo):
+    import httpx
+
+    srv, receiver = demo
+    t, first = occupy(srv, "busy")
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url, timeout=httpx.Timeout(60, read=1.5)) as c:
+        c.post("/encode", files=[("images", ("g.png", noise_png(448, 448, seed=99)))], data={"request_id": "gone"})
+    t.join(200)
+    assert first[0].status_code == 200, first[0].text
+    with VitserveClient(srv.url) as c:
+        c.encode([noise_png(56, 56)], request_id="marker")
+    ids = [receiver.recv(timeout_s=60).request_id for _ in range(4)]
+    assert ids == ["busy", "busy", "busy", "marker"]
+    assert srv.metrics.value("vitserve_requests_total", code="499") == 1
+
+
+@pytest.mark.slow  # the default run covers L2 in tests/e2e/test_api_load.py
+def test_l2_real_engine_burst_gets_fast_queue_full_and_ready_stays_200(demo):
+    import httpx
+
+    srv, receiver = demo
+    t, first = occupy(srv, "busy2")
+    img = noise_png(448, 448, seed=5)
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=200) as c:
+            async def one(k):
+                return await c.post("/encode", files=[("images", ("b.png", img))], data={"request_id": f"b{k}"})
+            return await asyncio.gather(*(one(k) for k in range(40)))  # 40 x 256 = 10x the 1024-token queue
+
+    answers = asyncio.run(burst())
+    with srv.client() as c:
+        assert c.get("/ready").status_code == 200
+    t.join(200)
+    assert first[0].status_code == 200
+    ok = [r for r in answers if r.status_code == 200]
+    full = [r for r in answers if r.status_code != 200]
+    assert ok
+    assert len(full) >= 30
+    for r in full:
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "queue_full"
+        assert int(r.headers["retry-after"]) >= 1
+    got = sorted(receiver.recv(timeout_s=60).request_id for _ in range(3 + len(ok)))
+    assert got == sorted(["busy2"] * 3 + [r.json()["request_id"] for r in ok])

@@ -1,0 +1,150 @@
+"""The real `vitserve` CLI as a subprocess with the real Engine (demo model): F6, S1, exit codes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.live import noise_png
+from tests.e2e.netcheck import children_of, listening_sockets
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def cli_env(tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
+    env.update(VITSERVE_RUNTIME_DIR=str(tmp_path / "rt"), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    return env
+
+
+class CliServer:
+    """`python -m vitserve.cli ...` with its stderr collected; `url` once the banner names the port."""
+
+    def __init__(self, args: list[str], tmp_path):
+        self.proc = subprocess.Popen([sys.executable, "-m", "vitserve.cli", *args], cwd=ROOT, env=cli_env(tmp_path),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.port: int | None = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_started(self, limit_s: float = 240) -> None:
+        end = time.monotonic() + limit_s
+        while self.port is None:
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise AssertionError("vitserve did not start:\n" + "".join(self.lines[-40:]))
+            time.sleep(0.1)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+BASE_ARGS = ["--model", "demo", "--port", "0", "--visual_batch_max_tokens", "256", "--heartbeat_s", "2",
+             "--dist_timeout_s", "120", "--device", "cpu", "--request_timeout_s", "240"]
+
+
+def test_startup_failure_exits_nonzero_naming_the_knob(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "vitserve.cli", "--tp", "0"], cwd=ROOT, env=cli_env(tmp_path),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "--tp" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "vitserve.cli", "--model", str(tmp_path / "missing")], cwd=ROOT,
+                       env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "--model" in r.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        r = subprocess.run([sys.executable, "-m", "vitserve.cli", "--port", str(busy.getsockname()[1])], cwd=ROOT,
+                           env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "--port" in r.stderr
+
+
+@pytest.fixture
+def cli_server(tmp_path):
+    pytest.importorskip("vitserve.engine")
+    srv = CliServer(BASE_ARGS, tmp_path)
+    try:
+        srv.wait_started()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_f6_sigterm_under_load_drains_and_exits_0(cli_server):
+    srv = cli_server
+    assert "processor clamp:" in srv.text  # the one banner
+    assert "reserved memory per rank: rank 0:" in srv.text
+    pids = [srv.proc.pid, *children_of(srv.proc.pid)]
+    found = listening_sockets(pids)  # S1 with the real engine: HTTP, ZMQ, distributed store
+    assert found
+    assert {a for a, _ in found} <= {"127.0.0.1", "::1"}, found
+
+    images = [noise_png(448, 448, seed=i) for i in range(6)]  # 6 x 256 tokens = 6 batches (~2 s each here)
+    big: list = []
+
+    def send_big():
+        with httpx.Client(base_url=srv.url, timeout=200) as c:
+            big.append(c.post("/encode", files=[("images", (f"{i}.png", b)) for i, b in enumerate(images)]))
+
+    t = threading.Thread(target=send_big)
+    t.start()
+    end = time.monotonic() + 60
+    while metric(srv.url, "vitserve_image_tokens_count") < 6:  # accepted and handed to the engine
+        assert time.monotonic() < end, "the big request never reached the engine"
+        time.sleep(0.02)
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)  # let the signal land; the big request needs seconds more
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        late = c.post("/encode", files=[("images", ("x.png", images[0]))])
+    assert late.status_code == 503, late.text
+    assert late.json()["error"]["code"] == "not_ready"
+    t.join(200)
+    assert big[0].status_code == 200, big[0].text
+    assert len(big[0].json()["images"]) == 6
+    assert srv.proc.wait(60) == 0, srv.text[-3000:]
+
+
+@pytest.mark.slow  # in the default run: tests/e2e/test_service.py (engine.failed -> exit 1, in-process)
+def test_no_encoder_group_left_exits_nonzero(cli_server):
+    srv = cli_server
+    workers = children_of(srv.proc.pid)
+    assert workers
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    assert srv.proc.wait(120) != 0

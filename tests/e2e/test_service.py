@@ -1,0 +1,75 @@
+"""The Service lifecycle in-process (FakeEngine, so the queue can be held still): drain, exit codes, banner."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.live import live_server, noise_png
+from vitserve.cli import render_banner
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def wait_until(predicate, what: str, limit_s: float = 30.0) -> None:
+    end = time.monotonic() + limit_s
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.01)
+
+
+def test_stop_drains_in_flight_refuses_new_and_exits_0():
+    img = noise_png(120, 90)
+    with live_server() as srv:
+        srv.engine.gate.clear()
+        held: list[httpx.Response] = []
+
+        def send():
+            with srv.client() as c:
+                held.append(c.post("/encode", files=[("images", ("a.png", img))]))
+
+        t = threading.Thread(target=send)
+        t.start()
+        wait_until(lambda: srv.engine.queue_images == 1, "the first request queued")
+        srv.service.request_stop()  # what SIGTERM does
+        wait_until(lambda: srv.service.state.draining, "draining")
+        with srv.client() as c:
+            late = c.post("/encode", files=[("images", ("b.png", img))])
+            assert late.status_code == 503
+            assert late.json()["error"]["code"] == "not_ready"
+            assert c.get("/ready").status_code == 503
+            assert c.get("/health").status_code == 200
+        srv.engine.gate.set()
+        t.join(30)
+    assert [r.status_code for r in held] == [200]
+    assert srv.result["code"] == 0
+
+
+def test_engine_with_no_group_left_exits_nonzero():
+    with live_server() as srv:
+        loop = srv.service._loop
+        loop.call_soon_threadsafe(srv.engine.failed.set)
+        wait_until(lambda: "code" in srv.result, "the service stopped on its own")
+    assert srv.result["code"] == 1
+
+
+def test_banner_names_every_guard():
+    with live_server(max_queue_tokens=999, visual_reserved_mem_gb=0.5) as srv:
+        text = render_banner(srv.service)
+    for needle in ("256 tokens per batch and per image", "processor clamp: {", "'max_pixels'", "tp=1 dp=1",
+                   "rank 0:", "source: override", "max_queue_tokens=999", "max_images_per_request=32",
+                   "max_request_bytes=67108864", "max_image_pixels=50000000", "request_timeout_s=30",
+                   f"http://127.0.0.1:{srv.service.port}"):
+        assert needle in text, needle
+
+
+def test_budget_off_is_said_in_the_banner(caplog):
+    caplog.set_level(logging.INFO)
+    with live_server(visual_batch_max_tokens=0) as srv:
+        assert "OFF (no clamp)" in render_banner(srv.service)
+        assert "max_queue_tokens=unlimited" in render_banner(srv.service)

@@ -1,0 +1,130 @@
+"""Rank loop properties with real gloo ranks: identical batch sequences on every rank (F9, invariant 4),
+idle past --dist_timeout_s (L4, invariant 6), dp=2 sharing one queue, garbage on the status socket (S4)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+
+import pytest
+import torch
+import zmq
+
+from tests.fakes import FakeEncoderFactory, fake_item, fake_reference
+from tests.integration.engine_helpers import deadline, kill_quietly, make_config, running_engine
+
+
+def _read_logs(log_dir) -> dict[str, list[str]]:
+    logs = {}
+    for name in sorted(os.listdir(log_dir)):
+        with open(os.path.join(log_dir, name)) as f:
+            logs[name] = f.read().split()
+    return logs
+
+
+async def _mixed_load(engine, n_requests: int, seed: int = 0):
+    reqs = [[fake_item(1 + (i * 7 + k) % 6, 1 + (i + 3 * k) % 5, seed=seed + 31 * i + k) for k in range(1 + i % 4)]
+            for i in range(n_requests)]
+
+    async def one(i, items):
+        await asyncio.sleep(0.01 * (i % 5))  # staggered arrivals: batches of varying composition
+        return await engine.encode(f"r{i}", items, [str(k) for k in range(len(items))], deadline=deadline(),
+                                   return_embeddings=True)
+
+    outs = await asyncio.gather(*(one(i, items) for i, items in enumerate(reqs)))
+    for items, results in zip(reqs, outs, strict=True):
+        for item, res in zip(items, results, strict=True):
+            torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
+
+
+async def test_f9_every_rank_runs_the_identical_batch_sequence(tmp_path):
+    log_dir = tmp_path / "hashes"
+    log_dir.mkdir()
+    config = make_config(tmp_path, tp=2, visual_batch_max_tokens=48, visual_infer_batch_size=4)
+    async with running_engine(config, FakeEncoderFactory(hash_log_dir=str(log_dir))) as engine:
+        await _mixed_load(engine, 16)
+        batches = engine.metrics.value("vitserve_batch_images_count")
+    logs = _read_logs(log_dir)
+    assert len(logs) == 2
+    rank0, rank1 = logs.values()
+    assert len(rank0) == batches > 4
+    assert rank0 == rank1
+
+
+@pytest.mark.parametrize("idle_s", [6.0])
+async def test_l4_idle_past_the_dist_timeout_then_serve(tmp_path, idle_s):
+    config = make_config(tmp_path, tp=2, heartbeat_s=1.0, dist_timeout_s=3.0)
+    async with running_engine(config) as engine:
+        await asyncio.sleep(idle_s)  # twice --dist_timeout_s: only heartbeats keep rank 1's broadcast alive
+        assert engine.readiness() == (True, "ok")
+        item = fake_item(3, 3, seed=5)
+        (res,) = await engine.encode("after-idle", [item], ["a"], deadline=deadline(), return_embeddings=True)
+        torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
+        assert engine.metrics.value("vitserve_heartbeats_total") >= idle_s / 1.0 - 2
+
+
+async def test_dp2_both_groups_serve_and_one_survives_the_other(tmp_path):
+    log_dir = tmp_path / "hashes"
+    log_dir.mkdir()
+    config = make_config(tmp_path, dp=2, visual_batch_max_tokens=16, visual_infer_batch_size=1)
+    factory = FakeEncoderFactory(hash_log_dir=str(log_dir), sleep_s=0.2)
+    async with running_engine(config, factory) as engine:
+        await _mixed_load(engine, 6)
+        counts = [len(v) for v in _read_logs(log_dir).values()]
+        assert len(counts) == 2
+        assert min(counts) >= 2  # the idle group pulls from the shared queue too
+
+        kill_quietly(engine.worker_pids()[0][0], signal.SIGKILL)
+        while engine.readiness()[0]:
+            await asyncio.sleep(0.05)
+        assert "group 0" in engine.readiness()[1]
+        await _mixed_load(engine, 4, seed=1000)  # group 1 serves the whole queue
+        assert not engine.failed.is_set()
+        assert engine.metrics.value("vitserve_workers_ready") == 1
+
+
+async def test_s4_garbage_and_pickle_on_the_status_socket_are_dropped(tmp_path):
+    async with running_engine(make_config(tmp_path)) as engine:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(f"ipc://{engine._ipc_dir}/status")
+        sock.send(b"\x00garbage")
+        sock.send(pickle.dumps({"kind": "result"}))
+        sock.send_multipart([b"\x82\xa1v\x01\xa4kind\xa6result", b"x"])  # v1 header, wrong frames
+        sock.close(linger=1000)
+        ctx.term()
+        item = fake_item(2, 2, seed=1)
+        (res,) = await engine.encode("after", [item], ["a"], deadline=deadline(), return_embeddings=True)
+        torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
+        assert engine.readiness() == (True, "ok")
+
+
+def _listening(pid: int) -> list[str]:
+    """Local addresses of the TCP sockets `pid` listens on (hex, from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if cols[9] in inodes and cols[3] == "0A":  # 0A = LISTEN
+                    found.append(cols[1])
+    return found
+
+
+async def test_s1_ranks_listen_on_loopback_only(tmp_path):
+    loopback = ("0100007F:", "0000000000000000FFFF00000100007F:", "00000000000000000000000001000000:")
+    async with running_engine(make_config(tmp_path, tp=2)) as engine:
+        addrs = [a for pids in engine.worker_pids().values() for pid in pids for a in _listening(pid)]
+        addrs += _listening(os.getpid())
+    assert addrs  # gloo's pairs listen somewhere: it must be loopback
+    assert all(a.startswith(loopback) for a in addrs), addrs

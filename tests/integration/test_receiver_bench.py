@@ -1,0 +1,38 @@
+"""bench/transfer.py still runs end to end (tiny sizes; spawns sender processes, so marked slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "transfer.py"
+
+
+@pytest.mark.slow
+def test_transfer_bench_runs_and_reports_every_row():
+    argv = [
+        "--tokens",
+        "64",
+        "--dim",
+        "32",
+        "--messages",
+        "2",
+        "--trials",
+        "1",
+        "--reps",
+        "2",
+        "--naive",
+        "--json",
+    ]
+    out = subprocess.run(
+        [sys.executable, str(BENCH), *argv], capture_output=True, text=True, timeout=240, check=True
+    )
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [(r["dtype"], r["path"]) for r in rows] == [
+        (d, p) for d in ("float32", "bfloat16") for p in ("ipc", "tcp", "ipc copy=True")
+    ]
+    assert all(r["zmq_GBps"] > 0 and r["clone_GBps"] > 0 for r in rows)

@@ -1,0 +1,119 @@
+"""The FastAPI application: routes of SPEC §2 and the one place errors become HTTP responses."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import vitserve
+from vitserve.api.encode import EncodeHandler
+from vitserve.api.middleware import FrontDoor, ServerState
+from vitserve.api.openapi import ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
+from vitserve.api.pipeline import Preprocessor
+from vitserve.config import Config
+from vitserve.errors import InvalidRequest, NotReady, VitserveError
+from vitserve.metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger(__name__)
+_HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+
+
+def error_response(err: VitserveError) -> JSONResponse:
+    """The single mapping from a typed error to its HTTP answer (SPEC §2 body, Retry-After on 503 queue_full)."""
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+    if err.status >= 500:
+        log.warning("%s: %s", err.code, err.message)
+    return JSONResponse(err.to_body(), status_code=err.status, headers=headers)
+
+
+def _as_vitserve_error(exc: Exception) -> VitserveError:
+    if isinstance(exc, VitserveError):
+        return exc
+    if isinstance(exc, RequestValidationError):
+        return InvalidRequest("the request does not match the API schema")
+    if isinstance(exc, StarletteHTTPException):
+        err = VitserveError(str(exc.detail))
+        err.status, err.code = exc.status_code, _HTTP_CODES.get(exc.status_code, "invalid_request")
+        return err
+    log.exception("unhandled error: %r", exc)
+    return VitserveError("internal error; see the server log")
+
+
+async def _handle(_request: Request, exc: Exception) -> JSONResponse:
+    return error_response(_as_vitserve_error(exc))
+
+
+def info_body(config: Config, engine, processor) -> dict:
+    info = engine.info()
+    return {
+        "model": info.get("model"), "family": info.get("family", processor.family),
+        "tp": info.get("tp", config.tp), "dp": info.get("dp", config.dp),
+        "embed_dim": info.get("embed_dim"), "dtype": info.get("dtype"),
+        "budget_tokens": config.visual_batch_max_tokens, "max_batch_images": config.visual_infer_batch_size,
+        "processor_clamp": processor.clamp_info(),
+        "reserved_memory_bytes": {str(k): v for k, v in (info.get("reserved_memory_bytes") or {}).items()},
+        "reserved_source": info.get("reserved_source"),
+        "limits": {
+            "max_queue_tokens": config.queue_token_limit, "max_images_per_request": config.max_images_per_request,
+            "max_request_bytes": config.max_request_bytes, "max_image_pixels": config.max_image_pixels,
+            "request_timeout_s": config.request_timeout_s,
+        },
+        "llm_endpoint": config.llm_endpoint, "version": vitserve.__version__,
+    }
+
+
+def create_app(config: Config, engine, processor, metrics: Metrics, *, state: ServerState | None = None) -> FastAPI:
+    """The ASGI app. `state` lets the entry point flip `draining` on SIGTERM; app.state.server holds it."""
+    state = state or ServerState()
+    app = FastAPI(title="vitserve", version=vitserve.__version__,
+                  description="Vision-encoder embeddings for multimodal LLMs (SPEC §2).")
+    app.state.server = state
+    app.state.preprocessor = pre = Preprocessor(processor, max_image_pixels=config.max_image_pixels, metrics=metrics)
+    encode = EncodeHandler(config, engine, pre, metrics)
+    for exc_type in (VitserveError, RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_type, _handle)
+
+    @app.post("/encode", openapi_extra=ENCODE_OPENAPI, responses=ERROR_RESPONSES)
+    async def post_encode(request: Request) -> Response:
+        """Encode images; JSON (base64 or URL images) or multipart (`images` file parts)."""
+        return await encode(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok, reason = engine.readiness()
+        if state.draining:
+            ok, reason = False, "shutting down"
+        if not ok:
+            return error_response(NotReady(f"not ready: {reason}"))
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/v1/info")
+    async def v1_info() -> dict:
+        return info_body(config, engine, processor)
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(FrontDoor, api_key=config.api_key, state=state, metrics=metrics)
+    return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        app.openapi_schema = add_schemas(schema)
+    return app.openapi_schema

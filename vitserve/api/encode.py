@@ -1,0 +1,152 @@
+"""POST /encode: read -> parse -> fetch -> decode+preprocess ALL -> engine -> respond (SPEC §2).
+
+All-or-nothing: every image is validated, decoded and preprocessed before anything is enqueued, so a
+bad image anywhere in the request means nothing is encoded and nothing reaches the LLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from vitserve.api.body import ClientGone, read_body
+from vitserve.api.inputs import ParsedRequest, fetch_sources, media_type, parse_json_body, parse_multipart
+from vitserve.api.pipeline import PreparedImage, Preprocessor
+from vitserve.config import Config
+from vitserve.errors import InvalidRequest, QueueFull, Timeout, VitserveError
+from vitserve.metrics import Metrics
+from vitserve.rpc.tensors import dtype_name, tensor_to_buffer
+from vitserve.types import ImageResult
+
+log = logging.getLogger(__name__)
+_DEADLINE_GRACE_S = 5.0  # the engine enforces the deadline; this only guards against an engine that does not
+
+
+def tensor_json(t) -> dict:
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "b64": base64.b64encode(tensor_to_buffer(t)).decode()}
+
+
+class EncodeHandler:
+    def __init__(self, config: Config, engine, preprocessor: Preprocessor, metrics: Metrics):
+        self.config = config
+        self.engine = engine
+        self.pre = preprocessor
+        self.metrics = metrics
+
+    async def __call__(self, request: Request) -> Response:
+        deadline = time.monotonic() + self.config.request_timeout_s
+        parsed: ParsedRequest | None = None
+        try:
+            parsed = await self._parse_within(request, deadline)
+            self._refuse_if_queue_full()
+            blobs = await fetch_sources(parsed.sources, self.config, deadline)
+            prepared = await self.pre.prepare(blobs, deadline)
+            self._count_accepted(prepared)
+            results = await self._encode(request, parsed, prepared, deadline)
+        except VitserveError:
+            n = len(parsed.sources) if parsed else 0
+            self.metrics.images_total.labels(outcome="rejected").inc(n)
+            raise
+        except ClientGone:
+            return Response(status_code=499)
+        if results is None:
+            log.info("request %s: client disconnected while queued; its images were withdrawn", parsed.request_id)
+            return Response(status_code=499)
+        body = await self.pre.run(self._response_body, parsed, prepared, results)
+        return JSONResponse(body)
+
+    def _count_accepted(self, prepared: list[PreparedImage]) -> None:
+        for p in prepared:
+            self.metrics.image_tokens.observe(p.item.num_tokens)
+            if p.item.clamped:
+                self.metrics.images_clamped_total.inc()
+
+    def _refuse_if_queue_full(self) -> None:
+        """Fast path of the engine's own check: skip decoding when the queue is already at its limit."""
+        limit = self.config.queue_token_limit
+        if limit is not None and self.engine.queue_tokens >= limit:
+            raise QueueFull(f"{self.engine.queue_tokens} tokens queued, limit {limit} (--max_queue_tokens)",
+                            retry_after_s=1.0)
+
+    async def _parse_within(self, request: Request, deadline: float) -> ParsedRequest:
+        """A body that trickles in (slowloris) is bounded by the request deadline too."""
+        try:
+            return await asyncio.wait_for(self._parse(request), max(deadline - time.monotonic(), 0))
+        except asyncio.TimeoutError:
+            raise Timeout(f"the request body did not arrive within {self.config.request_timeout_s}s "
+                          "(--request_timeout_s)") from None
+
+    async def _parse(self, request: Request) -> ParsedRequest:
+        body = await read_body(request, self.config.max_request_bytes)
+        kind = media_type(request)
+        if kind == "multipart/form-data":
+            return await parse_multipart(request, self.config)
+        if kind not in ("", "application/json") and not kind.endswith("+json"):
+            raise InvalidRequest(f"unsupported Content-Type {kind!r}; send application/json or multipart/form-data")
+        if not body:
+            raise InvalidRequest("empty request body")
+        return await self.pre.run(parse_json_body, body, self.config)
+
+    async def _encode(
+        self, request: Request, parsed: ParsedRequest, prepared: list[PreparedImage], deadline: float
+    ) -> list[ImageResult] | None:
+        """The engine's results, or None when the client went away first (its queued work is cancelled)."""
+        if await request.is_disconnected():  # left while we decoded: enqueue nothing at all
+            return None
+        work = asyncio.ensure_future(self.engine.encode(
+            parsed.request_id, [p.item for p in prepared], [p.image_id for p in prepared],
+            deadline=deadline, return_embeddings=parsed.return_embeddings,
+        ))
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            timeout = deadline - time.monotonic() + _DEADLINE_GRACE_S
+            done, _ = await asyncio.wait({work, gone}, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if work in done:
+            return work.result()
+        work.cancel()  # the engine removes the request's queued items when its awaiting task is cancelled
+        with contextlib.suppress(asyncio.CancelledError, VitserveError):
+            await work
+        if gone in done:
+            return None
+        raise Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")
+
+    def _response_body(self, parsed: ParsedRequest, prepared: list[PreparedImage], results: list[ImageResult]):
+        images = []
+        for index, (p, r) in enumerate(zip(prepared, results, strict=True)):
+            out = {
+                "index": index, "image_id": p.image_id, "num_tokens": r.num_tokens,
+                "grid_thw": list(p.item.grid_thw), "original_size": list(p.original_size),
+                "resized_size": list(p.item.resized_size), "clamped": p.item.clamped, "cached": r.cached,
+            }
+            if parsed.return_embeddings and r.embedding is not None:
+                out["embedding"] = tensor_json(r.embedding)
+                if r.deepstack:
+                    out["deepstack"] = [tensor_json(t) for t in r.deepstack]
+            images.append(out)
+
+        def stage(name: str) -> float:  # queue/encode/send overlap across images: the request waited the max
+            return round(max((r.timing_ms.get(name, 0.0) for r in results), default=0.0), 3)
+
+        timing = {
+            "decode": round(sum(p.decode_s for p in prepared) * 1000, 3),
+            "preprocess": round(sum(p.preprocess_s for p in prepared) * 1000, 3),
+            "queue": stage("queue"), "encode": stage("encode"), "send": stage("send"),
+        }
+        return {"request_id": parsed.request_id, "model": self.engine.info().get("model", ""),
+                "images": images, "timing_ms": timing}
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the body is already consumed, so receive() waits)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

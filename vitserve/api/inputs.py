@@ -1,0 +1,144 @@
+"""Turning an /encode body (JSON or multipart) into the request's image bytes, in order.
+
+Nothing here decodes pixels; it only enforces the request's shape (SPEC §2): known fields, 1 to
+--max_images_per_request images, valid base64, URLs through vitserve.api.urls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+
+from vitserve.api.schemas import REQUEST_ID_MAX_CHARS, parse_json_request
+from vitserve.api.urls import fetch_image_url
+from vitserve.config import Config
+from vitserve.errors import InvalidRequest, TooManyImages, VitserveError
+
+_DATA_URL = re.compile(r"^data:[\w.+-]+/[\w.+-]+;base64,", re.IGNORECASE)
+_FORM_FIELDS = ("images", "request_id", "return_embeddings")
+
+
+@dataclass
+class ImageSource:
+    data: bytes | None = None  # the file's bytes (multipart part or decoded base64)
+    url: str | None = None  # fetched later, once the whole request is known to be well formed
+
+
+@dataclass
+class ParsedRequest:
+    request_id: str
+    sources: list[ImageSource]
+    return_embeddings: bool
+
+
+def media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def decode_b64(text: str, index: int) -> bytes:
+    """Standard base64, tolerating a data: URL prefix and line breaks."""
+    text = _DATA_URL.sub("", text, count=1)
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"images[{index}].b64 is not valid base64", image_index=index) from None
+
+
+def check_count(n: int, config: Config) -> None:
+    if n == 0:
+        raise InvalidRequest("no images in the request; send at least one")
+    if n > config.max_images_per_request:
+        raise TooManyImages(
+            f"{n} images in one request; at most {config.max_images_per_request} (--max_images_per_request)"
+        )
+
+
+def check_request_id(request_id: str | None) -> str:
+    if request_id is None:
+        return str(uuid.uuid4())
+    if not 0 < len(request_id) <= REQUEST_ID_MAX_CHARS:
+        raise InvalidRequest(f"request_id must have 1 to {REQUEST_ID_MAX_CHARS} characters")
+    return request_id
+
+
+def parse_json_body(body: bytes, config: Config) -> ParsedRequest:
+    """CPU-bound (JSON + base64 of up to --max_request_bytes): run it on the preprocessing pool."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequest("malformed JSON body") from None
+    images = payload.get("images") if isinstance(payload, dict) else None
+    if isinstance(images, list) and len(images) > config.max_images_per_request:
+        check_count(len(images), config)  # before validating thousands of entries
+    req = parse_json_request(payload)
+    check_count(len(req.images), config)
+    sources = [
+        ImageSource(url=img.url) if img.url is not None else ImageSource(data=decode_b64(img.b64 or "", i))
+        for i, img in enumerate(req.images)
+    ]
+    return ParsedRequest(check_request_id(req.request_id), sources, req.return_embeddings)
+
+
+def _parse_bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("true", "1", "yes"):
+        return True
+    if v in ("false", "0", "no", ""):
+        return False
+    raise InvalidRequest("return_embeddings must be 'true' or 'false'")
+
+
+async def parse_multipart(request: Request, config: Config) -> ParsedRequest:
+    try:
+        form = await request.form(max_files=config.max_images_per_request + 1, max_fields=8)
+    except HTTPException as exc:
+        if "files" in str(exc.detail).lower():
+            check_count(config.max_images_per_request + 1, config)
+        raise InvalidRequest(f"malformed multipart body: {exc.detail}") from None
+    request_id, return_embeddings, sources = None, False, []
+    for key, value in form.multi_items():
+        if key not in _FORM_FIELDS:
+            raise InvalidRequest(f"unknown form field {key!r}; allowed: {', '.join(_FORM_FIELDS)}")
+        if key == "images":
+            if not isinstance(value, UploadFile):
+                raise InvalidRequest("'images' must be file parts (filename=...)")
+            sources.append(ImageSource(data=await value.read()))
+        elif isinstance(value, UploadFile):
+            raise InvalidRequest(f"form field {key!r} must be a plain value, not a file")
+        elif key == "request_id":
+            request_id = value
+        else:
+            return_embeddings = _parse_bool(value)
+    await form.close()
+    check_count(len(sources), config)
+    return ParsedRequest(check_request_id(request_id), sources, return_embeddings)
+
+
+async def fetch_sources(sources: list[ImageSource], config: Config, deadline: float) -> list[bytes]:
+    """Every image's bytes, in order; URL images fetched concurrently."""
+
+    async def one(index: int, src: ImageSource) -> bytes:
+        if src.data is not None:
+            return src.data
+        try:
+            return await fetch_image_url(
+                src.url or "", allow=config.allow_image_urls, allowed_domains=config.allowed_url_domains,
+                max_bytes=config.max_request_bytes, deadline=deadline,
+            )
+        except VitserveError as exc:
+            raise exc.with_index(index) from None
+
+    return list(await asyncio.gather(*(one(i, s) for i, s in enumerate(sources))))

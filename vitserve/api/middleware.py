@@ -1,0 +1,80 @@
+"""The outermost ASGI layer: bearer-key check, drain refusal, in-flight count, requests_total{code}.
+
+A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware, so the request's `receive` stays the
+server's own: the /encode handler needs it to notice a client that disconnects while its images queue.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from vitserve.errors import NotReady, Unauthorized, VitserveError
+from vitserve.metrics import Metrics
+
+OPEN_PATHS = frozenset({"/health"})
+WORK_PATHS = frozenset({"/encode"})
+
+
+class ServerState:
+    """What the signal handler and the routes share: draining flag and the number of /encode in flight."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+
+
+async def send_error(send, err: VitserveError, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(err.to_body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers + (extra_headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+class FrontDoor:
+    def __init__(self, app, *, api_key: str | None, state: ServerState, metrics: Metrics):
+        self.app = app
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.state = state
+        self.metrics = metrics
+
+    def _authorized(self, scope) -> bool:
+        if self.key is None or scope["path"] in OPEN_PATHS:
+            return True
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        return hmac.compare_digest(given, self.key)  # constant time: no key-prefix oracle
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status_seen: list[int] = []
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status_seen.append(message["status"])
+            await send(message)
+
+        try:
+            await self._dispatch(scope, receive, counting_send)
+        finally:
+            code = str(status_seen[0]) if status_seen else "499"  # 499: client left before an answer
+            self.metrics.requests_total.labels(code=code).inc()
+
+    async def _dispatch(self, scope, receive, send):
+        if not self._authorized(scope):
+            err = Unauthorized("missing or wrong API key; send 'Authorization: Bearer <key>' (--api_key)")
+            await send_error(send, err, [(b"www-authenticate", b"Bearer")])
+            return
+        if scope["path"] not in WORK_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining:
+            await send_error(send, NotReady("vitserve is shutting down and accepts no new work"),
+                             [(b"connection", b"close")])
+            return
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1

@@ -1,0 +1,83 @@
+"""Decode + preprocess every image of a request off the event loop, all-or-nothing.
+
+The CPU work runs in one thread pool per server, sized to the machine: PIL decoding and the HF
+processor's numpy/torch kernels release the GIL, so threads use every core, and one large image
+occupies one worker while small ones keep flowing through the others.  The pool bounds how many
+decoded images (the big intermediate) exist at once, across all requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from vitserve.errors import InvalidImage, Timeout, VitserveError
+from vitserve.images import decode_image
+from vitserve.metrics import Metrics
+from vitserve.types import ProcessedImage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedImage:
+    item: ProcessedImage
+    image_id: str  # hex sha256 of the bytes as received
+    original_size: tuple[int, int]  # (width, height) after EXIF orientation
+    decode_s: float
+    preprocess_s: float
+
+
+def default_workers() -> int:
+    return max(2, min(32, os.cpu_count() or 1))
+
+
+class Preprocessor:
+    """Owns the pool; `prepare(blobs)` returns every image ready for the engine, or raises for the first bad one."""
+
+    def __init__(self, processor, *, max_image_pixels: int, metrics: Metrics, workers: int | None = None):
+        self.processor = processor
+        self.max_image_pixels = max_image_pixels
+        self.metrics = metrics
+        self.pool = ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="vitserve-pre")
+
+    async def run(self, fn, *args):
+        """Any CPU-heavy call (JSON parsing, base64) on the pool instead of the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def prepare(self, blobs: list[bytes], deadline: float) -> list[PreparedImage]:
+        loop = asyncio.get_running_loop()
+        futures = [loop.run_in_executor(self.pool, self._prepare_one, data) for data in blobs]
+        remaining = deadline - time.monotonic()
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), max(remaining, 0))
+        except asyncio.TimeoutError:
+            raise Timeout("decoding and preprocessing passed the deadline (--request_timeout_s)") from None
+        for index, result in enumerate(results):  # the first image at fault, in request order
+            if isinstance(result, VitserveError):
+                raise result.with_index(index)
+            if isinstance(result, BaseException):
+                log.error("preprocessing image %d failed unexpectedly: %r", index, result)
+                raise InvalidImage(f"image could not be preprocessed ({type(result).__name__})").with_index(index)
+        return results  # type: ignore[return-value]
+
+    def _prepare_one(self, data: bytes) -> PreparedImage:
+        t0 = time.perf_counter()
+        image_id = hashlib.sha256(data).hexdigest()
+        decoded = decode_image(data, max_image_pixels=self.max_image_pixels)
+        t1 = time.perf_counter()
+        item = self.processor.preprocess(decoded.image)
+        t2 = time.perf_counter()
+        decoded.image.close()
+        self.metrics.stage_seconds.labels(stage="decode").observe(t1 - t0)
+        self.metrics.stage_seconds.labels(stage="preprocess").observe(t2 - t1)
+        width, height = decoded.original_size
+        return PreparedImage(item, image_id, (width, height), t1 - t0, t2 - t1)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,138 @@
+"""Running the app: uvicorn on a socket we bound, the engine started beside it, SIGTERM -> drain.
+
+Drain order (F6): stop taking /encode (503 not_ready), let every in-flight request finish, shut the
+engine down (its own drain), then close the HTTP server. uvicorn's own signal capture is disabled: it
+would close the listening socket first and re-raise the signal afterwards, turning a clean drain into a
+death by SIGTERM (exit -15).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+
+from vitserve.api.app import create_app
+from vitserve.api.middleware import ServerState
+from vitserve.config import Config
+from vitserve.errors import ConfigError
+from vitserve.metrics import Metrics
+
+log = logging.getLogger("vitserve")
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # the Service owns SIGTERM/SIGINT
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything slow starts, so a busy port fails fast naming --port."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); change --host/--port") from exc
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class Service:
+    """One vitserve process: HTTP front door + engine. `run()` returns the process exit code."""
+
+    def __init__(self, config: Config, engine, processor, metrics: Metrics, *, sock: socket.socket | None = None,
+                 banner=None):
+        self.config = config
+        self.engine = engine
+        self.processor = processor
+        self.metrics = metrics
+        self.state = ServerState()
+        self.app = create_app(config, engine, processor, metrics, state=self.state)
+        self.sock = sock or bind_socket(config.host, config.port)
+        self.port: int = self.sock.getsockname()[1]  # the real one when --port 0
+        self.banner = banner
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.started = threading.Event()
+
+    def request_stop(self) -> None:
+        """Thread-safe: what SIGTERM does."""
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def run(self) -> int:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._install_signals()
+        ucfg = uvicorn.Config(self.app, log_config=None, lifespan="off", access_log=False,
+                              log_level=self.config.log_level.lower(), timeout_graceful_shutdown=5)
+        server = _Server(ucfg)
+        serving = asyncio.create_task(server.serve(sockets=[self.sock]))
+        try:
+            await self.engine.start()
+        except Exception as exc:  # start-up failed: the engine's message names the knob
+            log.error("start-up failed: %s", exc)
+            server.should_exit = True
+            await serving
+            return 1
+        if self.banner is not None:  # printed whatever --log_level says: it is the record of every guard
+            print(self.banner(self), file=sys.stderr, flush=True)
+        self.started.set()
+        return await self._serve_until_stopped(server, serving)
+
+    async def _serve_until_stopped(self, server: _Server, serving: asyncio.Task) -> int:
+        assert self._stop is not None
+        stop = asyncio.create_task(self._stop.wait())
+        dead = asyncio.create_task(self._watch_engine())
+        done, _ = await asyncio.wait({serving, stop, dead}, return_when=asyncio.FIRST_COMPLETED)
+        code = 1 if (dead in done or serving in done) else 0
+        if dead in done:
+            log.error("every encoder worker group is dead and none could be replaced; exiting")
+        await self._drain(graceful=code == 0)
+        server.should_exit = True
+        for task in (stop, dead):
+            task.cancel()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await serving
+        return code
+
+    async def _drain(self, *, graceful: bool) -> None:
+        self.state.draining = True
+        log.info("draining: refusing new requests, finishing %d in flight", self.state.in_flight)
+        give_up = time.monotonic() + self.config.request_timeout_s + 5
+        while graceful and self.state.in_flight and time.monotonic() < give_up:
+            await asyncio.sleep(0.05)
+        try:
+            await self.engine.shutdown()
+        except Exception as exc:
+            log.error("engine shutdown failed: %s", exc)
+        self.app.state.preprocessor.close()
+
+    async def _watch_engine(self) -> None:
+        """Returns when the engine says no encoder group is left (engine.failed, an asyncio.Event)."""
+        failed = getattr(self.engine, "failed", None)
+        await (failed or asyncio.Event()).wait()  # an engine without the signal: only a signal stops us
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        assert self._loop is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        log.info("received %s: shutting down cleanly", signal.Signals(sig).name)
+        assert self._stop is not None
+        self._stop.set()

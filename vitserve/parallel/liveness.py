@@ -1,0 +1,83 @@
+"""Worker-side liveness: tell the engine this rank is alive, and die with the parent (RELIABILITY F5).
+
+A daemon thread with its own ZMQ socket (sockets are not thread-safe) sends an ALIVE report every
+heartbeat_s / 2. It keeps running during a long forward, so a slow batch is not mistaken for a hang; a
+SIGSTOPped or dead rank goes silent and the engine's watchdog notices within 2 x heartbeat_s.
+The same thread exits the process when the parent is gone (getppid changes), backed by PR_SET_PDEATHSIG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import zmq
+
+from vitserve.parallel import messages as m
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+_PARENT_POLL_S = 0.25
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent exits; exit now if the parent already did."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except OSError:  # no libc.so.6 (e.g. musl): the polling thread still covers it
+            log.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent poll")
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class LoopCounters:
+    """Progress of the rank loop, read by the liveness thread (plain ints: GIL-atomic updates)."""
+
+    def __init__(self) -> None:
+        self.heartbeats = 0
+        self.batches = 0
+
+
+class LivenessThread(threading.Thread):
+    def __init__(self, ctx: zmq.Context, status_endpoint: str, *, group: int, rank: int, parent_pid: int,
+                 heartbeat_s: float, counters: LoopCounters):
+        super().__init__(name=f"vitserve-liveness-g{group}r{rank}", daemon=True)
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 16)  # a parent that stops reading must not grow our memory
+        self._sock.connect(status_endpoint)
+        self._group, self._rank, self._parent_pid = group, rank, parent_pid
+        self._interval = max(heartbeat_s / 2, 0.05)
+        self._counters = counters
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        next_report = 0.0
+        while not self._halt.is_set():
+            if os.getppid() != self._parent_pid:
+                log.error("vitserve worker g%d r%d: parent %d is gone; exiting", self._group, self._rank,
+                          self._parent_pid)
+                os._exit(1)
+            now = time.monotonic()
+            if now >= next_report:
+                self._report()
+                next_report = now + self._interval
+            self._halt.wait(min(_PARENT_POLL_S, self._interval))
+        self._sock.close()
+
+    def _report(self) -> None:
+        msg = m.AliveMsg(group=self._group, rank=self._rank, heartbeats=self._counters.heartbeats,
+                         batches=self._counters.batches)
+        with contextlib.suppress(zmq.Again):  # engine busy: the next report will do
+            self._sock.send_multipart(m.encode(msg), flags=zmq.NOBLOCK)
+
+    def stop(self) -> None:
+        self._halt.set()

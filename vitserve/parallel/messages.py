@@ -1,0 +1,190 @@
+"""Every message between the engine (API process) and the encoder workers, in one place.
+
+On ZMQ a message is a multipart message: frame 0 is a msgpack map (the header), frames 1.. are raw
+tensor bytes described by the header's "tensors" list (vitserve/rpc/tensors.py). No pickle: a frame that
+is not a valid header of a known kind and version raises MessageError and is dropped by the reader.
+
+Inside a TP group, rank 0 forwards what it received to its peers over torch.distributed (see
+broadcast.py); that path carries only int64 metadata and the pixel tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import msgpack
+import torch
+
+from vitserve.rpc.tensors import dtype_name, tensor_from_buffer, tensor_to_buffer
+from vitserve.types import EncodedImage, ProcessedImage
+
+VERSION = 1
+
+
+class MessageError(ValueError):
+    """A frame that is not a well-formed vitserve internal message (garbage, pickle, wrong version)."""
+
+
+class Kind(str, Enum):
+    # engine -> rank 0
+    BATCH = "batch"  # encode these images
+    STOP = "stop"  # finish the loop and exit cleanly
+    # rank 0 -> its TP peers only (torch.distributed); never on ZMQ
+    HEARTBEAT = "heartbeat"  # an empty batch that keeps peers' collectives from timing out
+    # any rank -> engine (status socket)
+    READY = "ready"  # start-up (incl. reservation) done
+    ALIVE = "alive"  # periodic liveness report
+    RESULT = "result"  # rank 0: embeddings of one batch
+    ERROR = "error"  # this rank failed (start-up or forward) and is exiting
+
+
+@dataclass
+class BatchMsg:
+    batch_id: int  # engine-assigned, unique per engine
+    items: list[ProcessedImage]  # in queue order; outputs come back in the same order
+    kind: Kind = Kind.BATCH
+
+
+@dataclass
+class StopMsg:
+    kind: Kind = Kind.STOP
+
+
+@dataclass
+class ReadyMsg:
+    group: int  # DP group index
+    rank: int  # rank inside the group (0..tp-1)
+    pid: int
+    model_name: str
+    family: str
+    embed_dim: int
+    num_deepstack: int
+    dtype: str  # wire name, e.g. "float32"
+    device: str  # e.g. "cpu", "cuda:1"
+    reserved_bytes: int  # activation memory reserved by the start-up stress (or the override)
+    reserved_source: str  # "stress" | "override"
+    kind: Kind = Kind.READY
+
+
+@dataclass
+class AliveMsg:
+    group: int
+    rank: int
+    heartbeats: int  # heartbeats this rank has broadcast (rank 0) or received (peers) so far
+    batches: int  # batches this rank has executed so far
+    kind: Kind = Kind.ALIVE
+
+
+@dataclass
+class ResultMsg:
+    group: int
+    batch_id: int
+    outputs: list[EncodedImage] = field(default_factory=list)  # one per item of the batch, same order
+    kind: Kind = Kind.RESULT
+
+
+@dataclass
+class ErrorMsg:
+    group: int
+    rank: int
+    stage: str  # "startup" | "forward"
+    message: str  # the exception, as text (never a pickled exception)
+    batch_id: int = -1  # the batch that failed, -1 outside a forward
+    kind: Kind = Kind.ERROR
+
+
+Message = BatchMsg | StopMsg | ReadyMsg | AliveMsg | ResultMsg | ErrorMsg
+_PLAIN = {Kind.STOP: StopMsg, Kind.READY: ReadyMsg, Kind.ALIVE: AliveMsg, Kind.ERROR: ErrorMsg}
+
+
+# ---------------------------------------------------------------------------------------------- encode
+
+
+def _pack(header: dict[str, Any], tensors: list[torch.Tensor]) -> list[bytes | memoryview]:
+    header = {"v": VERSION, **header, "tensors": [[dtype_name(t.dtype), list(t.shape)] for t in tensors]}
+    return [msgpack.packb(header), *(tensor_to_buffer(t) for t in tensors)]
+
+
+def encode(msg: Message) -> list[bytes | memoryview]:
+    """The ZMQ frames of one message."""
+    if isinstance(msg, BatchMsg):
+        items = [
+            {"grid_thw": list(it.grid_thw), "num_tokens": it.num_tokens,
+             "resized_size": list(it.resized_size), "clamped": it.clamped}
+            for it in msg.items
+        ]
+        return _pack({"kind": msg.kind.value, "batch_id": msg.batch_id, "items": items},
+                     [it.pixel_values for it in msg.items])
+    if isinstance(msg, ResultMsg):
+        tensors = [t for out in msg.outputs for t in (out.embedding, *out.deepstack)]
+        counts = [len(out.deepstack) for out in msg.outputs]
+        return _pack({"kind": msg.kind.value, "group": msg.group, "batch_id": msg.batch_id,
+                      "deepstack_counts": counts}, tensors)
+    fields = {k: (v.value if isinstance(v, Kind) else v) for k, v in vars(msg).items()}
+    return _pack(fields, [])
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+
+def _unpack(frames: Sequence[bytes | memoryview]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    if not frames:
+        raise MessageError("empty message")
+    try:
+        header = msgpack.unpackb(bytes(frames[0]), raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many types on garbage
+        raise MessageError(f"frame 0 is not a msgpack header: {exc}") from exc
+    if not isinstance(header, dict) or header.get("v") != VERSION:
+        raise MessageError(f"not a version-{VERSION} vitserve message")
+    specs = header.pop("tensors", [])
+    if not isinstance(specs, list) or len(specs) != len(frames) - 1:
+        raise MessageError(f"header describes {len(specs) if isinstance(specs, list) else '?'} tensors "
+                           f"but {len(frames) - 1} frames follow")
+    try:
+        tensors = [tensor_from_buffer(buf, dt, shape) for buf, (dt, shape) in zip(frames[1:], specs, strict=False)]
+    except (ValueError, TypeError) as exc:
+        raise MessageError(f"bad tensor frame: {exc}") from exc
+    return header, tensors
+
+
+def decode(frames: Sequence[bytes | memoryview]) -> Message:
+    """One message from its ZMQ frames; raises MessageError on anything malformed."""
+    header, tensors = _unpack(frames)
+    header.pop("v")
+    try:
+        kind = Kind(header.pop("kind", None))
+        if kind is Kind.BATCH:
+            return _decode_batch(header, tensors)
+        if kind is Kind.RESULT:
+            return _decode_result(header, tensors)
+        if kind not in _PLAIN or tensors:
+            raise MessageError(f"unexpected message kind {kind.value!r} on a ZMQ socket")
+        return _PLAIN[kind](**header)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise MessageError(f"malformed message: {exc}") from exc
+
+
+def _decode_batch(header: dict[str, Any], tensors: list[torch.Tensor]) -> BatchMsg:
+    metas = header["items"]
+    if len(metas) != len(tensors):
+        raise MessageError(f"batch lists {len(metas)} items but carries {len(tensors)} tensors")
+    items = [
+        ProcessedImage(pixel_values=pv, grid_thw=tuple(m["grid_thw"]), num_tokens=int(m["num_tokens"]),
+                       resized_size=tuple(m["resized_size"]), clamped=bool(m["clamped"]))
+        for m, pv in zip(metas, tensors, strict=False)
+    ]
+    return BatchMsg(batch_id=int(header["batch_id"]), items=items)
+
+
+def _decode_result(header: dict[str, Any], tensors: list[torch.Tensor]) -> ResultMsg:
+    counts = header["deepstack_counts"]
+    if sum(1 + c for c in counts) != len(tensors):
+        raise MessageError("result frame count does not match its deepstack counts")
+    outputs, pos = [], 0
+    for c in counts:
+        outputs.append(EncodedImage(embedding=tensors[pos], deepstack=tensors[pos + 1: pos + 1 + c]))
+        pos += 1 + c
+    return ResultMsg(group=int(header["group"]), batch_id=int(header["batch_id"]), outputs=outputs)

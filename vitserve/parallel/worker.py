@@ -1,0 +1,299 @@
+"""One encoder rank: a spawned process that starts up in named steps, then runs the rank loop.
+
+Rank 0 of a group talks to the engine over ZMQ and is the only rank that decides; the other ranks run
+exactly the steps rank 0 broadcasts (broadcast.py). Every rank reports liveness (liveness.py) and, on a
+failure, reports an ERROR to the engine and exits, so the engine's watchdog can tear the group down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from vitserve.config import Config
+from vitserve.errors import ConfigError
+from vitserve.model.base import Encoder
+from vitserve.parallel import broadcast
+from vitserve.parallel import messages as m
+from vitserve.parallel.liveness import LivenessThread, LoopCounters, die_with_parent
+from vitserve.rpc.tensors import dtype_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a group's ranks meet (resolved at engine construction, passed down).
+
+    Single host (the default): a FileStore in the engine's private runtime dir, because torch's TCPStore
+    server listens on every interface whatever address it is given (SPEC §5 wants 127.0.0.1 / ipc only).
+    A master address from the config or torchrun's MASTER_ADDR/MASTER_PORT: a TCPStore there.
+    """
+
+    file: str | None = None  # FileStore path (single host)
+    addr: str = "127.0.0.1"  # TCPStore host, when file is None
+    port: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """Everything a rank needs, handed over once at spawn (multiprocessing pickles it into the child)."""
+
+    config: Config
+    encoder_factory: Callable[[Config], Encoder]
+    group: int  # DP group index
+    rank: int  # rank inside the group
+    rendezvous: Rendezvous  # where this group's torch.distributed store is
+    batch_endpoint: str  # rank 0 only: where the engine pushes batches
+    status_endpoint: str  # every rank: where READY / ALIVE / RESULT / ERROR go
+    parent_pid: int
+
+    @property
+    def global_rank(self) -> int:
+        return self.group * self.config.tp + self.rank
+
+
+def startup_timeout_s(config: Config) -> float:
+    """How long start-up (spawn, rendezvous, weights, reservation) may take: --dist_timeout_s, at least 120 s."""
+    return max(config.dist_timeout_s, 120.0)
+
+
+def load_configured_encoder(config: Config):
+    """The default encoder_factory: --model on this rank's device (set by _init_device) in --dtype."""
+    from vitserve.model import load_encoder
+
+    on_cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    device = f"cuda:{torch.cuda.current_device()}" if on_cuda else config.device.replace("auto", "cpu")
+    return load_encoder(config.model, device=device, dtype=config.dtype, family=config.model_family)
+
+
+def run_worker(args: WorkerArgs) -> None:
+    """Process entry point (top level so the spawn context can import it)."""
+    logging.basicConfig(level=args.config.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [g{args.group}r{args.rank}] %(name)s: %(message)s")
+    # Ctrl-C signals the whole process group; the engine drains and then sends STOP, so ranks ignore it.
+    # SIGTERM keeps its default: multiprocessing's exit handler terminates daemon children with it and
+    # then joins them without a timeout.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(args.parent_pid)
+    worker = RankWorker(args)
+    try:
+        worker.start_up()
+    except BaseException as exc:  # report why start-up failed (the message names the knob), then exit
+        worker.report_error("startup", exc)
+        worker.exit(1)
+    worker.run()
+    worker.exit(0)
+
+
+class RankWorker:
+    def __init__(self, args: WorkerArgs):
+        self.args = args
+        self.cfg = args.config
+        self.counters = LoopCounters()
+        self.ctx = zmq.Context()
+        self.status = self.ctx.socket(zmq.PUSH)
+        self.status.setsockopt(zmq.LINGER, 2000)  # let a final ERROR/RESULT reach the engine before exit
+        self.status.connect(args.status_endpoint)
+        self.inbox: zmq.Socket | None = None
+        self.encoder: Encoder | None = None
+        self.distributed = self.cfg.tp > 1
+
+    # ------------------------------------------------------------------------------------ start-up
+
+    def start_up(self) -> None:
+        self._init_liveness()
+        self._init_device()
+        self._init_process_group()
+        self._init_encoder()
+        self._init_reservation()
+        self._init_inbox()
+        self._send_ready()
+
+    def _init_liveness(self) -> None:
+        self.liveness = LivenessThread(self.ctx, self.args.status_endpoint, group=self.args.group,
+                                       rank=self.args.rank, parent_pid=self.args.parent_pid,
+                                       heartbeat_s=self.cfg.heartbeat_s, counters=self.counters)
+        self.liveness.start()
+
+    def _init_device(self) -> None:
+        want = self.cfg.device
+        if want == "auto":
+            want = "cuda" if torch.cuda.is_available() else "cpu"
+        if want.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ConfigError(f"--device {want} was requested but CUDA is not available; use --device cpu")
+            if self.distributed and torch.cuda.device_count() < self.cfg.tp:  # NCCL: one rank per GPU
+                raise ConfigError(f"--tp {self.cfg.tp} on CUDA needs {self.cfg.tp} GPUs, found "
+                                  f"{torch.cuda.device_count()}; lower --tp")
+            # one rank per GPU when there are enough (--tp x --dp <= GPUs); else groups share round-robin
+            index = self.args.global_rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
+        else:
+            self.device = torch.device("cpu")
+            # ranks share the host's cores: split them instead of oversubscribing
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (self.cfg.tp * self.cfg.dp)))
+        # NCCL collectives need device tensors; gloo works on CPU tensors
+        self.comm_device = self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def _init_process_group(self) -> None:
+        if not self.distributed:
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # Our own store: ranks may reach the rendezvous far apart (imports, weights) and that wait is bounded
+        # by the start-up limit; --dist_timeout_s bounds each collective afterwards.
+        rv, wait = self.args.rendezvous, timedelta(seconds=startup_timeout_s(self.cfg))
+        store: dist.Store
+        if rv.file is not None:
+            store = dist.FileStore(rv.file, self.cfg.tp)
+            store.set_timeout(wait)
+            # one host: keep gloo's / NCCL's own listening sockets on loopback too
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+        else:
+            store = dist.TCPStore(rv.addr, rv.port, self.cfg.tp, self.args.rank == 0, timeout=wait)
+        dist.init_process_group(backend, store=store, world_size=self.cfg.tp, rank=self.args.rank,
+                                timeout=timedelta(seconds=self.cfg.dist_timeout_s))
+
+    def _init_encoder(self) -> None:
+        self.encoder = enc = self.args.encoder_factory(self.cfg)
+        # Encoders that shard themselves (test fakes) say so; real towers get the TP pass.
+        if self.distributed and not getattr(enc, "handles_tp", False):
+            from vitserve.parallel.tp import apply_tp  # only needed for tp > 1
+
+            apply_tp(enc.visual, enc.family)
+
+    def _init_reservation(self) -> None:
+        from vitserve.reservation import publish_reservation, reserve
+
+        override = self.cfg.visual_reserved_mem_gb
+        assert self.encoder is not None
+        res = reserve(self.encoder, budget_tokens=self.cfg.visual_batch_max_tokens,
+                      max_batch_images=self.cfg.visual_infer_batch_size, override_gb=override)
+        publish_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source)
+        self.reservation = res
+
+    def _init_inbox(self) -> None:
+        if self.args.rank != 0:
+            return
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.connect(self.args.batch_endpoint)
+
+    def _send_ready(self) -> None:
+        enc = self.encoder
+        assert enc is not None
+        self.status.send_multipart(m.encode(m.ReadyMsg(
+            group=self.args.group, rank=self.args.rank, pid=os.getpid(), model_name=enc.model_name,
+            family=enc.family, embed_dim=enc.embed_dim, num_deepstack=enc.num_deepstack,
+            dtype=dtype_name(enc.dtype), device=str(self.device), reserved_bytes=int(self.reservation.bytes),
+            reserved_source=self.reservation.source)))
+
+    # ------------------------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        """poll -> broadcast -> forward -> reply, until STOP."""
+        while True:
+            kind, batch = self._next_step()  # 1) rank 0 polls the engine; peers hear rank 0
+            if kind is m.Kind.STOP:
+                return
+            if kind is m.Kind.HEARTBEAT:
+                self.counters.heartbeats += 1
+                continue
+            assert batch is not None
+            outputs = self._forward(batch)  # 2) the same forward on every rank, on its shard
+            self.counters.batches += 1
+            if self.args.rank == 0:
+                self._reply(batch.batch_id, outputs)  # 3) embeddings back to the engine
+
+    def _next_step(self) -> tuple[m.Kind, m.BatchMsg | None]:
+        if self.args.rank != 0:
+            return broadcast.recv_step(self.comm_device)
+        kind, batch = self._poll_engine()
+        if self.distributed:
+            broadcast.send_step(kind, batch, self.comm_device)
+        return kind, batch
+
+    def _poll_engine(self) -> tuple[m.Kind, m.BatchMsg | None]:
+        """The engine's next message, or a HEARTBEAT when none came within --heartbeat_s."""
+        assert self.inbox is not None
+        heartbeat_at = time.monotonic() + self.cfg.heartbeat_s
+        while True:
+            wait_ms = max(0, int((heartbeat_at - time.monotonic()) * 1000))
+            if not self.inbox.poll(timeout=wait_ms):
+                return m.Kind.HEARTBEAT, None
+            frames = self.inbox.recv_multipart(copy=False)
+            try:
+                msg = m.decode([f.buffer for f in frames])
+            except m.MessageError as exc:  # garbage on an internal socket: drop it, keep serving
+                log.warning("dropped a malformed message on the batch socket: %s", exc)
+                continue
+            if isinstance(msg, m.BatchMsg):
+                return m.Kind.BATCH, msg
+            if isinstance(msg, m.StopMsg):
+                return m.Kind.STOP, None
+            log.warning("dropped an unexpected %s message on the batch socket", msg.kind.value)
+
+    def _forward(self, batch: m.BatchMsg) -> list:
+        try:
+            assert self.encoder is not None
+            with torch.inference_mode():
+                items = [self._to_device(it) for it in batch.items]
+                return self.encoder.encode(items)
+        except BaseException as exc:  # this rank cannot go on: report, exit; the engine kills the group
+            self.report_error("forward", exc, batch.batch_id)
+            self.exit(1)
+            raise  # unreachable; exit() does not return
+
+    def _to_device(self, item):
+        if self.device.type == "cpu":
+            return item
+        item.pixel_values = item.pixel_values.to(self.device, non_blocking=True)
+        return item
+
+    def _reply(self, batch_id: int, outputs: list) -> None:
+        cpu = [type(o)(embedding=o.embedding.cpu(), deepstack=[d.cpu() for d in o.deepstack]) for o in outputs]
+        self.status.send_multipart(m.encode(m.ResultMsg(group=self.args.group, batch_id=batch_id, outputs=cpu)),
+                                   copy=False)
+
+    # ------------------------------------------------------------------------------------ exit paths
+
+    def report_error(self, stage: str, exc: BaseException, batch_id: int = -1) -> None:
+        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        log.error("rank failed during %s: %s\n%s", stage, text, traceback.format_exc())
+        with contextlib.suppress(zmq.ZMQError):
+            self.status.send_multipart(m.encode(m.ErrorMsg(group=self.args.group, rank=self.args.rank,
+                                                           stage=stage, message=text, batch_id=batch_id)))
+
+    def exit(self, code: int) -> None:
+        """Leave without running collective teardown: a peer may be dead, and barriers would hang."""
+        if code == 0:
+            self._remove_reservation()
+        liveness = getattr(self, "liveness", None)
+        if liveness is not None:
+            liveness.stop()
+            liveness.join(timeout=1.0)
+        if self.inbox is not None:
+            self.inbox.close(linger=0)
+        self.status.close(linger=2000)
+        if liveness is None or not liveness.is_alive():  # term() waits for every socket to be closed
+            self.ctx.term()  # blocks until the last RESULT/ERROR is flushed (or the linger passes)
+        os._exit(code)
+
+    def _remove_reservation(self) -> None:
+        if getattr(self, "reservation", None) is None:
+            return
+        from vitserve.reservation import remove_reservation
+
+        remove_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank)
