@@ -17,14 +17,20 @@ CASES = [(f, {}) for f in FAMILIES] + [("internvl", {"qk_norm": False})]  # Inte
 
 def _sharded_outputs(rank: int, world: int, cases) -> dict:
     """Per rank: build the same seeded tower, shard it, run the packed batch."""
+    from vitserve.errors import ConfigError
     from vitserve.parallel.tp import apply_tp
 
-    results = {}
+    results: dict = {}
     for family, kwargs in cases:
         visual = apply_tp(build_visual(family, **kwargs), family)
         pixels, grid = packed_inputs(family)
         heads = {b.num_heads for b in visual.modules() if hasattr(b, "num_heads") and hasattr(b, "head_dim")}
         results[(family, str(kwargs))] = {"outputs": run_visual(visual, family, pixels, grid), "heads": heads}
+    try:
+        apply_tp(visual, family)  # the last tower again: sharding shards would be silently wrong
+        results["twice"] = "no error"
+    except ConfigError as exc:
+        results["twice"] = str(exc)
     if world == 4:  # two TP groups of 2 in one world (how dp x tp could be laid out): shard within the group
         import torch.distributed as dist
 
@@ -55,6 +61,7 @@ def test_tp_equals_tp1_for_every_family(reference, world):
             for g, e in zip(got["outputs"], expected, strict=True):
                 assert g.shape == e.shape
                 torch.testing.assert_close(g, e, rtol=0, atol=1e-5, msg=lambda m, k=key, r=rank: f"{k} rank {r}: {m}")
+        assert results["twice"].startswith(f"apply_tp was already applied to this tower (rank {rank} of {world})")
         if world == 4:
             for g, e in zip(results["pair"], reference[("qwen2_5_vl", "{}")], strict=True):
                 torch.testing.assert_close(g, e, rtol=0, atol=1e-5)

@@ -105,6 +105,8 @@ def apply_tp(visual: nn.Module, family: str, group=None) -> nn.Module:
     """Shard `visual` in place for this rank of `group` (default: the default process group)."""
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    if getattr(visual, "_vitserve_tp", None) is not None:
+        raise ConfigError(f"apply_tp was already applied to this tower ({visual._vitserve_tp}); shard it once")
     blocks = find_blocks(visual)
     check_shardable(visual, family, world)
     if world == 1:
@@ -112,6 +114,7 @@ def apply_tp(visual: nn.Module, family: str, group=None) -> nn.Module:
     for block in blocks:
         _shard_attention(_attention_of(block), rank, world, group)
         _shard_mlp(block._modules["mlp"], rank, world, group)
+    visual.__dict__["_vitserve_tp"] = f"rank {rank} of {world}"  # a second pass would shard the shards
     return visual
 
 
