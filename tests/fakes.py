@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vitserve.errors import EncoderFailed, NotReady, QueueFull, Timeout
-from vitserve.types import EncodedImage, ImageResult, ProcessedImage
+from vitserve.contract import EncodedImage, EngineInfo, ImageResult, ProcessedImage, Readiness, StageTimes
 
 # ------------------------------------------------------------------------------------------------------
 # FakeEncoder: a deterministic Encoder with real computation and, at tp > 1, a real collective.
@@ -214,15 +214,15 @@ class FakeEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 5)
 
-    def readiness(self) -> tuple[bool, str]:
+    def readiness(self) -> Readiness:
         if self._stopping:
-            return False, "shutting down"
-        return (True, "ready") if self._ready else (False, "starting")
+            return Readiness(False, "shutting down")
+        return Readiness(True, "ok") if self._ready else Readiness(False, "starting")
 
-    def info(self) -> dict:
+    def info(self) -> EngineInfo:
         enc = self.encoder
-        return {"model": enc.model_name, "family": enc.family, "embed_dim": enc.embed_dim, "dtype": "float32",
-                "tp": 1, "dp": 1, "reserved_memory_bytes": {0: 0}, "reserved_source": "override"}
+        return EngineInfo(model=enc.model_name, family=enc.family, embed_dim=enc.embed_dim, dtype="float32",
+                          tp=1, dp=1, reserved_memory_bytes={0: 0}, reserved_source="override")
 
     @property
     def queue_tokens(self) -> int:
@@ -235,9 +235,11 @@ class FakeEngine:
             return sum(1 for r, _ in self._queue if not r.cancelled)
 
     # -- the API's call ----------------------------------------------------------------------------------
-    async def encode(self, request_id, items, image_ids, *, deadline, return_embeddings):
+    async def encode(self, request):
         if not self._ready:
             raise NotReady("engine is not ready")
+        request_id, deadline, return_embeddings = request.request_id, request.deadline, request.return_embeddings
+        items, image_ids = [p.item for p in request.images], [p.image_id for p in request.images]
         loop = asyncio.get_running_loop()
         req = _FakeRequest(request_id, list(items), list(image_ids), deadline, loop.create_future(), loop,
                            return_embeddings)
@@ -316,8 +318,8 @@ class FakeEngine:
             req.results[i] = ImageResult(
                 num_tokens=req.items[i].num_tokens,
                 embedding=out.embedding if req.return_embeddings else None,
-                deepstack=list(out.deepstack) if req.return_embeddings else [],
-                timing_ms={"queue": (start - req.enqueued) * 1000, "encode": encode_ms, "send": 0.0},
+                deepstack=tuple(out.deepstack) if req.return_embeddings else (),
+                timing=StageTimes(queue_ms=(start - req.enqueued) * 1000, encode_ms=encode_ms),
             )
             if len(req.results) == len(req.items):
                 done = [req.results[k] for k in range(len(req.items))]

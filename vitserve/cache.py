@@ -22,7 +22,7 @@ from typing import Any
 
 from vitserve.config import Config
 from vitserve.metrics import Metrics
-from vitserve.types import EncodedImage
+from vitserve.contract import EncodedImage
 
 GIB = 1024**3
 FINGERPRINT_VERSION = 1  # bump when the meaning of an entry changes (e.g. a new field in EncodedImage)

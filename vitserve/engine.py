@@ -36,7 +36,7 @@ from vitserve.parallel import messages as m
 from vitserve.parallel.pool import GroupState, WorkerGroup, free_port
 from vitserve.parallel.watchdog import Watchdog
 from vitserve.parallel.worker import Rendezvous, load_configured_encoder, startup_timeout_s
-from vitserve.types import ImageResult, ProcessedImage
+from vitserve.contract import EncodeRequest, EngineInfo, ImageResult, ProcessedImage, Readiness, StageTimes
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class Engine:
             await self._teardown()
             raise
         if self._push is not None:
-            self._push.model = self.info()["model"]  # known once the ranks loaded it
+            self._push.model = self.info().model  # known once the ranks loaded it
         self._table.set_fingerprint(self.config, self.processor_clamp, self.info(),
                                     self._dispatch.groups[0].ready[0].device)
         self._started = True
@@ -175,36 +175,33 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ state
 
-    def readiness(self) -> tuple[bool, str]:
+    def readiness(self) -> Readiness:
         if self._draining:
-            return False, "shutting down"
+            return Readiness(False, "shutting down")
         if not self._started:
-            return False, "encoder ranks are starting (loading weights, reserving memory)"
+            return Readiness(False, "encoder ranks are starting (loading weights, reserving memory)")
         failed = [g.failure for g in self._dispatch.groups if g.state is GroupState.FAILED]
         if failed:
-            return False, "; ".join(f for f in failed if f)
+            return Readiness(False, "; ".join(f for f in failed if f))
         now, limit = time.monotonic(), 2 * self.config.heartbeat_s
         if self._watchdog.loop_stalled(now):  # our loop was blocked: reports may be unread, not missing
-            return True, "ok"
+            return Readiness(True, "ok")
         for group in self._dispatch.groups:
             for rank, seen in enumerate(group.last_seen):
                 if now - seen > limit:
-                    return False, f"rank {rank} of group {group.index} has not reported for {now - seen:.1f}s"
-        return True, "ok"
+                    return Readiness(False, f"rank {rank} of group {group.index} has not reported for "
+                                            f"{now - seen:.1f}s")
+        return Readiness(True, "ok")
 
-    def info(self) -> dict:
+    def info(self) -> EngineInfo:
         readies = [(g.index * self.config.tp + r, msg) for g in self._dispatch.groups for r, msg in g.ready.items()]
-        first = readies[0][1] if readies else None
-        return {
-            "model": first.model_name if first else None,
-            "family": first.family if first else None,
-            "embed_dim": first.embed_dim if first else None,
-            "dtype": first.dtype if first else None,
-            "tp": self.config.tp,
-            "dp": self.config.dp,
-            "reserved_memory_bytes": {rank: msg.reserved_bytes for rank, msg in sorted(readies)},
-            "reserved_source": first.reserved_source if first else None,
-        }
+        if not any(len(g.ready) == self.config.tp for g in self._dispatch.groups):
+            raise NotReady("encoder ranks are still starting")
+        first = readies[0][1]
+        return EngineInfo(model=first.model_name, family=first.family, embed_dim=first.embed_dim, dtype=first.dtype,
+                          tp=self.config.tp, dp=self.config.dp,
+                          reserved_memory_bytes={rank: msg.reserved_bytes for rank, msg in sorted(readies)},
+                          reserved_source=first.reserved_source)  # type: ignore[arg-type]
 
     @property
     def queue_tokens(self) -> int:
@@ -230,18 +227,19 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ encode
 
-    async def encode(self, request_id: str, items: list[ProcessedImage], image_ids: list[str], *,
-                     deadline: float, return_embeddings: bool) -> list[ImageResult]:
+    async def encode(self, request: EncodeRequest) -> list[ImageResult]:
         """Encode a request's images, push each to the LLM in order, return once all were handed over.
         Cache hits and images already queued or encoding (same sha256 image_id) are not encoded again."""
         self._admit([])
-        slots = self._table.acquire(items, image_ids, deadline)  # see engine_dedup.py
+        items, image_ids = [p.item for p in request.images], [p.image_id for p in request.images]
+        slots = self._table.acquire(items, image_ids, request.deadline)  # see engine_dedup.py
         self._active += 1
         try:
             fresh = self._table.fresh_works(slots)
             self._admit([w.item for w in fresh])  # only new work counts against --max_queue_tokens
             self._dispatch.add(fresh)
-            return await self._complete(request_id, slots, image_ids, deadline, return_embeddings)
+            return await self._complete(request.request_id, slots, image_ids, request.deadline,
+                                        request.return_embeddings)
         finally:
             self._table.release(slots)  # timeout, disconnect or error: drop queued work nobody else awaits
             self._active -= 1
@@ -283,8 +281,8 @@ class Engine:
             queue_s, encode_s = slot.timing
             results.append(ImageResult(
                 num_tokens=slot.item.num_tokens, embedding=encoded.embedding if return_embeddings else None,
-                deepstack=list(encoded.deepstack) if return_embeddings else [], cached=slot.reused,
-                timing_ms={"queue": queue_s * 1e3, "encode": encode_s * 1e3, "send": send_s * 1e3}))
+                deepstack=tuple(encoded.deepstack) if return_embeddings else (), cached=slot.reused,
+                timing=StageTimes(queue_ms=queue_s * 1e3, encode_ms=encode_s * 1e3, send_ms=send_s * 1e3)))
         return results
 
 

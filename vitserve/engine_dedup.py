@@ -29,7 +29,7 @@ from typing import Any
 from vitserve.cache import EmbeddingCache, cache_fingerprint, cache_key
 from vitserve.config import Config
 from vitserve.engine_dispatch import Dispatcher, WorkItem
-from vitserve.types import EncodedImage, ProcessedImage
+from vitserve.contract import EncodedImage, EngineInfo, ProcessedImage
 
 
 @dataclass(eq=False)
@@ -77,10 +77,10 @@ class WorkTable:
         self._inflight: dict[str, SharedWork] = {}
         self._ids = itertools.count()
 
-    def set_fingerprint(self, config: Config, processor_clamp: Mapping[str, Any] | None, info: Mapping[str, Any],
+    def set_fingerprint(self, config: Config, processor_clamp: Mapping[str, Any] | None, info: EngineInfo,
                         device: str | None) -> None:
-        self.fingerprint = cache_fingerprint(config, processor_clamp, model_name=info.get("model"),
-                                             family=info.get("family"), dtype=info.get("dtype"), device=device)
+        self.fingerprint = cache_fingerprint(config, processor_clamp, model_name=info.model,
+                                             family=info.family, dtype=info.dtype, device=device)
 
     @property
     def inflight_keys(self) -> int:

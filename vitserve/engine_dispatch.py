@@ -21,7 +21,7 @@ from vitserve.metrics import Metrics
 from vitserve.parallel import messages as m
 from vitserve.parallel.pool import GroupState, WorkerGroup
 from vitserve.scheduler import Scheduler
-from vitserve.types import EncodedImage, ProcessedImage
+from vitserve.contract import EncodedImage, ProcessedImage
 
 log = logging.getLogger(__name__)
 ERROR_GRACE_S = 0.2  # collect the other ranks' errors before failing a group (root cause first)

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from vitserve.metrics import Metrics
 from vitserve.rpc.sender import LLMSender
-from vitserve.types import EncodedImage, ProcessedImage
+from vitserve.contract import EncodedImage, ProcessedImage
 
 
 class LLMPush:

@@ -19,7 +19,7 @@ import dataclasses
 
 from vitserve.errors import VitserveError
 from vitserve.images import DecodedImage
-from vitserve.types import ProcessedImage
+from vitserve.contract import ProcessedImage
 
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 

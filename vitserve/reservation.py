@@ -66,7 +66,7 @@ import torch
 
 from vitserve.errors import ConfigError
 from vitserve.model.base import Encoder
-from vitserve.types import ProcessedImage
+from vitserve.contract import ProcessedImage
 
 log = logging.getLogger(__name__)
 

@@ -152,7 +152,7 @@ def test_bfloat16_embeddings_travel_bit_exact():
     from tests.e2e.live import TEST_CONFIG
     from tests.fakes import FakeEngine, TinyEncoder
     from vitserve.metrics import Metrics
-    from vitserve.types import EncodedImage
+    from vitserve.contract import EncodedImage
 
     class Bf16Encoder(TinyEncoder):
         dtype = torch.bfloat16

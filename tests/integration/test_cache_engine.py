@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from tests.fakes import FakeEncoderFactory, fake_item, fake_reference
-from tests.integration.engine_helpers import all_pids, assert_gone, deadline, make_config
+from tests.integration.engine_helpers import all_pids, assert_gone, deadline, encode, make_config
 from vitserve.cache import cache_fingerprint, cache_key, entry_nbytes
 from vitserve.engine import Engine
 from vitserve.errors import Timeout
 from vitserve.metrics import Metrics
 from vitserve.rpc import EmbeddingReceiver
-from vitserve.types import EncodedImage
+from vitserve.contract import EncodedImage
 
 ENTRY_BYTES = 16 * 32 * 4  # fake_item(4, 4): 16 tokens x embed_dim 32, fp32
 
@@ -66,7 +66,7 @@ async def until(cond, what: str, limit_s: float = 10.0) -> None:
 
 async def encode(engine, rid, images, *, seconds=30.0, inline=True):
     items, ids = [i for i, _ in images], [d for _, d in images]
-    return await engine.encode(rid, items, ids, deadline=deadline(seconds), return_embeddings=inline)
+    return await encode(engine, rid, items, ids, deadline=deadline(seconds), return_embeddings=inline)
 
 
 async def test_hit_miss_eviction_and_fingerprint(tmp_path):
@@ -84,7 +84,7 @@ async def test_hit_miss_eviction_and_fingerprint(tmp_path):
         assert (first.cached, again.cached) == (False, True)
         assert again.embedding.numpy().tobytes() == first.embedding.numpy().tobytes()
         torch.testing.assert_close(again.embedding, fake_reference(a[0]))
-        assert again.timing_ms["encode"] == 0.0
+        assert again.timing.encode_ms == 0.0
         assert encoded_images(engine) == 1  # the hit never reached the encoder
         assert (m.value("vitserve_cache_hits_total"), m.value("vitserve_cache_misses_total")) == (1, 1)
         assert m.value("vitserve_images_total", outcome="cached") == 1
@@ -129,8 +129,8 @@ async def test_opaque_ids_are_never_shared(tmp_path):
     async with running_engine(make_config(tmp_path, cache_gb=0.001)) as engine:
         a, b = fake_item(4, 4, seed=1), fake_item(4, 4, seed=2)
         outs = await asyncio.gather(
-            engine.encode("r1", [a], ["img"], deadline=deadline(), return_embeddings=True),
-            engine.encode("r2", [b], ["img"], deadline=deadline(), return_embeddings=True))
+            encode(engine, "r1", [a], ["img"], deadline=deadline(), return_embeddings=True),
+            encode(engine, "r2", [b], ["img"], deadline=deadline(), return_embeddings=True))
         torch.testing.assert_close(outs[1][0].embedding, fake_reference(b))
         assert encoded_images(engine) == 2
         assert len(engine._table.cache) == 0

@@ -15,7 +15,7 @@ from vitserve.cache import (
 )
 from vitserve.config import Config
 from vitserve.metrics import Metrics
-from vitserve.types import EncodedImage
+from vitserve.contract import EncodedImage
 
 
 def enc(rows: int, dim: int = 4, *, deepstack: int = 0, seed: int = 0) -> EncodedImage:

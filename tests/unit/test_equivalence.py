@@ -17,7 +17,7 @@ from transformers import AutoImageProcessor
 
 from tests.checkpoints import FAMILIES, VISION_CONFIGS, hf_reference, make_checkpoint
 from vitserve.model import load_encoder
-from vitserve.types import ProcessedImage
+from vitserve.contract import ProcessedImage
 
 LAYOUTS = ("model.visual", "visual")
 

@@ -16,7 +16,7 @@ from vitserve.model import Encoder, load_encoder
 from vitserve.model.families import ADAPTERS
 from vitserve.model.loader import model_name_of
 from vitserve.model.weights import INDEX_FILE, read_vision_weights
-from vitserve.types import ProcessedImage
+from vitserve.contract import ProcessedImage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

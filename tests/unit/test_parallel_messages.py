@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vitserve.parallel import messages as m
-from vitserve.types import EncodedImage, ProcessedImage
+from vitserve.contract import EncodedImage, ProcessedImage
 
 
 def _roundtrip(msg):

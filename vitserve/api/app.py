@@ -17,6 +17,7 @@ from vitserve.api.middleware import FrontDoor, ServerState
 from vitserve.api.openapi import ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
 from vitserve.api.pipeline import Preprocessor
 from vitserve.config import Config
+from vitserve.contract import Engine
 from vitserve.errors import InvalidRequest, NotReady, VitserveError
 from vitserve.metrics import CONTENT_TYPE, Metrics
 
@@ -51,16 +52,15 @@ async def _handle(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(_as_vitserve_error(exc))
 
 
-def info_body(config: Config, engine, processor) -> dict:
+def info_body(config: Config, engine: Engine, processor) -> dict:
     info = engine.info()
     return {
-        "model": info.get("model"), "family": info.get("family", processor.family),
-        "tp": info.get("tp", config.tp), "dp": info.get("dp", config.dp),
-        "embed_dim": info.get("embed_dim"), "dtype": info.get("dtype"),
+        "model": info.model, "family": info.family, "tp": info.tp, "dp": info.dp,
+        "embed_dim": info.embed_dim, "dtype": info.dtype,
         "budget_tokens": config.visual_batch_max_tokens, "max_batch_images": config.visual_infer_batch_size,
         "processor_clamp": processor.clamp_info(),
-        "reserved_memory_bytes": {str(k): v for k, v in (info.get("reserved_memory_bytes") or {}).items()},
-        "reserved_source": info.get("reserved_source"),
+        "reserved_memory_bytes": {str(k): v for k, v in info.reserved_memory_bytes.items()},
+        "reserved_source": info.reserved_source,
         "limits": {
             "max_queue_tokens": config.queue_token_limit, "max_images_per_request": config.max_images_per_request,
             "max_request_bytes": config.max_request_bytes, "max_image_pixels": config.max_image_pixels,
@@ -70,7 +70,7 @@ def info_body(config: Config, engine, processor) -> dict:
     }
 
 
-def create_app(config: Config, engine, processor, metrics: Metrics, *, state: ServerState | None = None) -> FastAPI:
+def create_app(config: Config, engine: Engine, processor, metrics: Metrics, *, state: ServerState | None = None) -> FastAPI:
     """The ASGI app. `state` lets the entry point flip `draining` on SIGTERM; app.state.server holds it."""
     state = state or ServerState()
     app = FastAPI(title="vitserve", version=vitserve.__version__,
@@ -93,7 +93,8 @@ def create_app(config: Config, engine, processor, metrics: Metrics, *, state: Se
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        ok, reason = engine.readiness()
+        readiness = engine.readiness()
+        ok, reason = readiness.ready, readiness.reason
         if state.draining:
             ok, reason = False, "shutting down"
         if not ok:

@@ -23,12 +23,12 @@ from vitserve.api.inputs import (
     parse_json_body,
     parse_multipart_body,
 )
-from vitserve.api.pipeline import PreparedImage, Preprocessor
+from vitserve.api.pipeline import Preprocessor
 from vitserve.config import Config
 from vitserve.errors import InvalidRequest, QueueFull, Timeout, VitserveError
 from vitserve.metrics import Metrics
 from vitserve.rpc.tensors import dtype_name, tensor_to_buffer
-from vitserve.types import ImageResult
+from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage
 
 log = logging.getLogger(__name__)
 _DEADLINE_GRACE_S = 5.0  # the engine enforces the deadline; this only guards against an engine that does not
@@ -39,7 +39,7 @@ def tensor_json(t) -> dict:
 
 
 class EncodeHandler:
-    def __init__(self, config: Config, engine, preprocessor: Preprocessor, metrics: Metrics):
+    def __init__(self, config: Config, engine: Engine, preprocessor: Preprocessor, metrics: Metrics):
         self.config = config
         self.engine = engine
         self.pre = preprocessor
@@ -105,10 +105,9 @@ class EncodeHandler:
         """The engine's results, or None when the client went away first (its queued work is cancelled)."""
         if await request.is_disconnected():  # left while we decoded: enqueue nothing at all
             return None
-        work = asyncio.ensure_future(self.engine.encode(
-            parsed.request_id, [p.item for p in prepared], [p.image_id for p in prepared],
-            deadline=deadline, return_embeddings=parsed.return_embeddings,
-        ))
+        work = asyncio.ensure_future(self.engine.encode(EncodeRequest(
+            request_id=parsed.request_id, images=tuple(prepared), deadline=deadline,
+            return_embeddings=parsed.return_embeddings)))
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             timeout = deadline - time.monotonic() + _DEADLINE_GRACE_S
@@ -139,14 +138,14 @@ class EncodeHandler:
             images.append(out)
 
         def stage(name: str) -> float:  # queue/encode/send overlap across images: the request waited the max
-            return round(max((r.timing_ms.get(name, 0.0) for r in results), default=0.0), 3)
+            return round(max((getattr(r.timing, f"{name}_ms") for r in results), default=0.0), 3)
 
         timing = {
             "decode": round(sum(p.decode_s for p in prepared) * 1000, 3),
             "preprocess": round(sum(p.preprocess_s for p in prepared) * 1000, 3),
             "queue": stage("queue"), "encode": stage("encode"), "send": stage("send"),
         }
-        return {"request_id": parsed.request_id, "model": self.engine.info().get("model", ""),
+        return {"request_id": parsed.request_id, "model": self.engine.info().model,
                 "images": images, "timing_ms": timing}
 
 

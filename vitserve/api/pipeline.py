@@ -14,24 +14,14 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from vitserve.errors import InvalidImage, Timeout, VitserveError
 from vitserve.images import decode_image
 from vitserve.jpeg_draft import JpegDraft
 from vitserve.metrics import Metrics
-from vitserve.types import ProcessedImage
+from vitserve.contract import PreparedImage
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PreparedImage:
-    item: ProcessedImage
-    image_id: str  # hex sha256 of the bytes as received
-    original_size: tuple[int, int]  # (width, height) after EXIF orientation
-    decode_s: float
-    preprocess_s: float
 
 
 def default_workers() -> int:

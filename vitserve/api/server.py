@@ -22,6 +22,7 @@ import uvicorn
 from vitserve.api.app import create_app
 from vitserve.api.middleware import ServerState
 from vitserve.config import Config
+from vitserve.contract import Engine
 from vitserve.errors import ConfigError
 from vitserve.metrics import Metrics
 
@@ -52,7 +53,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 class Service:
     """One vitserve process: HTTP front door + engine. `run()` returns the process exit code."""
 
-    def __init__(self, config: Config, engine, processor, metrics: Metrics, *, sock: socket.socket | None = None,
+    def __init__(self, config: Config, engine: Engine, processor, metrics: Metrics, *, sock: socket.socket | None = None,
                  banner=None):
         self.config = config
         self.engine = engine
@@ -122,8 +123,7 @@ class Service:
 
     async def _watch_engine(self) -> None:
         """Returns when the engine says no encoder group is left (engine.failed, an asyncio.Event)."""
-        failed = getattr(self.engine, "failed", None)
-        await (failed or asyncio.Event()).wait()  # an engine without the signal: only a signal stops us
+        await self.engine.failed.wait()
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from vitserve.model.families import FamilyAdapter
-from vitserve.types import EncodedImage, ProcessedImage
+from vitserve.contract import EncodedImage, ProcessedImage
 
 
 class HFVisionEncoder:

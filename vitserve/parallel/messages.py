@@ -19,7 +19,7 @@ import msgpack
 import torch
 
 from vitserve.rpc.tensors import dtype_name, tensor_from_buffer, tensor_to_buffer
-from vitserve.types import EncodedImage, ProcessedImage
+from vitserve.contract import EncodedImage, ProcessedImage
 
 VERSION = 1
 

@@ -10,7 +10,7 @@ from PIL import Image
 from vitserve.errors import VitserveError
 from vitserve.images import to_rgb
 from vitserve.processors.budget import Plan
-from vitserve.types import ProcessedImage
+from vitserve.contract import ProcessedImage
 
 
 class VisionProcessor(ABC):

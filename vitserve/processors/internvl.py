@@ -13,7 +13,7 @@ from PIL import Image
 
 from vitserve.processors.base import VisionProcessor, as_rgb, call_hf, check_grid
 from vitserve.processors.budget import Plan, TileGeometry, plan_tiles
-from vitserve.types import ProcessedImage
+from vitserve.contract import ProcessedImage
 
 
 class InternVLProcessor(VisionProcessor):
