@@ -234,6 +234,16 @@ class FakeEngine:
         with self._cv:
             return sum(1 for r, _ in self._queue if not r.cancelled)
 
+    def admit(self, tokens):
+        if not self._ready:
+            raise NotReady("engine is not ready")
+        limit = self.config.queue_token_limit
+        adding = 1 if tokens is None else tokens
+        with self._cv:
+            queued = sum(r.items[i].num_tokens for r, i in self._queue if not r.cancelled)
+        if limit is not None and queued and adding and queued + adding > limit:
+            raise QueueFull(f"{queued} tokens queued; limit {limit} (--max_queue_tokens)", retry_after_s=1.0)
+
     # -- the API's call ----------------------------------------------------------------------------------
     async def encode(self, request):
         if not self._ready:

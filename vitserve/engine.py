@@ -63,8 +63,7 @@ class Engine:
         self.failed = self._dispatch.all_failed  # set when no encoder group is left
         self._table = WorkTable(self._dispatch, make_cache(self.config, self.metrics))  # cache + dedup
         self._started = False
-        self._draining = False
-        self._active = 0  # encode() calls in progress
+        self._stopping = False  # shutdown() began: admit() refuses, readiness() says so
         self._tasks: list[asyncio.Task] = []
         self._ipc_dir: str | None = None
         self._closed = False  # torn down (after shutdown() or a failed start())
@@ -126,14 +125,12 @@ class Engine:
             self._push = LLMPush(self.config.llm_endpoint, self.metrics)
 
     async def shutdown(self) -> None:
-        """Refuse new work, let accepted requests finish (each bounded by its deadline), stop the ranks.
-        Safe to call twice, after a failed start(), or without start()."""
-        self._draining = True
+        """Refuse new work and stop the ranks. The Service lets the active requests finish first (its
+        drain); work still pending here fails with NotReady. Safe to call twice, after a failed start(),
+        or without start()."""
+        self._stopping = True
         if self._ipc_dir is None or self._closed:
             return
-        cap = time.monotonic() + self.config.request_timeout_s + 5
-        while self._active and time.monotonic() < cap:
-            await asyncio.sleep(0.05)
         stopping = [g for g in self._dispatch.groups if g.state is GroupState.READY]
         for group in stopping:
             group.send(m.StopMsg())
@@ -148,6 +145,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self._dispatch.fail_all(NotReady("the server shut down before this image was encoded"))
         for group in self._dispatch.groups:
             group.kill()
             self._remove_reservations(group)
@@ -176,7 +174,7 @@ class Engine:
     # ------------------------------------------------------------------------------------ state
 
     def readiness(self) -> Readiness:
-        if self._draining:
+        if self._stopping:
             return Readiness(False, "shutting down")
         if not self._started:
             return Readiness(False, "encoder ranks are starting (loading weights, reserving memory)")
@@ -230,34 +228,36 @@ class Engine:
     async def encode(self, request: EncodeRequest) -> list[ImageResult]:
         """Encode a request's images, push each to the LLM in order, return once all were handed over.
         Cache hits and images already queued or encoding (same sha256 image_id) are not encoded again."""
-        self._admit([])
+        self.admit(0)  # refuses when stopping, failed or starting, before any image is claimed
         items, image_ids = [p.item for p in request.images], [p.image_id for p in request.images]
         slots = self._table.acquire(items, image_ids, request.deadline)  # see engine_dedup.py
-        self._active += 1
         try:
             fresh = self._table.fresh_works(slots)
-            self._admit([w.item for w in fresh])  # only new work counts against --max_queue_tokens
+            self.admit(sum(w.item.num_tokens for w in fresh))  # only new work counts against the limit
             self._dispatch.add(fresh)
             return await self._complete(request.request_id, slots, image_ids, request.deadline,
                                         request.return_embeddings)
         finally:
             self._table.release(slots)  # timeout, disconnect or error: drop queued work nobody else awaits
-            self._active -= 1
 
-    def _admit(self, items: list[ProcessedImage]) -> None:
-        if self._draining:
+    def admit(self, tokens: int | None) -> None:
+        """The one admission rule. `tokens` more queued tokens are refused when the queue already holds
+        some and the sum would pass --max_queue_tokens; None (before decoding) counts as one token. An
+        empty queue always admits, so one request larger than the limit is not refused forever, and
+        0 tokens (every image a cache hit or already queued) always pass the queue check."""
+        if self._stopping:
             raise NotReady("the server is shutting down and accepts no new requests")
         if self.failed.is_set():
             reasons = "; ".join(g.failure or "" for g in self._dispatch.groups)
             raise EncoderFailed(f"no encoder group is left to serve: {reasons}")
         if not self._started:
             raise NotReady("encoder ranks are still starting")
-        limit = self.config.queue_token_limit
-        queued, tokens = self.queue_tokens, sum(it.num_tokens for it in items)
-        # An empty queue always admits, so one request larger than the limit is not refused forever.
-        if limit is not None and queued and tokens and queued + tokens > limit:
-            raise QueueFull(f"{queued} tokens are queued and this request adds {tokens}, above --max_queue_tokens "
-                            f"{limit}", retry_after_s=self._retry_after_s(queued))
+        limit, queued = self.config.queue_token_limit, self.queue_tokens
+        adding = 1 if tokens is None else tokens
+        if limit is not None and queued and adding and queued + adding > limit:
+            more = "" if tokens is None else f" and this request adds {tokens}"
+            raise QueueFull(f"{queued} tokens are queued{more}, above --max_queue_tokens {limit}",
+                            retry_after_s=self._retry_after_s(queued))
 
     def _retry_after_s(self, queued: int) -> float:
         rate = self._dispatch.tokens_per_s

@@ -226,6 +226,15 @@ class Dispatcher:
         else:
             self.dispatch()  # the surviving groups take the queue
 
+    def fail_all(self, exc: Exception) -> None:
+        """Settle every queued and in-flight image with `exc` (the engine is going away)."""
+        for batch_id, (group, works, _) in list(self.inflight.items()):
+            del self.inflight[batch_id]
+            group.inflight = None
+            for w in works:
+                _settle(w, exc=exc)
+        self._fail_queue(exc)
+
     def _fail_queue(self, exc: Exception) -> None:
         for w in self.queued.values():
             self.scheduler.cancel(w.id)

@@ -28,8 +28,7 @@ async def running_engine(config: Config, factory: FakeEncoderFactory | None = Fa
     try:
         yield engine
     finally:
-        if not engine._draining:
-            await engine.shutdown()
+        await engine.shutdown()  # a second call is a no-op
         assert_gone(all_pids(engine))
 
 

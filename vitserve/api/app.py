@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,26 +12,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vitserve
 from vitserve.api.encode import EncodeHandler
-from vitserve.api.middleware import FrontDoor, ServerState
+from vitserve.api.edge import Edge, ServerState
 from vitserve.api.openapi import ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
 from vitserve.api.pipeline import Preprocessor
 from vitserve.config import Config
 from vitserve.contract import Engine
-from vitserve.errors import InvalidRequest, NotReady, VitserveError
+from vitserve.errors import InvalidRequest, NotReady, VitserveError, http_error
 from vitserve.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
 _HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 
 
-def error_response(err: VitserveError) -> JSONResponse:
-    """The single mapping from a typed error to its HTTP answer (SPEC §2 body, Retry-After on 503 queue_full)."""
-    headers = {}
-    if err.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+def error_response(err: VitserveError) -> Response:
+    """A typed error as the route's answer, rendered by errors.http_error like the edge's refusals."""
     if err.status >= 500:
         log.warning("%s: %s", err.code, err.message)
-    return JSONResponse(err.to_body(), status_code=err.status, headers=headers)
+    status, headers, body = http_error(err)
+    return Response(body, status_code=status, headers=headers)
 
 
 def _as_vitserve_error(exc: Exception) -> VitserveError:
@@ -48,7 +45,7 @@ def _as_vitserve_error(exc: Exception) -> VitserveError:
     return VitserveError("internal error; see the server log")
 
 
-async def _handle(_request: Request, exc: Exception) -> JSONResponse:
+async def _handle(_request: Request, exc: Exception) -> Response:
     return error_response(_as_vitserve_error(exc))
 
 
@@ -92,13 +89,10 @@ def create_app(config: Config, engine: Engine, processor, metrics: Metrics, *, s
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
+    async def ready() -> Response:  # while draining, the edge answers instead
         readiness = engine.readiness()
-        ok, reason = readiness.ready, readiness.reason
-        if state.draining:
-            ok, reason = False, "shutting down"
-        if not ok:
-            return error_response(NotReady(f"not ready: {reason}"))
+        if not readiness.ready:
+            return error_response(NotReady(f"not ready: {readiness.reason}"))
         return JSONResponse({"status": "ready"})
 
     @app.get("/v1/info")
@@ -110,7 +104,7 @@ def create_app(config: Config, engine: Engine, processor, metrics: Metrics, *, s
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    app.add_middleware(FrontDoor, api_key=config.api_key, state=state, metrics=metrics)
+    app.add_middleware(Edge, api_key=config.api_key, state=state, metrics=metrics)
     return app
 
 

@@ -25,7 +25,7 @@ from vitserve.api.inputs import (
 )
 from vitserve.api.pipeline import Preprocessor
 from vitserve.config import Config
-from vitserve.errors import InvalidRequest, QueueFull, Timeout, VitserveError
+from vitserve.errors import InvalidRequest, Timeout, VitserveError
 from vitserve.metrics import Metrics
 from vitserve.rpc.tensors import dtype_name, tensor_to_buffer
 from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage
@@ -50,7 +50,7 @@ class EncodeHandler:
         parsed: ParsedRequest | None = None
         try:
             parsed = await self._parse_within(request, deadline)
-            self._refuse_if_queue_full()
+            self.engine.admit(None)  # a full queue refuses before any decoding is spent
             blobs = await fetch_sources(parsed.sources, self.config, deadline)
             prepared = await self.pre.prepare(blobs, deadline)
             self._count_accepted(prepared)
@@ -72,13 +72,6 @@ class EncodeHandler:
             self.metrics.image_tokens.observe(p.item.num_tokens)
             if p.item.clamped:
                 self.metrics.images_clamped_total.inc()
-
-    def _refuse_if_queue_full(self) -> None:
-        """Fast path of the engine's own check: skip decoding when the queue is already at its limit."""
-        limit = self.config.queue_token_limit
-        if limit is not None and self.engine.queue_tokens >= limit:
-            raise QueueFull(f"{self.engine.queue_tokens} tokens queued, limit {limit} (--max_queue_tokens)",
-                            retry_after_s=1.0)
 
     async def _parse_within(self, request: Request, deadline: float) -> ParsedRequest:
         """A body that trickles in (slowloris) is bounded by the request deadline too."""

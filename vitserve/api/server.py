@@ -1,7 +1,7 @@
 """Running the app: uvicorn on a socket we bound, the engine started beside it, SIGTERM -> drain.
 
-Drain order (F6): stop taking /encode (503 not_ready), let every in-flight request finish, shut the
-engine down (its own drain), then close the HTTP server. uvicorn's own signal capture is disabled: it
+Drain order (Service._drain, the only drain): the edge refuses /encode and /ready (503 not_ready), every
+active request finishes, the engine stops its groups, then the HTTP server closes. uvicorn's own signal capture is disabled: it
 would close the listening socket first and re-raise the signal afterwards, turning a clean drain into a
 death by SIGTERM (exit -15).
 """
@@ -20,7 +20,7 @@ import time
 import uvicorn
 
 from vitserve.api.app import create_app
-from vitserve.api.middleware import ServerState
+from vitserve.api.edge import ServerState
 from vitserve.config import Config
 from vitserve.contract import Engine
 from vitserve.errors import ConfigError
@@ -110,10 +110,12 @@ class Service:
         return code
 
     async def _drain(self, *, graceful: bool) -> None:
+        """The one drain sequence: the edge refuses new work and /ready, the requests being served finish
+        (each bounded by its deadline), then the engine stops its groups."""
         self.state.draining = True
-        log.info("draining: refusing new requests, finishing %d in flight", self.state.in_flight)
+        log.info("draining: refusing new requests, finishing %d active", self.state.active_requests)
         give_up = time.monotonic() + self.config.request_timeout_s + 5
-        while graceful and self.state.in_flight and time.monotonic() < give_up:
+        while graceful and self.state.active_requests and time.monotonic() < give_up:
             await asyncio.sleep(0.05)
         try:
             await self.engine.shutdown()
