@@ -129,10 +129,10 @@ def encoder_only(images: dict[str, list[bytes]], budget: int, threads: int, reps
     """
     import torch
 
+    from vitserve.engine.scheduler import Scheduler
     from vitserve.images import decode_image
     from vitserve.model import load_encoder
     from vitserve.processors import load_image_processor
-    from vitserve.scheduler import Scheduler
 
     torch.set_num_threads(threads)
     encoder = load_encoder("demo")

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vitserve.errors import EncoderFailed, NotReady, QueueFull, Timeout
 from vitserve.contract import EncodedImage, EngineInfo, ImageResult, ProcessedImage, Readiness, StageTimes
+from vitserve.errors import EncoderFailed, NotReady, QueueFull, Timeout
 
 # ------------------------------------------------------------------------------------------------------
 # FakeEncoder: a deterministic Encoder with real computation and, at tp > 1, a real collective.

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from vitserve.contract import ProcessedImage
 from vitserve.errors import VitserveError
 from vitserve.images import DecodedImage
-from vitserve.contract import ProcessedImage
 
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 

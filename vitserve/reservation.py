@@ -64,9 +64,9 @@ from typing import Any
 
 import torch
 
+from vitserve.contract import ProcessedImage
 from vitserve.errors import ConfigError
 from vitserve.model.base import Encoder
-from vitserve.contract import ProcessedImage
 
 log = logging.getLogger(__name__)
 

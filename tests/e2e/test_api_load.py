@@ -151,8 +151,8 @@ def test_client_accepts_paths_bytes_and_pil_images(tmp_path):
 def test_bfloat16_embeddings_travel_bit_exact():
     from tests.e2e.live import TEST_CONFIG
     from tests.fakes import FakeEngine, TinyEncoder
-    from vitserve.metrics import Metrics
     from vitserve.contract import EncodedImage
+    from vitserve.metrics import Metrics
 
     class Bf16Encoder(TinyEncoder):
         dtype = torch.bfloat16

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from tests.fakes import fake_item, fake_reference
-from tests.integration.engine_helpers import all_pids, assert_gone, deadline, encode, make_config, running_engine
+from tests.integration.engine_helpers import (
+    all_pids,
+    assert_gone,
+    deadline,
+    encode,
+    make_config,
+    running_engine,
+)
 from vitserve.contract import Readiness
 from vitserve.errors import NotReady, QueueFull
 

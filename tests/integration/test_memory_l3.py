@@ -22,8 +22,8 @@ import torch
 
 from tests.checkpoints import VISION_CONFIGS, make_checkpoint
 from tests.integration.engine_helpers import deadline, encode, make_config, running_engine
-from vitserve.reservation import read_reservation
 from vitserve.contract import ProcessedImage
+from vitserve.reservation import read_reservation
 
 BUDGET = 1024  # merged tokens per batch
 MAX_IMAGES = 8  # --visual_infer_batch_size

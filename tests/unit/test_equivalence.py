@@ -16,8 +16,8 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from tests.checkpoints import FAMILIES, VISION_CONFIGS, hf_reference, make_checkpoint
-from vitserve.model import load_encoder
 from vitserve.contract import ProcessedImage
+from vitserve.model import load_encoder
 
 LAYOUTS = ("model.visual", "visual")
 

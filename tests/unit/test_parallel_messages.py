@@ -8,8 +8,8 @@ import msgpack
 import pytest
 import torch
 
-from vitserve.parallel import messages as m
 from vitserve.contract import EncodedImage, ProcessedImage
+from vitserve.parallel import messages as m
 
 
 def _roundtrip(msg):

@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vitserve
-from vitserve.api.encode import EncodeHandler
 from vitserve.api.edge import Edge, ServerState
+from vitserve.api.encode import EncodeHandler
 from vitserve.api.openapi import ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
 from vitserve.api.pipeline import Preprocessor
 from vitserve.config import Config

@@ -25,10 +25,10 @@ from vitserve.api.inputs import (
 )
 from vitserve.api.pipeline import Preprocessor
 from vitserve.config import Config
+from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage
 from vitserve.errors import InvalidRequest, Timeout, VitserveError
 from vitserve.metrics import Metrics
 from vitserve.rpc.tensors import dtype_name, tensor_to_buffer
-from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage
 
 log = logging.getLogger(__name__)
 _DEADLINE_GRACE_S = 5.0  # the engine enforces the deadline; this only guards against an engine that does not

@@ -15,11 +15,11 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from vitserve.contract import PreparedImage
 from vitserve.errors import InvalidImage, Timeout, VitserveError
 from vitserve.images import decode_image
 from vitserve.jpeg_draft import JpegDraft
 from vitserve.metrics import Metrics
-from vitserve.contract import PreparedImage
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from vitserve.model.families import FamilyAdapter
 from vitserve.contract import EncodedImage, ProcessedImage
+from vitserve.model.families import FamilyAdapter
 
 
 class HFVisionEncoder:

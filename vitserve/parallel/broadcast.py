@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vitserve.parallel.messages import BatchMsg, Kind
 from vitserve.contract import ProcessedImage
+from vitserve.parallel.messages import BatchMsg, Kind
 
 _KIND_CODES = {Kind.HEARTBEAT: 0, Kind.BATCH: 1, Kind.STOP: 2}
 _KINDS = {v: k for k, v in _KIND_CODES.items()}

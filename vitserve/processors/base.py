@@ -7,10 +7,10 @@ from typing import Any
 
 from PIL import Image
 
+from vitserve.contract import ProcessedImage
 from vitserve.errors import VitserveError
 from vitserve.images import to_rgb
 from vitserve.processors.budget import Plan
-from vitserve.contract import ProcessedImage
 
 
 class VisionProcessor(ABC):

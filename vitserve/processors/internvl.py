@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from PIL import Image
 
+from vitserve.contract import ProcessedImage
 from vitserve.processors.base import VisionProcessor, as_rgb, call_hf, check_grid
 from vitserve.processors.budget import Plan, TileGeometry, plan_tiles
-from vitserve.contract import ProcessedImage
 
 
 class InternVLProcessor(VisionProcessor):

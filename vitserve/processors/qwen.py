@@ -7,9 +7,9 @@ import dataclasses
 from PIL import Image
 from transformers.image_utils import SizeDict
 
+from vitserve.contract import ProcessedImage
 from vitserve.processors.base import VisionProcessor, as_rgb, call_hf, check_grid
 from vitserve.processors.budget import Plan, QwenGeometry, plan_qwen
-from vitserve.contract import ProcessedImage
 
 
 class QwenProcessor(VisionProcessor):

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from vitserve.config import Config
-from vitserve.metrics import Metrics
 from vitserve.contract import EncodedImage
+from vitserve.metrics import Metrics
 
 GIB = 1024**3
 FINGERPRINT_VERSION = 1  # bump when the meaning of an entry changes (e.g. a new field in EncodedImage)

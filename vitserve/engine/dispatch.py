@@ -1,8 +1,9 @@
-"""The engine's half that talks to encoder groups: queue -> idle group, results -> futures, faults -> errors.
+"""Queue -> idle group, RESULT/ERROR -> Jobs, faults -> errors: the engine's half that talks to groups.
 
 Runs entirely on the API process's event loop (one thread), so the scheduler and the tables below need
 no locks. Groups PULL: whenever a group is idle, it gets the next batch from the head of the one shared
-FIFO queue, so the least busy group takes the work and at most one batch is in flight per group.
+FIFO queue, so the least busy group takes the work and at most one batch is in flight per group. The
+group itself (engine/groups.py) holds that batch and changes its own state; this module only decides.
 """
 
 from __future__ import annotations
@@ -10,34 +11,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
 from vitserve.config import Config
+from vitserve.engine.groups import Batch, GroupState, WorkerGroup
+from vitserve.engine.jobs import Job
+from vitserve.engine.scheduler import Scheduler
 from vitserve.errors import EncoderFailed, Timeout
 from vitserve.metrics import Metrics
 from vitserve.parallel import messages as m
-from vitserve.parallel.pool import GroupState, WorkerGroup
-from vitserve.scheduler import Scheduler
-from vitserve.contract import EncodedImage, ProcessedImage
 
 log = logging.getLogger(__name__)
 ERROR_GRACE_S = 0.2  # collect the other ranks' errors before failing a group (root cause first)
-
-
-@dataclass(eq=False)
-class WorkItem:
-    """One accepted image, from enqueue until its future completes."""
-
-    id: int
-    item: ProcessedImage
-    deadline: float  # time.monotonic() based
-    future: asyncio.Future  # -> EncodedImage, or a VitserveError
-    enqueued_at: float = field(default_factory=time.monotonic)
-    queue_s: float = 0.0  # enqueue -> dispatch
-    encode_s: float = 0.0  # dispatch -> result (the whole batch)
 
 
 class Dispatcher:
@@ -46,30 +33,29 @@ class Dispatcher:
         self.metrics = metrics
         self.scheduler = Scheduler(config.visual_batch_max_tokens, config.visual_infer_batch_size)
         self.groups: list[WorkerGroup] = []
-        self.queued: dict[int, WorkItem] = {}
-        self.inflight: dict[int, tuple[WorkerGroup, list[WorkItem], float]] = {}  # batch id -> (group, work, t0)
+        self.queued: dict[int, Job] = {}  # job id -> Job, for the ids the scheduler hands back
         self.all_failed = asyncio.Event()  # set when no group is left to serve
         self.tokens_per_s = 0.0  # EWMA of encode throughput, for Retry-After
         self._batch_ids = 0
 
     # ------------------------------------------------------------------------------------ queue
 
-    def add(self, works: list[WorkItem]) -> None:
-        for w in works:
-            self.scheduler.add(w.id, w.item.num_tokens)
-            self.queued[w.id] = w
+    def add(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.scheduler.add(job.id, job.item.num_tokens)
+            self.queued[job.id] = job
         self._update_queue_gauges()
         self.dispatch()
 
-    def cancel(self, works: list[WorkItem]) -> None:
-        """Forget every item of a request that has not completed: queued ones never reach a group."""
-        for w in works:
-            if self.scheduler.cancel(w.id):
-                self.queued.pop(w.id, None)
-            if not w.future.done():
-                w.future.cancel()  # an in-flight result for it is dropped on arrival
-            elif not w.future.cancelled():
-                w.future.exception()  # mark a failure nobody awaited as seen (no "never retrieved" noise)
+    def cancel(self, jobs: list[Job]) -> None:
+        """Forget Jobs nobody waits for: queued ones never reach a group, in-flight results are dropped."""
+        for job in jobs:
+            if self.scheduler.cancel(job.id):
+                self.queued.pop(job.id, None)
+            if not job.future.done():
+                job.future.cancel()  # an in-flight result for it is dropped on arrival
+            elif not job.future.cancelled():
+                job.future.exception()  # mark a failure nobody awaited as seen (no "never retrieved" noise)
         self._update_queue_gauges()
 
     def dispatch(self) -> None:
@@ -77,41 +63,37 @@ class Dispatcher:
         for group in self.groups:
             if not group.idle:
                 continue
-            works = self._next_works()
-            if not works:
+            jobs = self._next_jobs()
+            if not jobs:
                 return
-            self._send_batch(group, works)
+            self._send_batch(group, jobs)
 
-    def _next_works(self) -> list[WorkItem]:
+    def _next_jobs(self) -> list[Job]:
         now = time.monotonic()
         while (ids := self.scheduler.next_batch()) is not None:
-            works = [self.queued.pop(i) for i in ids]  # type: ignore[call-overload]  # ids are our ints
             live = []
-            for w in works:
-                if w.deadline <= now:  # past --request_timeout_s while queued: dropped, never encoded
-                    _settle(w, exc=Timeout("the image waited in the queue past --request_timeout_s"))
+            for job in (self.queued.pop(i) for i in ids):  # type: ignore[call-overload]  # ids are our ints
+                if job.deadline <= now:  # past --request_timeout_s while queued: dropped, never encoded
+                    job.settle(exc=Timeout("the image waited in the queue past --request_timeout_s"))
                 else:
-                    live.append(w)
+                    live.append(job)
             if live:
                 return live
         return []
 
-    def _send_batch(self, group: WorkerGroup, works: list[WorkItem]) -> None:
+    def _send_batch(self, group: WorkerGroup, jobs: list[Job]) -> None:
         self._batch_ids += 1
-        now = time.monotonic()
-        tokens = sum(w.item.num_tokens for w in works)
-        for w in works:
-            w.queue_s = now - w.enqueued_at
-            self.metrics.stage_seconds.labels(stage="queue").observe(w.queue_s)
-        self.metrics.batch_tokens.observe(tokens)
-        self.metrics.batch_images.observe(len(works))
+        batch = Batch(self._batch_ids, jobs, time.monotonic())
+        for job in jobs:
+            job.queue_s = batch.started - job.enqueued_at
+            self.metrics.stage_seconds.labels(stage="queue").observe(job.queue_s)
+        self.metrics.batch_tokens.observe(batch.tokens)
+        self.metrics.batch_images.observe(len(jobs))
         if self.config.budget_enabled:
-            self.metrics.batch_fill_ratio.observe(tokens / self.config.visual_batch_max_tokens)
+            self.metrics.batch_fill_ratio.observe(batch.tokens / self.config.visual_batch_max_tokens)
         self._update_queue_gauges()
-        group.inflight = self._batch_ids
-        self.inflight[self._batch_ids] = (group, works, now)
         try:
-            group.send(m.BatchMsg(batch_id=self._batch_ids, items=[w.item for w in works]))
+            group.start_batch(batch)
         except Exception as exc:  # zmq refused the batch: the group cannot take work
             self.fail_group(group, f"could not hand a batch to group {group.index}: {exc}")
 
@@ -140,7 +122,7 @@ class Dispatcher:
         if group is None or not group.alive:
             return  # a late message from a group already torn down
         if isinstance(msg, m.AliveMsg):
-            self._on_alive(group, msg)
+            self.metrics.heartbeats_total.inc(group.on_alive(msg))
         elif isinstance(msg, m.ReadyMsg):
             self._on_ready(group, msg)
         elif isinstance(msg, m.ResultMsg):
@@ -155,43 +137,30 @@ class Dispatcher:
             return self.groups[index]
         return None
 
-    def _on_alive(self, group: WorkerGroup, msg: m.AliveMsg) -> None:
-        if 0 <= msg.rank < len(group.last_seen):
-            group.last_seen[msg.rank] = time.monotonic()
-        if msg.rank == 0 and msg.heartbeats > group.heartbeats:
-            self.metrics.heartbeats_total.inc(msg.heartbeats - group.heartbeats)
-            group.heartbeats = msg.heartbeats
-
     def _on_ready(self, group: WorkerGroup, msg: m.ReadyMsg) -> None:
-        group.ready[msg.rank] = msg
-        group.last_seen[msg.rank] = time.monotonic()
-        global_rank = group.index * self.config.tp + msg.rank
-        self.metrics.reserved_memory_bytes.labels(rank=str(global_rank)).set(msg.reserved_bytes)
-        if len(group.ready) == self.config.tp and group.state is GroupState.STARTING:
-            group.state = GroupState.READY
-            log.info("encoder group %d ready (pids %s)", group.index, group.pids)
+        rank = str(group.global_rank(msg.rank))
+        self.metrics.reserved_memory_bytes.labels(rank=rank).set(msg.reserved_bytes)
+        if group.on_ready(msg):
             self._update_ready_gauge()
             self.dispatch()
 
     def _on_result(self, group: WorkerGroup, msg: m.ResultMsg) -> None:
-        entry = self.inflight.pop(msg.batch_id, None)
-        if entry is None or entry[0] is not group:
+        batch = group.finish_batch(msg.batch_id)
+        if batch is None:
             log.warning("dropped a result for unknown batch %d from group %d", msg.batch_id, group.index)
             return
-        _, works, started = entry
-        group.inflight = None
-        group.last_seen[0] = time.monotonic()
-        seconds = time.monotonic() - started
+        seconds = time.monotonic() - batch.started
         self.metrics.stage_seconds.labels(stage="encode").observe(seconds)
-        tokens = sum(w.item.num_tokens for w in works)
         if seconds > 0:
-            self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * tokens / seconds if self.tokens_per_s else tokens / seconds
-        if len(msg.outputs) != len(works):
-            self.fail_group(group, f"group {group.index} returned {len(msg.outputs)} outputs for {len(works)} images")
+            rate = batch.tokens / seconds
+            self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * rate if self.tokens_per_s else rate
+        if len(msg.outputs) != len(batch.jobs):
+            self.fail_group(group, f"group {group.index} returned {len(msg.outputs)} outputs for "
+                                   f"{len(batch.jobs)} images")
             return
-        for w, out in zip(works, msg.outputs, strict=False):
-            w.encode_s = seconds
-            if _settle(w, result=out):
+        for job, out in zip(batch.jobs, msg.outputs, strict=True):
+            job.encode_s = seconds
+            if job.settle(result=out):
                 self.metrics.images_total.labels(outcome="encoded").inc()
         self.dispatch()
 
@@ -207,52 +176,37 @@ class Dispatcher:
 
     def fail_group(self, group: WorkerGroup, reason: str | None) -> None:
         """Fail the group's in-flight work, tear it down (no orphans), and stop serving if none is left."""
-        if group.state in (GroupState.FAILED, GroupState.STOPPED):
+        if not group.alive:
             return
         reason = "; ".join([*group.errors, *([reason] if reason else [])])  # reported errors first
-        group.mark_failed(reason)
-        group.kill()
-        error = f"encoder group {group.index} failed: {reason}"
-        for batch_id, (g, works, _) in list(self.inflight.items()):
-            if g is group:
-                del self.inflight[batch_id]
-                for w in works:
-                    _settle(w, exc=EncoderFailed(error))
-        group.inflight = None
+        batch = group.fail(reason)
+        if batch is not None:
+            error = EncoderFailed(f"encoder group {group.index} failed: {reason}")
+            for job in batch.jobs:
+                job.settle(exc=error)
         self._update_ready_gauge()
         if not any(g.alive for g in self.groups):
-            self._fail_queue(EncoderFailed(f"no encoder group is left; {error}"))
+            self._fail_queue(EncoderFailed(f"no encoder group is left; encoder group {group.index} failed: "
+                                           f"{reason}"))
             self.all_failed.set()
         else:
             self.dispatch()  # the surviving groups take the queue
 
     def fail_all(self, exc: Exception) -> None:
-        """Settle every queued and in-flight image with `exc` (the engine is going away)."""
-        for batch_id, (group, works, _) in list(self.inflight.items()):
-            del self.inflight[batch_id]
-            group.inflight = None
-            for w in works:
-                _settle(w, exc=exc)
+        """Settle every queued and in-flight Job with `exc` (the engine is going away)."""
+        for group in self.groups:
+            batch = group.finish_batch(group.batch.id) if group.batch is not None else None
+            for job in batch.jobs if batch is not None else ():
+                job.settle(exc=exc)
         self._fail_queue(exc)
 
     def _fail_queue(self, exc: Exception) -> None:
-        for w in self.queued.values():
-            self.scheduler.cancel(w.id)
-            _settle(w, exc=exc)
+        for job in self.queued.values():
+            self.scheduler.cancel(job.id)
+            job.settle(exc=exc)
         self.queued.clear()
         self._update_queue_gauges()
 
     def _update_ready_gauge(self) -> None:
         ready = sum(len(g.ready) for g in self.groups if g.state is GroupState.READY)
         self.metrics.workers_ready.set(ready)
-
-
-def _settle(w: WorkItem, *, result: EncodedImage | None = None, exc: Exception | None = None) -> bool:
-    """Complete a work item's future once; False when it was already done (e.g. cancelled)."""
-    if w.future.done():
-        return False
-    if exc is not None:
-        w.future.set_exception(exc)
-    else:
-        w.future.set_result(result)
-    return True
