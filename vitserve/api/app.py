@@ -54,7 +54,7 @@ def info_body(config: Config, engine: Engine, processor) -> dict:
     return {
         "model": info.model, "family": info.family, "tp": info.tp, "dp": info.dp,
         "embed_dim": info.embed_dim, "dtype": info.dtype,
-        "budget_tokens": config.visual_batch_max_tokens, "max_batch_images": config.visual_infer_batch_size,
+        "budget_tokens": config.budget_tokens, "max_batch_images": config.max_batch_images,
         "processor_clamp": processor.clamp_info(),
         "reserved_memory_bytes": {str(k): v for k, v in info.reserved_memory_bytes.items()},
         "reserved_source": info.reserved_source,

@@ -31,7 +31,7 @@ class Dispatcher:
     def __init__(self, config: Config, metrics: Metrics):
         self.config = config
         self.metrics = metrics
-        self.scheduler = Scheduler(config.visual_batch_max_tokens, config.visual_infer_batch_size)
+        self.scheduler = Scheduler(config.budget_tokens, config.max_batch_images)
         self.groups: list[WorkerGroup] = []
         self.queued: dict[int, Job] = {}  # job id -> Job, for the ids the scheduler hands back
         self.all_failed = asyncio.Event()  # set when no group is left to serve
@@ -90,7 +90,7 @@ class Dispatcher:
         self.metrics.batch_tokens.observe(batch.tokens)
         self.metrics.batch_images.observe(len(jobs))
         if self.config.budget_enabled:
-            self.metrics.batch_fill_ratio.observe(batch.tokens / self.config.visual_batch_max_tokens)
+            self.metrics.batch_fill_ratio.observe(batch.tokens / self.config.budget_tokens)
         self._update_queue_gauges()
         try:
             group.start_batch(batch)

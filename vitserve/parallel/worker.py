@@ -184,8 +184,8 @@ class RankWorker:
 
         override = self.cfg.visual_reserved_mem_gb
         assert self.encoder is not None
-        res = reserve(self.encoder, budget_tokens=self.cfg.visual_batch_max_tokens,
-                      max_batch_images=self.cfg.visual_infer_batch_size, override_gb=override)
+        res = reserve(self.encoder, budget_tokens=self.cfg.budget_tokens,
+                      max_batch_images=self.cfg.max_batch_images, override_gb=override)
         publish_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source)
         self.reservation = res
 
