@@ -19,8 +19,8 @@ from torch import nn
 from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.engine import Engine
 from vitserve.engine.groups import WorkerGroup
-from vitserve.parallel import messages as m
 from vitserve.rpc.tensors import dtype_name
+from vitserve.worker import messages as m
 
 # ------------------------------------------------------------------------------------------------------
 # FakeEncoder: a deterministic Encoder with real computation and, at tp > 1, a real collective.

@@ -19,7 +19,7 @@ SIZES = [(100, 60), (56, 56), (90, 130)]  # (w, h): different grids / tile count
 
 def _encode_sharded(rank: int, world: int, paths: dict, items: dict) -> dict:
     from vitserve.model import load_encoder
-    from vitserve.parallel.tp import apply_tp
+    from vitserve.model.tp import apply_tp
     from vitserve.reservation import reserve
 
     out: dict = {}

@@ -21,7 +21,7 @@ from vitserve.engine.jobs import Job
 from vitserve.engine.scheduler import Scheduler
 from vitserve.errors import EncoderFailed, Timeout
 from vitserve.metrics import Metrics
-from vitserve.parallel import messages as m
+from vitserve.worker import messages as m
 
 log = logging.getLogger(__name__)
 ERROR_GRACE_S = 0.2  # collect the other ranks' errors before failing a group (root cause first)

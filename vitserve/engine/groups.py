@@ -31,8 +31,8 @@ import zmq
 
 from vitserve.config import Config
 from vitserve.engine.jobs import Job
-from vitserve.parallel import messages as m
-from vitserve.parallel.worker import Rendezvous, WorkerArgs, run_worker
+from vitserve.worker import messages as m
+from vitserve.worker.rank import Rendezvous, WorkerArgs, run_worker
 
 log = logging.getLogger(__name__)
 SEND_WAIT_MS = 2000  # the most the event loop waits for rank 0's batch socket to accept a message

@@ -37,8 +37,8 @@ from vitserve.engine.jobs import Claim, JobTable
 from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
 from vitserve.metrics import Metrics
-from vitserve.parallel.worker import Rendezvous, load_configured_encoder, startup_timeout_s
 from vitserve.reservation import remove_reservation
+from vitserve.worker.rank import Rendezvous, load_configured_encoder, startup_timeout_s
 
 log = logging.getLogger(__name__)
 GroupFactory = Callable[..., WorkerGroup]  # WorkerGroup's constructor, or a test's in-process group

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from vitserve.contract import ProcessedImage
-from vitserve.parallel.messages import BatchMsg, Kind
+from vitserve.worker.messages import BatchMsg, Kind
 
 _KIND_CODES = {Kind.HEARTBEAT: 0, Kind.BATCH: 1, Kind.STOP: 2}
 _KINDS = {v: k for k, v in _KIND_CODES.items()}

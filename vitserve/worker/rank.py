@@ -24,10 +24,10 @@ import zmq
 from vitserve.config import Config
 from vitserve.errors import ConfigError
 from vitserve.model.base import Encoder
-from vitserve.parallel import broadcast
-from vitserve.parallel import messages as m
-from vitserve.parallel.liveness import LivenessThread, LoopCounters, die_with_parent
 from vitserve.rpc.tensors import dtype_name
+from vitserve.worker import broadcast
+from vitserve.worker import messages as m
+from vitserve.worker.liveness import LivenessThread, LoopCounters, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class RankWorker:
         self.encoder = enc = self.args.encoder_factory(self.cfg)
         # Encoders that shard themselves (test fakes) say so; real towers get the TP pass.
         if self.distributed and not getattr(enc, "handles_tp", False):
-            from vitserve.parallel.tp import apply_tp  # only needed for tp > 1
+            from vitserve.model.tp import apply_tp  # only needed for tp > 1
 
             apply_tp(enc.visual, enc.family)
 
