@@ -238,6 +238,7 @@ class ThreadGroup(WorkerGroup):
             if isinstance(msg, m.StopMsg):
                 self._stopped.set()
                 return
+            assert isinstance(msg, m.BatchMsg), msg.kind  # the engine sends nothing else on this socket
             while not self.gate.wait(cfg.heartbeat_s / 2):  # held: still alive
                 if self._stopped.is_set():
                     return
