@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import vitserve
 from vitserve.config import Config
@@ -101,7 +101,7 @@ FLAGS: dict[str, Flag] = {
     "device": Flag(str, "runtime", "auto | cpu | cuda | cuda:N"),
     "runtime_dir": Flag(str, "runtime", "private runtime directory (ipc sockets, reservation files)"),
 }
-_DEFAULTS = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+_DEFAULTS: dict[str, Any] = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
              for f in dataclasses.fields(Config)}
 _UNITS = {"_s": " s", "_gb": " GiB"}
 
