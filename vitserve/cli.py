@@ -101,8 +101,10 @@ FLAGS: dict[str, Flag] = {
     "device": Flag(str, "runtime", "auto | cpu | cuda | cuda:N"),
     "runtime_dir": Flag(str, "runtime", "private runtime directory (ipc sockets, reservation files)"),
 }
-_DEFAULTS: dict[str, Any] = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
-             for f in dataclasses.fields(Config)}
+_DEFAULTS: dict[str, Any] = {
+    f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    for f in dataclasses.fields(Config)
+}
 _UNITS = {"_s": " s", "_gb": " GiB"}
 
 
@@ -141,7 +143,7 @@ def _metavar(flag: str) -> str:
     spec = FLAGS[flag]
     if spec.parse is parse_size:
         return "SIZE"
-    if spec.parse is parse_int or flag in ("max_queue_tokens",):
+    if spec.parse is parse_int or flag.endswith("_tokens"):
         return "N"
     if flag.endswith("_s"):
         return "SECONDS"
