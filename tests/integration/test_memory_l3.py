@@ -1,7 +1,7 @@
 """RELIABILITY L3: batches that fill the token budget exactly stay within the published reservation (CPU: RSS).
 
 A real Engine (tp=1) loads a tiny real checkpoint with the production load_encoder, reserves at start-up
-(vitserve.reservation: malloc_trim, reset VmHWM, one production forward on the worst case, publish the
+(vitserve/worker/stress.py: malloc_trim, reset VmHWM, one production forward on the worst case, publish the
 VmRSS growth) and then serves many batches whose tokens sum to EXACTLY the budget, in every composition the
 scheduler can form: one image of B tokens, a long thin one, equal halves / quarters, the image-count cap,
 and a mix. The worker's peak RSS over the whole run (VmHWM, never reset after the stress) minus the RSS it
@@ -23,7 +23,7 @@ import torch
 from tests.checkpoints import VISION_CONFIGS, make_checkpoint
 from tests.integration.engine_helpers import deadline, encode, make_config, running_engine
 from vitserve.contract import ProcessedImage
-from vitserve.reservation import read_reservation
+from vitserve.reservation_file import read_reservation
 
 BUDGET = 1024  # merged tokens per batch
 MAX_IMAGES = 8  # --visual_infer_batch_size

@@ -1,4 +1,4 @@
-"""reservation.stress_batches: every batch of the start-up stress is one the scheduler can form at the budget
+"""worker/worst_case.stress_batches: every batch of the start-up stress is one the scheduler can form at the budget
 (tokens <= budget, images <= --visual_infer_batch_size), the worst case comes first and last, and the others
 fill the budget (RELIABILITY L3)."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from tests.fakes import FakeEncoderFactory
 from vitserve.config import Config
-from vitserve.reservation import DISABLED_BUDGET_TOKENS, stress_batches, worst_case_items
+from vitserve.worker.worst_case import DISABLED_BUDGET_TOKENS, stress_batches, worst_case_items
 
 
 def _encoder():

@@ -20,11 +20,10 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-from vitserve.config import Config
+from vitserve.config import GIB, Config
 from vitserve.contract import EncodedImage
 from vitserve.metrics import Metrics
 
-GIB = 1024**3
 FINGERPRINT_VERSION = 1  # bump when the meaning of an entry changes (e.g. a new field in EncodedImage)
 
 

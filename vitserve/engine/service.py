@@ -37,7 +37,7 @@ from vitserve.engine.jobs import Claim, JobTable
 from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
 from vitserve.metrics import Metrics
-from vitserve.reservation import remove_reservation
+from vitserve.reservation_file import remove_reservation
 from vitserve.worker.rank import Rendezvous, load_configured_encoder, startup_timeout_s
 
 log = logging.getLogger(__name__)

@@ -180,7 +180,8 @@ class RankWorker:
             apply_tp(enc.visual, enc.family)
 
     def _init_reservation(self) -> None:
-        from vitserve.reservation import publish_reservation, reserve
+        from vitserve.reservation_file import publish_reservation
+        from vitserve.worker.stress import reserve
 
         override = self.cfg.visual_reserved_mem_gb
         assert self.encoder is not None
@@ -302,6 +303,6 @@ class RankWorker:
     def _remove_reservation(self) -> None:
         if getattr(self, "reservation", None) is None:
             return
-        from vitserve.reservation import remove_reservation
+        from vitserve.reservation_file import remove_reservation
 
         remove_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank)
