@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.workloads import LARGE_SIZE, jpeg_bytes, photo_like  # noqa: E402
-from vitserve.jpeg_draft import decode_and_preprocess  # noqa: E402
 from vitserve.model import load_encoder  # noqa: E402
 from vitserve.processors import load_image_processor  # noqa: E402
+from vitserve.processors.draft import decode_and_preprocess  # noqa: E402
 
 THRESHOLD = 0.999
 

@@ -18,10 +18,10 @@ from collections.abc import Callable, Mapping
 
 from vitserve.config import Config
 from vitserve.errors import ConfigError, VitserveError
+from vitserve.families import FAMILY_CHOICES
 from vitserve.metrics import Metrics
 
 log = logging.getLogger("vitserve")
-FAMILIES = ("auto", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -58,7 +58,7 @@ def _optional(convert: Callable) -> Callable:
 # flag -> (parser, help).  Defaults come from Config, so there is one source of truth for them.
 FLAGS: dict[str, tuple[Callable, str]] = {
     "model": (str, "local HF checkpoint directory, or 'demo' (random weights; embeddings mean nothing)"),
-    "model_family": (str, f"one of {', '.join(FAMILIES)}"),
+    "model_family": (str, f"one of {', '.join(FAMILY_CHOICES)}"),
     "tp": (parse_int, "tensor-parallel ranks per encoder group"),
     "dp": (parse_int, "independent encoder groups sharing one queue"),
     "visual_batch_max_tokens": (parse_int, "token budget per batch AND per image (after merge); 0 disables"),
@@ -147,8 +147,8 @@ def validate(config: Config) -> None:
               allow_zero=True)
     if not 0 <= config.port <= 65535:
         raise ConfigError(f"--port must be 0..65535, got {config.port}")
-    if config.model_family not in FAMILIES:
-        raise ConfigError(f"--model_family {config.model_family!r} is not one of {', '.join(FAMILIES)}")
+    if config.model_family not in FAMILY_CHOICES:
+        raise ConfigError(f"--model_family {config.model_family!r} is not one of {', '.join(FAMILY_CHOICES)}")
     if config.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype {config.dtype!r} is not one of auto, float32, bfloat16, float16")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):

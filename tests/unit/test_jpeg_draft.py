@@ -12,8 +12,8 @@ from PIL import Image
 
 from bench.workloads import jpeg_bytes, photo_like, png_bytes
 from vitserve.images import decode_image
-from vitserve.jpeg_draft import JpegDraft, decode_and_preprocess
 from vitserve.processors import load_image_processor
+from vitserve.processors.draft import JpegDraft, decode_and_preprocess
 
 pytestmark = pytest.mark.unit
 

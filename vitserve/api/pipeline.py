@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from vitserve.errors import InvalidImage, Timeout, VitserveError
 from vitserve.images import decode_image
-from vitserve.jpeg_draft import JpegDraft
 from vitserve.metrics import Metrics
+from vitserve.processors.draft import JpegDraft
 from vitserve.types import ProcessedImage
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class Preprocessor:
     def __init__(self, processor, *, max_image_pixels: int, metrics: Metrics, workers: int | None = None,
                  jpeg_draft: bool = False):
         self.processor = processor
-        self.draft = JpegDraft(processor) if jpeg_draft else None  # --jpeg_draft (vitserve/jpeg_draft.py)
+        self.draft = JpegDraft(processor) if jpeg_draft else None  # --jpeg_draft (vitserve/processors/draft.py)
         self.max_image_pixels = max_image_pixels
         self.metrics = metrics
         self.pool = ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="vitserve-pre")
