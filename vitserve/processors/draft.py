@@ -50,13 +50,3 @@ class JpegDraft:
         if decoded.draft_scale == 1:
             return item
         return dataclasses.replace(item, clamped=self.processor.plan(*decoded.original_size).clamped)
-
-
-def decode_and_preprocess(data: bytes, processor, *, max_image_pixels: int, jpeg_draft: bool):
-    """decode_image + processor.preprocess with the draft applied when asked: (DecodedImage, ProcessedImage)."""
-    from vitserve.images import decode_image
-
-    draft = JpegDraft(processor) if jpeg_draft else None
-    decoded = decode_image(data, max_image_pixels=max_image_pixels, draft_target=draft)
-    item = processor.preprocess(decoded.image)
-    return decoded, (draft.finish(item, decoded) if draft else item)
