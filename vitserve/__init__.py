@@ -1,4 +1,42 @@
-"""vitserve: the vision encoder of multimodal LLMs as a sidecar service."""
+"""vitserve: the vision encoder of multimodal LLMs as a sidecar service.
+
+    from vitserve import VitserveClient, AsyncVitserveClient, EmbeddingReceiver
+
+Those names load on first use (PEP 562): `import vitserve` alone stays cheap (no torch, zmq or
+transformers), which the CLI's `--version`/`--help` and tools that only read `__version__` rely on.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 WIRE_VERSION = 1
+
+if TYPE_CHECKING:
+    from vitserve.client import AsyncVitserveClient, VitserveClient, VitserveClientError
+    from vitserve.rpc.receiver import EmbeddingReceiver
+
+# public name -> module that defines it
+_LAZY = {
+    "VitserveClient": "vitserve.client",
+    "AsyncVitserveClient": "vitserve.client",
+    "VitserveClientError": "vitserve.client",
+    "EmbeddingReceiver": "vitserve.rpc.receiver",
+}
+
+__all__ = ["WIRE_VERSION", "AsyncVitserveClient", "EmbeddingReceiver", "VitserveClient", "VitserveClientError",
+           "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'vitserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -15,7 +15,9 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
+import vitserve
 from vitserve.config import Config
 from vitserve.errors import ConfigError, VitserveError
 from vitserve.families import FAMILY_CHOICES
@@ -55,54 +57,119 @@ def _optional(convert: Callable) -> Callable:
     return lambda text: None if text.strip().lower() in ("", "none") else convert(text)
 
 
-# flag -> (parser, help).  Defaults come from Config, so there is one source of truth for them.
-FLAGS: dict[str, tuple[Callable, str]] = {
-    "model": (str, "local HF checkpoint directory, or 'demo' (random weights; embeddings mean nothing)"),
-    "model_family": (str, f"one of {', '.join(FAMILY_CHOICES)}"),
-    "tp": (parse_int, "tensor-parallel ranks per encoder group"),
-    "dp": (parse_int, "independent encoder groups sharing one queue"),
-    "visual_batch_max_tokens": (parse_int, "token budget per batch AND per image (after merge); 0 disables"),
-    "visual_infer_batch_size": (parse_int, "at most this many images per batch"),
-    "host": (str, "HTTP bind address"),
-    "port": (parse_int, "HTTP port"),
-    "llm_endpoint": (_optional(str), "ZMQ endpoint of the LLM server (tcp://host:port or ipc:///path)"),
-    "max_queue_tokens": (_optional(parse_int), "queued tokens above which requests get 503 (default 4 x budget)"),
-    "max_images_per_request": (parse_int, "more images in one request -> 400"),
-    "max_request_bytes": (parse_size, "larger body -> 413 (accepts 64MiB style sizes)"),
-    "max_image_pixels": (parse_int, "decoded width x height above this -> 413 (checked from the header)"),
-    "request_timeout_s": (float, "end-to-end deadline (504 after it)"),
-    "heartbeat_s": (float, "rank-0 heartbeat interval"),
-    "dist_timeout_s": (float, "torch.distributed timeout"),
-    "device": (str, "auto | cpu | cuda | cuda:N"),
-    "dtype": (str, "auto | float32 | bfloat16 | float16"),
-    "visual_reserved_mem_gb": (_optional(float), "skip the start-up stress and reserve this much (GiB)"),
-    "api_key": (_optional(str), "require 'Authorization: Bearer KEY' on every route but /health"),
-    "allow_image_urls": (parse_bool, "accept {'url': ...} images (SSRF-guarded)"),
-    "allowed_url_domains": (parse_domains, "comma-separated domains URL images may come from"),
-    "cache_gb": (float, "encoder-output cache size in GiB; 0 disables"),
-    "jpeg_draft": (parse_bool, "decode big JPEGs at 1/2-1/8 scale when the budget clamp shrinks them anyway"),
-    "log_level": (str, "debug | info | warning | error"),
-    "runtime_dir": (str, "private runtime directory (ipc sockets, reservation files)"),
+class Flag(NamedTuple):
+    parse: Callable  # text (flag or env) -> value
+    group: str  # the --help section it is listed under
+    help: str
+    default_text: str | None = None  # when the Config default alone would not say what happens
+
+
+GROUPS = ("model", "server", "parallelism", "budget and limits", "LLM handoff", "cache", "security", "logging",
+          "runtime")
+# The one table of flags. Defaults come from Config, so there is one source of truth for them too.
+FLAGS: dict[str, Flag] = {
+    "model": Flag(str, "model", "local HF checkpoint directory, or 'demo' (random weights; embeddings mean nothing)"),
+    "model_family": Flag(str, "model", f"one of {', '.join(FAMILY_CHOICES)}"),
+    "dtype": Flag(str, "model", "auto | float32 | bfloat16 | float16"),
+    "host": Flag(str, "server", "HTTP bind address"),
+    "port": Flag(parse_int, "server", "HTTP port"),
+    "tp": Flag(parse_int, "parallelism", "tensor-parallel ranks per encoder group"),
+    "dp": Flag(parse_int, "parallelism", "independent encoder groups sharing one queue"),
+    "heartbeat_s": Flag(float, "parallelism", "rank-0 heartbeat interval"),
+    "dist_timeout_s": Flag(float, "parallelism", "torch.distributed timeout"),
+    "visual_batch_max_tokens": Flag(parse_int, "budget and limits",
+                                    "token budget per batch AND per image (after merge); 0 disables"),
+    "visual_infer_batch_size": Flag(parse_int, "budget and limits", "at most this many images per batch"),
+    "visual_reserved_mem_gb": Flag(_optional(float), "budget and limits",
+                                   "skip the start-up stress and reserve this much", "none (measure at start-up)"),
+    "max_queue_tokens": Flag(_optional(parse_int), "budget and limits", "queued tokens above which requests get 503",
+                             "4 x budget"),
+    "max_images_per_request": Flag(parse_int, "budget and limits", "more images in one request -> 400"),
+    "max_request_bytes": Flag(parse_size, "budget and limits", "larger body -> 413 (accepts sizes like 64MiB)"),
+    "max_image_pixels": Flag(parse_int, "budget and limits",
+                             "decoded width x height above this -> 413 (checked from the header)"),
+    "request_timeout_s": Flag(float, "budget and limits", "end-to-end deadline (504 after it)"),
+    "jpeg_draft": Flag(parse_bool, "budget and limits",
+                       "decode big JPEGs at 1/2-1/8 scale when the budget clamp shrinks them anyway"),
+    "llm_endpoint": Flag(_optional(str), "LLM handoff",
+                         "ZMQ endpoint of the LLM server (tcp://host:port or ipc:///path); none: inline only"),
+    "cache_gb": Flag(float, "cache", "encoder-output cache size; 0 disables"),
+    "api_key": Flag(_optional(str), "security", "require 'Authorization: Bearer KEY' on every route but /health"),
+    "allow_image_urls": Flag(parse_bool, "security", "accept {'url': ...} images (SSRF-guarded)"),
+    "allowed_url_domains": Flag(parse_domains, "security", "comma-separated domains URL images may come from"),
+    "log_level": Flag(str, "logging", "debug | info | warning | error"),
+    "device": Flag(str, "runtime", "auto | cpu | cuda | cuda:N"),
+    "runtime_dir": Flag(str, "runtime", "private runtime directory (ipc sockets, reservation files)"),
 }
-_DEFAULTS = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
-             for f in dataclasses.fields(Config)}
+_DEFAULTS: dict[str, Any] = {
+    f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    for f in dataclasses.fields(Config)
+}
+_UNITS = {"_s": " s", "_gb": " GiB"}
 
 
 def env_name(flag: str) -> str:
     return "VITSERVE_" + flag.upper()
 
 
+def _size_text(n: int) -> str:
+    for unit, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n and n % unit == 0:
+            return f"{n // unit} {name}"
+    return f"{n} B"
+
+
+def default_text(flag: str) -> str:
+    """The default as --help shows it: '64 MiB', 'none', 'on'/'off', '120 s', '50,000,000'."""
+    spec, value = FLAGS[flag], _DEFAULTS[flag]
+    if spec.default_text is not None:
+        return spec.default_text
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if spec.parse is parse_size:
+        return _size_text(value)
+    if isinstance(value, float):
+        return f"{value:g}" + next((u for end, u in _UNITS.items() if flag.endswith(end)), "")
+    if isinstance(value, int) and value >= 1_000_000:
+        return f"{value:,}"
+    return str(value)
+
+
+def _metavar(flag: str) -> str:
+    spec = FLAGS[flag]
+    if spec.parse is parse_size:
+        return "SIZE"
+    if spec.parse is parse_int or flag.endswith("_tokens"):
+        return "N"
+    if flag.endswith("_s"):
+        return "SECONDS"
+    if flag.endswith("_gb"):
+        return "GIB"
+    return flag.rsplit("_", 1)[-1].upper()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vitserve", description="Serve the vision encoder of a multimodal LLM.",
-                                argument_default=argparse.SUPPRESS)
-    for flag, (_, help_text) in FLAGS.items():
-        names = [f"--{flag}"] + ([f"--{flag.replace('_', '-')}"] if "_" in flag else [])
-        default = _DEFAULTS.get(flag)
-        full_help = f"{help_text} [default: {default}; env {env_name(flag)}]"
-        if flag in ("allow_image_urls", "jpeg_draft"):  # switches: --flag / --no-flag
-            p.add_argument(*names, dest=flag, action=argparse.BooleanOptionalAction, help=full_help)
-        else:
-            p.add_argument(*names, dest=flag, metavar=flag.upper(), type=str, help=full_help)
+    p = argparse.ArgumentParser(
+        prog="vitserve", description="Serve the vision encoder of a multimodal LLM.",
+        epilog="Every flag also reads the environment variable shown with it (the flag wins); "
+               "--flag_name and --flag-name are the same flag.",
+        argument_default=argparse.SUPPRESS)
+    p.add_argument("--version", action="version", version=f"vitserve {vitserve.__version__}")
+    groups = {name: p.add_argument_group(name) for name in GROUPS}
+    for flag, spec in FLAGS.items():
+        full_help = f"{spec.help} [default: {default_text(flag)}; env {env_name(flag)}]"
+        names = [(flag, full_help)] + ([(flag.replace("_", "-"), argparse.SUPPRESS)] if "_" in flag else [])
+        for name, help_text in names:  # the hyphenated alias works but is not listed a second time
+            if isinstance(_DEFAULTS[flag], bool):  # switches: --flag / --no-flag
+                groups[spec.group].add_argument(f"--{name}", dest=flag, action=argparse.BooleanOptionalAction,
+                                                help=help_text)
+            else:
+                groups[spec.group].add_argument(f"--{name}", dest=flag, metavar=_metavar(flag), type=str,
+                                                help=help_text)
     return p
 
 

@@ -1,9 +1,13 @@
 """HTTP client for vitserve's /encode (SPEC §2, §7), sync and asyncio.
 
-    from vitserve.client import VitserveClient
+    from vitserve import VitserveClient
     with VitserveClient("http://127.0.0.1:8100") as c:
-        out = c.encode(["cat.jpg", open("dog.png", "rb").read(), pil_image], return_embeddings=True)
-        out["images"][0]["embedding"]        # torch.Tensor (num_tokens, dim)
+        if c.ready():
+            out = c.encode(["cat.jpg", open("dog.png", "rb").read(), pil_image], return_embeddings=True)
+            out["images"][0]["embedding"]        # torch.Tensor (num_tokens, dim)
+
+ready() and health() are probes: they answer False when the server cannot be reached (refused, DNS
+failure, timeout) instead of raising. encode() and info() raise VitserveClientError for every failure.
 """
 
 from __future__ import annotations
@@ -75,6 +79,10 @@ def _result(resp: httpx.Response) -> dict:
     return body
 
 
+def _connection_error(exc: httpx.HTTPError) -> VitserveClientError:
+    return VitserveClientError(0, "connection_error", f"{type(exc).__name__}: {exc}")
+
+
 def _headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -88,14 +96,28 @@ class VitserveClient:
         try:
             resp = self._http.post("/encode", files=files, data=data)
         except httpx.HTTPError as exc:
-            raise VitserveClientError(0, "connection_error", str(exc)) from exc
+            raise _connection_error(exc) from exc
         return _result(resp)
 
     def info(self) -> dict:
-        return _result(self._http.get("/v1/info"))
+        try:
+            return _result(self._http.get("/v1/info"))
+        except httpx.HTTPError as exc:
+            raise _connection_error(exc) from exc
 
     def ready(self) -> bool:
-        return self._http.get("/ready").status_code == 200
+        """True when the encoder accepts work (/ready is 200); False when not, or when unreachable."""
+        return self._probe("/ready")
+
+    def health(self) -> bool:
+        """True when the HTTP server answers /health; False when unreachable."""
+        return self._probe("/health")
+
+    def _probe(self, path: str) -> bool:
+        try:
+            return self._http.get(path).status_code == 200
+        except httpx.TransportError:  # refused, DNS failure, timeout, reset
+            return False
 
     def close(self) -> None:
         self._http.close()
@@ -117,14 +139,28 @@ class AsyncVitserveClient:
         try:
             resp = await self._http.post("/encode", files=files, data=data)
         except httpx.HTTPError as exc:
-            raise VitserveClientError(0, "connection_error", str(exc)) from exc
+            raise _connection_error(exc) from exc
         return _result(resp)
 
     async def info(self) -> dict:
-        return _result(await self._http.get("/v1/info"))
+        try:
+            return _result(await self._http.get("/v1/info"))
+        except httpx.HTTPError as exc:
+            raise _connection_error(exc) from exc
 
     async def ready(self) -> bool:
-        return (await self._http.get("/ready")).status_code == 200
+        """True when the encoder accepts work (/ready is 200); False when not, or when unreachable."""
+        return await self._probe("/ready")
+
+    async def health(self) -> bool:
+        """True when the HTTP server answers /health; False when unreachable."""
+        return await self._probe("/health")
+
+    async def _probe(self, path: str) -> bool:
+        try:
+            return (await self._http.get(path)).status_code == 200
+        except httpx.TransportError:  # refused, DNS failure, timeout, reset
+            return False
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vitserve.cli import FLAGS, build_config, env_name, parse_size
+import vitserve
+from vitserve.cli import FLAGS, GROUPS, build_config, build_parser, default_text, env_name, parse_size
 from vitserve.config import MIB, Config
 from vitserve.errors import ConfigError
 
@@ -96,3 +97,67 @@ def test_unknown_flag_exits_nonzero():
 
 def test_env_names():
     assert env_name("visual_batch_max_tokens") == "VITSERVE_VISUAL_BATCH_MAX_TOKENS"
+
+
+# -- --version and --help -------------------------------------------------------------------------------------
+def test_version_prints_the_package_version_and_exits_zero(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"vitserve {vitserve.__version__}"
+
+
+def _help_text() -> str:
+    return build_parser().format_help()
+
+
+def _group_of_each_option(help_text: str) -> dict[str, list[str]]:
+    """'--flag' -> the --help sections listing it, read back from the rendered help."""
+    groups: dict[str, list[str]] = {}
+    section = None
+    for line in help_text.splitlines():
+        if line and not line[0].isspace() and line.endswith(":"):
+            section = line[:-1]
+        elif section and line.startswith("  -"):
+            groups.setdefault(line.split()[0].rstrip(","), []).append(section)
+    return groups
+
+
+def test_every_flag_is_listed_in_exactly_one_named_group():
+    listed = _group_of_each_option(_help_text())
+    for flag, spec in FLAGS.items():
+        assert spec.group in GROUPS, flag
+        assert listed.get(f"--{flag}") == [spec.group], (flag, listed.get(f"--{flag}"))
+    assert set(listed) == {f"--{f}" for f in FLAGS} | {"-h", "--version"}
+    assert {spec.group for spec in FLAGS.values()} == set(GROUPS)  # no empty section
+
+
+def test_help_shows_each_real_default_once_with_its_env_var():
+    flat = " ".join(_help_text().split())  # argparse wraps lines anywhere
+    for flag in FLAGS:
+        assert f"[default: {default_text(flag)}; env {env_name(flag)}]" in flat, flag
+        assert flat.count(env_name(flag) + "]") == 1, flag
+    assert "None" not in flat
+    assert "()" not in flat
+    assert "--no-allow_image_urls" in flat
+    assert "--no-jpeg_draft" in flat
+
+
+@pytest.mark.parametrize(("flag", "text"), [
+    ("max_request_bytes", "64 MiB"), ("max_queue_tokens", "4 x budget"), ("llm_endpoint", "none"),
+    ("api_key", "none"), ("allowed_url_domains", "none"), ("allow_image_urls", "off"), ("jpeg_draft", "on"),
+    ("request_timeout_s", "120 s"), ("max_image_pixels", "50,000,000"), ("visual_batch_max_tokens", "8192"),
+])
+def test_default_texts_are_readable(flag, text):
+    assert default_text(flag) == text
+
+
+def test_shown_defaults_parse_back_to_the_config_defaults():
+    """The text --help shows for a size is one the flag accepts, and it means the real default."""
+    c = build_config(["--max_request_bytes", default_text("max_request_bytes").replace(" ", "")], {})
+    assert c == Config()
+
+
+def test_hidden_hyphen_aliases_still_work_for_switches():
+    assert not build_config(["--no-jpeg-draft"], {}).jpeg_draft
+    assert build_config(["--allow-image-urls", "--allowed-url-domains", "a.test"], {}).allowed_url_domains == ("a.test",)

@@ -9,12 +9,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vitserve
 from vitserve.api.encode import EncodeHandler
 from vitserve.api.middleware import FrontDoor, ServerState
-from vitserve.api.openapi import ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
+from vitserve.api.openapi import DOCS_ASSETS_URL, ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
 from vitserve.api.pipeline import Preprocessor
 from vitserve.config import Config
 from vitserve.errors import InvalidRequest, NotReady, VitserveError
@@ -73,8 +74,12 @@ def info_body(config: Config, engine, processor) -> dict:
 def create_app(config: Config, engine, processor, metrics: Metrics, *, state: ServerState | None = None) -> FastAPI:
     """The ASGI app. `state` lets the entry point flip `draining` on SIGTERM; app.state.server holds it."""
     state = state or ServerState()
-    app = FastAPI(title="vitserve", version=vitserve.__version__,
-                  description="Vision-encoder embeddings for multimodal LLMs (SPEC §2).")
+    # /docs and /redoc with Swagger UI / ReDoc files from the installed fastapi-offline package, never a
+    # CDN: sidecars often run with no internet. Like every route but /health they need --api_key when set.
+    # validatorUrl None: Swagger UI would otherwise send the spec to an online validator for its badge.
+    app = FastAPIOffline(title="vitserve", version=vitserve.__version__, static_url=DOCS_ASSETS_URL,
+                         swagger_ui_parameters={"validatorUrl": None},
+                         description="Vision-encoder embeddings for multimodal LLMs (SPEC §2).")
     app.state.server = state
     app.state.preprocessor = pre = Preprocessor(processor, max_image_pixels=config.max_image_pixels, metrics=metrics,
                                                 jpeg_draft=config.jpeg_draft)

@@ -11,6 +11,7 @@ from pydantic.json_schema import models_json_schema
 from vitserve.api.schemas import EncodeJSONRequest, EncodeMultipartRequest, EncodeResponse, ErrorBody
 
 _REF = "#/components/schemas/{model}"
+DOCS_ASSETS_URL = "/docs/assets"  # Swagger UI / ReDoc files, served from the fastapi-offline package
 
 
 def _ref(name: str) -> dict:
