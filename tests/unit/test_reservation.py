@@ -11,9 +11,9 @@ import torch
 
 from tests.checkpoints import make_checkpoint
 from vitserve.errors import ConfigError
+from vitserve.families import DISABLED_BUDGET_TOKENS
 from vitserve.model import load_encoder
 from vitserve.reservation import (
-    DISABLED_BUDGET_TOKENS,
     GIB,
     near_square_grid,
     publish_reservation,

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from vitserve.model.families import FamilyAdapter
+from vitserve.model.adapters import FamilyAdapter
 from vitserve.types import EncodedImage, ProcessedImage
 
 
 class HFVisionEncoder:
-    """Implements vitserve.model.base.Encoder over a transformers vision module (see families.ADAPTERS)."""
+    """Implements vitserve.model.base.Encoder over a transformers vision module (see adapters.ADAPTERS)."""
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ processors' bicubic filter. The processor then sees an image already at its plan
 token count as the full decode. Embeddings differ slightly (a DCT-domain reduction, then bicubic, instead of
 one bicubic from full size); bench/jpeg_draft.py measures how much, see bench/RESULTS.md.
 
-Qwen families only: their plan maps a target-sized image onto itself. InternVL's tiling (and its thumbnail
+Patch-layout (Qwen) families only: their plan maps a target-sized image onto itself. InternVL's tiling (and its thumbnail
 tile, resized from the whole image) is left on the full decode.
 """
 
@@ -18,10 +18,9 @@ from __future__ import annotations
 import dataclasses
 
 from vitserve.errors import VitserveError
+from vitserve.families import FAMILIES
 from vitserve.images import DecodedImage
 from vitserve.types import ProcessedImage
-
-QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 class JpegDraft:
@@ -29,7 +28,7 @@ class JpegDraft:
 
     def __init__(self, processor) -> None:
         self.processor = processor
-        self.enabled = processor.family in QWEN_FAMILIES
+        self.enabled = FAMILIES[processor.family].layout == "patches"
 
     def __call__(self, width: int, height: int) -> tuple[int, int] | None:
         if not self.enabled:
@@ -51,13 +50,3 @@ class JpegDraft:
         if decoded.draft_scale == 1:
             return item
         return dataclasses.replace(item, clamped=self.processor.plan(*decoded.original_size).clamped)
-
-
-def decode_and_preprocess(data: bytes, processor, *, max_image_pixels: int, jpeg_draft: bool):
-    """decode_image + processor.preprocess with the draft applied when asked: (DecodedImage, ProcessedImage)."""
-    from vitserve.images import decode_image
-
-    draft = JpegDraft(processor) if jpeg_draft else None
-    decoded = decode_image(data, max_image_pixels=max_image_pixels, draft_target=draft)
-    item = processor.preprocess(decoded.image)
-    return decoded, (draft.finish(item, decoded) if draft else item)
