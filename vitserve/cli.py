@@ -80,7 +80,8 @@ FLAGS: dict[str, tuple[Callable, str]] = {
     "allow_image_urls": (parse_bool, "accept {'url': ...} images (SSRF-guarded)"),
     "allowed_url_domains": (parse_domains, "comma-separated domains URL images may come from"),
     "cache_gb": (float, "encoder-output cache size in GiB; 0 disables"),
-    "jpeg_draft": (parse_bool, "decode big JPEGs at 1/2-1/8 scale when the budget clamp shrinks them anyway"),
+    "jpeg_draft": (parse_bool, "faster but NOT exact: decode big JPEGs at 1/2-1/8 scale when the budget clamp "
+                   "shrinks them anyway (docs/jpeg_draft.md)"),
     "log_level": (str, "debug | info | warning | error"),
     "runtime_dir": (str, "private runtime directory (ipc sockets, reservation files)"),
 }
@@ -193,6 +194,8 @@ def render_banner(service) -> str:
         f"image URLs: {'on for ' + ','.join(c.allowed_url_domains) if c.allow_image_urls else 'off'}",
         f"  cache: {f'{c.cache_gb:g} GiB' if c.cache_gb > 0 else 'off'} (in-flight dedup always on); "
         f"jpeg_draft: {'on' if c.jpeg_draft else 'off'}",
+        "  output: NOT exact: --jpeg_draft is on (docs/jpeg_draft.md)" if c.jpeg_draft
+        else "  output: exact (matches transformers)",
     ]
     return "\n".join(lines)
 
