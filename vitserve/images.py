@@ -30,6 +30,7 @@ No image bytes ever go into a message or a log line.
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,6 +47,10 @@ ALLOWED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 # would otherwise refuse images a user allowed, or warn on ones we accept. This is process-global on purpose.
 Image.MAX_IMAGE_PIXELS = None
 libtiff.install_log_handlers()  # libtiff's stderr chatter -> logging at DEBUG (thread-safe; see the module)
+# PIL's plugins also warnings.warn() about damaged metadata ("Corrupt EXIF data", odd TIFF tags): one line of
+# stderr per call site, about a client's file. Installed once here; catch_warnings() per call would not be
+# thread-safe. The decode still succeeds or fails with a typed error, which is what the client sees.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
 
 _ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
 _SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})
