@@ -30,6 +30,7 @@ No image bytes ever go into a message or a log line.
 from __future__ import annotations
 
 import io
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,22 @@ libtiff.install_log_handlers()  # libtiff's stderr chatter -> logging at DEBUG (
 # stderr per call site, about a client's file. Installed once here; catch_warnings() per call would not be
 # thread-safe. The decode still succeeds or fails with a typed error, which is what the client sees.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
+
+
+class _DemoteToDebug(logging.Filter):
+    """PIL's plugins log some broken client files at ERROR (TIFF: "More samples per pixel than can be
+    decoded"), then raise; the client gets a 400 and the server has nothing to fix. Such records become DEBUG,
+    dropped unless DEBUG is on for that logger. (Filters run on the logger that made the record, so each
+    plugin's logger gets one.)"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+for _name in ("Image", "ImageFile", "JpegImagePlugin", "PngImagePlugin", "WebPImagePlugin", "GifImagePlugin",
+              "BmpImagePlugin", "TiffImagePlugin"):
+    logging.getLogger(f"PIL.{_name}").addFilter(_DemoteToDebug())
 
 _ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
 _SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})
