@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -86,3 +88,50 @@ def test_pa_composited_on_white():
     pa.putalpha(Image.fromarray(alpha, "L"))
     assert pa.mode == "PA"
     assert np.array_equal(np.asarray(to_rgb(pa)), on_white(palette[idx], alpha))
+
+
+def _ojpeg_tiff() -> bytes:
+    """An 'old-style JPEG' TIFF without its tables: libtiff reports an error while PIL decodes it."""
+    from tests.image_corpus import _tiff_with_compression
+
+    return _tiff_with_compression(6)
+
+
+def test_libtiff_messages_go_to_debug_logging_not_stderr(capfd, caplog):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vitserve import libtiff
+
+    if not libtiff.install_log_handlers():
+        pytest.skip("this Pillow's libtiff could not be found in the process")
+    caplog.set_level(logging.DEBUG, logger="vitserve.libtiff")
+    data = _ojpeg_tiff()
+
+    def decode(_):
+        with pytest.raises(InvalidImage):
+            decode_image(data, max_image_pixels=LIMIT)
+
+    with ThreadPoolExecutor(4) as pool:  # the API decodes on a pool: the handler must work from any thread
+        list(pool.map(decode, range(16)))
+    _, err = capfd.readouterr()
+    assert "OJPEG" not in err
+    assert "JPEG tables" not in err
+    records = [r for r in caplog.records if r.name == "vitserve.libtiff"]
+    assert len(records) >= 16
+    assert all(r.levelno == logging.DEBUG for r in records)
+    assert "Missing JPEG tables" in records[0].getMessage()  # formatted from libtiff's printf arguments
+
+
+def test_pil_error_log_about_a_broken_file_is_demoted(caplog):
+    from tests.image_corpus import save
+
+    data = bytearray(save(Image.new("RGB", (4, 4)), "TIFF"))
+    ifd = int.from_bytes(data[4:8], "little")
+    for i in range(int.from_bytes(data[ifd : ifd + 2], "little")):
+        entry = ifd + 2 + 12 * i
+        if data[entry : entry + 2] == (277).to_bytes(2, "little"):  # SamplesPerPixel
+            data[entry + 8 : entry + 10] = (35).to_bytes(2, "little")
+    caplog.set_level(logging.INFO)
+    with pytest.raises(InvalidImage):
+        decode_image(bytes(data), max_image_pixels=LIMIT)
+    assert not [r for r in caplog.records if r.name.startswith("PIL") and r.levelno >= logging.WARNING]
