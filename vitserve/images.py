@@ -72,6 +72,9 @@ for _name in ("Image", "ImageFile", "JpegImagePlugin", "PngImagePlugin", "WebPIm
 _ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
 _SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})
 _TIFF_MAGIC = {b"II*\0": 8, b"MM\0*": 8, b"II+\0": 16, b"MM\0+": 16}  # -> header length (classic, BigTIFF)
+# TIFF compression schemes PIL does not know at all, by the name their users would recognise
+_OTHER_TIFF_CODECS = {34661: "JBIG", 34712: "JPEG 2000", 34887: "LERC", 34892: "lossy JPEG (DNG)",
+                      50002: "JPEG XL", 52546: "JPEG XL (DNG)"}
 _BMP_CODECS = {4: "JPEG", 5: "PNG"}  # BITMAPINFOHEADER compression values PIL cannot decode
 _PNG_LOW_BIT_SCALE = {"L;2": 85, "L;4": 17}  # PIL scales 2/4-bit grey samples by these; tRNS stays raw
 
@@ -191,7 +194,8 @@ def _refuse_unknown_codec(data: bytes) -> None:
         except Exception:
             return  # a broken IFD: corrupt, not unsupported
         if scheme not in TiffImagePlugin.COMPRESSION_INFO:
-            raise UnsupportedImage(f"TIFF compression scheme {scheme} is not supported (unknown to PIL)")
+            name = _OTHER_TIFF_CODECS.get(scheme, "unknown")
+            raise UnsupportedImage(f"TIFF compression {name!r} (scheme {scheme}) is not supported")
     elif data[:2] == b"BM" and len(data) >= 34:
         codec = _BMP_CODECS.get(int.from_bytes(data[30:34], "little"))
         if codec is not None:

@@ -56,6 +56,17 @@ def test_unsupported_codec_is_named_and_still_an_invalid_image():
     assert "50001" in info.value.message
 
 
+@pytest.mark.parametrize(("name", "words"), [("tiff-codec-34887", ("LERC", "34887")),
+                                             ("tiff-codec-50002", ("JPEG XL", "50002")),
+                                             ("bmp-jpeg-inside", ("BMP", "JPEG")), ("bmp-png-inside", ("BMP", "PNG"))])
+def test_unsupported_codec_messages_name_the_codec(name, words):
+    sample = next(s for s in REFUSED if s.name == name)
+    with pytest.raises(InvalidImage) as info:
+        decode_image(sample.data, max_image_pixels=LIMIT)
+    for word in words:
+        assert word in info.value.message
+
+
 def test_sixteen_bit_with_transparency_is_scaled_like_without():
     # the Issue's case: I;16 + tRNS went through PIL's clipping convert and came out up to 253 levels off
     v = np.array([[0, 1, 300, 1000, 65535, 32896, 40000, 1000]], dtype=np.uint16)
