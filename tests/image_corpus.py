@@ -106,8 +106,7 @@ def exif_bytes(orientation: int) -> bytes:
     return exif.tobytes()
 
 
-def _rng(seed: int) -> np.random.Generator:
-    return np.random.default_rng(seed)
+_rng = np.random.default_rng
 
 
 def _u8(rng, *shape) -> np.ndarray:
@@ -161,6 +160,10 @@ def png_samples(seed: int, w: int, h: int) -> Iterator[Sample]:
     yield _ok(f"png-P4-trns-{seed}", raw_png(small, 3, 4, chunk(b"PLTE", palette[:16].tobytes()),
                                              chunk(b"tRNS", short_alpha.tobytes())),
               on_white(palette[small], full_alpha[small]))
+
+
+def png16_samples(seed: int, w: int, h: int) -> Iterator[Sample]:
+    rng = _rng(seed + 1000)
     v16 = rng.integers(0, 65536, size=(h, w), dtype=np.uint16)
     v16[0, :3] = [0, 65535, 32896]
     yield _ok(f"png-I16-{seed}", raw_png(v16, 0, 16), grey3(scale16(v16)))
@@ -276,7 +279,7 @@ def valid_samples(seeds: range, sizes: tuple[tuple[int, int], ...] = ((23, 17),)
     out: list[Sample] = []
     for seed in seeds:
         w, h = sizes[seed % len(sizes)]
-        for gen in (png_samples, exif_samples, jpeg_samples, webp_gif_bmp_samples, tiff_samples):
+        for gen in (png_samples, png16_samples, exif_samples, jpeg_samples, webp_gif_bmp_samples, tiff_samples):
             out.extend(gen(seed, w, h))
     return out
 
@@ -295,29 +298,15 @@ def _tiff_with_compression(scheme: int) -> bytes:
     return bytes(data)
 
 
-def _bmp_with_compression(code: int) -> bytes:
-    data = bytearray(save(Image.new("RGB", (8, 8)), "BMP"))
-    struct.pack_into("<I", data, 30, code)
-    return bytes(data)
+def _patched(data: bytes, offset: int, layout: str, *values: int) -> bytes:
+    out = bytearray(data)
+    struct.pack_into(layout, out, offset, *values)
+    return bytes(out)
 
 
 def _jpeg_with_size(width: int, height: int) -> bytes:
-    data = bytearray(save(Image.new("RGB", (16, 16)), "JPEG"))
-    sof = data.index(b"\xff\xc0")
-    struct.pack_into(">HH", data, sof + 5, height, width)
-    return bytes(data)
-
-
-def _gif_with_size(width: int, height: int) -> bytes:
-    data = bytearray(save(Image.new("P", (8, 8)), "GIF"))
-    struct.pack_into("<HH", data, 6, width, height)
-    return bytes(data)
-
-
-def _bmp_with_size(width: int, height: int) -> bytes:
-    data = bytearray(save(Image.new("RGB", (8, 8)), "BMP"))
-    struct.pack_into("<ii", data, 18, width, height)
-    return bytes(data)
+    data = save(Image.new("RGB", (16, 16)), "JPEG")
+    return _patched(data, data.index(b"\xff\xc0") + 5, ">HH", height, width)
 
 
 def _webp_with_size(width: int, height: int) -> bytes:
@@ -359,16 +348,17 @@ def refused_samples() -> list[Sample]:
         ("png", raw_png(np.zeros((2, 2), np.uint8), 0, 8, size=(30000, 30000))),
         ("png-16bit", raw_png(np.zeros((2, 2), np.uint16), 0, 16, size=(65535, 65535))),
         ("jpeg", _jpeg_with_size(60000, 60000)),
-        ("gif", _gif_with_size(65535, 65535)),
-        ("bmp", _bmp_with_size(50000, 50000)),
+        ("gif", _patched(save(Image.new("P", (8, 8)), "GIF"), 6, "<HH", 65535, 65535)),
+        ("bmp", _patched(save(Image.new("RGB", (8, 8)), "BMP"), 18, "<ii", 50000, 50000)),
         ("webp", _webp_with_size(16000, 16000)),
     ):
         refuse(f"bomb-header-{name}", data, "payload_too_large", 413)
     refuse("huge-aspect", raw_png(np.zeros((1, 3000), np.uint8), 0, 8), "aspect_ratio_too_large")
     for scheme, codec in ((50001, "webp"), (34887, "34887"), (50002, "50002"), (34661, "34661")):
         refuse(f"tiff-codec-{codec}", _tiff_with_compression(scheme), "unsupported_image")
-    refuse("bmp-jpeg-inside", _bmp_with_compression(4), "unsupported_image")
-    refuse("bmp-png-inside", _bmp_with_compression(5), "unsupported_image")
+    for code, codec in ((4, "jpeg"), (5, "png")):  # BI_JPEG, BI_PNG
+        refuse(f"bmp-{codec}-inside", _patched(save(Image.new("RGB", (8, 8)), "BMP"), 30, "<I", code),
+               "unsupported_image")
     c16 = np.zeros((4, 4, 3), np.uint16)
     refuse("png-RGB16-trns", raw_png(c16, 2, 16, chunk(b"tRNS", struct.pack(">HHH", 0, 0, 0))), "unsupported_image")
     return bad
