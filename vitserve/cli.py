@@ -90,7 +90,8 @@ FLAGS: dict[str, Flag] = {
                              "decoded width x height above this -> 413 (checked from the header)"),
     "request_timeout_s": Flag(float, "budget and limits", "end-to-end deadline (504 after it)"),
     "jpeg_draft": Flag(parse_bool, "budget and limits",
-                       "decode big JPEGs at 1/2-1/8 scale when the budget clamp shrinks them anyway"),
+                       "faster but NOT exact: decode big JPEGs at 1/2-1/8 scale when the budget clamp "
+                       "shrinks them anyway (docs/jpeg_draft.md)"),
     "llm_endpoint": Flag(_optional(str), "LLM handoff",
                          "ZMQ endpoint of the LLM server (tcp://host:port or ipc:///path); none: inline only"),
     "cache_gb": Flag(float, "cache", "encoder-output cache size; 0 disables"),
@@ -260,6 +261,8 @@ def render_banner(service) -> str:
         f"image URLs: {'on for ' + ','.join(c.allowed_url_domains) if c.allow_image_urls else 'off'}",
         f"  cache: {f'{c.cache_gb:g} GiB' if c.cache_gb > 0 else 'off'} (in-flight dedup always on); "
         f"jpeg_draft: {'on' if c.jpeg_draft else 'off'}",
+        "  output: NOT exact: --jpeg_draft is on (docs/jpeg_draft.md)" if c.jpeg_draft
+        else "  output: exact (matches transformers)",
     ]
     return "\n".join(lines)
 

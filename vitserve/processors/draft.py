@@ -7,7 +7,8 @@ image to at most half its size, vitserve.images.decode_image decodes at the larg
 >= the planned target in both sides (never upsampled), then resizes to exactly the target with the
 processors' bicubic filter. The processor then sees an image already at its planned size: same grid, same
 token count as the full decode. Embeddings differ slightly (a DCT-domain reduction, then bicubic, instead of
-one bicubic from full size); bench/jpeg_draft.py measures how much, see bench/RESULTS.md.
+one bicubic from full size); bench/jpeg_draft.py measures how much, see bench/RESULTS.md. That is why the
+flag is off by default: with it on, output is not exact (docs/jpeg_draft.md).
 
 Patch-layout (Qwen) families only: their plan maps a target-sized image onto itself. InternVL's tiling (and its thumbnail
 tile, resized from the whole image) is left on the full decode.
