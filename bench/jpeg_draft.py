@@ -29,11 +29,17 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.workloads import LARGE_SIZE, jpeg_bytes, photo_like  # noqa: E402
-from vitserve.jpeg_draft import decode_and_preprocess  # noqa: E402
 from vitserve.model import load_encoder  # noqa: E402
 from vitserve.processors import load_image_processor  # noqa: E402
+from vitserve.processors.draft import JpegDraft  # noqa: E402
+from vitserve.processors.prepare import prepare_image  # noqa: E402
 
 THRESHOLD = 0.999
+
+
+def prepare(blob: bytes, processor, *, jpeg_draft: bool):
+    """The production decode + preprocess path, with or without --jpeg_draft."""
+    return prepare_image(blob, processor, max_image_pixels=0, draft=JpegDraft(processor) if jpeg_draft else None)
 
 
 def per_token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -45,12 +51,13 @@ def fidelity(model: str, processor_name: str, photos: list[bytes], budget: int) 
     encoder = load_encoder(model)
     means, worst_token, scales = [], 1.0, []
     for blob in photos:
-        _, full = decode_and_preprocess(blob, processor, max_image_pixels=0, jpeg_draft=False)
-        decoded, draft = decode_and_preprocess(blob, processor, max_image_pixels=0, jpeg_draft=True)
+        full_prepared = prepare(blob, processor, jpeg_draft=False)
+        draft_prepared = prepare(blob, processor, jpeg_draft=True)
+        full, draft = full_prepared.item, draft_prepared.item
         if (draft.grid_thw, draft.num_tokens) != (full.grid_thw, full.num_tokens):
             raise AssertionError(f"draft changed the plan: {draft.grid_thw} vs {full.grid_thw}")
-        scales.append(decoded.draft_scale)
-        if decoded.draft_scale == 1:
+        scales.append(draft_prepared.draft_scale)
+        if draft_prepared.draft_scale == 1:
             means.append(1.0)  # identical decode
             continue
         emb_full, emb_draft = (e.embedding for e in encoder.encode([full, draft]))  # (tokens, dim) each
@@ -70,7 +77,7 @@ def speed(photos: list[bytes], budget: int, reps: int) -> dict:
         for blob in photos:
             for key in ("full", "draft"):
                 t0 = time.perf_counter()
-                decode_and_preprocess(blob, processor, max_image_pixels=0, jpeg_draft=key == "draft")
+                prepare(blob, processor, jpeg_draft=key == "draft")
                 times[key].append(time.perf_counter() - t0)
     out = {f"{key}_{stat.__name__}_s": stat(ts) for key, ts in times.items() for stat in (min, statistics.median)}
     out["speedup_min"] = out["full_min_s"] / out["draft_min_s"]

@@ -20,10 +20,10 @@ from typing import Any, NamedTuple
 import vitserve
 from vitserve.config import Config
 from vitserve.errors import ConfigError, VitserveError
+from vitserve.families import FAMILY_CHOICES
 from vitserve.metrics import Metrics
 
 log = logging.getLogger("vitserve")
-FAMILIES = ("auto", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -69,7 +69,7 @@ GROUPS = ("model", "server", "parallelism", "budget and limits", "LLM handoff", 
 # The one table of flags. Defaults come from Config, so there is one source of truth for them too.
 FLAGS: dict[str, Flag] = {
     "model": Flag(str, "model", "local HF checkpoint directory, or 'demo' (random weights; embeddings mean nothing)"),
-    "model_family": Flag(str, "model", f"one of {', '.join(FAMILIES)}"),
+    "model_family": Flag(str, "model", f"one of {', '.join(FAMILY_CHOICES)}"),
     "dtype": Flag(str, "model", "auto | float32 | bfloat16 | float16"),
     "host": Flag(str, "server", "HTTP bind address"),
     "port": Flag(parse_int, "server", "HTTP port"),
@@ -90,7 +90,8 @@ FLAGS: dict[str, Flag] = {
                              "decoded width x height above this -> 413 (checked from the header)"),
     "request_timeout_s": Flag(float, "budget and limits", "end-to-end deadline (504 after it)"),
     "jpeg_draft": Flag(parse_bool, "budget and limits",
-                       "decode big JPEGs at 1/2-1/8 scale when the budget clamp shrinks them anyway"),
+                       "faster but NOT exact: decode big JPEGs at 1/2-1/8 scale when the budget clamp "
+                       "shrinks them anyway (docs/jpeg_draft.md)"),
     "llm_endpoint": Flag(_optional(str), "LLM handoff",
                          "ZMQ endpoint of the LLM server (tcp://host:port or ipc:///path); none: inline only"),
     "cache_gb": Flag(float, "cache", "encoder-output cache size; 0 disables"),
@@ -214,8 +215,8 @@ def validate(config: Config) -> None:
               allow_zero=True)
     if not 0 <= config.port <= 65535:
         raise ConfigError(f"--port must be 0..65535, got {config.port}")
-    if config.model_family not in FAMILIES:
-        raise ConfigError(f"--model_family {config.model_family!r} is not one of {', '.join(FAMILIES)}")
+    if config.model_family not in FAMILY_CHOICES:
+        raise ConfigError(f"--model_family {config.model_family!r} is not one of {', '.join(FAMILY_CHOICES)}")
     if config.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype {config.dtype!r} is not one of auto, float32, bfloat16, float16")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
@@ -260,6 +261,8 @@ def render_banner(service) -> str:
         f"image URLs: {'on for ' + ','.join(c.allowed_url_domains) if c.allow_image_urls else 'off'}",
         f"  cache: {f'{c.cache_gb:g} GiB' if c.cache_gb > 0 else 'off'} (in-flight dedup always on); "
         f"jpeg_draft: {'on' if c.jpeg_draft else 'off'}",
+        "  output: NOT exact: --jpeg_draft is on (docs/jpeg_draft.md)" if c.jpeg_draft
+        else "  output: exact (matches transformers)",
     ]
     return "\n".join(lines)
 

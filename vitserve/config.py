@@ -37,8 +37,8 @@ class Config:
     allowed_url_domains: tuple[str, ...] = field(default_factory=tuple)
     cache_gb: float = 0.0
     # decode a JPEG at 1/2..1/8 scale when the budget clamp shrinks it at least 2x (docs/jpeg_draft.md);
-    # on by default: embedding cosine >= 0.9999 vs the full decode in bench/RESULTS.md
-    jpeg_draft: bool = True
+    # off by default: faster, but the embeddings no longer match transformers' (not exact)
+    jpeg_draft: bool = False
     log_level: str = "info"
     runtime_dir: str = "/dev/shm/vitserve"  # VITSERVE_RUNTIME_DIR (SPEC §6)
     master_addr: str | None = None  # torch.distributed store; None -> 127.0.0.1 on a free port

@@ -43,6 +43,7 @@ class PreparedImage:
     original_size: tuple[int, int]  # (width, height) after EXIF orientation
     decode_s: float
     preprocess_s: float
+    draft_scale: int = 1  # 1, 2, 4 or 8: the reduced JPEG decode --jpeg_draft used (1 = full decode)
 
 
 @dataclass(frozen=True)

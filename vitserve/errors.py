@@ -52,6 +52,14 @@ class InvalidImage(VitserveError):
     status, code = 400, "invalid_image"
 
 
+class UnsupportedImage(InvalidImage):
+    """A well-formed file in an allowed format whose codec this build cannot decode (e.g. WebP-in-TIFF).
+
+    A subclass of InvalidImage: every handler of bad images handles it; only the code tells them apart."""
+
+    status, code = 400, "unsupported_image"
+
+
 class ImageTooSmall(VitserveError):
     status, code = 400, "image_too_small"
 

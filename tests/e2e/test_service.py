@@ -56,8 +56,18 @@ def test_banner_names_every_guard():
     for needle in ("256 tokens per batch and per image", "processor clamp: {", "'max_pixels'", "tp=1 dp=1",
                    "rank 0:", "source: override", "max_queue_tokens=999", "max_images_per_request=32",
                    "max_request_bytes=67108864", "max_image_pixels=50000000", "request_timeout_s=30",
-                   "cache: off", "jpeg_draft: on", f"http://127.0.0.1:{srv.service.port}"):
+                   "cache: off", "jpeg_draft: off", "output: exact (matches transformers)",
+                   f"http://127.0.0.1:{srv.service.port}"):
         assert needle in text, needle
+    assert "NOT exact" not in text
+
+
+def test_banner_says_when_output_is_not_exact():
+    with live_server(jpeg_draft=True) as srv:
+        text = render_banner(srv.service)
+    assert "jpeg_draft: on" in text
+    assert "output: NOT exact: --jpeg_draft is on (docs/jpeg_draft.md)" in text
+    assert "output: exact" not in text
 
 
 def test_budget_off_is_said_in_the_banner(caplog):

@@ -19,10 +19,11 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from tests.imagegen import noise
 from vitserve.errors import AspectRatioTooLarge, OverTokenBudget
-from vitserve.processors import FAMILIES, load_image_processor
+from vitserve.families import FAMILIES
+from vitserve.processors import load_image_processor
 from vitserve.processors.budget import plan_qwen, plan_tiles
 
-families = st.sampled_from(FAMILIES)
+families = st.sampled_from(list(FAMILIES))
 # Uniform draws almost never hit HF's overshoots (thin images, small budgets); mix in small values so
 # a good share of examples do.
 sides = st.one_of(st.integers(1, 20000), st.integers(1, 120))

@@ -145,7 +145,7 @@ def test_help_shows_each_real_default_once_with_its_env_var():
 
 @pytest.mark.parametrize(("flag", "text"), [
     ("max_request_bytes", "64 MiB"), ("max_queue_tokens", "4 x budget"), ("llm_endpoint", "none"),
-    ("api_key", "none"), ("allowed_url_domains", "none"), ("allow_image_urls", "off"), ("jpeg_draft", "on"),
+    ("api_key", "none"), ("allowed_url_domains", "none"), ("allow_image_urls", "off"), ("jpeg_draft", "off"),
     ("request_timeout_s", "120 s"), ("max_image_pixels", "50,000,000"), ("visual_batch_max_tokens", "8192"),
 ])
 def test_default_texts_are_readable(flag, text):
@@ -159,5 +159,6 @@ def test_shown_defaults_parse_back_to_the_config_defaults():
 
 
 def test_hidden_hyphen_aliases_still_work_for_switches():
-    assert not build_config(["--no-jpeg-draft"], {}).jpeg_draft
+    assert build_config(["--jpeg-draft"], {}).jpeg_draft  # the default is off, so this is the alias at work
+    assert not build_config(["--jpeg-draft", "--no-jpeg-draft"], {}).jpeg_draft
     assert build_config(["--allow-image-urls", "--allowed-url-domains", "a.test"], {}).allowed_url_domains == ("a.test",)

@@ -3,6 +3,7 @@ full decode, EXIF orientation respected, and the flag wiring."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 
 import numpy as np
@@ -12,10 +13,16 @@ from PIL import Image
 
 from bench.workloads import jpeg_bytes, photo_like, png_bytes
 from vitserve.images import decode_image
-from vitserve.jpeg_draft import JpegDraft, decode_and_preprocess
 from vitserve.processors import load_image_processor
+from vitserve.processors.draft import JpegDraft
+from vitserve.processors.prepare import prepare_image
 
 pytestmark = pytest.mark.unit
+
+
+def _prepare(data: bytes, processor, *, jpeg_draft: bool):
+    """The production path (vitserve.processors.prepare), with or without --jpeg_draft."""
+    return prepare_image(data, processor, max_image_pixels=0, draft=JpegDraft(processor) if jpeg_draft else None)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -74,30 +81,30 @@ def test_no_draft_target_decodes_exactly_as_before(photo):
 def test_draft_keeps_the_full_paths_plan(family, budget, size):
     processor = load_image_processor(family, max_tokens=budget)
     data = jpeg_bytes(photo_like(*size, seed=size[0]))
-    dec_full, full = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=False)
-    dec_draft, draft = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=True)
-    assert dec_draft.original_size == dec_full.original_size == size
-    assert draft.grid_thw == full.grid_thw
-    assert draft.num_tokens == full.num_tokens
-    assert draft.resized_size == full.resized_size
-    assert draft.clamped == full.clamped
-    assert draft.pixel_values.shape == full.pixel_values.shape
+    full = _prepare(data, processor, jpeg_draft=False)
+    draft = _prepare(data, processor, jpeg_draft=True)
+    assert draft.original_size == full.original_size == size
+    assert draft.item.grid_thw == full.item.grid_thw
+    assert draft.item.num_tokens == full.item.num_tokens
+    assert draft.item.resized_size == full.item.resized_size
+    assert draft.item.clamped == full.item.clamped
+    assert draft.item.pixel_values.shape == full.item.pixel_values.shape
     # the clamp shrinks these well below half: a draft must apply (qwen3_vl at 16/64 tokens shrinks below
     # its own min_pixels, a plan that is not a fixed point: JpegDraft keeps the full decode there)
     if (budget == 256 or (family == "qwen2_5_vl" and budget in (16, 64))) and size != (3000, 200):
-        assert dec_draft.draft_scale > 1
+        assert draft.draft_scale > 1
     if budget == 0:
-        assert dec_draft.draft_scale == 1  # no clamp: nothing shrinks 2x, nothing to gain
+        assert draft.draft_scale == 1  # no clamp: nothing shrinks 2x, nothing to gain
 
 
 def test_draft_pixels_stay_close_to_the_full_decode():
     processor = load_image_processor("qwen2_5_vl", max_tokens=64)
     data = jpeg_bytes(photo_like(1600, 1200, seed=9))
-    _, full = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=False)
-    decoded, draft = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=True)
-    assert decoded.draft_scale == 4
+    full = _prepare(data, processor, jpeg_draft=False)
+    draft = _prepare(data, processor, jpeg_draft=True)
+    assert draft.draft_scale == 4
     # normalized pixels (CLIP std ~0.27 per 255 levels): a mean difference of 0.05 is ~3.5 grey levels
-    assert float((full.pixel_values - draft.pixel_values).abs().mean()) < 0.05
+    assert float((full.item.pixel_values - draft.item.pixel_values).abs().mean()) < 0.05
 
 
 def test_exif_rotation_is_planned_on_the_oriented_size():
@@ -107,13 +114,13 @@ def test_exif_rotation_is_planned_on_the_oriented_size():
     buf = io.BytesIO()
     stored.save(buf, format="JPEG", quality=90, exif=exif.tobytes())
     processor = load_image_processor("qwen2_5_vl", max_tokens=64)
-    dec_full, full = decode_and_preprocess(buf.getvalue(), processor, max_image_pixels=0, jpeg_draft=False)
-    dec_draft, draft = decode_and_preprocess(buf.getvalue(), processor, max_image_pixels=0, jpeg_draft=True)
-    assert dec_full.original_size == dec_draft.original_size == (1200, 1600)
-    assert dec_draft.draft_scale > 1
-    assert dec_draft.image.size == processor.plan(1200, 1600).resized_size
-    assert draft.grid_thw == full.grid_thw
-    assert draft.resized_size == full.resized_size
+    full = _prepare(buf.getvalue(), processor, jpeg_draft=False)
+    draft = _prepare(buf.getvalue(), processor, jpeg_draft=True)
+    assert full.original_size == draft.original_size == (1200, 1600)
+    assert draft.draft_scale > 1
+    assert draft.item.resized_size == processor.plan(1200, 1600).resized_size
+    assert draft.item.grid_thw == full.item.grid_thw
+    assert draft.item.resized_size == full.item.resized_size
 
 
 def test_internvl_keeps_the_full_decode():
@@ -131,7 +138,10 @@ def test_pixel_limit_is_still_checked_before_any_decode(photo):
 @pytest.mark.parametrize(
     ("argv", "environ", "expected"),
     [
-        ([], {}, True),  # on by default (fidelity measured in bench/RESULTS.md)
+        ([], {}, False),  # off by default: the draft is not exact (docs/jpeg_draft.md)
+        (["--jpeg_draft"], {}, True),
+        (["--jpeg-draft"], {}, True),
+        ([], {"VITSERVE_JPEG_DRAFT": "1"}, True),
         (["--no-jpeg_draft"], {}, False),
         (["--no-jpeg-draft"], {}, False),
         ([], {"VITSERVE_JPEG_DRAFT": "0"}, False),
@@ -168,11 +178,13 @@ async def test_the_api_pipeline_uses_the_flag(jpeg_draft):
         (prepared,) = await pre.prepare([data], time.monotonic() + 60)
     finally:
         pre.close()
-    _, via_draft = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=True)
-    _, via_full = decode_and_preprocess(data, processor, max_image_pixels=0, jpeg_draft=False)
-    assert not torch.equal(via_draft.pixel_values, via_full.pixel_values)  # the two paths are distinguishable
+    via_draft = _prepare(data, processor, jpeg_draft=True)
+    via_full = _prepare(data, processor, jpeg_draft=False)
+    assert not torch.equal(via_draft.item.pixel_values, via_full.item.pixel_values)  # distinguishable paths
     expected = via_draft if jpeg_draft else via_full
-    assert torch.equal(prepared.item.pixel_values, expected.pixel_values)
+    assert torch.equal(prepared.item.pixel_values, expected.item.pixel_values)
     assert prepared.original_size == (1600, 1200)
     assert prepared.item.grid_thw == processor.plan(1600, 1200).grid_thw
     assert prepared.item.clamped is True
+    assert (prepared.draft_scale > 1) is jpeg_draft
+    assert prepared.image_id == hashlib.sha256(data).hexdigest()  # of the bytes as received

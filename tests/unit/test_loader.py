@@ -14,7 +14,7 @@ from tests.checkpoints import FAMILIES, make_checkpoint, vision_prefixes
 from vitserve.contract import ProcessedImage
 from vitserve.errors import ConfigError
 from vitserve.model import Encoder, load_encoder
-from vitserve.model.families import ADAPTERS
+from vitserve.model.adapters import ADAPTERS
 from vitserve.model.loader import model_name_of
 from vitserve.model.weights import INDEX_FILE, read_vision_weights
 

@@ -12,10 +12,11 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from tests.imagegen import noise
 from vitserve.errors import AspectRatioTooLarge, ConfigError, OverTokenBudget
+from vitserve.families import FAMILIES
 from vitserve.images import to_rgb
-from vitserve.processors import FAMILIES, family_of_checkpoint, load_image_processor
+from vitserve.processors import family_of_checkpoint, load_image_processor
 
-QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+QWEN = tuple(name for name, family in FAMILIES.items() if family.layout == "patches")
 
 
 def _write_checkpoint(path, config: dict, preprocessor: dict | None = None):
@@ -39,7 +40,6 @@ def _write_checkpoint(path, config: dict, preprocessor: dict | None = None):
         ("qwen3_5", "qwen3_5"),
         ("qwen3_5_moe", "qwen3_5"),
         ("internvl", "internvl"),
-        ("internvl_chat", "internvl"),
     ],
 )
 def test_family_of_checkpoint(tmp_path, model_type, family):
@@ -113,23 +113,26 @@ def test_checkpoint_without_preprocessor_uses_defaults_and_vision_geometry(tmp_p
     assert (proc.hf.patch_size, proc.hf.size["shortest_edge"]) == (8, 65536)
 
 
-def test_internvl_chat_tiling_from_config(tmp_path):
+def test_internvl_without_processor_config_tiles_at_the_tower_size(tmp_path):
     config = {
-        "model_type": "internvl_chat",
-        "force_image_size": 224,
+        "model_type": "internvl",
         "downsample_ratio": 0.5,
-        "max_dynamic_patch": 6,
-        "min_dynamic_patch": 1,
         "vision_config": {"patch_size": 14, "image_size": 224},
     }
-    pre = {"image_processor_type": "CLIPImageProcessor", "crop_size": 224}  # ignored for internvl_chat
-    proc = load_image_processor(str(_write_checkpoint(tmp_path, config, pre)))
+    proc = load_image_processor(str(_write_checkpoint(tmp_path, config)))
     info = proc.clamp_info()
-    assert (info["tile_size"], info["tokens_per_tile"], info["max_patches"]) == (224, 64, 6)
+    assert (info["tile_size"], info["tokens_per_tile"], info["max_patches"]) == (224, 64, 12)
     item = proc.preprocess(noise(448, 224))
     assert item.pixel_values.shape == (3, 3, 224, 224)  # (tiles, C, H, W): 2 tiles + thumbnail
     assert item.grid_thw == (3, 16, 16)
     assert item.num_tokens == 3 * 64
+
+
+@pytest.mark.parametrize("family", ["auto", "internvl"])
+def test_internvl_chat_is_refused_naming_model(tmp_path, family):
+    config = {"model_type": "internvl_chat", "vision_config": {"patch_size": 14, "image_size": 224}}
+    with pytest.raises(ConfigError, match="^--model: model_type 'internvl_chat'"):
+        load_image_processor(str(_write_checkpoint(tmp_path, config)), family=family)
 
 
 # --- the clamp lives in the HF object -------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 from tests.checkpoints import make_checkpoint
 from vitserve.config import GIB
 from vitserve.errors import ConfigError
+from vitserve.families import DISABLED_BUDGET_TOKENS
 from vitserve.model import load_encoder
 from vitserve.reservation_file import (
     publish_reservation,
@@ -20,7 +21,7 @@ from vitserve.reservation_file import (
     reservation_path,
 )
 from vitserve.worker.stress import reserve
-from vitserve.worker.worst_case import DISABLED_BUDGET_TOKENS, near_square_grid, worst_case_items
+from vitserve.worker.worst_case import near_square_grid, worst_case_items
 
 torch.set_num_threads(1)
 

@@ -8,7 +8,8 @@ import pytest
 
 from tests.fakes import FakeEncoderFactory
 from vitserve.config import Config
-from vitserve.worker.worst_case import DISABLED_BUDGET_TOKENS, stress_batches, worst_case_items
+from vitserve.families import DISABLED_BUDGET_TOKENS
+from vitserve.worker.worst_case import stress_batches, worst_case_items
 
 
 def _encoder():

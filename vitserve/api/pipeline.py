@@ -1,4 +1,4 @@
-"""Decode + preprocess every image of a request off the event loop, all-or-nothing.
+"""Decode + preprocess (vitserve.processors.prepare) every image of a request off the event loop, all-or-nothing.
 
 The CPU work runs in one thread pool per server, sized to the machine: PIL decoding and the HF
 processor's numpy/torch kernels release the GIL, so threads use every core, and one large image
@@ -9,7 +9,6 @@ decoded images (the big intermediate) exist at once, across all requests.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import time
@@ -17,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from vitserve.contract import PreparedImage
 from vitserve.errors import InvalidImage, Timeout, VitserveError
-from vitserve.images import decode_image
-from vitserve.jpeg_draft import JpegDraft
 from vitserve.metrics import Metrics
+from vitserve.processors.draft import JpegDraft
+from vitserve.processors.prepare import prepare_image
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +33,7 @@ class Preprocessor:
     def __init__(self, processor, *, max_image_pixels: int, metrics: Metrics, workers: int | None = None,
                  jpeg_draft: bool = False):
         self.processor = processor
-        self.draft = JpegDraft(processor) if jpeg_draft else None  # --jpeg_draft (vitserve/jpeg_draft.py)
+        self.draft = JpegDraft(processor) if jpeg_draft else None  # --jpeg_draft (vitserve/processors/draft.py)
         self.max_image_pixels = max_image_pixels
         self.metrics = metrics
         self.pool = ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="vitserve-pre")
@@ -60,19 +59,10 @@ class Preprocessor:
         return results  # type: ignore[return-value]
 
     def _prepare_one(self, data: bytes) -> PreparedImage:
-        t0 = time.perf_counter()
-        image_id = hashlib.sha256(data).hexdigest()
-        decoded = decode_image(data, max_image_pixels=self.max_image_pixels, draft_target=self.draft)
-        t1 = time.perf_counter()
-        item = self.processor.preprocess(decoded.image)
-        if self.draft is not None:
-            item = self.draft.finish(item, decoded)
-        t2 = time.perf_counter()
-        decoded.image.close()
-        self.metrics.stage_seconds.labels(stage="decode").observe(t1 - t0)
-        self.metrics.stage_seconds.labels(stage="preprocess").observe(t2 - t1)
-        width, height = decoded.original_size
-        return PreparedImage(item, image_id, (width, height), t1 - t0, t2 - t1)
+        prepared = prepare_image(data, self.processor, max_image_pixels=self.max_image_pixels, draft=self.draft)
+        self.metrics.stage_seconds.labels(stage="decode").observe(prepared.decode_s)
+        self.metrics.stage_seconds.labels(stage="preprocess").observe(prepared.preprocess_s)
+        return prepared
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

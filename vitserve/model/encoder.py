@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from vitserve.contract import EncodedImage, ProcessedImage
-from vitserve.model.families import FamilyAdapter
+from vitserve.model.adapters import FamilyAdapter
 
 
 class HFVisionEncoder:
-    """Implements vitserve.model.base.Encoder over a transformers vision module (see families.ADAPTERS)."""
+    """Implements vitserve.model.base.Encoder over a transformers vision module (see adapters.ADAPTERS)."""
 
     def __init__(
         self,

@@ -23,12 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitserve.errors import ConfigError
+from vitserve.families import FAMILIES
 from vitserve.model.fast_alloc import tune_cpu_allocator
 from vitserve.model.fast_attention import PlanCache, packed_attention
 from vitserve.model.fast_mlp import inplace_activation, is_rms_norm, mlp_kind, rms_norm_forward
-
-QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
-FAMILIES = (*QWEN_FAMILIES, "internvl")
 
 
 def optimize(visual: nn.Module, family: str) -> nn.Module:
@@ -37,7 +35,7 @@ def optimize(visual: nn.Module, family: str) -> nn.Module:
         raise ConfigError(f"vitserve.model.fast.optimize: unknown family {family!r}; known: {', '.join(FAMILIES)}")
     if _on_cpu(visual):
         tune_cpu_allocator()
-    if family == "internvl":
+    if FAMILIES[family].layout == "tiles":
         _use_sdpa(visual)  # a plain ViT on fixed tiles: attention is already one batched call per layer
         return visual
     plans = PlanCache()  # one per tower: its layers share each forward's cu_seqlens

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from vitserve.errors import ConfigError
+from vitserve.families import DEMO_FAMILY
+from vitserve.model.adapters import ADAPTERS, FamilyAdapter, resolve_adapter
 from vitserve.model.encoder import HFVisionEncoder
-from vitserve.model.families import ADAPTERS, FamilyAdapter, resolve_adapter
 from vitserve.model.weights import assign_weights, read_vision_weights, rebuild_rope_buffers
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def load_encoder(
     """Build the vision tower (+ merger/projector) of a checkpoint and read only its weights.
 
     name_or_path: a local HF checkpoint directory, or "demo" (seeded random Qwen2.5-VL-shaped tower).
-    family: "auto" reads model_type from config.json; else one of vitserve.model.families.FAMILIES.
+    family: "auto" reads model_type from config.json; else one of vitserve.families.FAMILIES.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -62,7 +63,7 @@ def load_encoder(
 def _load_demo(device: torch.device, dtype: torch.dtype) -> HFVisionEncoder:
     from vitserve.model.demo import build_demo_visual, demo_config
 
-    return _finish(build_demo_visual(), ADAPTERS["qwen2_5_vl"], demo_config(), "demo", device, dtype)
+    return _finish(build_demo_visual(), ADAPTERS[DEMO_FAMILY], demo_config(), "demo", device, dtype)
 
 
 def _finish(

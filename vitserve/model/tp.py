@@ -37,14 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitserve.errors import ConfigError
+from vitserve.families import FAMILIES
 
-FAMILY_NAMES = {
-    "qwen2_vl": "Qwen2-VL",
-    "qwen2_5_vl": "Qwen2.5-VL",
-    "qwen3_vl": "Qwen3-VL",
-    "qwen3_5": "Qwen3.5",
-    "internvl": "InternVL",
-}
 _ATTENTION_NAMES = ("attn", "attention")
 _MLP_COLUMN = ("fc1", "gate_proj", "up_proj", "linear_fc1")
 _MLP_ROW = ("fc2", "down_proj", "linear_fc2")
@@ -125,7 +119,7 @@ def find_blocks(visual: nn.Module) -> list[nn.Module]:
 
 def check_shardable(visual: nn.Module, family: str, tp: int) -> None:
     """Raise ConfigError naming the numbers and --tp when a head count or MLP width does not split evenly."""
-    name = FAMILY_NAMES.get(family, family)
+    name = FAMILIES[family].display if family in FAMILIES else family
     blocks = find_blocks(visual)
     if not blocks:
         raise ConfigError(f"{name}: found no transformer blocks to shard; run with --tp 1")

@@ -10,20 +10,33 @@ import logging
 from pathlib import Path
 
 from vitserve.errors import ConfigError
+from vitserve.families import DEMO_FAMILY, FAMILIES, FAMILY_CHOICES, check_geometry
 from vitserve.processors.base import VisionProcessor
 from vitserve.processors.budget import Plan
-from vitserve.processors.families import (
-    FAMILIES,
-    QWEN_FAMILIES,
+from vitserve.processors.hf_config import (
     family_of_checkpoint,
     internvl_hf_processor,
     qwen_hf_processor,
+    tower_geometry,
 )
 from vitserve.processors.internvl import InternVLProcessor
 from vitserve.processors.qwen import QwenProcessor
 
+
+def _patches(family: str, checkpoint: Path | None, max_tokens: int) -> VisionProcessor:
+    return QwenProcessor(family, qwen_hf_processor(family, checkpoint), max_tokens)
+
+
+def _tiles(family: str, checkpoint: Path | None, max_tokens: int) -> VisionProcessor:
+    hf, patch, tokens_per_tile = internvl_hf_processor(family, checkpoint)
+    return InternVLProcessor(family, hf, max_tokens, patch_size=patch, tokens_per_tile=tokens_per_tile)
+
+
+# One builder per registry layout; every model_type the registry accepts resolves to one of these.
+_BUILDERS = {"patches": _patches, "tiles": _tiles}
+assert {f.layout for f in FAMILIES.values()} <= set(_BUILDERS), "a registry layout has no processor"
+
 __all__ = [
-    "FAMILIES",
     "Plan",
     "VisionProcessor",
     "family_of_checkpoint",
@@ -42,21 +55,18 @@ def load_image_processor(name_or_path: str, max_tokens: int = 0, *, family: str 
     if max_tokens < 0:
         raise ConfigError(f"--visual_batch_max_tokens must be >= 0, got {max_tokens}")
     checkpoint, family = _resolve(str(name_or_path), family)
-    if family in QWEN_FAMILIES:
-        proc: VisionProcessor = QwenProcessor(family, qwen_hf_processor(family, checkpoint), max_tokens)
-    else:
-        hf, patch, tokens_per_tile = internvl_hf_processor(checkpoint)
-        proc = InternVLProcessor(hf, max_tokens, patch_size=patch, tokens_per_tile=tokens_per_tile)
+    proc = _BUILDERS[FAMILIES[family].layout](family, checkpoint, max_tokens)
+    check_geometry(proc.clamp_info(), tower_geometry(checkpoint))  # before any rank starts
     _warn_if_minimum_above_budget(proc)
     return proc
 
 
 def _resolve(name_or_path: str, family: str) -> tuple[Path | None, str]:
     """(checkpoint dir or None, family) for a --model value and a --model_family value."""
-    if family != "auto" and family not in FAMILIES:
-        raise ConfigError(f"--model_family {family!r} is not one of auto, {', '.join(FAMILIES)}")
+    if family not in FAMILY_CHOICES:
+        raise ConfigError(f"--model_family {family!r} is not one of {', '.join(FAMILY_CHOICES)}")
     if name_or_path == "demo":
-        return None, "qwen2_5_vl"
+        return None, DEMO_FAMILY
     if name_or_path in FAMILIES:
         return None, name_or_path
     path = Path(name_or_path)
@@ -64,7 +74,7 @@ def _resolve(name_or_path: str, family: str) -> tuple[Path | None, str]:
         raise ConfigError(
             f"--model {name_or_path!r} is neither a checkpoint directory nor one of demo, {', '.join(FAMILIES)}"
         )
-    return path, family_of_checkpoint(path) if family == "auto" else family
+    return path, family_of_checkpoint(path, family)
 
 
 def _warn_if_minimum_above_budget(proc: VisionProcessor) -> None:

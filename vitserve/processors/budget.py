@@ -27,8 +27,7 @@ from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optim
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from vitserve.errors import AspectRatioTooLarge, ImageTooSmall, OverTokenBudget
-
-MAX_ASPECT_RATIO = 200  # HF smart_resize raises above this
+from vitserve.families import MAX_ASPECT_RATIO
 
 
 @dataclass(frozen=True)
@@ -174,7 +173,7 @@ class TileGeometry:
     tile_height: int
     tile_width: int
     patch_size: int
-    tokens_per_tile: int  # (tile/patch)^2 * downsample_ratio^2, 256 for InternVL at 448/14/0.5
+    tokens_per_tile: int  # vitserve.families.tokens_per_tile: 256 for InternVL at 448/14/0.5
     min_patches: int  # as shipped
     max_patches: int  # as shipped
 

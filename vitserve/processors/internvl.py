@@ -3,7 +3,7 @@
 pixel_values: (num_tiles, 3, tile, tile) — the tiles HF cuts (plus the thumbnail when there is more than one
 tile), exactly as InternVLProcessor produces them (it calls the image processor with crop_to_patches=True).
 grid_thw: (num_tiles, tile // patch, tile // patch); num_tokens = num_tiles * tokens_per_tile
-(tokens_per_tile = (tile/patch)^2 * downsample_ratio^2 = 256 for 448/14/0.5).
+(tokens_per_tile from vitserve.families.tokens_per_tile: 256 for 448/14/0.5).
 resized_size: the tiled canvas (columns * tile, rows * tile) the image is resized to before cutting.
 """
 
@@ -17,8 +17,8 @@ from vitserve.processors.budget import Plan, TileGeometry, plan_tiles
 
 
 class InternVLProcessor(VisionProcessor):
-    def __init__(self, hf, max_tokens: int, *, patch_size: int, tokens_per_tile: int):
-        self.family = "internvl"
+    def __init__(self, family: str, hf, max_tokens: int, *, patch_size: int, tokens_per_tile: int):
+        self.family = family
         self.hf = hf
         self.max_tokens = max_tokens
         self.geometry = TileGeometry(

@@ -39,13 +39,10 @@ import torch
 
 from vitserve.contract import ProcessedImage
 from vitserve.errors import ConfigError
+from vitserve.families import DISABLED_BUDGET_TOKENS, FAMILIES, MAX_ASPECT_RATIO, tokens_per_tile
 from vitserve.model.base import Encoder
 
 log = logging.getLogger(__name__)
-
-DISABLED_BUDGET_TOKENS = 16384  # budget 0: one image of HF's default Qwen2-VL max_pixels (12845056 / 28**2)
-MAX_ASPECT_RATIO = 200  # HF smart_resize rejects images with a longer/shorter side ratio above this
-QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 def worst_case_items(
@@ -64,9 +61,10 @@ def worst_case_items(
             DISABLED_BUDGET_TOKENS,
         )
         budget_tokens = DISABLED_BUDGET_TOKENS
-    if encoder.family in QWEN_FAMILIES:
+    layout = getattr(FAMILIES.get(encoder.family), "layout", None)  # None: a family with no worst case
+    if layout == "patches":
         return [_qwen_item(_vision_config(encoder), near_square_grid(budget_tokens))]
-    if encoder.family == "internvl":
+    if layout == "tiles":
         return _internvl_items(encoder, budget_tokens, max_batch_images, max_tiles_per_image)
     raise ConfigError(
         f"no worst-case shape for family {encoder.family!r}; set --visual_reserved_mem_gb to skip the stress"
@@ -86,7 +84,7 @@ def stress_batches(
     peak covers that fragmentation without allocating anything production would not.
     """
     yield worst_case_items(encoder, budget_tokens, max_batch_images, max_tiles_per_image=max_tiles_per_image)
-    if encoder.family in QWEN_FAMILIES:
+    if getattr(FAMILIES.get(encoder.family), "layout", None) == "patches":
         cfg = _vision_config(encoder)
         budget = budget_tokens if budget_tokens > 0 else DISABLED_BUDGET_TOKENS
         for grids in _full_budget_grids(budget, max_batch_images):
@@ -153,13 +151,13 @@ def _internvl_items(
     patch = _first(cfg.patch_size)
     ratio = float(_find_attr(encoder, "downsample_ratio", 0.5))
     side = image_size // patch  # patches per tile side
-    tokens_per_tile = int(side * ratio) ** 2
+    per_tile = tokens_per_tile(image_size, patch, ratio)
     channels = int(getattr(cfg, "num_channels", 3))
-    if tokens_per_tile > budget_tokens:
+    if per_tile > budget_tokens:
         raise ConfigError(
-            f"one InternVL tile is {tokens_per_tile} tokens, above --visual_batch_max_tokens {budget_tokens}"
+            f"one InternVL tile is {per_tile} tokens, above --visual_batch_max_tokens {budget_tokens}"
         )
-    tiles = budget_tokens // tokens_per_tile
+    tiles = budget_tokens // per_tile
     per_image = max(1, max_tiles_per_image) if max_tiles_per_image else tiles
     tiles = min(tiles, max_batch_images * per_image)
     gen = torch.Generator().manual_seed(0)
@@ -171,7 +169,7 @@ def _internvl_items(
             ProcessedImage(
                 pixel_values=pixels,
                 grid_thw=(n, side, side),
-                num_tokens=n * tokens_per_tile,
+                num_tokens=n * per_tile,
                 resized_size=(image_size, image_size),
                 clamped=False,
             )

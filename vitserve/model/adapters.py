@@ -1,4 +1,4 @@
-"""Per-family facts in one table: which transformers classes build the tower, where its weights live in a
+"""Per-model_type torch facts in one table: which transformers classes build the tower, where its weights live in a
 checkpoint, how one packed forward runs and what comes out. Everything else in vitserve/model is generic."""
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitserve.errors import ConfigError
-
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl")
+from vitserve.families import FAMILIES, MODEL_TYPES, family_of_model_type
 
 # Qwen towers live under `model.visual.*` (transformers 5 layout) or `visual.*` (original hub layout); the
 # module built here is the tower itself, so both prefixes map to "".
@@ -142,20 +140,15 @@ ADAPTERS: dict[str, FamilyAdapter] = {
 }
 
 
+assert set(ADAPTERS) == set(MODEL_TYPES), "model/adapters.py must cover every registry model_type"
+assert all(ADAPTERS[mt].family == f.name for f in FAMILIES.values() for mt in f.model_types)
+
+
 def resolve_adapter(model_type: str | None, family: str = "auto") -> FamilyAdapter:
-    """The adapter for a checkpoint's model_type, or for an explicit --model_family (which wins)."""
-    if family != "auto":
-        if family not in FAMILIES:
-            raise ConfigError(
-                f"unknown --model_family {family!r}; expected one of {', '.join(FAMILIES)} or auto"
-            )
-        adapter = ADAPTERS.get(model_type or "")
-        # Keep the MoE variant's classes when the checkpoint is one; otherwise use the family's own.
-        return adapter if adapter is not None and adapter.family == family else ADAPTERS[family]
+    """The adapter for a checkpoint's model_type, or for an explicit --model_family (which wins).
+
+    The family comes from vitserve.families.family_of_model_type, the same check the processors use."""
+    resolved = family_of_model_type(model_type or "", family)
     adapter = ADAPTERS.get(model_type or "")
-    if adapter is None:
-        raise ConfigError(
-            f"unknown model_type {model_type!r} in config.json; set --model_family to one of "
-            f"{', '.join(FAMILIES)} if the checkpoint uses one of those vision towers"
-        )
-    return adapter
+    # Keep the MoE variant's classes when the checkpoint is one; otherwise use the family's own.
+    return adapter if adapter is not None and adapter.family == resolved.name else ADAPTERS[resolved.name]

@@ -7,9 +7,10 @@ image to at most half its size, vitserve.images.decode_image decodes at the larg
 >= the planned target in both sides (never upsampled), then resizes to exactly the target with the
 processors' bicubic filter. The processor then sees an image already at its planned size: same grid, same
 token count as the full decode. Embeddings differ slightly (a DCT-domain reduction, then bicubic, instead of
-one bicubic from full size); bench/jpeg_draft.py measures how much, see bench/RESULTS.md.
+one bicubic from full size); bench/jpeg_draft.py measures how much, see bench/RESULTS.md. That is why the
+flag is off by default: with it on, output is not exact (docs/jpeg_draft.md).
 
-Qwen families only: their plan maps a target-sized image onto itself. InternVL's tiling (and its thumbnail
+Patch-layout (Qwen) families only: their plan maps a target-sized image onto itself. InternVL's tiling (and its thumbnail
 tile, resized from the whole image) is left on the full decode.
 """
 
@@ -19,9 +20,8 @@ import dataclasses
 
 from vitserve.contract import ProcessedImage
 from vitserve.errors import VitserveError
+from vitserve.families import FAMILIES
 from vitserve.images import DecodedImage
-
-QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 class JpegDraft:
@@ -29,7 +29,7 @@ class JpegDraft:
 
     def __init__(self, processor) -> None:
         self.processor = processor
-        self.enabled = processor.family in QWEN_FAMILIES
+        self.enabled = FAMILIES[processor.family].layout == "patches"
 
     def __call__(self, width: int, height: int) -> tuple[int, int] | None:
         if not self.enabled:
@@ -51,13 +51,3 @@ class JpegDraft:
         if decoded.draft_scale == 1:
             return item
         return dataclasses.replace(item, clamped=self.processor.plan(*decoded.original_size).clamped)
-
-
-def decode_and_preprocess(data: bytes, processor, *, max_image_pixels: int, jpeg_draft: bool):
-    """decode_image + processor.preprocess with the draft applied when asked: (DecodedImage, ProcessedImage)."""
-    from vitserve.images import decode_image
-
-    draft = JpegDraft(processor) if jpeg_draft else None
-    decoded = decode_image(data, max_image_pixels=max_image_pixels, draft_target=draft)
-    item = processor.preprocess(decoded.image)
-    return decoded, (draft.finish(item, decoded) if draft else item)
