@@ -110,7 +110,7 @@ async def main() -> None:
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--order", choices=("cyclic", "grouped"), default="cyclic")
     args = p.parse_args()
-    processor = load_image_processor("demo", max_tokens=args.budget)
+    processor = load_image_processor("demo", budget_tokens=args.budget)
     images = make_images(args.distinct, args.size)
     rows = [await run_mode(mode, args, processor, images) for mode in MODES]
     base = rows[0]["images_per_s"]

@@ -245,12 +245,12 @@ def render_banner(service) -> str:
     info = service.engine.info()
     reserved = info.reserved_memory_bytes
     per_rank = ", ".join(f"rank {r}: {_mib(b)}" for r, b in sorted(reserved.items())) or "unknown"
-    budget = f"{c.visual_batch_max_tokens} tokens per batch and per image" if c.budget_enabled else "OFF (no clamp)"
+    budget = f"{c.budget_tokens} tokens per batch and per image" if c.budget_enabled else "OFF (no clamp)"
     lines = [
         f"vitserve {__import__('vitserve').__version__} serving on http://{c.host}:{service.port}",
         f"  model: {info.model} (family {info.family}, dim {info.embed_dim}, "
         f"dtype {info.dtype}, device {_resolved_device(c.device)})",
-        f"  budget: {budget}; at most {c.visual_infer_batch_size} images per batch",
+        f"  budget: {budget}; at most {c.max_batch_images} images per batch",
         f"  processor clamp: {service.processor.clamp_info()}",
         f"  layout: tp={info.tp} dp={info.dp}",
         f"  reserved memory per rank: {per_rank} (source: {info.reserved_source})",
@@ -271,7 +271,7 @@ def _build_service(config: Config):
     from vitserve.api.server import Service, bind_socket
     from vitserve.processors import load_image_processor
 
-    processor = load_image_processor(config.model, max_tokens=config.visual_batch_max_tokens,
+    processor = load_image_processor(config.model, budget_tokens=config.budget_tokens,
                                      family=config.model_family)
     sock = bind_socket(config.host, config.port)
     from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed

@@ -44,7 +44,7 @@ def live_server(config: Config | None = None, *, engine=None, processor=None, ma
     config = replace(config or TEST_CONFIG, **overrides)
     metrics = Metrics()
     processor = processor or load_image_processor(
-        "qwen2_5_vl" if config.model == "demo" else config.model, max_tokens=config.visual_batch_max_tokens)
+        "qwen2_5_vl" if config.model == "demo" else config.model, budget_tokens=config.budget_tokens)
     gate = threading.Event()
     gate.set()
     if engine is None:

@@ -237,7 +237,7 @@ def test_body_over_cap_via_httpx_is_413(client, live):
 def test_image_above_budget_after_clamping_is_413_over_token_budget():
     from vitserve.processors import load_image_processor
 
-    proc = load_image_processor("internvl", max_tokens=64)  # one InternVL tile is 256 tokens: cannot shrink to 64
+    proc = load_image_processor("internvl", budget_tokens=64)  # one InternVL tile is 256 tokens: cannot shrink to 64
     with live_server(visual_batch_max_tokens=64, processor=proc) as srv, srv.client() as c:
         err = assert_error(c.post("/encode", json={"images": [ok_image()]}), 413, "over_token_budget", 0)
         assert "--visual_batch_max_tokens" in err["message"]

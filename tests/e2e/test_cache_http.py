@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cache-http")
-    processor = load_image_processor("qwen2_5_vl", max_tokens=256)
+    processor = load_image_processor("qwen2_5_vl", budget_tokens=256)
 
     def make_engine(config, metrics):
         return Engine(config, metrics, encoder_factory=FakeEncoderFactory(), environ={},

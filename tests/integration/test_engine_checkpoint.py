@@ -26,7 +26,7 @@ def _images() -> list[Image.Image]:
 @pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.slow)])
 async def test_tp2_engine_equals_single_process_encoder(tmp_path, family):
     ckpt = make_checkpoint(family, tmp_path / "ckpt")
-    proc = load_image_processor(str(ckpt), max_tokens=BUDGET)
+    proc = load_image_processor(str(ckpt), budget_tokens=BUDGET)
     items = [proc.preprocess(img) for img in _images()]
     reference = load_encoder(str(ckpt), device="cpu", dtype=torch.float32).encode(
         [proc.preprocess(img) for img in _images()])

@@ -22,7 +22,7 @@ class VisionProcessor(ABC):
 
     family: str
     hf: Any  # the clamped HF image processor object; calling it directly also respects the budget
-    max_tokens: int  # per-image token budget; 0 = no clamp
+    budget_tokens: int  # per-image token budget; 0 = no clamp
 
     @abstractmethod
     def plan(self, width: int, height: int) -> Plan:
