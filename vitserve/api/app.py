@@ -1,4 +1,5 @@
-"""The FastAPI application: routes of SPEC §2 and the one place errors become HTTP responses."""
+"""The FastAPI application: the routes, and the one handler that turns any exception into a typed error
+(rendered by errors.http_error, like the edge's refusals)."""
 
 from __future__ import annotations
 
