@@ -16,10 +16,14 @@ tile, resized from the whole image) is left on the full decode.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from vitserve.errors import VitserveError
 from vitserve.images import DecodedImage
 from vitserve.types import ProcessedImage
+
+if TYPE_CHECKING:  # importing vitserve.processors loads transformers; only the type is needed here
+    from vitserve.processors.base import VisionProcessor
 
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
@@ -27,7 +31,7 @@ QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 class JpegDraft:
     """The DraftTarget for one VisionProcessor: ``draft(width, height) -> (w, h) | None``."""
 
-    def __init__(self, processor) -> None:
+    def __init__(self, processor: VisionProcessor) -> None:
         self.processor = processor
         self.enabled = processor.family in QWEN_FAMILIES
 
@@ -53,7 +57,9 @@ class JpegDraft:
         return dataclasses.replace(item, clamped=self.processor.plan(*decoded.original_size).clamped)
 
 
-def decode_and_preprocess(data: bytes, processor, *, max_image_pixels: int, jpeg_draft: bool):
+def decode_and_preprocess(
+    data: bytes, processor: VisionProcessor, *, max_image_pixels: int, jpeg_draft: bool
+) -> tuple[DecodedImage, ProcessedImage]:
     """decode_image + processor.preprocess with the draft applied when asked: (DecodedImage, ProcessedImage)."""
     from vitserve.images import decode_image
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -35,3 +36,21 @@ class ImageResult:
     deepstack: list[torch.Tensor] = field(default_factory=list)
     cached: bool = False
     timing_ms: dict[str, float] = field(default_factory=dict)  # "queue", "encode", "send"
+
+
+class EncodeEngine(Protocol):
+    """What the HTTP layer needs of an engine: vitserve.engine.Engine (tests also pass a fake)."""
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    def readiness(self) -> tuple[bool, str]: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    @property
+    def queue_tokens(self) -> int: ...
+
+    async def encode(self, request_id: str, items: list[ProcessedImage], image_ids: list[str], *,
+                     deadline: float, return_embeddings: bool) -> list[ImageResult]: ...

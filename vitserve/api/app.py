@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +20,8 @@ from vitserve.api.pipeline import Preprocessor
 from vitserve.config import Config
 from vitserve.errors import InvalidRequest, NotReady, VitserveError
 from vitserve.metrics import CONTENT_TYPE, Metrics
+from vitserve.processors.base import VisionProcessor
+from vitserve.types import EncodeEngine
 
 log = logging.getLogger(__name__)
 _HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
@@ -51,7 +54,7 @@ async def _handle(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(_as_vitserve_error(exc))
 
 
-def info_body(config: Config, engine, processor) -> dict:
+def info_body(config: Config, engine: EncodeEngine, processor: VisionProcessor) -> dict[str, Any]:
     info = engine.info()
     return {
         "model": info.get("model"), "family": info.get("family", processor.family),
@@ -70,7 +73,7 @@ def info_body(config: Config, engine, processor) -> dict:
     }
 
 
-def create_app(config: Config, engine, processor, metrics: Metrics, *, state: ServerState | None = None) -> FastAPI:
+def create_app(config: Config, engine: EncodeEngine, processor: VisionProcessor, metrics: Metrics, *, state: ServerState | None = None) -> FastAPI:
     """The ASGI app. `state` lets the entry point flip `draining` on SIGTERM; app.state.server holds it."""
     state = state or ServerState()
     app = FastAPI(title="vitserve", version=vitserve.__version__,
@@ -88,7 +91,7 @@ def create_app(config: Config, engine, processor, metrics: Metrics, *, state: Se
         return await encode(request)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/ready")
@@ -101,7 +104,7 @@ def create_app(config: Config, engine, processor, metrics: Metrics, *, state: Se
         return JSONResponse({"status": "ready"})
 
     @app.get("/v1/info")
-    async def v1_info() -> dict:
+    async def v1_info() -> dict[str, Any]:
         return info_body(config, engine, processor)
 
     @app.get("/metrics")
@@ -113,7 +116,7 @@ def create_app(config: Config, engine, processor, metrics: Metrics, *, state: Se
     return app
 
 
-def _openapi(app: FastAPI) -> dict:
+def _openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         app.openapi_schema = add_schemas(schema)
