@@ -15,13 +15,18 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vitserve.config import Config
 from vitserve.errors import ConfigError, VitserveError
 from vitserve.metrics import Metrics
 
+if TYPE_CHECKING:  # imported lazily below: the server pulls in uvicorn, torch and transformers
+    from vitserve.api.server import Service
+
 log = logging.getLogger("vitserve")
 FAMILIES = ("auto", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl")
+T = TypeVar("T")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -51,12 +56,12 @@ def parse_domains(text: str) -> tuple[str, ...]:
     return tuple(d.strip().lower() for d in text.split(",") if d.strip())
 
 
-def _optional(convert: Callable) -> Callable:
+def _optional(convert: Callable[[str], T]) -> Callable[[str], T | None]:
     return lambda text: None if text.strip().lower() in ("", "none") else convert(text)
 
 
 # flag -> (parser, help).  Defaults come from Config, so there is one source of truth for them.
-FLAGS: dict[str, tuple[Callable, str]] = {
+FLAGS: dict[str, tuple[Callable[[str], object], str]] = {
     "model": (str, "local HF checkpoint directory, or 'demo' (random weights; embeddings mean nothing)"),
     "model_family": (str, f"one of {', '.join(FAMILIES)}"),
     "tp": (parse_int, "tensor-parallel ranks per encoder group"),
@@ -106,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _convert(flag: str, raw, source: str):
+def _convert(flag: str, raw: str | bool, source: str) -> object:
     if isinstance(raw, bool):
         return raw
     try:
@@ -118,7 +123,7 @@ def _convert(flag: str, raw, source: str):
 def build_config(argv: list[str] | None, environ: Mapping[str, str]) -> Config:
     """Flags, then VITSERVE_* env, then Config defaults. Raises ConfigError naming the knob."""
     args = vars(build_parser().parse_args(argv))
-    values: dict = {}
+    values: dict[str, Any] = {}  # one type per flag (int, float, str, bool, tuple)
     for flag in FLAGS:
         if flag in args:
             values[flag] = _convert(flag, args[flag], f"--{flag}")
@@ -171,7 +176,7 @@ def _resolved_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def render_banner(service) -> str:
+def render_banner(service: Service) -> str:
     """One block with every resolved setting that guards memory or load (SPEC §1)."""
     c: Config = service.config
     info = service.engine.info()
@@ -197,7 +202,7 @@ def render_banner(service) -> str:
     return "\n".join(lines)
 
 
-def _build_service(config: Config):
+def _build_service(config: Config) -> Service:
     from vitserve.api.server import Service, bind_socket
     from vitserve.processors import load_image_processor
 
