@@ -47,7 +47,7 @@ class LoopCounters:
 
 
 class LivenessThread(threading.Thread):
-    def __init__(self, ctx: zmq.Context, status_endpoint: str, *, group: int, rank: int, parent_pid: int,
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], status_endpoint: str, *, group: int, rank: int, parent_pid: int,
                  heartbeat_s: float, counters: LoopCounters):
         super().__init__(name=f"vitserve-liveness-g{group}r{rank}", daemon=True)
         self._sock = ctx.socket(zmq.PUSH)
