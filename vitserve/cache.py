@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from vitserve.config import Config
 from vitserve.metrics import Metrics
 from vitserve.types import EncodedImage
@@ -121,7 +123,7 @@ class EmbeddingCache:
 
 def _detached(encoded: EncodedImage) -> EncodedImage:
     """The entry as stored: CPU, contiguous, no autograd history (no copy when it already is)."""
-    def fix(t):
+    def fix(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu").contiguous()
 
     return EncodedImage(embedding=fix(encoded.embedding), deepstack=[fix(t) for t in encoded.deepstack])

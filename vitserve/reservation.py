@@ -377,12 +377,12 @@ def _proc_status_kib(key: str) -> int | None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def reservation_path(runtime_dir: str | os.PathLike, device: str, rank: int) -> Path:
+def reservation_path(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> Path:
     safe_device = str(device).replace(os.sep, "_")
     return Path(runtime_dir) / f"reserved_mem_{safe_device}_{int(rank)}.json"
 
 
-def publish_reservation(runtime_dir: str | os.PathLike, device: str, rank: int, nbytes: int, source: str) -> Path:
+def publish_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int, nbytes: int, source: str) -> Path:
     """Write the reservation atomically: a temp file in the same directory, fsync, then os.replace."""
     path = reservation_path(runtime_dir, device, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -400,7 +400,7 @@ def publish_reservation(runtime_dir: str | os.PathLike, device: str, rank: int, 
     return path
 
 
-def read_reservation(runtime_dir: str | os.PathLike, device: str, rank: int) -> dict | None:
+def read_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> dict[str, Any] | None:
     """The published reservation, or None when it is not (yet) known. Never raises."""
     try:
         text = reservation_path(runtime_dir, device, rank).read_text()
@@ -416,7 +416,7 @@ def read_reservation(runtime_dir: str | os.PathLike, device: str, rank: int) -> 
     return {key: body[key] for key in _FIELDS}
 
 
-def remove_reservation(runtime_dir: str | os.PathLike, device: str, rank: int) -> None:
+def remove_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> None:
     """Delete this rank's file on clean shutdown; a missing file is fine."""
     try:
         reservation_path(runtime_dir, device, rank).unlink(missing_ok=True)

@@ -14,8 +14,8 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from multiprocessing.process import BaseProcess
 from enum import Enum
+from multiprocessing.process import BaseProcess
 
 import torch.multiprocessing as mp
 import zmq

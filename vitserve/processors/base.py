@@ -38,7 +38,7 @@ class VisionProcessor(ABC):
         """Pixels ready for the encoder."""
 
     @abstractmethod
-    def clamp_info(self) -> dict:
+    def clamp_info(self) -> dict[str, Any]:
         """The resolved clamp, for the start-up banner and /v1/info."""
 
 

@@ -73,7 +73,7 @@ INTERNVL_PATCH_SIZE = 14
 INTERNVL_DOWNSAMPLE_RATIO = 0.5
 
 
-def read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict[str, Any] | None:
     """A JSON object from a file, None when the file does not exist."""
     if not path.is_file():
         return None
@@ -103,7 +103,7 @@ def family_of_checkpoint(path: str | Path) -> str:
     return family
 
 
-def _vision_config(config: dict | None) -> dict:
+def _vision_config(config: dict[str, Any] | None) -> dict[str, Any]:
     vision = (config or {}).get("vision_config") or {}
     return vision if isinstance(vision, dict) else {}
 
@@ -138,7 +138,8 @@ def qwen_hf_processor(family: str, checkpoint: Path | None) -> Qwen2VLImageProce
     ):
         if src in vision:
             params[key] = int(vision[src])
-    return Qwen2VLImageProcessorPil.from_dict(params)
+    processor: Qwen2VLImageProcessorPil = Qwen2VLImageProcessorPil.from_dict(params)
+    return processor
 
 
 def internvl_hf_processor(checkpoint: Path | None) -> tuple[GotOcr2ImageProcessorPil, int, int]:

@@ -92,7 +92,7 @@ class LLMSender:
 
     send = send_embedding  # the name INTERFACES.md uses
 
-    def send_frames(self, frames: list, *, deadline: float) -> int:
+    def send_frames(self, frames: list[bytes | memoryview], *, deadline: float) -> int:
         """Send pre-encoded frames as one multipart message; see send_embedding."""
         nbytes = sum(memoryview(f).nbytes for f in frames)
         wait_s = min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
@@ -108,7 +108,7 @@ class LLMSender:
             self._lock.release()
         return nbytes
 
-    def _send_before(self, frames: list, deadline: float) -> None:
+    def _send_before(self, frames: list[bytes | memoryview], deadline: float) -> None:
         """Wait for room (POLLOUT) until the deadline, then send without blocking.
 
         POLLOUT means ZMQ accepts a whole message now: the high-water mark is only checked at the

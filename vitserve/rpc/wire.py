@@ -122,7 +122,7 @@ def decode_embedding_message(frames: Sequence[Any]) -> ImageEmbedding:
         image_index=header["image_index"],
         num_images=header["num_images"],
         image_id=header["image_id"],
-        grid_thw=tuple(header["grid_thw"]),  # type: ignore[arg-type]
+        grid_thw=tuple(header["grid_thw"]),
         num_tokens=header["num_tokens"],
         embedding=embedding,
         deepstack=deepstack,
@@ -147,7 +147,7 @@ def _tensor(frame: Any, dtype: str, shape: list[int], what: str) -> torch.Tensor
         raise WireError(f"{what}: {exc}") from None
 
 
-def _parse_header(raw: memoryview) -> dict:
+def _parse_header(raw: memoryview) -> dict[str, Any]:
     if raw.nbytes > MAX_HEADER_BYTES:
         raise WireError(f"header frame is {raw.nbytes} bytes, over the {MAX_HEADER_BYTES}-byte limit")
     try:
@@ -165,7 +165,7 @@ _STR_FIELDS = ("request_id", "image_id", "model", "dtype")
 _INT_FIELDS = ("image_index", "num_images", "num_tokens")
 
 
-def _check_header(h: dict) -> None:
+def _check_header(h: dict[str, Any]) -> None:
     """Every SPEC §3 v1 field present, typed, and consistent with the others."""
     version = h.get("v")
     if version != WIRE_VERSION or type(version) is not int:
@@ -174,7 +174,7 @@ def _check_header(h: dict) -> None:
     _check_shapes(h)
 
 
-def _check_scalars(h: dict) -> None:
+def _check_scalars(h: dict[str, Any]) -> None:
     for name in _STR_FIELDS:
         if not isinstance(h.get(name), str):
             raise WireError(f"field {name!r} must be a string, got {_kind(h.get(name))}")
@@ -187,7 +187,7 @@ def _check_scalars(h: dict) -> None:
         raise WireError(f"dtype {_kind(h['dtype'])} is not one of {EMBEDDING_DTYPES}")
 
 
-def _check_shapes(h: dict) -> None:
+def _check_shapes(h: dict[str, Any]) -> None:
     if not _is_dims(h.get("grid_thw"), 3):
         raise WireError(f"grid_thw must be 3 non-negative integers, got {_kind(h.get('grid_thw'))}")
     if not _is_dims(h.get("shape"), 2):
