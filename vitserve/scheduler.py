@@ -90,15 +90,6 @@ class Scheduler:
         self._queued_tokens -= entry[1]
         return True
 
-    def clear(self) -> list[Hashable]:
-        """Remove every queued item; returns their ids in FIFO order (to fail their futures when the
-        encoders die or the service shuts down)."""
-        ids = [item_id for seq, item_id in self._order if self._live.get(item_id, (None,))[0] == seq]
-        self._order.clear()
-        self._live.clear()
-        self._queued_tokens = 0
-        return ids
-
     def next_batch(self) -> list[Hashable] | None:
         """The next batch of item ids in FIFO order, or None when nothing is queued.
 

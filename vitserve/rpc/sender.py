@@ -90,8 +90,6 @@ class LLMSender:
         )
         return self.send_frames(frames, deadline=deadline)
 
-    send = send_embedding  # the name INTERFACES.md uses
-
     def send_frames(self, frames: list[bytes | memoryview], *, deadline: float) -> int:
         """Send pre-encoded frames as one multipart message; see send_embedding."""
         nbytes = sum(memoryview(f).nbytes for f in frames)
