@@ -1,6 +1,6 @@
 """The `vitserve` entry point: flags + VITSERVE_* environment -> one frozen Config -> Service.run().
 
-This is the only place that reads the environment (SPEC §1): each flag also reads VITSERVE_<FLAG_UPPER>
+This is the only place that reads the environment (docs/api.md): each flag also reads VITSERVE_<FLAG_UPPER>
 (the flag wins), VITSERVE_RUNTIME_DIR sets the runtime directory, and torchrun's MASTER_ADDR/MASTER_PORT
 set the torch.distributed store address.
 """
@@ -177,7 +177,7 @@ def _resolved_device(device: str) -> str:
 
 
 def render_banner(service: Service) -> str:
-    """One block with every resolved setting that guards memory or load (SPEC §1)."""
+    """One block with every resolved setting that guards memory or load (docs/api.md)."""
     c: Config = service.config
     info = service.engine.info()
     reserved = info.get("reserved_memory_bytes") or {}

@@ -1,4 +1,4 @@
-"""HTTP client for vitserve's /encode (SPEC §2, §7), sync and asyncio.
+"""HTTP client for vitserve's /encode (docs/api.md), sync and asyncio.
 
     from vitserve.client import VitserveClient
     with VitserveClient("http://127.0.0.1:8100") as c:

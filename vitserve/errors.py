@@ -1,4 +1,4 @@
-"""Typed errors. Each carries its HTTP status and a stable code (SPEC §2); exactly one handler maps them.
+"""Typed errors. Each carries its HTTP status and a stable code (docs/api.md); exactly one handler maps them.
 
 Third-party failures (PIL, HF processors, zmq) are re-raised as one of these with `raise ... from exc`.
 Messages name the limit and the flag that sets it.

@@ -1,4 +1,4 @@
-"""Safe image decoding (SPEC §5): allowlist, header pixel check, EXIF orientation, correct 8-bit RGB.
+"""Safe image decoding (docs/processing.md): allowlist, header pixel check, EXIF orientation, correct 8-bit RGB.
 
 Order matters: the format and the pixel count are checked from the header (``Image.open`` parses only the
 header) before a single pixel is decoded, so a PNG that declares 30000x30000 is refused without allocating.
@@ -30,7 +30,7 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from vitserve.errors import InvalidImage, PayloadTooLarge, VitserveError
 
-# PIL's names for the formats of SPEC §5; Image.open is told to try only these.
+# PIL's names for the allowed formats (docs/processing.md); Image.open is told to try only these.
 ALLOWED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 
 # Our --max_image_pixels check is the one that decides; PIL's own global bomb limit (89.5 MP, error at 2x)

@@ -1,4 +1,4 @@
-"""Every SPEC §2 error code from a real HTTP request, with its status and body; B1-B3, B7, B8, S5."""
+"""Every error code of docs/api.md from a real HTTP request, with its status and body; B1-B3, B7, B8, S5."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The FIFO token-budget scheduler (DESIGN invariants 2 and 3), on plain ids: examples, then a
+"""The FIFO token-budget scheduler (docs/design.md invariants 2 and 3), on plain ids: examples, then a
 hypothesis state machine that checks every operation against a reference model."""
 
 from __future__ import annotations

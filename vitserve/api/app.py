@@ -1,4 +1,4 @@
-"""The FastAPI application: routes of SPEC §2 and the one place errors become HTTP responses."""
+"""The FastAPI application: routes of docs/api.md and the one place errors become HTTP responses."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ _HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
 
 
 def error_response(err: VitserveError) -> JSONResponse:
-    """The single mapping from a typed error to its HTTP answer (SPEC §2 body, Retry-After on 503 queue_full)."""
+    """The single mapping from a typed error to its HTTP answer (docs/api.md body, Retry-After on 503 queue_full)."""
     headers = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
@@ -77,7 +77,7 @@ def create_app(config: Config, engine: EncodeEngine, processor: VisionProcessor,
     """The ASGI app. `state` lets the entry point flip `draining` on SIGTERM; app.state.server holds it."""
     state = state or ServerState()
     app = FastAPI(title="vitserve", version=vitserve.__version__,
-                  description="Vision-encoder embeddings for multimodal LLMs (SPEC §2).")
+                  description="Vision-encoder embeddings for multimodal LLMs.")
     app.state.server = state
     app.state.preprocessor = pre = Preprocessor(processor, max_image_pixels=config.max_image_pixels, metrics=metrics,
                                                 jpeg_draft=config.jpeg_draft)

@@ -1,4 +1,4 @@
-"""POST /encode: read -> parse -> fetch -> decode+preprocess ALL -> engine -> respond (SPEC §2).
+"""POST /encode: read -> parse -> fetch -> decode+preprocess ALL -> engine -> respond (docs/api.md).
 
 All-or-nothing: every image is validated, decoded and preprocessed before anything is enqueued, so a
 bad image anywhere in the request means nothing is encoded and nothing reaches the LLM.

@@ -1,6 +1,6 @@
 """Turning an /encode body (JSON or multipart) into the request's image bytes, in order.
 
-Nothing here decodes pixels; it only enforces the request's shape (SPEC §2): known fields, 1 to
+Nothing here decodes pixels; it only enforces the request's shape (docs/api.md): known fields, 1 to
 --max_images_per_request images, valid base64, URLs through vitserve.api.urls.
 """
 

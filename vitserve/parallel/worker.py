@@ -38,7 +38,7 @@ class Rendezvous:
     """Where a group's ranks meet (resolved at engine construction, passed down).
 
     Single host (the default): a FileStore in the engine's private runtime dir, because torch's TCPStore
-    server listens on every interface whatever address it is given (SPEC §5 wants 127.0.0.1 / ipc only).
+    server listens on every interface whatever address it is given (the store must listen only on 127.0.0.1 / ipc).
     A master address from the config or torchrun's MASTER_ADDR/MASTER_PORT: a TCPStore there.
     """
 
@@ -223,7 +223,7 @@ class RankWorker:
             if self.args.rank == 0:
                 self._reply(batch.batch_id, outputs)  # 3) embeddings back to the engine
             # Drop this batch's frames before waiting for the next: otherwise two batches' pixels are live in
-            # zmq's receive arena at once, and the runtime peak outgrows the reservation (RELIABILITY L3).
+            # zmq's receive arena at once, and the runtime peak outgrows the reservation (scenario L3).
             del batch, outputs
 
     def _next_step(self) -> tuple[m.Kind, m.BatchMsg | None]:

@@ -1,4 +1,4 @@
-"""The VisionProcessor interface every model family implements (INTERFACES.md, SPEC §7)."""
+"""The VisionProcessor interface every model family implements (docs/processing.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LLMSender: vitserve's end of SPEC §3 — a ZMQ PUSH socket connected to the LLM server's PULL.
+"""LLMSender: vitserve's end of the wire (docs/integration.md) — a ZMQ PUSH socket connected to the LLM server's PULL.
 
 Back-pressure, never loss: when the LLM server reads slowly, ZMQ queues up to the high-water mark and
 then a send *blocks* (we poll for POLLOUT; we never send with DONTWAIT-and-drop). A send that is still
@@ -27,7 +27,7 @@ DEFAULT_LINGER_S = 5.0  # how long close() keeps flushing queued messages to a s
 
 
 class LLMSender:
-    """Pushes SPEC §3 messages to `endpoint` (tcp://host:port or ipc:///path). Thread-safe.
+    """Pushes wire-format messages (docs/integration.md) to `endpoint` (tcp://host:port or ipc:///path). Thread-safe.
 
     One lock guards the socket (ZMQ sockets are not thread-safe); the engine calls it from a dedicated
     thread or via asyncio.to_thread. Messages from one thread keep their order; the engine sends a

@@ -1,4 +1,4 @@
-"""The embedding message to the LLM server: SPEC §3, version 1.
+"""The embedding message to the LLM server, version 1 (docs/integration.md).
 
 One ZMQ multipart message per image:
 
@@ -28,12 +28,12 @@ MAX_HEADER_BYTES = 64 * 1024  # a real header is ~300 bytes; refuse to msgpack-p
 
 
 class WireError(ValueError):
-    """A message that does not follow SPEC §3 v1. The message says what is wrong, never the payload."""
+    """A message that does not follow wire-format v1. The message says what is wrong, never the payload."""
 
 
 @dataclass
 class ImageEmbedding:
-    """One image's embedding as the LLM server receives it (SPEC §3)."""
+    """One image's embedding as the LLM server receives it (docs/integration.md)."""
 
     request_id: str  # the /encode request it belongs to
     image_index: int  # position of the image in that request, 0-based
@@ -59,7 +59,7 @@ def encode_embedding_message(
     embedding: torch.Tensor,
     deepstack: Sequence[torch.Tensor] = (),
 ) -> list[bytes | memoryview]:
-    """The frames of one SPEC §3 message. Tensor frames are zero-copy views of contiguous CPU tensors:
+    """The frames of one wire-format message. Tensor frames are zero-copy views of contiguous CPU tensors:
     the caller must not modify `embedding`/`deepstack` in place until ZMQ has sent them."""
     dtype = _embedding_dtype(embedding, deepstack)
     header = {
@@ -99,7 +99,7 @@ def decode_embedding_message(frames: Sequence[Any]) -> ImageEmbedding:
     """Parse and check one message (frames as bytes, memoryviews or zmq.Frame objects).
 
     Tensors share memory with writable frames (zmq.Frame from recv(copy=False)) and copy read-only
-    ones (bytes). Raises WireError for anything that is not a well-formed SPEC §3 v1 message.
+    ones (bytes). Raises WireError for anything that is not a well-formed wire-format v1 message.
     """
     if len(frames) < 2:
         raise WireError(f"a v{WIRE_VERSION} message has at least 2 frames, got {len(frames)}")
@@ -166,7 +166,7 @@ _INT_FIELDS = ("image_index", "num_images", "num_tokens")
 
 
 def _check_header(h: dict[str, Any]) -> None:
-    """Every SPEC §3 v1 field present, typed, and consistent with the others."""
+    """Every wire-format v1 field present, typed, and consistent with the others."""
     version = h.get("v")
     if version != WIRE_VERSION or type(version) is not int:
         raise WireError(f"unknown wire version {_kind(version)}; this receiver speaks v{WIRE_VERSION}")
