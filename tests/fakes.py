@@ -176,7 +176,7 @@ class _FakeRequest:
 
 
 class FakeEngine:
-    """In-process Engine (INTERFACES.md contract); one worker thread runs the encoder on FIFO batches.
+    """In-process Engine (the vitserve.types.EncodeEngine contract); one worker thread runs the encoder on FIFO batches.
 
     `gate` (threading.Event, set by default) holds the worker before each batch while cleared, so tests
     can let a queue build up.  `encoded_ids` records every image id that reached the encoder.

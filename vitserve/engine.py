@@ -32,17 +32,18 @@ from vitserve.engine_dispatch import Dispatcher
 from vitserve.engine_send import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
 from vitserve.metrics import Metrics
+from vitserve.model.base import Encoder
 from vitserve.parallel import messages as m
 from vitserve.parallel.pool import GroupState, WorkerGroup, free_port
 from vitserve.parallel.watchdog import Watchdog
 from vitserve.parallel.worker import Rendezvous, load_configured_encoder, startup_timeout_s
-from vitserve.types import ImageResult, ProcessedImage
+from vitserve.types import EncodedImage, ImageResult, ProcessedImage
 
 log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, config: Config, metrics: Metrics, *, encoder_factory: Callable | None = None,
+    def __init__(self, config: Config, metrics: Metrics, *, encoder_factory: Callable[[Config], Encoder] | None = None,
                  environ: Mapping[str, str] | None = None, processor_clamp: Mapping[str, Any] | None = None):
         self.config = config
         self.metrics = metrics
@@ -65,7 +66,7 @@ class Engine:
         self._started = False
         self._draining = False
         self._active = 0  # encode() calls in progress
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._ipc_dir: str | None = None
         self._closed = False  # torn down (after shutdown() or a failed start())
         self._push: LLMPush | None = None  # once started with --llm_endpoint
@@ -192,7 +193,7 @@ class Engine:
                     return False, f"rank {rank} of group {group.index} has not reported for {now - seen:.1f}s"
         return True, "ok"
 
-    def info(self) -> dict:
+    def info(self) -> dict[str, Any]:
         readies = [(g.index * self.config.tp + r, msg) for g in self._dispatch.groups for r, msg in g.ready.items()]
         first = readies[0][1] if readies else None
         return {
@@ -219,7 +220,7 @@ class Engine:
         """Embedding messages handed to --llm_endpoint so far (0 without one)."""
         return self._push.sent if self._push is not None else 0
 
-    def groups(self) -> list[dict]:
+    def groups(self) -> list[dict[str, Any]]:
         """Per encoder group: {"group", "state" (starting|ready|failed|stopped), "failure", "pids"}."""
         return [{"group": g.index, "state": g.state.value, "failure": g.failure, "pids": g.pids}
                 for g in self._dispatch.groups]
@@ -295,7 +296,7 @@ def _startup_hint(failure: str | None) -> str:
     return ""
 
 
-async def _wait(future: asyncio.Future, deadline: float, request_id: str):
+async def _wait(future: asyncio.Future[EncodedImage], deadline: float, request_id: str) -> EncodedImage:
     remaining = deadline - time.monotonic()
     try:
         if remaining <= 0:

@@ -56,7 +56,7 @@ class Slot:
         return not self.fresh
 
     @property
-    def future(self) -> asyncio.Future:
+    def future(self) -> asyncio.Future[EncodedImage]:
         """The encode this image waits for. Await it through asyncio.shield: other requests may share it."""
         assert self.shared is not None, "a cache hit, or the slot was released"
         return self.shared.work.future
@@ -136,7 +136,7 @@ class WorkTable:
                     del self._inflight[shared.key]
                 self.dispatch.cancel([shared.work])  # no-op when done; marks a failure as retrieved
 
-    def _on_done(self, shared: SharedWork, _future: asyncio.Future | None = None) -> None:
+    def _on_done(self, shared: SharedWork, _future: asyncio.Future[EncodedImage] | None = None) -> None:
         if self._inflight.get(shared.key) is shared:
             del self._inflight[shared.key]  # a later request makes a new WorkItem (or hits the cache)
         future = shared.work.future
@@ -152,5 +152,5 @@ def is_content_id(image_id: str) -> bool:
 _HEX = frozenset("0123456789abcdef")
 
 
-def _failed(future: asyncio.Future) -> bool:
+def _failed(future: asyncio.Future[EncodedImage]) -> bool:
     return future.done() and (future.cancelled() or future.exception() is not None)

@@ -34,7 +34,7 @@ class WorkItem:
     id: int
     item: ProcessedImage
     deadline: float  # time.monotonic() based
-    future: asyncio.Future  # -> EncodedImage, or a VitserveError
+    future: asyncio.Future[EncodedImage]  # or a VitserveError
     enqueued_at: float = field(default_factory=time.monotonic)
     queue_s: float = 0.0  # enqueue -> dispatch
     encode_s: float = 0.0  # dispatch -> result (the whole batch)
@@ -245,5 +245,6 @@ def _settle(w: WorkItem, *, result: EncodedImage | None = None, exc: Exception |
     if exc is not None:
         w.future.set_exception(exc)
     else:
+        assert result is not None, "a work item is settled with a result or an exception"
         w.future.set_result(result)
     return True

@@ -1,4 +1,4 @@
-"""Pushing embeddings to the LLM server (SPEC §3) from the engine, without blocking the event loop.
+"""Pushing embeddings to the LLM server (docs/integration.md) from the engine, without blocking the event loop.
 
 One sender thread owns the ordering: the engine awaits image k's push before it submits image k+1 of
 the same request, and the single thread hands messages to ZMQ in submission order. A slow receiver

@@ -1,4 +1,4 @@
-"""Worst-case memory reservation (DESIGN invariant 7) and its publication (SPEC §6).
+"""Worst-case memory reservation (docs/design.md invariant 7) and its publication (docs/engine.md).
 
 At start-up every rank runs the production `encoder.encode` on the batch that maximises activation memory
 under the token budget (and, around it, other full-budget compositions: see stress_batches), keeps that
@@ -20,7 +20,7 @@ Which batch is the worst case:
   57.0 / 44.6 / 40.9 / 33.6 MiB, Qwen2.5-VL 46.7 / 35.3 / 30.2 MiB. With HF's eager attention the gap is
   far larger (tiny tower, 1024 tokens as 1 / 4 / 16 images: 525 / 59.7 / 14.7 MiB).
   Caveat on CPU: glibc's heap fragments, so a later batch (even the same one) can raise the RSS peak above
-  the stress peak (RELIABILITY L3, tests/integration/test_memory_l3.py: +12-38 MiB over a 62-107 MiB
+  the stress peak (scenario L3, tests/integration/test_memory_l3.py: +12-38 MiB over a 62-107 MiB
   growth); hence the multi-batch stress and CPU_HEAP_MARGIN. CUDA's caching allocator reuses its blocks.
 - InternVL: every tile is encoded independently at the fixed tile size, so memory grows with the total
   number of tiles in the batch: as many tiles as the budget admits. The per-image tile cap is the
@@ -130,7 +130,7 @@ def stress_batches(
 
     One run of the worst case measures its activations on a clean heap, but on CPU the heap that runtime
     batches of other shapes leave behind is fragmented, and a later worst case then needs fresh pages on top
-    (RELIABILITY L3 measured +5-20 MiB over a single-run reservation, tiny Qwen2-VL at 1024 tokens). Every
+    (scenario L3 measured +5-20 MiB over a single-run reservation, tiny Qwen2-VL at 1024 tokens). Every
     batch here is one the scheduler can form at this budget, run through the same production forward, so the
     peak covers that fragmentation without allocating anything production would not.
     """
@@ -372,16 +372,16 @@ def _proc_status_kib(key: str) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Publication (SPEC §6)
+# Publication (docs/engine.md)
 # ---------------------------------------------------------------------------------------------------------
 
 
-def reservation_path(runtime_dir: str | os.PathLike, device: str, rank: int) -> Path:
+def reservation_path(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> Path:
     safe_device = str(device).replace(os.sep, "_")
     return Path(runtime_dir) / f"reserved_mem_{safe_device}_{int(rank)}.json"
 
 
-def publish_reservation(runtime_dir: str | os.PathLike, device: str, rank: int, nbytes: int, source: str) -> Path:
+def publish_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int, nbytes: int, source: str) -> Path:
     """Write the reservation atomically: a temp file in the same directory, fsync, then os.replace."""
     path = reservation_path(runtime_dir, device, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -399,7 +399,7 @@ def publish_reservation(runtime_dir: str | os.PathLike, device: str, rank: int, 
     return path
 
 
-def read_reservation(runtime_dir: str | os.PathLike, device: str, rank: int) -> dict | None:
+def read_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> dict[str, Any] | None:
     """The published reservation, or None when it is not (yet) known. Never raises."""
     try:
         text = reservation_path(runtime_dir, device, rank).read_text()
@@ -415,7 +415,7 @@ def read_reservation(runtime_dir: str | os.PathLike, device: str, rank: int) -> 
     return {key: body[key] for key in _FIELDS}
 
 
-def remove_reservation(runtime_dir: str | os.PathLike, device: str, rank: int) -> None:
+def remove_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> None:
     """Delete this rank's file on clean shutdown; a missing file is fine."""
     try:
         reservation_path(runtime_dir, device, rank).unlink(missing_ok=True)

@@ -1,4 +1,4 @@
-"""DESIGN invariant 1 as properties: tokens <= budget or a documented error, for every family.
+"""docs/design.md invariant 1 as properties: tokens <= budget or a documented error, for every family.
 
 The pure plan runs over widths/heights 1..20000 and budgets 1..16384 with many examples; the checks that
 touch pixels (preprocess, HF identity) use smaller images and fewer examples to stay fast.

@@ -1,4 +1,4 @@
-"""load_image_processor: families, checkpoints read offline, the clamp inside HF, RELIABILITY B7."""
+"""load_image_processor: families, checkpoints read offline, the clamp inside HF, scenario B7."""
 
 from __future__ import annotations
 
@@ -214,7 +214,7 @@ def test_planned_resize_is_the_resize_hf_uses():
     assert torch.equal(hf(resized, do_resize=False, return_tensors="pt")["pixel_values"], direct)
 
 
-# --- RELIABILITY B7 ---------------------------------------------------------------------------------------
+# --- scenario B7 ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("family", FAMILIES)

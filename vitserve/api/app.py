@@ -1,9 +1,10 @@
-"""The FastAPI application: routes of SPEC §2 and the one place errors become HTTP responses."""
+"""The FastAPI application: routes of docs/api.md and the one place errors become HTTP responses."""
 
 from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,13 +21,15 @@ from vitserve.api.pipeline import Preprocessor
 from vitserve.config import Config
 from vitserve.errors import InvalidRequest, NotReady, VitserveError
 from vitserve.metrics import CONTENT_TYPE, Metrics
+from vitserve.processors.base import VisionProcessor
+from vitserve.types import EncodeEngine
 
 log = logging.getLogger(__name__)
 _HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 
 
 def error_response(err: VitserveError) -> JSONResponse:
-    """The single mapping from a typed error to its HTTP answer (SPEC §2 body, Retry-After on 503 queue_full)."""
+    """The single mapping from a typed error to its HTTP answer (docs/api.md body, Retry-After on 503 queue_full)."""
     headers = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
@@ -52,7 +55,7 @@ async def _handle(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(_as_vitserve_error(exc))
 
 
-def info_body(config: Config, engine, processor) -> dict:
+def info_body(config: Config, engine: EncodeEngine, processor: VisionProcessor) -> dict[str, Any]:
     info = engine.info()
     return {
         "model": info.get("model"), "family": info.get("family", processor.family),
@@ -71,7 +74,7 @@ def info_body(config: Config, engine, processor) -> dict:
     }
 
 
-def create_app(config: Config, engine, processor, metrics: Metrics, *, state: ServerState | None = None) -> FastAPI:
+def create_app(config: Config, engine: EncodeEngine, processor: VisionProcessor, metrics: Metrics, *, state: ServerState | None = None) -> FastAPI:
     """The ASGI app. `state` lets the entry point flip `draining` on SIGTERM; app.state.server holds it."""
     state = state or ServerState()
     # /docs and /redoc with Swagger UI / ReDoc files from the installed fastapi-offline package, never a
@@ -93,7 +96,7 @@ def create_app(config: Config, engine, processor, metrics: Metrics, *, state: Se
         return await encode(request)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/ready")
@@ -106,7 +109,7 @@ def create_app(config: Config, engine, processor, metrics: Metrics, *, state: Se
         return JSONResponse({"status": "ready"})
 
     @app.get("/v1/info")
-    async def v1_info() -> dict:
+    async def v1_info() -> dict[str, Any]:
         return info_body(config, engine, processor)
 
     @app.get("/metrics")
@@ -118,7 +121,7 @@ def create_app(config: Config, engine, processor, metrics: Metrics, *, state: Se
     return app
 
 
-def _openapi(app: FastAPI) -> dict:
+def _openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         app.openapi_schema = add_schemas(schema)

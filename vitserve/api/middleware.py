@@ -9,6 +9,8 @@ from __future__ import annotations
 import hmac
 import json
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from vitserve.errors import NotReady, Unauthorized, VitserveError
 from vitserve.metrics import Metrics
 
@@ -24,7 +26,7 @@ class ServerState:
         self.in_flight = 0
 
 
-async def send_error(send, err: VitserveError, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_error(send: Send, err: VitserveError, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps(err.to_body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": err.status, "headers": headers + (extra_headers or [])})
@@ -32,25 +34,25 @@ async def send_error(send, err: VitserveError, extra_headers: list[tuple[bytes, 
 
 
 class FrontDoor:
-    def __init__(self, app, *, api_key: str | None, state: ServerState, metrics: Metrics):
+    def __init__(self, app: ASGIApp, *, api_key: str | None, state: ServerState, metrics: Metrics):
         self.app = app
         self.key = f"Bearer {api_key}".encode() if api_key else None
         self.state = state
         self.metrics = metrics
 
-    def _authorized(self, scope) -> bool:
+    def _authorized(self, scope: Scope) -> bool:
         if self.key is None or scope["path"] in OPEN_PATHS:
             return True
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
         return hmac.compare_digest(given, self.key)  # constant time: no key-prefix oracle
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         status_seen: list[int] = []
 
-        async def counting_send(message):
+        async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status_seen.append(message["status"])
             await send(message)
@@ -61,7 +63,7 @@ class FrontDoor:
             code = str(status_seen[0]) if status_seen else "499"  # 499: client left before an answer
             self.metrics.requests_total.labels(code=code).inc()
 
-    async def _dispatch(self, scope, receive, send):
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self._authorized(scope):
             err = Unauthorized("missing or wrong API key; send 'Authorization: Bearer <key>' (--api_key)")
             await send_error(send, err, [(b"www-authenticate", b"Bearer")])

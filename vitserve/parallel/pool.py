@@ -15,11 +15,13 @@ import socket
 import time
 from collections.abc import Callable
 from enum import Enum
+from multiprocessing.process import BaseProcess
 
 import torch.multiprocessing as mp
 import zmq
 
 from vitserve.config import Config
+from vitserve.model.base import Encoder
 from vitserve.parallel import messages as m
 from vitserve.parallel.worker import Rendezvous, WorkerArgs, run_worker
 
@@ -37,11 +39,13 @@ class GroupState(Enum):
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class WorkerGroup:
-    def __init__(self, index: int, config: Config, encoder_factory: Callable, *, ctx: zmq.Context,
+    def __init__(self, index: int, config: Config, encoder_factory: Callable[[Config], Encoder], *,
+                 ctx: zmq.Context[zmq.Socket[bytes]],
                  ipc_dir: str, status_endpoint: str, rendezvous: Rendezvous):
         self.index = index
         self.config = config
@@ -63,7 +67,7 @@ class WorkerGroup:
         # refuses a non-blocking send: EAGAIN).
         self._sock.setsockopt(zmq.RECONNECT_IVL, 20)  # rank 0 binds seconds later; retry often (ms)
         self._sock.connect(self.batch_endpoint)
-        self.processes: list = []
+        self.processes: list[BaseProcess] = []
 
     # ------------------------------------------------------------------------------------ life cycle
 
@@ -80,7 +84,7 @@ class WorkerGroup:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
+        return [p.pid for p in self.processes if p.pid is not None]  # None only before start()
 
     @property
     def alive(self) -> bool:
@@ -112,7 +116,7 @@ class WorkerGroup:
     def kill(self) -> None:
         """SIGKILL every rank (also a SIGSTOPped one) and reap them: no orphans, no zombies."""
         for proc in self.processes:
-            if proc.is_alive():
+            if proc.is_alive() and proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
         for proc in self.processes:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from PIL import Image
+from transformers import Qwen2VLImageProcessorPil
 from transformers.image_utils import SizeDict
 
 from vitserve.processors.base import VisionProcessor, as_rgb, call_hf, check_grid
@@ -15,7 +17,7 @@ from vitserve.types import ProcessedImage
 class QwenProcessor(VisionProcessor):
     """pixel_values: HF's flat patches (num_patches, C*T*P*P); grid_thw = (1, h_patches, w_patches)."""
 
-    def __init__(self, family: str, hf, max_tokens: int):
+    def __init__(self, family: str, hf: Qwen2VLImageProcessorPil, max_tokens: int):
         self.family = family
         self.hf = hf
         self.max_tokens = max_tokens
@@ -71,7 +73,7 @@ class QwenProcessor(VisionProcessor):
             clamped=plan.clamped,
         )
 
-    def clamp_info(self) -> dict:
+    def clamp_info(self) -> dict[str, Any]:
         clamp = self.geometry.clamped_max_pixels(self.max_tokens)
         return {
             "family": self.family,
