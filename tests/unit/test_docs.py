@@ -117,7 +117,7 @@ def test_marker_parser_wants_a_reason():
     found = blocks(ROOT / "docs" / "x.md", text)
     assert [(b.lang, sorted(b.tags), b.reason) for b in found] == [
         ("python", ["no-run"], "needs vLLM"), ("bash", ["no-run"], ""),
-        ("bash", ["server", "slow"], "the demo at 8192 takes minutes"), ("sh", ["skip"], ""),
+        ("bash", ["server", "slow"], "the demo at 8192 takes minutes"), ("sh", ["skip"], "whatever"),
         ("console", [], "")]
     assert [b.marker_error is None for b in found] == [True, False, True, False, True]
     assert found[4].commands() == "echo hi \\\n  there\n"
