@@ -82,7 +82,7 @@ def create_app(config: Config, engine: EncodeEngine, processor: VisionProcessor,
     # validatorUrl None: Swagger UI would otherwise send the spec to an online validator for its badge.
     app = FastAPIOffline(title="vitserve", version=vitserve.__version__, static_url=DOCS_ASSETS_URL,
                          swagger_ui_parameters={"validatorUrl": None},
-                         description="Vision-encoder embeddings for multimodal LLMs (SPEC §2).")
+                         description="Vision-encoder embeddings for multimodal LLMs (docs/api.md).")
     app.state.server = state
     app.state.preprocessor = pre = Preprocessor(processor, max_image_pixels=config.max_image_pixels, metrics=metrics,
                                                 jpeg_draft=config.jpeg_draft)
