@@ -38,7 +38,7 @@ ATOL = 1e-4
 # and odd shapes; JPEGs at PIL's default quality, so their decoded pixels are not the noise that was saved.
 IMAGES = [(700, 500, "JPEG"), (640, 480, "PNG"), (120, 90, "JPEG"), (50, 300, "PNG"), (333, 77, "JPEG")]
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 
 def cli_engine(processor):
