@@ -39,10 +39,10 @@ def _tree() -> list[str]:
 
 
 def vitserve_flags() -> set[str]:
-    known = {"help"}
-    for flag, (convert, _) in FLAGS.items():
+    known = {"help", "version"}
+    for flag, spec in FLAGS.items():
         known |= {flag, flag.replace("_", "-")}
-        if convert is parse_bool:
+        if spec.parse is parse_bool:
             known |= {f"no-{flag}", f"no-{flag.replace('_', '-')}"}
     return known
 
