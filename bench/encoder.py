@@ -1,7 +1,6 @@
 """Encoder throughput: HF one image at a time vs HF packed vs vitserve packed (vitserve.model.fast).
 
-    python bench/encoder.py [--quick] [--threads N] [--repeats R] [--json bench/out/encoder.json]
-                            [--no-tune-allocator]
+    python bench/encoder.py [--quick] [--threads N] [--repeats R] [--out bench/out] [--no-tune-allocator]
 
 One process, the seeded demo tower (vitserve.model.demo: Qwen2.5-VL layout, fp32), three workloads. Timings are medians
 of R repeats after a warm-up, the three modes interleaved per repeat so that load from other processes
@@ -11,13 +10,13 @@ QK^T and AV) and is compared with a large fp32 torch.mm measured in the same run
 glibc's large-block mmap is turned off by optimize() for the whole process (vitserve/model/fast_alloc.py),
 so by default the HF baselines run with it too: the ratios are the code's gain alone.
 --no-tune-allocator keeps glibc's default for every mode.
+Each run appends its record (commit, machine, load, arguments, rows) to bench/out/encoder.jsonl (bench/record.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import statistics
 import sys
@@ -33,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vitserve.model.fast as fast  # noqa: E402
 from vitserve.model.demo import DEMO_VISION_CONFIG as DEMO  # noqa: E402
 from vitserve.model.demo import build_demo_visual  # noqa: E402
+
+from bench import record  # noqa: E402
 
 PATCH = DEMO["patch_size"]
 
@@ -158,12 +159,13 @@ def print_table(rows: list[Row], peak: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads, 1 repeat (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="smaller workloads, 1 repeat (a ~1 min smoke run)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every mode")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per mode (default 5; quick 1)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--out", type=Path, default=None, help="where the run record goes (default bench/out)")
     parser.add_argument("--no-tune-allocator", action="store_true", help="keep glibc's mmap for large blocks")
     args = parser.parse_args(argv)
+    run = record.begin("encoder", args)
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (1 if args.quick else 5)
     if args.no_tune_allocator:
@@ -178,11 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, threads {args.threads}, repeats {repeats}, "
           f"allocator tuned: {not args.no_tune_allocator}")  # fmt: skip
     print_table(rows, peak)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"torch": torch.__version__, "threads": args.threads, "repeats": repeats, "peak_flops": peak,
-                "allocator_tuned": not args.no_tune_allocator, "demo": DEMO}  # fmt: skip
-        args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    meta = {"threads": args.threads, "repeats": repeats, "peak_flops": peak,
+            "allocator_tuned": not args.no_tune_allocator, "demo": DEMO}  # fmt: skip
+    record.finish(run, {"meta": meta, "rows": [asdict(r) for r in rows]}, args.out)
     return 0
 
 
