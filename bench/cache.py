@@ -35,12 +35,11 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import record  # noqa: E402
 from vitserve.config import Config  # noqa: E402
 from vitserve.engine import Engine  # noqa: E402
 from vitserve.metrics import Metrics  # noqa: E402
 from vitserve.processors import load_image_processor  # noqa: E402
-
-from bench import record  # noqa: E402
 
 MODES = {"off": 0.0, "dedup": 0.0, "cache": 1.0}  # mode -> --cache_gb
 

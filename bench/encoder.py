@@ -30,10 +30,9 @@ from transformers.vision_utils import get_vision_window_index
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vitserve.model.fast as fast  # noqa: E402
+from bench import record  # noqa: E402
 from vitserve.model.demo import DEMO_VISION_CONFIG as DEMO  # noqa: E402
 from vitserve.model.demo import build_demo_visual  # noqa: E402
-
-from bench import record  # noqa: E402
 
 PATCH = DEMO["patch_size"]
 

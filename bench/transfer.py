@@ -35,14 +35,13 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import record  # noqa: E402
 from vitserve.rpc import (  # noqa: E402
     EmbeddingReceiver,
     LLMSender,
     decode_embedding_message,
     encode_embedding_message,
 )
-
-from bench import record  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
