@@ -29,6 +29,10 @@ def _f(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _errors(row: dict) -> int:
+    return sum(row.get("errors", {}).values())  # {kind: count}, see bench/loadgen.py
+
+
 def _table(head: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -60,7 +64,7 @@ def serve_table(res: dict) -> list[str]:
             p50 = v["p50_s"] / b["p50_s"] if v.get("p50_s") and b.get("p50_s") else None
             rows.append([workload, v["concurrency"], _f(v["images_per_s"]), _f(b.get("images_per_s")),
                          f"**{_f(ratio)}x**", _f(v["p50_s"]), _f(b.get("p50_s")), _f(p50),
-                         _f(v.get("mean_batch_fill_ratio")), v["errors"] + b.get("errors", 0),
+                         _f(v.get("mean_batch_fill_ratio")), _errors(v) + _errors(b),
                          _f(v.get("loadavg"), 1)])  # fmt: skip
     head = ["workload", "clients", "vitserve img/s", "naive img/s", "x naive", "vitserve p50 s", "naive p50 s",
             "p50 / naive", "batch fill", "errors", "load"]  # fmt: skip
