@@ -39,7 +39,7 @@ def _table(head: list[str], rows: list[list]) -> list[str]:
 
 
 def encoder_table(res: dict) -> list[str]:
-    peak = res["meta"]["peak_flops"]
+    peak, size = res["meta"]["peak_flops"], res["meta"].get("peak_matmul_size", 4096)
     rows = []
     for r in res["rows"]:
         ips = r["images_per_s"]
@@ -48,7 +48,7 @@ def encoder_table(res: dict) -> list[str]:
                      f"**{100 * r['peak_fraction']:.0f}%**", f"{r['max_abs_diff']:.1e}"])  # fmt: skip
     head = ["workload", "images", "patches", "HF one img/s", "HF packed img/s", "vitserve img/s", "x HF packed",
             "x HF one", "% of matmul peak", "max abs diff"]  # fmt: skip
-    return _table(head, rows) + ["", f"Matmul peak (fp32 torch.mm 4096², same run): {peak / 1e9:.1f} GFLOP/s; "
+    return _table(head, rows) + ["", f"Matmul peak (fp32 torch.mm {size}², same run): {peak / 1e9:.1f} GFLOP/s; "
                                  f"threads {res['meta']['threads']}, repeats {res['meta']['repeats']}."]
 
 
