@@ -40,6 +40,10 @@ from bench.loadgen import batch_delta, json_bodies, run_point, scrape_batch_metr
 from bench.workloads import WORKLOADS  # noqa: E402
 
 # (images generated, concurrencies, seconds per point, request cap per point) per workload
+# How long a server may take to become ready. On the shared 2-core VM at load average ~16, vitserve's worker
+# was still loading after 300 s (2026-11-23); on a quiet machine it takes seconds.
+READY_TIMEOUT_S = 900
+
 # (the serving targets are read at 8 clients, and at 1 client for latency)
 PROFILES = {
     "quick": {"budget": 1024, "small": (8, (1, 8), 5, 40), "mixed": (4, (1, 8), 5, 8), "large": (1, (1,), 5, 1)},
@@ -76,7 +80,7 @@ def launched(kind: str, budget: int, threads: int, log_path: Path):
                                 stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_ready(url, "/ready" if kind == "vitserve" else "/health", 300, proc)
+            wait_ready(url, "/ready" if kind == "vitserve" else "/health", READY_TIMEOUT_S, proc)
             yield url
         finally:
             proc.send_signal(signal.SIGTERM)
