@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         config = build_config(argv, os.environ)
         # Encoder ranks inherit this. With the default (spinning) policy their idle OpenMP threads burn the
         # cores the API's preprocessing threads need: small images at 4 clients went 1.9 -> 9.9 img/s with
-        # PASSIVE on 2 cores (bench/RESULTS.md, Serving, run 3). A value the user set is kept.
+        # PASSIVE on 2 cores (bench/history/0.1.0.md, Serving, run 3). A value the user set is kept.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,6 +1,6 @@
 """Exact, faster forwards for the HF vision towers, patched onto the instances in place.
 
-What is slow in HF's packed forward (measured in bench/encoder.py, see bench/RESULTS.md):
+What is slow in HF's packed forward (measured in bench/encoder.py, see bench/RESULTS.md and bench/history/0.1.0.md):
   * attention over packed segments loops in Python, one SDPA call per window / image;
   * patch embedding runs a Conv3d whose kernel equals its stride, i.e. a linear map on each flat patch;
   * rotary embedding builds several full-size temporaries per layer (float copies, rotate_half's cat).

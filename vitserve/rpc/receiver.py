@@ -15,7 +15,7 @@ frames, so the tensors are the receiver's to keep or modify.
 Throughput tip (glibc): libzmq mallocs a fresh buffer per received frame, and frames over glibc's mmap
 threshold (32 MB at most) get fresh pages that fault in on every message. Starting the LLM server with
 `MALLOC_MMAP_THRESHOLD_=1000000000 MALLOC_TRIM_THRESHOLD_=2000000000` lets freed buffers be reused:
-about 2x the bandwidth for 59 MB frames in paired runs on a loaded VM (bench/RESULTS.md, "Transfer").
+about 2x the bandwidth for 59 MB frames in paired runs on a loaded VM (bench/history/0.1.0.md, "Transfer").
 It is process-wide, so vitserve does not set it for you.
 """
 
