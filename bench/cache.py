@@ -1,7 +1,7 @@
 """Images/s of a repeated-image workload with and without the encoder-output cache, in one run.
 
     python bench/cache.py [--distinct 4] [--repeats 8] [--clients 4] [--size 448] [--budget 1024]
-                          [--order cyclic|grouped]
+                          [--order cyclic|grouped] [--quick] [--out bench/out]
 
 A real Engine (spawned rank, the `demo` tower: a Qwen2.5-VL-shaped ViT, 8 layers, width 512) in this
 process, no HTTP. `clients` concurrent clients send one-image requests; the workload cycles through
@@ -14,6 +14,8 @@ Three modes, each on a fresh engine, same workload:
   off    no sharing at all (every request encodes; ids are opaque labels) = vitserve before the cache
   dedup  --cache_gb 0: identical images in flight at the same time share one encode
   cache  --cache_gb 1: plus the LRU cache, so each distinct image is encoded once
+--quick (a smoke run): 2 distinct 224x224 images, 3 repeats. Each run appends its record (commit, machine,
+load, arguments, rows) to bench/out/cache.jsonl (bench/record.py).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import record  # noqa: E402
 from vitserve.config import Config  # noqa: E402
 from vitserve.contract import EncodeRequest, PreparedImage  # noqa: E402
 from vitserve.engine import Engine  # noqa: E402
@@ -109,7 +113,12 @@ async def main() -> None:
     p.add_argument("--size", type=int, default=448)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--order", choices=("cyclic", "grouped"), default="cyclic")
+    p.add_argument("--quick", action="store_true", help="2 distinct 224x224 images, 3 repeats (a smoke run)")
+    p.add_argument("--out", type=Path, default=None, help="where the run record goes (default bench/out)")
     args = p.parse_args()
+    if args.quick:
+        args.distinct, args.repeats, args.size = 2, 3, 224
+    run = record.begin("cache", args)
     processor = load_image_processor("demo", budget_tokens=args.budget)
     images = make_images(args.distinct, args.size)
     rows = [await run_mode(mode, args, processor, images) for mode in MODES]
@@ -120,6 +129,7 @@ async def main() -> None:
     print("\n| mode | images | encoded | images/s | x off |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['images']} | {r['encoded']} | {r['images_per_s']} | {r['speedup_vs_off']} |")
+    record.finish(run, rows, args.out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """Encoder throughput: HF one image at a time vs HF packed vs vitserve packed (vitserve.model.fast).
 
-    python bench/encoder.py [--quick] [--threads N] [--repeats R] [--json bench/out/encoder.json]
-                            [--no-tune-allocator]
+    python bench/encoder.py [--quick] [--threads N] [--repeats R] [--out bench/out] [--no-tune-allocator]
 
 One process, the seeded demo tower (vitserve.model.demo: Qwen2.5-VL layout, fp32), three workloads. Timings are medians
 of R repeats after a warm-up, the three modes interleaved per repeat so that load from other processes
@@ -11,13 +10,13 @@ QK^T and AV) and is compared with a large fp32 torch.mm measured in the same run
 glibc's large-block mmap is turned off by optimize() for the whole process (vitserve/model/fast_alloc.py),
 so by default the HF baselines run with it too: the ratios are the code's gain alone.
 --no-tune-allocator keeps glibc's default for every mode.
+Each run appends its record (commit, machine, load, arguments, rows) to bench/out/encoder.jsonl (bench/record.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import statistics
 import sys
@@ -31,6 +30,7 @@ from transformers.vision_utils import get_vision_window_index
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vitserve.model.fast as fast  # noqa: E402
+from bench import record  # noqa: E402
 from vitserve.model.demo import DEMO_VISION_CONFIG as DEMO  # noqa: E402
 from vitserve.model.demo import build_demo_visual  # noqa: E402
 
@@ -42,10 +42,10 @@ WORKLOADS = {
     "mixed": [(224, 224), (448, 336), (644, 476), (336, 672), (280, 280), (812, 532)],
     "large": [(896, 896)] * 2,  # 2 x 4096 patches = 8192 patches (2048 merged tokens)
 }
-QUICK = {
+QUICK = {  # a smoke run: ~1-2 min on 2 quiet cores (the standard run's large alone is 8x these patches)
     "small": [(224, 224)] * 4,
-    "mixed": [(224, 224), (448, 336), (336, 672)],
-    "large": [(644, 644)] * 2,
+    "mixed": [(224, 224), (448, 336), (280, 448)],
+    "large": [(504, 504)] * 2,
 }
 MODES = ("hf_one_at_a_time", "hf_packed", "vitserve_packed")
 
@@ -137,8 +137,8 @@ def run_workload(name, sizes, hf, vs, repeats) -> Row:
     )  # fmt: skip
 
 
-def print_table(rows: list[Row], peak: float) -> None:
-    print(f"matmul peak (fp32 torch.mm 4096^2): {peak / 1e9:.1f} GFLOP/s")
+def print_table(rows: list[Row], peak: float, peak_size: int) -> None:
+    print(f"matmul peak (fp32 torch.mm {peak_size}^2): {peak / 1e9:.1f} GFLOP/s")
     head = f"{'workload':8} {'imgs':>4} {'patches':>7} {'GFLOP':>6} | {'HF one img/s':>12} {'HF packed':>9} "
     head += f"{'vitserve':>9} | {'x HFpack':>8} {'x HFone':>7} | {'GFLOP/s':>7} {'%peak':>6} {'maxdiff':>8}"
     print(head)
@@ -158,31 +158,31 @@ def print_table(rows: list[Row], peak: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads, 1 repeat (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="smaller workloads, 1 repeat (a ~1 min smoke run)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every mode")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per mode (default 5; quick 1)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--out", type=Path, default=None, help="where the run record goes (default bench/out)")
     parser.add_argument("--no-tune-allocator", action="store_true", help="keep glibc's mmap for large blocks")
     args = parser.parse_args(argv)
+    run = record.begin("encoder", args)
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (1 if args.quick else 5)
     if args.no_tune_allocator:
         fast.tune_cpu_allocator = lambda: False  # type: ignore[assignment]
     hf = demo_tower()
     vs = fast.optimize(copy.deepcopy(hf), "qwen2_5_vl")
-    peak = measure_peak(args.threads)
+    peak_size = 2048 if args.quick else 4096
+    peak = measure_peak(args.threads, peak_size)
     rows = [run_workload(n, s, hf, vs, repeats) for n, s in (QUICK if args.quick else WORKLOADS).items()]
-    peak = max(peak, measure_peak(args.threads))  # again after the run: the better of the two
+    peak = max(peak, measure_peak(args.threads, peak_size))  # again after the run: the better of the two
     for r in rows:
         r.peak_fraction = r.gflop * 1e9 / r.seconds["vitserve_packed"] / peak
     print(f"torch {torch.__version__}, threads {args.threads}, repeats {repeats}, "
           f"allocator tuned: {not args.no_tune_allocator}")  # fmt: skip
-    print_table(rows, peak)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"torch": torch.__version__, "threads": args.threads, "repeats": repeats, "peak_flops": peak,
-                "allocator_tuned": not args.no_tune_allocator, "demo": DEMO}  # fmt: skip
-        args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    print_table(rows, peak, peak_size)
+    meta = {"threads": args.threads, "peak_matmul_size": peak_size, "repeats": repeats, "peak_flops": peak,
+            "allocator_tuned": not args.no_tune_allocator, "demo": DEMO}  # fmt: skip
+    record.finish(run, {"meta": meta, "rows": [asdict(r) for r in rows]}, args.out)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Reduced-scale JPEG decoding (--jpeg_draft): fidelity of embeddings and decode+preprocess speed-up.
 
-    python bench/jpeg_draft.py --quick        # 4 photos, ~2-4 min on a shared 2-core box
-    python bench/jpeg_draft.py                # 12 photos
+    python bench/jpeg_draft.py --quick        # a smoke run: 2 photos, budgets 256 and 1024, 1 rep
+    python bench/jpeg_draft.py                # 12 photos, budgets 256-4096 (~10 min on a shared 2-core box)
 
 On synthetic-but-photo-like 12 MP JPEGs (bench/workloads.py: smooth gradients, hard edges, thin lines,
 noise; quality 90, 4:2:0), for several token budgets:
@@ -11,12 +11,13 @@ noise; quality 90, 4:2:0), for several token budgets:
   (tests/checkpoints.py make_checkpoint), each with its own processor.
 - speed: decode + preprocess time (median over --reps) full vs draft, one thread.
 The flag is on by default only if mean and worst fidelity >= 0.999 for every model and budget.
+Each run appends its record (commit, machine, load, arguments, results) to bench/out/jpeg_draft.jsonl
+(bench/record.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import record  # noqa: E402
 from bench.workloads import LARGE_SIZE, jpeg_bytes, photo_like  # noqa: E402
 from vitserve.model import load_encoder  # noqa: E402
 from vitserve.processors import load_image_processor  # noqa: E402
@@ -89,19 +91,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    ap.add_argument("--out", type=Path, default=None, help="where the run record goes (default bench/out)")
     args = ap.parse_args()
+    if args.quick:
+        args.reps = 1
+    run = record.begin("jpeg_draft", args)
     torch.set_num_threads(1)
-    n = 4 if args.quick else 12
+    n = 2 if args.quick else 12
     photos = [jpeg_bytes(photo_like(*LARGE_SIZE, 1000 + i)) for i in range(n)]
     # 256/1024/2048 tokens clamp a 12 MP photo to <= 1/2 per side (a draft applies); 4096+ does not
-    budgets = (256, 1024, 2048, 4096)
+    budgets = (256, 1024) if args.quick else (256, 1024, 2048, 4096)
     with tempfile.TemporaryDirectory() as tmp:
         from tests.checkpoints import make_checkpoint
 
         # tiny real towers, fed by their family's public processor (same patch/merge/normalisation as the
         # checkpoint's own, whose max_pixels is tiny): the budget then decides the clamp, as in production
-        models = {"demo": ("demo", "demo", (256, 1024) if args.quick else budgets)}
+        models = {"demo": ("demo", "demo", budgets)}
         for family in ("qwen2_5_vl", "qwen3_vl"):
             path = str(make_checkpoint(family, Path(tmp) / family))
             models[f"tiny-{family}"] = (path, family, budgets)
@@ -119,9 +124,8 @@ def main() -> None:
     ok = all(r["mean_cosine"] >= THRESHOLD and r["worst_image_cosine"] >= THRESHOLD
              for rows in fid.values() for r in rows)
     report = {"photos": n, "size": LARGE_SIZE, "threshold": THRESHOLD, "fidelity": fid, "speed": spd,
-              "default_on": ok, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "jpeg_draft-latest.json").write_text(json.dumps(report, indent=1))
+              "default_on": ok}
+    record.finish(run, report, args.out)
     print(f"default on: {ok} (threshold {THRESHOLD} on mean and worst image)")
 
 

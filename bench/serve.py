@@ -1,8 +1,9 @@
 """End-to-end serving benchmark: vitserve vs the naive baseline server, same run, same model, same load.
 
-    python bench/serve.py --quick              # a few minutes on a small CPU box (budget 1024)
-    python bench/serve.py                      # the full sweep (budget 2048, longer points)
-    python bench/plot.py bench/out/serve-latest.json
+    python bench/serve.py --quick              # a smoke run, about a minute (small and mixed, 1 and 8 clients)
+    python bench/serve.py                      # the standard profile, RESULTS.md's (budget 1024, 1/8/16 clients)
+    python bench/serve.py --full               # the full sweep (budget 2048, longer points)
+    python bench/report.py                     # plots and the RESULTS.md table from the latest run
 
 Starts `vitserve --model demo` (the real CLI, a subprocess on a free 127.0.0.1 port), then
 bench/baseline_server.py, and drives both with a concurrency sweep on three generated workloads, each point
@@ -11,7 +12,9 @@ Then measures encoder-only throughput in-process (vitserve.model.load_encoder("d
 processed images packed into full-budget FIFO batches, the ceiling the service can reach:
 service overhead = 1 - best e2e images/s / encoder-only images/s.
 Everything is bounded: each point stops issuing after its duration or request cap; servers are stopped with
-SIGTERM (then SIGKILL). Raw JSON goes to bench/out/ (gitignored).
+SIGTERM (then SIGKILL). Each run appends its record (commit, machine, load before and after, arguments, every
+point with the load average it ran at) to bench/out/serve.jsonl (gitignored; bench/record.py); server logs go
+next to it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -33,13 +35,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import record  # noqa: E402
 from bench.loadgen import batch_delta, json_bodies, run_point, scrape_batch_metrics, wait_ready  # noqa: E402
 from bench.workloads import WORKLOADS  # noqa: E402
 
 # (images generated, concurrencies, seconds per point, request cap per point) per workload
+# How long a server may take to become ready. On the shared 2-core VM at load average ~16, vitserve's worker
+# was still loading after 300 s (2026-11-23); on a quiet machine it takes seconds.
+READY_TIMEOUT_S = 900
+
+# (the serving targets are read at 8 clients, and at 1 client for latency)
 PROFILES = {
-    "quick": {"budget": 1024, "small": (24, (1, 4, 16), 30, 400), "mixed": (8, (1, 4, 16), 20, 20),
-              "large": (3, (1, 4), 20, 8)},
+    "quick": {"budget": 1024, "small": (8, (1, 8), 5, 40), "mixed": (4, (1, 8), 5, 8), "large": (1, (1,), 5, 1)},
+    "standard": {"budget": 1024, "small": (24, (1, 8, 16), 20, 400), "mixed": (8, (1, 8, 16), 20, 20),
+                 "large": (3, (1, 4), 20, 8)},
     "full": {"budget": 2048, "small": (64, (1, 4, 16, 64), 30, 2000), "mixed": (16, (1, 4, 16), 60, 200),
              "large": (6, (1, 4, 16), 60, 100)},
 }
@@ -71,7 +80,7 @@ def launched(kind: str, budget: int, threads: int, log_path: Path):
                                 stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_ready(url, "/ready" if kind == "vitserve" else "/health", 300, proc)
+            wait_ready(url, "/ready" if kind == "vitserve" else "/health", READY_TIMEOUT_S, proc)
             yield url
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -174,23 +183,6 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def _git_head() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %s"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def machine_notes(threads: int) -> dict:
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_start": os.getloadavg(), "torch": torch.__version__,
-            "python": platform.python_version(), "torch_threads": threads}
-
-
 def summarize(servers: dict, enc: dict) -> dict:
     """Speed-up vitserve/baseline at each workload's best point, overhead vs encoder-only, fill at saturation."""
     out = {}
@@ -214,26 +206,27 @@ def summarize(servers: dict, enc: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the small profile (a few minutes on 2 cores)")
-    ap.add_argument("--budget", type=int, help="--visual_batch_max_tokens (default: 1024 quick, 2048 full)")
+    ap.add_argument("--quick", action="store_true", help="the smoke profile (about a minute on 2 cores)")
+    ap.add_argument("--full", action="store_true", help="the full sweep (budget 2048, 4-64 clients)")
+    ap.add_argument("--budget", type=int, help="--visual_batch_max_tokens (default: 1024; 2048 with --full)")
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1),
                     help="torch threads of the baseline and the encoder-only run; vitserve's worker uses "
                          "cpu_count // (tp*dp), i.e. the same with tp=dp=1")
-    ap.add_argument("--workloads", default="small,mixed,large")
+    ap.add_argument("--workloads", default=None, help="comma list (default: small,mixed with --quick, else all)")
     ap.add_argument("--servers", default="vitserve,baseline", help="comma list, or 'none' for encoder-only")
     ap.add_argument("--reps", type=int, default=1, help="encoder-only repetitions over each workload")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
     # a SIGTERM (e.g. `timeout`) unwinds normally, so the servers' finally blocks stop them
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    profile = dict(PROFILES["quick" if args.quick else "full"])
+    name = "quick" if args.quick else "full" if args.full else "standard"
+    profile = dict(PROFILES[name])
     if args.budget:
         profile["budget"] = args.budget
     args.out.mkdir(parents=True, exist_ok=True)
-    notes = machine_notes(args.threads)
-    git_head = _git_head()  # the code the servers start with (the tree may change during a long run)
+    run = record.begin("serve", args)  # the code the servers start with (the tree may change during a long run)
 
-    workloads = args.workloads.split(",")
+    workloads = (args.workloads or ("small,mixed" if args.quick else "small,mixed,large")).split(",")
     images = {w: WORKLOADS[w](profile[w][0]) for w in workloads}
     bodies = {w: json_bodies(images[w]) for w in workloads}
     kinds = [k for k in args.servers.split(",") if k and k != "none"]  # "none": encoder-only
@@ -241,16 +234,11 @@ def main() -> None:
     enc = encoder_only(images, profile["budget"], args.threads, args.reps, force_fast=False)
     enc_fast = enc if enc["fast_kernels"] else encoder_only(images, profile["budget"], args.threads, args.reps,
                                                              force_fast=True)
-    notes["loadavg_end"] = os.getloadavg()
-    report = {"profile": "quick" if args.quick else "full", "budget": profile["budget"], "machine": notes,
+    report = {"profile": name, "budget": profile["budget"], "torch_threads": args.threads,
               "workload_params": {w: profile[w] for w in workloads}, "servers": servers, "encoder_only": enc,
-              "encoder_only_fast": enc_fast, "git": git_head,
-              "summary": summarize(servers, enc), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    text = json.dumps(report, indent=1)
-    (args.out / f"serve-{report['profile']}-{int(time.time())}.json").write_text(text)
-    if kinds:
-        (args.out / "serve-latest.json").write_text(text)
+              "encoder_only_fast": enc_fast, "summary": summarize(servers, enc)}
     print(json.dumps(report["summary"], indent=1))
+    record.finish(run, report, args.out)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ The baseline is measured in the same run on the same bytes, alternating with the
 preallocated tensor (pure memcpy). Each figure is the best of --trials. Ratio = ZMQ GB/s / memcpy GB/s;
 the target is >= 0.5 of clone. `--naive` adds pyzmq copy=True on both ends, to show what zero-copy buys;
 `--tune-malloc` then repeats the zero-copy rows with glibc's large-block mmap off in the receiving process.
+`--quick` (a smoke run): 3 messages, 1 trial, float32 only. Each run appends its record (commit, machine,
+load, arguments, rows) to bench/out/transfer.jsonl (bench/record.py).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ import sys
 import tempfile
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import record  # noqa: E402
 from vitserve.rpc import (  # noqa: E402
     EmbeddingReceiver,
     LLMSender,
@@ -176,7 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         "--tune-malloc", action="store_true", help="then repeat ipc/tcp with glibc mmap off (receiver)"
     )
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    ap.add_argument("--quick", action="store_true", help="3 messages, 1 trial, float32 only (a smoke run)")
+    ap.add_argument("--out", type=Path, default=None, help="where the run record goes (default bench/out)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.messages, args.trials, args.dtypes = min(args.messages, 3), 1, "float32"
+    run = record.begin("transfer", args)
     torch.set_num_threads(1)  # memcpy of one tensor is what the receiver's one thread gets
     dtypes = args.dtypes.split(",")
     paths = [("ipc", True), ("tcp", True)] + ([("ipc", False)] if args.naive else [])
@@ -190,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             for dtype_name in dtypes:
                 for transport in ("ipc", "tcp"):
                     results.append(run_row(args, tmp, dtype_name, transport, True, "tuned"))
+    record.finish(run, results, args.out)
     if args.json:
         print(json.dumps(results))
     return 0

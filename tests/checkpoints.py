@@ -32,6 +32,9 @@ _QWEN_TEXT = {
     "bos_token_id": None,  # the real ids lie outside the tiny vocabulary
     "eos_token_id": None,
 }
+# Qwen's real special-token ids (151655, ...) lie outside the tiny vocabulary; these fit, so a prompt built
+# from config.image_token_id runs (docs/integration.md).
+_QWEN_TOKEN_IDS = {"image_token_id": 5, "video_token_id": 6, "vision_start_token_id": 7, "vision_end_token_id": 8}
 # head_dim 12 -> mrope sections sum to 6.
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2]}
 
@@ -116,7 +119,8 @@ def _config(family: str):
 
     vision = VISION_CONFIGS[family]
     if family == "qwen2_vl":
-        return tf.Qwen2VLConfig(text_config={**_QWEN_TEXT, "rope_parameters": _MROPE}, vision_config=vision)
+        return tf.Qwen2VLConfig(text_config={**_QWEN_TEXT, "rope_parameters": _MROPE}, vision_config=vision,
+                                **_QWEN_TOKEN_IDS)
     if family == "qwen2_5_vl":
         return tf.Qwen2_5_VLConfig(
             text_config={**_QWEN_TEXT, "rope_parameters": _MROPE}, vision_config=vision

@@ -11,6 +11,9 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _FOLDER_MARKS = {"unit": pytest.mark.unit, "integration": pytest.mark.integration, "e2e": pytest.mark.e2e}
+# Unit tests (no processes, no sockets) get a tighter limit than pyproject's default of 300 s: the slowest
+# took 15.5 s (--durations, 2 cores at load ~19). A unit test that needs more marks its own timeout.
+UNIT_TIMEOUT_S = 60
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,6 +22,8 @@ def pytest_collection_modifyitems(config, items):
         mark = _FOLDER_MARKS.get(folder)
         if mark is not None:
             item.add_marker(mark)
+        if folder == "unit" and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
 
 
 @pytest.fixture

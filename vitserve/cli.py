@@ -1,6 +1,6 @@
 """The `vitserve` entry point: flags + VITSERVE_* environment -> one frozen Config -> Service.run().
 
-This is the only place that reads the environment (SPEC §1): each flag also reads VITSERVE_<FLAG_UPPER>
+This is the only place that reads the environment (docs/api.md): each flag also reads VITSERVE_<FLAG_UPPER>
 (the flag wins), VITSERVE_RUNTIME_DIR sets the runtime directory, and torchrun's MASTER_ADDR/MASTER_PORT
 set the torch.distributed store address.
 """
@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import vitserve
 from vitserve.config import Config
@@ -23,7 +23,11 @@ from vitserve.errors import ConfigError, VitserveError
 from vitserve.families import FAMILY_CHOICES
 from vitserve.metrics import Metrics
 
+if TYPE_CHECKING:  # imported lazily below: the server pulls in uvicorn, torch and transformers
+    from vitserve.api.server import Service
+
 log = logging.getLogger("vitserve")
+T = TypeVar("T")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -53,12 +57,12 @@ def parse_domains(text: str) -> tuple[str, ...]:
     return tuple(d.strip().lower() for d in text.split(",") if d.strip())
 
 
-def _optional(convert: Callable) -> Callable:
+def _optional(convert: Callable[[str], T]) -> Callable[[str], T | None]:
     return lambda text: None if text.strip().lower() in ("", "none") else convert(text)
 
 
 class Flag(NamedTuple):
-    parse: Callable  # text (flag or env) -> value
+    parse: Callable[[str], Any]  # text (flag or env) -> value
     group: str  # the --help section it is listed under
     help: str
     default_text: str | None = None  # when the Config default alone would not say what happens
@@ -174,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _convert(flag: str, raw, source: str):
+def _convert(flag: str, raw: str | bool, source: str) -> object:
     if isinstance(raw, bool):
         return raw
     try:
@@ -186,7 +190,7 @@ def _convert(flag: str, raw, source: str):
 def build_config(argv: list[str] | None, environ: Mapping[str, str]) -> Config:
     """Flags, then VITSERVE_* env, then Config defaults. Raises ConfigError naming the knob."""
     args = vars(build_parser().parse_args(argv))
-    values: dict = {}
+    values: dict[str, Any] = {}  # one type per flag (int, float, str, bool, tuple)
     for flag in FLAGS:
         if flag in args:
             values[flag] = _convert(flag, args[flag], f"--{flag}")
@@ -239,8 +243,8 @@ def _resolved_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def render_banner(service) -> str:
-    """One block with every resolved setting that guards memory or load (SPEC §1)."""
+def render_banner(service: Service) -> str:
+    """One block with every resolved setting that guards memory or load (docs/api.md)."""
     c: Config = service.config
     info = service.engine.info()
     reserved = info.reserved_memory_bytes
@@ -267,7 +271,7 @@ def render_banner(service) -> str:
     return "\n".join(lines)
 
 
-def _build_service(config: Config):
+def _build_service(config: Config) -> Service:
     from vitserve.api.server import Service, bind_socket
     from vitserve.processors import load_image_processor
 
@@ -286,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         config = build_config(argv, os.environ)
         # Encoder ranks inherit this. With the default (spinning) policy their idle OpenMP threads burn the
         # cores the API's preprocessing threads need: small images at 4 clients went 1.9 -> 9.9 img/s with
-        # PASSIVE on 2 cores (bench/RESULTS.md, Serving, run 3). A value the user set is kept.
+        # PASSIVE on 2 cores (bench/history/0.1.0.md, Serving, run 3). A value the user set is kept.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

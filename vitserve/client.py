@@ -1,4 +1,4 @@
-"""HTTP client for vitserve's /encode (SPEC §2, §7), sync and asyncio.
+"""HTTP client for vitserve's /encode (docs/api.md), sync and asyncio.
 
     from vitserve import VitserveClient
     with VitserveClient("http://127.0.0.1:8100") as c:
@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 import httpx
+import torch
 
 from vitserve.rpc.tensors import tensor_from_buffer
 
@@ -48,7 +49,9 @@ def image_bytes(image: ImageLike) -> bytes:
     raise TypeError(f"cannot send {type(image).__name__} as an image; give a path, bytes or a PIL.Image")
 
 
-def _files(images: list[ImageLike], request_id: str | None, return_embeddings: bool):
+def _files(
+    images: list[ImageLike], request_id: str | None, return_embeddings: bool
+) -> tuple[list[tuple[str, tuple[str, bytes, str]]], dict[str, str]]:
     files = [("images", (f"image{i}", image_bytes(img), "application/octet-stream")) for i, img in enumerate(images)]
     data = {"return_embeddings": "true" if return_embeddings else "false"}
     if request_id is not None:
@@ -56,11 +59,11 @@ def _files(images: list[ImageLike], request_id: str | None, return_embeddings: b
     return files, data
 
 
-def _decode_tensor(t: dict):
+def _decode_tensor(t: dict[str, Any]) -> torch.Tensor:
     return tensor_from_buffer(base64.b64decode(t["b64"]), t["dtype"], t["shape"])
 
 
-def _result(resp: httpx.Response) -> dict:
+def _result(resp: httpx.Response) -> dict[str, Any]:
     if resp.status_code != 200:
         try:
             err = resp.json()["error"]
@@ -70,7 +73,7 @@ def _result(resp: httpx.Response) -> dict:
         retry = resp.headers.get("retry-after")
         raise VitserveClientError(resp.status_code, code, message, image_index=index,
                                   retry_after_s=float(retry) if retry and retry.isdigit() else None)
-    body = resp.json()
+    body: dict[str, Any] = resp.json()
     for img in body.get("images", []):
         if "embedding" in img:
             img["embedding"] = _decode_tensor(img["embedding"])
@@ -83,7 +86,7 @@ def _connection_error(exc: httpx.HTTPError) -> VitserveClientError:
     return VitserveClientError(0, "connection_error", f"{type(exc).__name__}: {exc}")
 
 
-def _headers(api_key: str | None) -> dict:
+def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
@@ -91,7 +94,7 @@ class VitserveClient:
     def __init__(self, base_url: str = "http://127.0.0.1:8100", api_key: str | None = None, timeout: float = 300.0):
         self._http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout, trust_env=False)
 
-    def encode(self, images: list[ImageLike], return_embeddings: bool = False, request_id: str | None = None) -> dict:
+    def encode(self, images: list[ImageLike], return_embeddings: bool = False, request_id: str | None = None) -> dict[str, Any]:
         files, data = _files(images, request_id, return_embeddings)
         try:
             resp = self._http.post("/encode", files=files, data=data)
@@ -99,7 +102,7 @@ class VitserveClient:
             raise _connection_error(exc) from exc
         return _result(resp)
 
-    def info(self) -> dict:
+    def info(self) -> dict[str, Any]:
         try:
             return _result(self._http.get("/v1/info"))
         except httpx.HTTPError as exc:
@@ -125,7 +128,7 @@ class VitserveClient:
     def __enter__(self) -> VitserveClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -134,7 +137,7 @@ class AsyncVitserveClient:
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=timeout, trust_env=False)
 
     async def encode(self, images: list[ImageLike], return_embeddings: bool = False,
-                     request_id: str | None = None) -> dict:
+                     request_id: str | None = None) -> dict[str, Any]:
         files, data = _files(images, request_id, return_embeddings)
         try:
             resp = await self._http.post("/encode", files=files, data=data)
@@ -142,7 +145,7 @@ class AsyncVitserveClient:
             raise _connection_error(exc) from exc
         return _result(resp)
 
-    async def info(self) -> dict:
+    async def info(self) -> dict[str, Any]:
         try:
             return _result(await self._http.get("/v1/info"))
         except httpx.HTTPError as exc:
@@ -168,5 +171,5 @@ class AsyncVitserveClient:
     async def __aenter__(self) -> AsyncVitserveClient:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()

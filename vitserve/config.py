@@ -1,6 +1,6 @@
 """One frozen config object, built at the entry point (cli.py) and passed down.
 
-Nothing below the entry point reads environment variables; every field mirrors a SPEC §1 flag.
+Nothing below the entry point reads environment variables; every field mirrors a flag (docs/api.md).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Config:
     # off by default: faster, but the embeddings no longer match transformers' (not exact)
     jpeg_draft: bool = False
     log_level: str = "info"
-    runtime_dir: str = "/dev/shm/vitserve"  # VITSERVE_RUNTIME_DIR (SPEC §6)
+    runtime_dir: str = "/dev/shm/vitserve"  # VITSERVE_RUNTIME_DIR (docs/engine.md)
     master_addr: str | None = None  # torch.distributed store; None -> 127.0.0.1 on a free port
     master_port: int | None = None
 

@@ -1,4 +1,4 @@
-"""Typed errors. Each carries its HTTP status and a stable code (SPEC §2); exactly one handler maps them.
+"""Typed errors. Each carries its HTTP status and a stable code (docs/api.md); exactly one handler maps them.
 
 Third-party failures (PIL, HF processors, zmq) are re-raised as one of these with `raise ... from exc`.
 Messages name the limit and the flag that sets it.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 
 class VitserveError(Exception):
@@ -27,8 +28,8 @@ class VitserveError(Exception):
         self.image_index = image_index
         return self
 
-    def to_body(self) -> dict:
-        err: dict = {"code": self.code, "message": self.message}
+    def to_body(self) -> dict[str, Any]:
+        err: dict[str, Any] = {"code": self.code, "message": self.message}
         if self.image_index is not None:
             err["image_index"] = self.image_index
         return {"error": err}

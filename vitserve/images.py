@@ -1,4 +1,4 @@
-"""Safe image decoding (SPEC §5): allowlist, header pixel check, EXIF orientation, correct 8-bit RGB.
+"""Safe image decoding (docs/processing.md): allowlist, header pixel check, EXIF orientation, correct 8-bit RGB.
 
 Order matters: the format and the pixel count are checked from the header (``Image.open`` parses only the
 header) before a single pixel is decoded, so a PNG that declares 30000x30000 is refused without allocating.
@@ -41,7 +41,7 @@ from PIL import Image, ImageFile, ImageOps, TiffImagePlugin, UnidentifiedImageEr
 from vitserve import libtiff
 from vitserve.errors import InvalidImage, PayloadTooLarge, UnsupportedImage, VitserveError
 
-# PIL's names for the formats of SPEC §5; Image.open is told to try only these.
+# PIL's names for the allowed formats (docs/processing.md); Image.open is told to try only these.
 ALLOWED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 
 # Our --max_image_pixels check is the one that decides; PIL's own global bomb limit (89.5 MP, error at 2x)
@@ -205,6 +205,7 @@ def _refuse_unknown_codec(data: bytes) -> None:
 def _check_codec(img: Image.Image) -> None:
     """Refuse, by name, a codec PIL knows but this build cannot decode; before any pixel is decoded."""
     if img.format == "TIFF":
+        assert isinstance(img, TiffImagePlugin.TiffImageFile)
         scheme = int(img.tag_v2.get(259, 1))  # Compression
         if libtiff.codec_configured(scheme) is False:
             name = TiffImagePlugin.COMPRESSION_INFO.get(scheme, "unknown")
@@ -217,7 +218,8 @@ def _check_codec(img: Image.Image) -> None:
 
 def _png_rawmode(img: Image.Image) -> str:
     """The PNG sample layout before decoding (e.g. "L;4", "RGB;16B"); only known until load()."""
-    return str(img.tile[0].args) if img.tile and isinstance(img.tile[0].args, str) else ""
+    tile = getattr(img, "tile", None)  # ImageFile only; a plain Image has no tile list
+    return str(tile[0].args) if tile and isinstance(tile[0].args, str) else ""
 
 
 def _scale_low_bit_transparency(img: Image.Image) -> None:
@@ -286,7 +288,7 @@ def _composite_on_white(rgba: Image.Image) -> Image.Image:
 _ROWS_PER_CHUNK = 512  # bounds the integer temporaries to a few MB per chunk even for 50 MP images
 
 
-def _scale_16bit(values: np.ndarray, transparent=None) -> np.ndarray:
+def _scale_16bit(values: np.ndarray, transparent: object = None) -> np.ndarray:
     """round(v / 257) per sample; white (alpha 0 on white) where the raw sample equals the tRNS value."""
     out = np.empty(values.shape, dtype=np.uint8)  # (H, W)
     key = transparent if isinstance(transparent, int) else None

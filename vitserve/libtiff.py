@@ -19,6 +19,7 @@ import ctypes
 import logging
 import os
 import threading
+from typing import Any
 
 import PIL.Image  # noqa: F401  (loads _imaging, hence libtiff, before we look for it)
 
@@ -27,7 +28,7 @@ log = logging.getLogger("vitserve.libtiff")
 # void handler(const char *module, const char *fmt, va_list ap); va_list travels as a pointer on x86-64/arm64
 _HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p)
 _lock = threading.Lock()
-_state: dict = {}
+_state: dict[str, Any] = {}  # "lib": CDLL | None, "vsnprintf", the installed handlers (kept alive)
 
 
 def _find_libtiff() -> ctypes.CDLL | None:
@@ -56,8 +57,8 @@ def _format(fmt: bytes | None, ap: int | None) -> str:
         return fmt.decode("utf-8", "replace")
 
 
-def _make_handler(level_name: str):
-    def handler(module, fmt, ap) -> None:
+def _make_handler(level_name: str) -> Any:  # a ctypes CFUNCTYPE instance, which has no static type
+    def handler(module: bytes | None, fmt: bytes | None, ap: int | None) -> None:
         if log.isEnabledFor(logging.DEBUG):
             name = module.decode("utf-8", "replace") if module else "libtiff"
             log.debug("libtiff %s: %s: %s", level_name, name, _format(fmt, ap))
@@ -69,7 +70,8 @@ def _load() -> ctypes.CDLL | None:
     """Find libtiff and install the handlers, once per process."""
     with _lock:
         if "lib" in _state:
-            return _state["lib"]
+            lib_seen: ctypes.CDLL | None = _state["lib"]
+            return lib_seen
         lib = _find_libtiff()
         _state["lib"] = lib
         if lib is None:

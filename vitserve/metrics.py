@@ -1,4 +1,4 @@
-"""Prometheus metrics (SPEC §4), all prefixed `vitserve_`, on a registry of their own.
+"""Prometheus metrics (docs/api.md), all prefixed `vitserve_`, on a registry of their own.
 
 One `Metrics` object per server; components receive it instead of touching globals, so tests can make
 fresh ones and read values back with `Metrics.value(name, **labels)`.

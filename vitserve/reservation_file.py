@@ -12,18 +12,19 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 _FIELDS = {"device": str, "rank": int, "bytes": int, "source": str, "pid": int}
 
 
-def reservation_path(runtime_dir: str | os.PathLike, device: str, rank: int) -> Path:
+def reservation_path(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> Path:
     safe_device = str(device).replace(os.sep, "_")
     return Path(runtime_dir) / f"reserved_mem_{safe_device}_{int(rank)}.json"
 
 
-def publish_reservation(runtime_dir: str | os.PathLike, device: str, rank: int, nbytes: int, source: str) -> Path:
+def publish_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int, nbytes: int, source: str) -> Path:
     """Write the reservation atomically: a temp file in the same directory, fsync, then os.replace."""
     path = reservation_path(runtime_dir, device, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,7 +42,7 @@ def publish_reservation(runtime_dir: str | os.PathLike, device: str, rank: int, 
     return path
 
 
-def read_reservation(runtime_dir: str | os.PathLike, device: str, rank: int) -> dict | None:
+def read_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> dict[str, Any] | None:
     """The published reservation, or None when it is not (yet) known. Never raises."""
     try:
         text = reservation_path(runtime_dir, device, rank).read_text()
@@ -57,7 +58,7 @@ def read_reservation(runtime_dir: str | os.PathLike, device: str, rank: int) -> 
     return {key: body[key] for key in _FIELDS}
 
 
-def remove_reservation(runtime_dir: str | os.PathLike, device: str, rank: int) -> None:
+def remove_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> None:
     """Delete this rank's file on clean shutdown; a missing file is fine."""
     try:
         reservation_path(runtime_dir, device, rank).unlink(missing_ok=True)

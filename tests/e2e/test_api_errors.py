@@ -1,4 +1,4 @@
-"""Every SPEC §2 error code from a real HTTP request, with its status and body; B1-B3, B7, B8, S5."""
+"""Every error code of docs/api.md from a real HTTP request, with its status and body; B1-B3, B7, B8, S5."""
 
 from __future__ import annotations
 
@@ -50,14 +50,11 @@ def png_header_only(width: int, height: int) -> bytes:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """The real Engine (worker processes, tiny checkpoint): bad input must never disturb real workers."""
-    try:
-        options = real_engine_options(tmp_path_factory.mktemp("errors"))
-    except ImportError:  # branch without vitserve.engine yet: the FakeEngine keeps the HTTP checks running
-        options = {}
+    options = real_engine_options(tmp_path_factory.mktemp("errors"))
     with live_server(max_request_bytes=256 * 1024, max_images_per_request=4, **options) as srv:
-        pids = srv.engine.worker_pids() if options else None
+        pids = srv.engine.worker_pids()
         yield srv
-        assert (srv.engine.worker_pids() if options else None) == pids  # no worker restarted in this module
+        assert srv.engine.worker_pids() == pids  # no worker restarted in this module
 
 
 @pytest.fixture

@@ -179,4 +179,5 @@ def test_bfloat16_embeddings_travel_bit_exact():
     assert list(got["embedding"].shape) == raw["shape"]
     processor = srv.service.app.state.preprocessor.processor
     direct = Bf16Encoder().encode([processor.preprocess(Image.open(io.BytesIO(data)).convert("RGB"))])[0]
+    # exact by construction: the same elementwise TinyEncoder and bf16 cast on the same pixels, one process
     assert torch.equal(got["embedding"].view(torch.int16), direct.embedding.view(torch.int16))

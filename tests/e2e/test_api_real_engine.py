@@ -160,7 +160,7 @@ def held(srv):
 
 def drain_in_background(receiver, count: int) -> tuple[threading.Thread, list]:
     """Receive `count` messages in the background, as an LLM server would: a receiver that stops reading makes
-    sends block (SPEC §3), and the HTTP answers wait for the sends."""
+    sends block (docs/integration.md), and the HTTP answers wait for the sends."""
     got: list = []
 
     def run():

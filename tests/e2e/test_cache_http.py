@@ -41,6 +41,7 @@ def test_a_repeated_image_is_served_from_the_cache(server):
     assert [i["cached"] for i in second] == [False, True, True]  # a from the cache; b shared with index 0
     assert second[1]["image_id"] == first[0]["image_id"] == hashlib.sha256(a).hexdigest()
     assert second[1]["num_tokens"] == first[0]["num_tokens"]
+    # exact by construction: a cache hit / a shared in-flight encode returns the stored tensor's bytes
     assert torch.equal(second[1]["embedding"], first[0]["embedding"])
     assert torch.equal(second[2]["embedding"], second[0]["embedding"])
     with server.client() as h:

@@ -115,6 +115,7 @@ async def test_identical_concurrent_images_are_encoded_once(tmp_path):
         assert flags.count(False) == 1  # the image that caused the encode; the rest reused it
         for results in outs:
             for r in results:
+                # exact by construction: one encode, its result copied to every waiter
                 assert r.embedding.numpy().tobytes() == outs[0][0].embedding.numpy().tobytes()
         m = engine.metrics
         assert m.value("vitserve_images_total", outcome="encoded") == 1

@@ -1,6 +1,6 @@
 """The engine with the production encoder: a tiny real checkpoint loaded by load_encoder in every rank,
 sharded by apply_tp at tp=2, real processor pixels. Embeddings (and deepstack) equal the single-process
-encoder's, within fp32 round-off (DESIGN invariant 8, through the engine)."""
+encoder's, within fp32 round-off (docs/design.md invariant 8, through the engine)."""
 
 from __future__ import annotations
 

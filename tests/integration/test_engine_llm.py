@@ -1,5 +1,5 @@
-"""The engine's push to the LLM server (SPEC §3) with a real EmbeddingReceiver: order, exactly-once,
-byte-identical to the inline embedding; back-pressure and 504 when the receiver stalls (RELIABILITY F7)."""
+"""The engine's push to the LLM server (docs/integration.md) with a real EmbeddingReceiver: order, exactly-once,
+byte-identical to the inline embedding; back-pressure and 504 when the receiver stalls (scenario F7)."""
 
 from __future__ import annotations
 

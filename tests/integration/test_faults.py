@@ -1,4 +1,4 @@
-"""RELIABILITY F1-F4: dead, hung and failing ranks are found well before --dist_timeout_s, every
+"""Scenarios F1-F4: dead, hung and failing ranks are found well before --dist_timeout_s, every
 accepted request completes with EncoderFailed, and no worker process outlives its group."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""RELIABILITY F5: SIGKILL the process that owns the engine; every worker exits on its own within seconds."""
+"""Scenario F5: SIGKILL the process that owns the engine; every worker exits on its own within seconds."""
 
 from __future__ import annotations
 

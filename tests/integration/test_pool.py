@@ -84,7 +84,7 @@ async def test_dp2_both_groups_serve_and_one_survives_the_other(tmp_path):
             await asyncio.sleep(0.05)
         assert engine.groups()[1]["state"] == "ready"
         readiness = engine.readiness()
-        assert not readiness.ready  # a dead rank is never "ready" (DESIGN invariant 5), though group 1 still serves
+        assert not readiness.ready  # a dead rank is never "ready" (docs/design.md invariant 5), though group 1 still serves
         assert "group 0" in readiness.reason
         await _mixed_load(engine, 4, seed=1000)  # group 1 serves the whole queue
         assert not engine.failed.is_set()

@@ -1,4 +1,4 @@
-"""LLMSender -> EmbeddingReceiver over real ZMQ sockets (tcp://127.0.0.1 and ipc://), SPEC §3."""
+"""LLMSender -> EmbeddingReceiver over real ZMQ sockets (tcp://127.0.0.1 and ipc://), docs/integration.md."""
 
 from __future__ import annotations
 

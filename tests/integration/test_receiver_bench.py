@@ -13,8 +13,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "transfer.py"
 
 
 @pytest.mark.slow
-def test_transfer_bench_runs_and_reports_every_row():
+def test_transfer_bench_runs_and_reports_every_row(tmp_path):
     argv = [
+        "--out",
+        str(tmp_path),
         "--tokens",
         "64",
         "--dim",
@@ -36,3 +38,9 @@ def test_transfer_bench_runs_and_reports_every_row():
         (d, p) for d in ("float32", "bfloat16") for p in ("ipc", "tcp", "ipc copy=True")
     ]
     assert all(r["zmq_GBps"] > 0 and r["clone_GBps"] > 0 for r in rows)
+    # the run record (bench/record.py) holds the same rows, with the commit and the load they ran at
+    (line,) = (tmp_path / "transfer.jsonl").read_text().splitlines()
+    run = json.loads(line)
+    assert run["results"] == rows
+    assert run["commit"]
+    assert len(run["loadavg_before"]) == len(run["loadavg_after"]) == 3

@@ -1,4 +1,4 @@
-"""TP sharding equals TP=1 (DESIGN invariant 8) on real gloo ranks, for every family, on a packed mixed batch.
+"""TP sharding equals TP=1 (docs/design.md invariant 8) on real gloo ranks, for every family, on a packed mixed batch.
 
 HF towers built from tiny configs (tests/tp_towers.py) so TP=4 (one head per rank) and InternVL's q/k
 RMSNorm are covered; the production path (checkpoint -> load_encoder -> apply_tp) is in test_tp_checkpoints.py.

@@ -1,4 +1,4 @@
-"""atheris target for RELIABILITY B10, run by tests/unit/test_fuzz_decode.py in a subprocess (libFuzzer exits
+"""atheris target for scenario B10, run by tests/unit/test_fuzz_decode.py in a subprocess (libFuzzer exits
 the process on a finding, so it cannot run inside pytest).
 
     python -m tests.unit.fuzz_decode_target [libFuzzer flags] CORPUS_DIR

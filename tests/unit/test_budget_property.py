@@ -1,4 +1,4 @@
-"""DESIGN invariant 1 as properties: tokens <= budget or a documented error, for every family.
+"""docs/design.md invariant 1 as properties: tokens <= budget or a documented error, for every family.
 
 The pure plan runs over widths/heights 1..20000 and budgets 1..16384 with many examples; the checks that
 touch pixels (preprocess, HF identity) use smaller images and fewer examples to stay fast.
@@ -157,6 +157,7 @@ def test_max_tokens_zero_pixels_identical_to_hf(tmp_path_factory, family, width,
         assert family != "internvl"
         return
     expected = ref(img, return_tensors="pt", **kwargs)["pixel_values"]
+    # exact by construction: budget 0 runs the same HF processor class on the same image in this process
     assert torch.equal(item.pixel_values, expected)
 
 

@@ -36,6 +36,7 @@ def test_miss_then_hit_returns_the_same_tensors_and_counts():
     assert cache.put("a", value)
     got = cache.get("a")
     assert got is not None
+    # exact by construction: the cache hands back the tensor it stored
     assert torch.equal(got.embedding, value.embedding)
     assert [torch.equal(x, y) for x, y in zip(got.deepstack, value.deepstack, strict=True)] == [True]
     assert (cache.hits, cache.misses, cache.evictions, cache.bytes) == (1, 1, 0, 4 * ROW)

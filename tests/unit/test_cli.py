@@ -1,4 +1,4 @@
-"""Flags, VITSERVE_* environment, aliases and validation -> one frozen Config (SPEC §1)."""
+"""Flags, VITSERVE_* environment, aliases and validation -> one frozen Config (docs/api.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RELIABILITY B10: atheris on the decode path (time-boxed); only the documented error types escape.
+"""Scenario B10: atheris on the decode path (time-boxed); only the documented error types escape.
 
 The fuzzer (tests/unit/fuzz_decode_target.py) runs in a subprocess, seeded with one small valid image of
 every allowed format (and the modes decode_image converts: alpha, 16-bit, grey, palette). A finding makes

@@ -1,4 +1,4 @@
-"""decode_image (SPEC §5, RELIABILITY B3-B6): every expected pixel is computed here by hand with numpy."""
+"""decode_image (docs/processing.md, scenarios B3-B6): every expected pixel is computed here by hand with numpy."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_bad_data_is_invalid_image(data):
 
 
 def test_format_outside_allowlist_is_refused():
-    data = encode(noise(8, 8), "ICO")  # PIL reads ICO happily; SPEC §5 does not allow it
+    data = encode(noise(8, 8), "ICO")  # PIL reads ICO happily; the format allowlist in docs/processing.md excludes it
     assert Image.open(io.BytesIO(data)).format == "ICO"
     with pytest.raises(InvalidImage, match="allowlist"):
         decode_image(data, max_image_pixels=LIMIT)
@@ -160,6 +160,7 @@ def test_one_bit_and_greyscale():
 def test_float_image_in_unit_range():
     values = np.linspace(0.0, 1.0, 24, dtype=np.float32).reshape(4, 6)
     got = _pixels(encode(Image.fromarray(values, "F"), "TIFF"))
+    # exact on every CPU: one IEEE float32 multiply and round per pixel, no reduction or kernel choice
     assert np.array_equal(got[..., 0], np.round(values * 255.0).astype(np.uint8))
 
 
@@ -201,13 +202,13 @@ def test_animated_gif_later_frames_are_never_read():
 
 
 def test_real_60_megapixel_image_refused_from_header():
-    # RELIABILITY B1: a real, valid 8000x7500 JPEG (60 MP) over the 50 MP default
+    # scenario B1: a real, valid 8000x7500 JPEG (60 MP) over the 50 MP default
     data = encode(Image.new("L", (8000, 7500)), "JPEG", quality=10)
     with pytest.raises(PayloadTooLarge, match="--max_image_pixels"):
         decode_image(data, max_image_pixels=LIMIT)
 
 
-# --- fuzz: only the documented error types escape (RELIABILITY B10, in-process and time-boxed) ----------
+# --- fuzz: only the documented error types escape (scenario B10, in-process and time-boxed) ----------
 
 _SEEDS = [
     encode(noise(12, 9, seed=13), "PNG"),

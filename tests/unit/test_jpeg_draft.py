@@ -182,6 +182,7 @@ async def test_the_api_pipeline_uses_the_flag(jpeg_draft):
     via_full = _prepare(data, processor, jpeg_draft=False)
     assert not torch.equal(via_draft.item.pixel_values, via_full.item.pixel_values)  # distinguishable paths
     expected = via_draft if jpeg_draft else via_full
+    # exact by construction: the same decode and processor functions on the same bytes
     assert torch.equal(prepared.item.pixel_values, expected.item.pixel_values)
     assert prepared.original_size == (1600, 1200)
     assert prepared.item.grid_thw == processor.plan(1600, 1200).grid_thw

@@ -60,6 +60,7 @@ def test_loads_and_encodes_with_language_shards_deleted(tmp_path, family):
     for shard in language_only_shards(path, family, "model.visual"):
         shard.unlink()
     after = load_encoder(str(path)).encode([item])[0].embedding
+    # exact by construction: the same weights, item, kernels and thread count in one process
     assert torch.equal(before, after)
 
 
@@ -107,6 +108,7 @@ def test_explicit_family_overrides_unknown_model_type(tmp_path):
     with pytest.raises(ConfigError, match="--model_family"):
         load_encoder(str(path))
     enc = load_encoder(str(path), family="qwen2_5_vl")
+    # exact by construction: the same tower and weights on the same item in one process
     assert torch.equal(enc.encode([qwen_item()])[0].embedding, reference)
 
 
@@ -226,6 +228,7 @@ def test_demo_is_seeded_qwen2_5_shaped_and_warns(caplog):
     assert first.shape == (16, 1024)
     assert torch.isfinite(first).all()
     torch.manual_seed(1234)  # the demo weights do not depend on the global RNG
+    # exact by construction: seeded weights, the same item, kernels and thread count in one process
     assert torch.equal(load_encoder("demo").encode([item])[0].embedding, first)
 
 

@@ -1,4 +1,4 @@
-"""load_image_processor: families, checkpoints read offline, the clamp inside HF, RELIABILITY B7."""
+"""load_image_processor: families, checkpoints read offline, the clamp inside HF, scenario B7."""
 
 from __future__ import annotations
 
@@ -102,6 +102,7 @@ def test_checkpoint_preprocessor_config_is_used_and_matches_hf(tmp_path):
     img = noise(500, 333, seed=1)
     out = ref(img, return_tensors="pt")
     item = proc.preprocess(img)
+    # exact by construction: vitserve runs HF's own Qwen2VLImageProcessorPil on the same image, same process
     assert torch.equal(item.pixel_values, out["pixel_values"])
     assert list(item.grid_thw) == out["image_grid_thw"][0].tolist()
 
@@ -214,7 +215,7 @@ def test_planned_resize_is_the_resize_hf_uses():
     assert torch.equal(hf(resized, do_resize=False, return_tensors="pt")["pixel_values"], direct)
 
 
-# --- RELIABILITY B7 ---------------------------------------------------------------------------------------
+# --- scenario B7 ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -243,6 +244,7 @@ def test_non_rgb_input_uses_the_documented_conversion_on_every_path(budget):
     rgba = noise(5000, 28, seed=5, mode="RGBA")
     proc = load_image_processor("qwen2_5_vl", budget)
     from_rgba = proc.preprocess(rgba).pixel_values
+    # exact by construction: the same processor on the same RGB pixels (uint8 PIL math, then the same floats)
     assert torch.equal(from_rgba, proc.preprocess(to_rgb(rgba)).pixel_values)
     assert not torch.equal(from_rgba, proc.preprocess(rgba.convert("RGB")).pixel_values)  # alpha matters
 

@@ -1,4 +1,4 @@
-"""Worst-case reservation (DESIGN invariant 7) and its publication file (SPEC §6)."""
+"""Worst-case reservation (docs/design.md invariant 7) and its publication file (docs/engine.md)."""
 
 from __future__ import annotations
 

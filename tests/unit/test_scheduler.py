@@ -1,4 +1,4 @@
-"""The FIFO token-budget scheduler (DESIGN invariants 2 and 3), on plain ids: examples, then a
+"""The FIFO token-budget scheduler (docs/design.md invariants 2 and 3), on plain ids: examples, then a
 hypothesis state machine that checks every operation against a reference model."""
 
 from __future__ import annotations
@@ -88,17 +88,6 @@ def test_all_cancelled_gives_none():
     assert len(s) == 0
 
 
-def test_clear_returns_live_ids_in_order_and_empties_the_queue():
-    s = Scheduler(budget_tokens=5, max_batch_images=3)
-    for name in "abcd":
-        s.add(name, 2)
-    s.cancel("b")
-    s.cancel("d")
-    s.add("d", 1)  # re-added: now behind "c"
-    assert s.clear() == ["a", "c", "d"]
-    assert (len(s), s.queued_tokens, s.next_batch()) == (0, 0, None)
-
-
 @pytest.mark.parametrize(("budget", "cap"), [(-1, 1), (10, 0)])
 def test_rejects_bad_limits(budget, cap):
     with pytest.raises(ValueError, match="must be >="):
@@ -156,16 +145,6 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.cancelled.append(item)
             live_add = next(a for a in reversed(self.adds) if a[0] == item)
             live_add[1] = True
-
-    @precondition(lambda self: len(self.model) >= 8)  # keep it rare, so queues also grow deep
-    @rule()
-    def clear(self):
-        # Rare in production (worker death, shutdown): the live queue, in order, then nothing.
-        assert self.s.clear() == [i for i, _ in self.model]
-        for item, _ in self.model:
-            next(a for a in reversed(self.adds) if a[0] == item)[1] = True
-            self.cancelled.append(item)
-        self.model = []
 
     @rule()
     def next_batch(self):

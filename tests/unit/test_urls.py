@@ -1,4 +1,4 @@
-"""URL input guards (SPEC §5): static checks and address classification. No traffic leaves loopback."""
+"""URL input guards (docs/processing.md): static checks and address classification. No traffic leaves loopback."""
 
 from __future__ import annotations
 

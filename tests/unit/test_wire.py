@@ -1,4 +1,4 @@
-"""SPEC §3 v1 codec: exact frames, byte-identical round trips, and strict rejection of anything else."""
+"""Wire-format v1 codec (docs/integration.md): exact frames, byte-identical round trips, and strict rejection of anything else."""
 
 from __future__ import annotations
 

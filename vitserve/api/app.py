@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +22,7 @@ from vitserve.config import Config
 from vitserve.contract import Engine
 from vitserve.errors import InvalidRequest, NotReady, VitserveError, http_error
 from vitserve.metrics import CONTENT_TYPE, Metrics
+from vitserve.processors.base import VisionProcessor
 
 log = logging.getLogger(__name__)
 _HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
@@ -51,7 +53,7 @@ async def _handle(_request: Request, exc: Exception) -> Response:
     return error_response(_as_vitserve_error(exc))
 
 
-def info_body(config: Config, engine: Engine, processor) -> dict:
+def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dict[str, Any]:
     info = engine.info()
     return {
         "model": info.model, "family": info.family, "tp": info.tp, "dp": info.dp,
@@ -69,7 +71,8 @@ def info_body(config: Config, engine: Engine, processor) -> dict:
     }
 
 
-def create_app(config: Config, engine: Engine, processor, metrics: Metrics, *, state: ServerState | None = None) -> FastAPI:
+def create_app(config: Config, engine: Engine, processor: VisionProcessor, metrics: Metrics, *,
+               state: ServerState | None = None) -> FastAPI:
     """The ASGI app. `state` lets the entry point flip `draining` on SIGTERM; app.state.server holds it."""
     state = state or ServerState()
     # /docs and /redoc with Swagger UI / ReDoc files from the installed fastapi-offline package, never a
@@ -77,7 +80,7 @@ def create_app(config: Config, engine: Engine, processor, metrics: Metrics, *, s
     # validatorUrl None: Swagger UI would otherwise send the spec to an online validator for its badge.
     app = FastAPIOffline(title="vitserve", version=vitserve.__version__, static_url=DOCS_ASSETS_URL,
                          swagger_ui_parameters={"validatorUrl": None},
-                         description="Vision-encoder embeddings for multimodal LLMs (SPEC §2).")
+                         description="Vision-encoder embeddings for multimodal LLMs (docs/api.md).")
     app.state.server = state
     app.state.preprocessor = pre = Preprocessor(processor, max_image_pixels=config.max_image_pixels, metrics=metrics,
                                                 jpeg_draft=config.jpeg_draft)
@@ -91,7 +94,7 @@ def create_app(config: Config, engine: Engine, processor, metrics: Metrics, *, s
         return await encode(request)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/ready")
@@ -102,7 +105,7 @@ def create_app(config: Config, engine: Engine, processor, metrics: Metrics, *, s
         return JSONResponse({"status": "ready"})
 
     @app.get("/v1/info")
-    async def v1_info() -> dict:
+    async def v1_info() -> dict[str, Any]:
         return info_body(config, engine, processor)
 
     @app.get("/metrics")
@@ -114,7 +117,7 @@ def create_app(config: Config, engine: Engine, processor, metrics: Metrics, *, s
     return app
 
 
-def _openapi(app: FastAPI) -> dict:
+def _openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         app.openapi_schema = add_schemas(schema)

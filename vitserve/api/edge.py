@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hmac
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from vitserve.errors import NotReady, Unauthorized, VitserveError, http_error
 from vitserve.metrics import Metrics
 
@@ -26,7 +28,7 @@ class ServerState:
         self.active_requests = 0
 
 
-async def send_error(send, err: VitserveError, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_error(send: Send, err: VitserveError, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
     status, headers, body = http_error(err)
     raw = [(k.encode(), v.encode()) for k, v in headers.items()]
     raw.append((b"content-length", str(len(body)).encode()))
@@ -35,25 +37,25 @@ async def send_error(send, err: VitserveError, extra_headers: list[tuple[bytes, 
 
 
 class Edge:
-    def __init__(self, app, *, api_key: str | None, state: ServerState, metrics: Metrics):
+    def __init__(self, app: ASGIApp, *, api_key: str | None, state: ServerState, metrics: Metrics):
         self.app = app
         self.key = f"Bearer {api_key}".encode() if api_key else None
         self.state = state
         self.metrics = metrics
 
-    def _authorized(self, scope) -> bool:
+    def _authorized(self, scope: Scope) -> bool:
         if self.key is None or scope["path"] in OPEN_PATHS:
             return True
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
         return hmac.compare_digest(given, self.key)  # constant time: no key-prefix oracle
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         status_seen: list[int] = []
 
-        async def counting_send(message):
+        async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status_seen.append(message["status"])
             await send(message)
@@ -64,7 +66,7 @@ class Edge:
             code = str(status_seen[0]) if status_seen else "499"  # 499: client left before an answer
             self.metrics.requests_total.labels(code=code).inc()
 
-    async def _dispatch(self, scope, receive, send):
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self._authorized(scope):
             err = Unauthorized("missing or wrong API key; send 'Authorization: Bearer <key>' (--api_key)")
             await send_error(send, err, [(b"www-authenticate", b"Bearer")])

@@ -1,4 +1,4 @@
-"""POST /encode: read -> parse -> fetch -> decode+preprocess ALL -> engine -> respond (SPEC §2).
+"""POST /encode: read -> parse -> fetch -> decode+preprocess ALL -> engine -> respond (docs/api.md).
 
 All-or-nothing: every image is validated, decoded and preprocessed before anything is enqueued, so a
 bad image anywhere in the request means nothing is encoded and nothing reaches the LLM.
@@ -11,7 +11,9 @@ import base64
 import contextlib
 import logging
 import time
+from typing import Any
 
+import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 _DEADLINE_GRACE_S = 5.0  # the engine enforces the deadline; this only guards against an engine that does not
 
 
-def tensor_json(t) -> dict:
+def tensor_json(t: torch.Tensor) -> dict[str, Any]:
     return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "b64": base64.b64encode(tensor_to_buffer(t)).decode()}
 
 
@@ -116,7 +118,7 @@ class EncodeHandler:
             return None
         raise Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")
 
-    def _response_body(self, parsed: ParsedRequest, prepared: list[PreparedImage], results: list[ImageResult]):
+    def _response_body(self, parsed: ParsedRequest, prepared: list[PreparedImage], results: list[ImageResult]) -> dict[str, Any]:
         images = []
         for index, (p, r) in enumerate(zip(prepared, results, strict=True)):
             out = {

@@ -1,6 +1,6 @@
 """Turning an /encode body (JSON or multipart) into the request's image bytes, in order.
 
-Nothing here decodes pixels; it only enforces the request's shape (SPEC §2): known fields, 1 to
+Nothing here decodes pixels; it only enforces the request's shape (docs/api.md): known fields, 1 to
 --max_images_per_request images, valid base64, URLs through vitserve.api.urls.
 """
 
@@ -12,9 +12,10 @@ import binascii
 import json
 import re
 import uuid
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from starlette.datastructures import Headers, UploadFile
+from starlette.datastructures import FormData, Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
@@ -107,7 +108,7 @@ def parse_multipart_body(headers: Headers, body: bytes, config: Config) -> Parse
     Starlette's parser is async only; a private event loop in this worker thread drives it.
     """
 
-    async def stream():
+    async def stream() -> AsyncGenerator[bytes, None]:
         yield body
 
     parser = MultiPartParser(headers, stream(), max_files=config.max_images_per_request + 1, max_fields=8)
@@ -126,7 +127,7 @@ def parse_multipart_body(headers: Headers, body: bytes, config: Config) -> Parse
                 value.file.close()
 
 
-def _form_request(form, config: Config) -> ParsedRequest:
+def _form_request(form: FormData, config: Config) -> ParsedRequest:
     request_id, return_embeddings, sources = None, False, []
     for key, value in form.multi_items():
         if key not in _FORM_FIELDS:

@@ -6,6 +6,9 @@ cannot infer the request body; it is declared here so /docs and schemathesis kno
 
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from vitserve.api.schemas import EncodeJSONRequest, EncodeMultipartRequest, EncodeResponse, ErrorBody
@@ -14,7 +17,7 @@ _REF = "#/components/schemas/{model}"
 DOCS_ASSETS_URL = "/docs/assets"  # Swagger UI / ReDoc files, served from the fastapi-offline package
 
 
-def _ref(name: str) -> dict:
+def _ref(name: str) -> dict[str, str]:
     return {"$ref": _REF.format(model=name)}
 
 
@@ -29,7 +32,7 @@ ENCODE_OPENAPI = {
 }
 
 _ERROR_JSON = {"application/json": {"schema": _ref("ErrorBody")}}
-ERROR_RESPONSES: dict = {
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"content": {"application/json": {"schema": _ref("EncodeResponse")}}},
     400: {"description": "invalid_request, invalid_image, unsupported_image, image_too_small, "
                          "aspect_ratio_too_large, "
@@ -41,9 +44,9 @@ ERROR_RESPONSES: dict = {
 }
 
 
-def add_schemas(schema: dict) -> dict:
+def add_schemas(schema: dict[str, Any]) -> dict[str, Any]:
     """Put the request/response models into components/schemas (with their nested definitions)."""
-    models: list = [EncodeJSONRequest, EncodeMultipartRequest, EncodeResponse, ErrorBody]
+    models: list[type[BaseModel]] = [EncodeJSONRequest, EncodeMultipartRequest, EncodeResponse, ErrorBody]
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.update(defs.get("$defs", {}))

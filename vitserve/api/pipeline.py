@@ -12,15 +12,19 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from vitserve.contract import PreparedImage
 from vitserve.errors import InvalidImage, Timeout, VitserveError
 from vitserve.metrics import Metrics
+from vitserve.processors.base import VisionProcessor
 from vitserve.processors.draft import JpegDraft
 from vitserve.processors.prepare import prepare_image
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def default_workers() -> int:
@@ -30,7 +34,7 @@ def default_workers() -> int:
 class Preprocessor:
     """Owns the pool; `prepare(blobs)` returns every image ready for the engine, or raises for the first bad one."""
 
-    def __init__(self, processor, *, max_image_pixels: int, metrics: Metrics, workers: int | None = None,
+    def __init__(self, processor: VisionProcessor, *, max_image_pixels: int, metrics: Metrics, workers: int | None = None,
                  jpeg_draft: bool = False):
         self.processor = processor
         self.draft = JpegDraft(processor) if jpeg_draft else None  # --jpeg_draft (vitserve/processors/draft.py)
@@ -38,7 +42,7 @@ class Preprocessor:
         self.metrics = metrics
         self.pool = ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="vitserve-pre")
 
-    async def run(self, fn, *args):
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Any CPU-heavy call (JSON parsing, base64) on the pool instead of the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 

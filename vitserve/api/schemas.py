@@ -1,4 +1,4 @@
-"""Request and response bodies of the HTTP API (SPEC §2), as pydantic models.
+"""Request and response bodies of the HTTP API (docs/api.md), as pydantic models.
 
 The JSON request is validated with these models (unknown fields -> 400 invalid_request); the response
 models exist for /openapi.json and /docs, the handler builds plain dicts of the same shape.

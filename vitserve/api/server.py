@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
@@ -25,13 +26,14 @@ from vitserve.config import Config
 from vitserve.contract import Engine
 from vitserve.errors import ConfigError
 from vitserve.metrics import Metrics
+from vitserve.processors.base import VisionProcessor
 
 log = logging.getLogger("vitserve")
 
 
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
-    def capture_signals(self):  # the Service owns SIGTERM/SIGINT
+    def capture_signals(self) -> Iterator[None]:  # the Service owns SIGTERM/SIGINT
         yield
 
 
@@ -53,8 +55,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 class Service:
     """One vitserve process: HTTP front door + engine. `run()` returns the process exit code."""
 
-    def __init__(self, config: Config, engine: Engine, processor, metrics: Metrics, *, sock: socket.socket | None = None,
-                 banner=None):
+    def __init__(self, config: Config, engine: Engine, processor: VisionProcessor, metrics: Metrics, *,
+                 sock: socket.socket | None = None, banner: Callable[[Service], str] | None = None):
         self.config = config
         self.engine = engine
         self.processor = processor
@@ -93,7 +95,7 @@ class Service:
         self.started.set()
         return await self._serve_until_stopped(server, serving)
 
-    async def _serve_until_stopped(self, server: _Server, serving: asyncio.Task) -> int:
+    async def _serve_until_stopped(self, server: _Server, serving: asyncio.Task[None]) -> int:
         assert self._stop is not None
         stop = asyncio.create_task(self._stop.wait())
         dead = asyncio.create_task(self._watch_engine())

@@ -1,4 +1,4 @@
-"""Fetching image URLs without opening an SSRF hole (SPEC §5).
+"""Fetching image URLs without opening an SSRF hole (docs/processing.md).
 
 Refused unless --allow_image_urls; then http(s) only, the host must be in --allowed_url_domains, and
 every address it resolves to must be public (not private, loopback, link-local, reserved, multicast or

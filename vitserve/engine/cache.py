@@ -3,7 +3,7 @@
 An LRU of EncodedImage (embedding + deepstack, CPU tensors) bounded in BYTES: the sum of the held
 tensors' nbytes never exceeds `max_bytes`; an entry larger than the whole cache is not stored.
 
-Keys are `cache_key(fingerprint, image_id)`: the image bytes' sha256 (SPEC §2 `image_id`) plus a
+Keys are `cache_key(fingerprint, image_id)`: the image bytes' sha256 (`image_id` in docs/api.md) plus a
 fingerprint of everything that changes the encoder's output for the same bytes (model, family, the
 processor's resolved clamp and budget, dtype, device type). The fingerprint is computed once at start-up
 by `cache_fingerprint`, so a cache can never hand out an embedding made under another configuration.
@@ -19,6 +19,8 @@ import json
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from vitserve.config import GIB, Config
 from vitserve.contract import EncodedImage
@@ -120,7 +122,7 @@ class EmbeddingCache:
 
 def _detached(encoded: EncodedImage) -> EncodedImage:
     """The entry as stored: CPU, contiguous, no autograd history (no copy when it already is)."""
-    def fix(t):
+    def fix(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu").contiguous()
 
     return EncodedImage(embedding=fix(encoded.embedding), deepstack=[fix(t) for t in encoded.deepstack])

@@ -25,12 +25,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from multiprocessing.process import BaseProcess
 
 import torch.multiprocessing as mp
 import zmq
 
 from vitserve.config import Config
 from vitserve.engine.jobs import Job
+from vitserve.model.base import Encoder
 from vitserve.worker import messages as m
 from vitserve.worker.rank import Rendezvous, WorkerArgs, run_worker
 
@@ -61,15 +63,16 @@ class Batch:
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class WorkerGroup:
     """`tp` rank processes of one DP group. Subclasses (tests/fakes.py ThreadGroup) replace only the
     process-facing methods: spawn, send, kill, join, pids and _exited."""
 
-    def __init__(self, index: int, config: Config, encoder_factory: Callable, *, ctx: zmq.Context,
-                 ipc_dir: str, status_endpoint: str, rendezvous: Rendezvous):
+    def __init__(self, index: int, config: Config, encoder_factory: Callable[[Config], Encoder], *,
+                 ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str, status_endpoint: str, rendezvous: Rendezvous):
         self.index = index
         self.config = config
         self.state = GroupState.STARTING
@@ -82,10 +85,10 @@ class WorkerGroup:
         self._factory = encoder_factory
         self._status_endpoint = status_endpoint
         self._rendezvous = rendezvous
-        self.processes: list = []
+        self.processes: list[BaseProcess] = []
         self._init_batch_socket(ctx, f"ipc://{ipc_dir}/batch-{index}")
 
-    def _init_batch_socket(self, ctx: zmq.Context, endpoint: str) -> None:
+    def _init_batch_socket(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> None:
         self.batch_endpoint = endpoint
         self._sock = ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -114,7 +117,7 @@ class WorkerGroup:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
+        return [p.pid for p in self.processes if p.pid is not None]  # None only before start()
 
     def send(self, msg: m.BatchMsg | m.StopMsg) -> None:
         """Queue a message for rank 0 (one batch in flight is far below the HWM).
@@ -131,7 +134,7 @@ class WorkerGroup:
     def kill(self) -> None:
         """SIGKILL every rank (also a SIGSTOPped one) and reap them: no orphans, no zombies."""
         for proc in self.processes:
-            if proc.is_alive():
+            if proc.is_alive() and proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
         for proc in self.processes:

@@ -40,7 +40,7 @@ class Job:
     key: str  # cache key; "" for an image without a content id (never shared, never cached)
     item: ProcessedImage
     deadline: float  # time.monotonic() based: the latest deadline of the requests claiming it
-    future: asyncio.Future  # -> EncodedImage, or a VitserveError
+    future: asyncio.Future[EncodedImage]  # or a VitserveError
     claims: int = 0  # request images waiting on it
     enqueued_at: float = field(default_factory=time.monotonic)
     queue_s: float = 0.0  # enqueue -> dispatch
@@ -53,6 +53,7 @@ class Job:
         if exc is not None:
             self.future.set_exception(exc)
         else:
+            assert result is not None, "a Job is settled with a result or an exception"
             self.future.set_result(result)
         return True
 
@@ -153,7 +154,7 @@ class JobTable:
                 orphans.append(job)
         return orphans
 
-    def _on_done(self, job: Job, _future: asyncio.Future | None = None) -> None:
+    def _on_done(self, job: Job, _future: asyncio.Future[EncodedImage] | None = None) -> None:
         if self._jobs.get(job.key) is job:
             del self._jobs[job.key]  # a later request makes a new Job (or hits the cache)
         future = job.future

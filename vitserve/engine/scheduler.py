@@ -1,4 +1,4 @@
-"""The batch scheduler: a pure FIFO token-budget packer (DESIGN invariants 2 and 3).
+"""The batch scheduler: a pure FIFO token-budget packer (docs/design.md invariants 2 and 3).
 
 No I/O, no torch, no asyncio, no threads: the engine owns the locking and calls these methods from one
 place. Items are opaque hashable ids plus their token count (computed once, by the processor's
@@ -15,7 +15,7 @@ Rules, and the bugs they exist to avoid:
   different images; the fix was a `_put_front` that re-inserts at the head — peeking gives the same
   result without ever removing the item).
 * **The first item is always admitted**, even when it alone is over the budget. The per-image cap
-  upstream (DESIGN invariant 1) normally guarantees it fits; if it ever did not, refusing it would
+  upstream (docs/design.md invariant 1) normally guarantees it fits; if it ever did not, refusing it would
   leave it at the head forever and the queue would spin without progress. That is TEI issue #723: an
   entry larger than the batch budget was pushed back to the front on every iteration, an infinite loop
   that stalled the whole queue. Admitting it alone trades one over-budget batch for liveness.
@@ -89,15 +89,6 @@ class Scheduler:
             return False
         self._queued_tokens -= entry[1]
         return True
-
-    def clear(self) -> list[Hashable]:
-        """Remove every queued item; returns their ids in FIFO order (to fail their futures when the
-        encoders die or the service shuts down)."""
-        ids = [item_id for seq, item_id in self._order if self._live.get(item_id, (None,))[0] == seq]
-        self._order.clear()
-        self._live.clear()
-        self._queued_tokens = 0
-        return ids
 
     def next_batch(self) -> list[Hashable] | None:
         """The next batch of item ids in FIFO order, or None when nothing is queued.

@@ -37,6 +37,7 @@ from vitserve.engine.jobs import Claim, JobTable
 from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
 from vitserve.metrics import Metrics
+from vitserve.model.base import Encoder
 from vitserve.reservation_file import remove_reservation
 from vitserve.worker.rank import Rendezvous, load_configured_encoder, startup_timeout_s
 
@@ -45,7 +46,7 @@ GroupFactory = Callable[..., WorkerGroup]  # WorkerGroup's constructor, or a tes
 
 
 class Engine:
-    def __init__(self, config: Config, metrics: Metrics, *, encoder_factory: Callable | None = None,
+    def __init__(self, config: Config, metrics: Metrics, *, encoder_factory: Callable[[Config], Encoder] | None = None,
                  environ: Mapping[str, str] | None = None, processor_clamp: Mapping[str, Any] | None = None,
                  group_factory: GroupFactory = WorkerGroup):
         self.config = config
@@ -70,7 +71,7 @@ class Engine:
         self._started = False
         self._stopping = False  # shutdown() began: admit() refuses, readiness() says so
         self._closed = False  # torn down (after shutdown() or a failed start())
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._ipc_dir: str | None = None
         self._push: LLMPush | None = None  # once started with --llm_endpoint
 
@@ -216,7 +217,7 @@ class Engine:
         """Embedding messages handed to --llm_endpoint so far (0 without one)."""
         return self._push.sent if self._push is not None else 0
 
-    def groups(self) -> list[dict]:
+    def groups(self) -> list[dict[str, Any]]:
         """Per encoder group: {"group", "state" (starting|ready|failed|stopped), "failure", "pids"}."""
         return [{"group": g.index, "state": g.state.value, "failure": g.failure, "pids": g.pids}
                 for g in self._dispatch.groups]
@@ -296,7 +297,7 @@ def _startup_hint(failure: str | None) -> str:
     return ""
 
 
-async def _wait(future: asyncio.Future, deadline: float, request_id: str) -> EncodedImage:
+async def _wait(future: asyncio.Future[EncodedImage], deadline: float, request_id: str) -> EncodedImage:
     remaining = deadline - time.monotonic()
     try:
         if remaining <= 0:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from vitserve.families import FAMILIES, MODEL_TYPES, family_of_model_type
+
+if TYPE_CHECKING:  # transformers is imported only when a tower is built
+    from transformers import InternVLConfig, PreTrainedConfig
 
 # Qwen towers live under `model.visual.*` (transformers 5 layout) or `visual.*` (original hub layout); the
 # module built here is the tower itself, so both prefixes map to "".
@@ -27,30 +30,35 @@ _INTERNVL_KEYS = (
 ForwardFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]
 
 
-def _qwen_forward(visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+def _qwen_forward(
+    visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """pixel_values (sum patches, C*T*P*P), grid_thw (N, 3) -> merged rows (sum tokens, dim) + deepstack."""
     out = visual(pixel_values, grid_thw=grid_thw)
     deepstack = getattr(out, "deepstack_features", None) or []
     return out.pooler_output, list(deepstack)
 
 
-def _internvl_forward(visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+def _internvl_forward(
+    visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """pixel_values (tiles, C, H, W) -> (tiles * tokens_per_tile, dim); grid_thw is not needed."""
     out = visual(pixel_values)  # (tiles, tokens_per_tile, dim)
     return out.reshape(-1, out.shape[-1]), []
 
 
-def _qwen2_embed_dim(vision_config) -> int:
-    return (
-        vision_config.hidden_size
-    )  # Qwen2-VL: `embed_dim` is the tower width, `hidden_size` the merger output
+def _qwen2_embed_dim(vision_config: PreTrainedConfig) -> int:
+    # Qwen2-VL: `embed_dim` is the tower width, `hidden_size` the merger output
+    width: int = vision_config.hidden_size
+    return width
 
 
-def _out_hidden(vision_config) -> int:
-    return vision_config.out_hidden_size
+def _out_hidden(vision_config: PreTrainedConfig) -> int:
+    width: int = vision_config.out_hidden_size
+    return width
 
 
-def _deepstack(vision_config) -> int:
+def _deepstack(vision_config: PreTrainedConfig) -> int:
     return len(getattr(vision_config, "deepstack_visual_indexes", None) or [])
 
 
@@ -58,37 +66,44 @@ def _deepstack(vision_config) -> int:
 class FamilyAdapter:
     family: str  # the vitserve family name
     config_class: str  # transformers top-level config class of the full model
-    build: Callable[[Any], nn.Module]  # (full config) -> the vision module, on the current default device
+    build: Callable[[PreTrainedConfig], nn.Module]  # (full config) -> the vision module, on the current default device
     key_prefixes: tuple[tuple[str, str], ...]  # (checkpoint prefix, module prefix)
     forward: ForwardFn
-    embed_dim: Callable[[Any], int]  # (full config) -> output columns
-    num_deepstack: Callable[[Any], int] = lambda config: 0
+    embed_dim: Callable[[PreTrainedConfig], int]  # (full config) -> output columns
+    num_deepstack: Callable[[PreTrainedConfig], int] = lambda config: 0
 
-    def config_cls(self):
+    def config_cls(self) -> type[PreTrainedConfig]:
         import transformers
 
-        return getattr(transformers, self.config_class)
+        config_cls: type[PreTrainedConfig] = getattr(transformers, self.config_class)
+        return config_cls
 
 
-def _hf_tower(path: str) -> Callable[[Any], nn.Module]:
+def _hf_tower(path: str) -> Callable[[PreTrainedConfig], nn.Module]:
     """Build transformers' tower class ("module:Class" under transformers.models) from config.vision_config."""
 
-    def build(config) -> nn.Module:
+    def build(config: PreTrainedConfig) -> nn.Module:
         module_name, cls_name = path.split(":")
         cls = getattr(importlib.import_module(f"transformers.models.{module_name}"), cls_name)
-        return cls._from_config(config.vision_config)
+        tower: nn.Module = cls._from_config(config.vision_config)
+        return tower
 
     return build
 
 
-def _internvl_build(config) -> nn.Module:
+def _internvl_build(config: PreTrainedConfig) -> nn.Module:
     from vitserve.model.internvl import InternVLVisual
 
-    return InternVLVisual(config)
+    # cast: the "internvl" adapter's config_class is InternVLConfig, so this is the config its loader built
+    return InternVLVisual(cast("InternVLConfig", config))
 
 
 def _qwen(
-    family: str, config_class: str, vision_class: str, embed_dim, deepstack=lambda c: 0
+    family: str,
+    config_class: str,
+    vision_class: str,
+    embed_dim: Callable[[PreTrainedConfig], int],
+    deepstack: Callable[[PreTrainedConfig], int] = lambda c: 0,
 ) -> FamilyAdapter:
     return FamilyAdapter(
         family=family,

@@ -7,9 +7,13 @@ processor's token counts match it; small enough to run on a CPU. Its embeddings 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # transformers is imported lazily: the demo config is built only for --model demo
+    from transformers import Qwen2_5_VLConfig
 
 DEMO_SEED = 0
 DEMO_VISION_CONFIG = {
@@ -28,7 +32,7 @@ DEMO_VISION_CONFIG = {
 log = logging.getLogger(__name__)
 
 
-def demo_config():
+def demo_config() -> Qwen2_5_VLConfig:
     from transformers import Qwen2_5_VLConfig
 
     return Qwen2_5_VLConfig(vision_config=DEMO_VISION_CONFIG)
@@ -49,5 +53,5 @@ def build_demo_visual() -> nn.Module:
     devnull_rng = torch.random.fork_rng()  # keep the caller's global RNG untouched
     with devnull_rng:
         torch.manual_seed(DEMO_SEED)
-        visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
+        visual: nn.Module = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
     return visual.eval()

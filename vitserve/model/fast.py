@@ -1,6 +1,6 @@
 """Exact, faster forwards for the HF vision towers, patched onto the instances in place.
 
-What is slow in HF's packed forward (measured in bench/encoder.py, see bench/RESULTS.md):
+What is slow in HF's packed forward (measured in bench/encoder.py, see bench/RESULTS.md and bench/history/0.1.0.md):
   * attention over packed segments loops in Python, one SDPA call per window / image;
   * patch embedding runs a Conv3d whose kernel equals its stride, i.e. a linear map on each flat patch;
   * rotary embedding builds several full-size temporaries per layer (float copies, rotate_half's cat).
@@ -63,7 +63,7 @@ def _on_cpu(visual: nn.Module) -> bool:
     return param is None or param.device.type == "cpu"
 
 
-def _patch(module: nn.Module, forward: Callable) -> None:
+def _patch(module: nn.Module, forward: Callable[..., torch.Tensor]) -> None:
     module.forward = types.MethodType(forward, module)
 
 
@@ -115,7 +115,7 @@ def qwen_attention_forward(
     cu_seqlens: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_seqlen: int | None = None,
-    **kwargs,
+    **kwargs: object,
 ) -> torch.Tensor:
     """Same signature and math as HF's Qwen*VisionAttention.forward (SDPA path)."""
     n_tokens = hidden_states.shape[0]
@@ -126,7 +126,8 @@ def qwen_attention_forward(
     qk = apply_rotary(qkv[:, :2], cos, sin)  # (N, 2, H, D)
     plan = self._vitserve_plans.get(cu_seqlens)
     out = packed_attention(qk[:, 0], qk[:, 1], qkv[:, 2], plan, self.scaling)  # (N, H*D)
-    return self.proj(out)
+    projected: torch.Tensor = self.proj(out)
+    return projected
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ class PlanCache:
 
     def __init__(self, slots: int = 4) -> None:
         self._slots = slots
-        self._entries: list[tuple[weakref.ref, AttentionPlan]] = []
+        self._entries: list[tuple[weakref.ref[torch.Tensor], AttentionPlan]] = []
 
     def get(self, cu_seqlens: torch.Tensor) -> AttentionPlan:
         for ref, plan in self._entries:
@@ -103,7 +103,7 @@ def _group_attention(
     heads, head_dim = q.shape[1], q.shape[2]
 
     def batched(t: torch.Tensor) -> torch.Tensor:
-        return t.unflatten(0, (count, length)).transpose(1, 2)  # (count, H, L, D), a view
+        return torch.unflatten(t, 0, (count, length)).transpose(1, 2)  # (count, H, L, D), a view
 
     o = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), scale=scale)  # (count, H, L, D)
     return o.transpose(1, 2).reshape(count * length, heads * head_dim)  # a view when SDPA wrote (B, L, H, D)

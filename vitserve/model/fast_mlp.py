@@ -31,9 +31,8 @@ def inplace_activation(act: nn.Module) -> Activation | None:
 def _activate(module: Any, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """act(x), in place on x when autograd cannot need x (x is a fresh Linear output)."""
     inplace = module._vitserve_inplace_act
-    if inplace is None or torch.is_grad_enabled():
-        return act(x)
-    return inplace(x)
+    out: torch.Tensor = act(x) if inplace is None or torch.is_grad_enabled() else inplace(x)
+    return out
 
 
 def gated_mlp_forward(self: Any, hidden_state: torch.Tensor) -> torch.Tensor:
@@ -41,17 +40,21 @@ def gated_mlp_forward(self: Any, hidden_state: torch.Tensor) -> torch.Tensor:
     gate = _activate(self, self.act_fn, self.gate_proj(hidden_state))  # (N, I)
     up = self.up_proj(hidden_state)  # (N, I)
     gate = gate * up if torch.is_grad_enabled() else gate.mul_(up)
-    return self.down_proj(gate)
+    out: torch.Tensor = self.down_proj(gate)
+    return out
 
 
 def fc_mlp_forward(self: Any, hidden_state: torch.Tensor) -> torch.Tensor:
     """Qwen2-VL (fc1/act/fc2) and Qwen3-VL / Qwen3.5 (linear_fc1/act_fn/linear_fc2)."""
+    out: torch.Tensor
     if hasattr(self, "fc1"):
-        return self.fc2(_activate(self, self.act, self.fc1(hidden_state)))
-    return self.linear_fc2(_activate(self, self.act_fn, self.linear_fc1(hidden_state)))
+        out = self.fc2(_activate(self, self.act, self.fc1(hidden_state)))
+    else:
+        out = self.linear_fc2(_activate(self, self.act_fn, self.linear_fc1(hidden_state)))
+    return out
 
 
-def mlp_kind(module: nn.Module) -> tuple[Callable, nn.Module] | None:
+def mlp_kind(module: nn.Module) -> tuple[Callable[..., torch.Tensor], nn.Module] | None:
     """(the forward to patch in, its activation module) when `module` is a known vision MLP shape."""
     children = dict(module.named_children())
     names = set(children)
@@ -81,7 +84,8 @@ def rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
         x = hidden_states.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(input_dtype)
+        hf_out: torch.Tensor = self.weight * x.to(input_dtype)
+        return hf_out
     width = hidden_states.shape[-1]
     inv_rms = torch.linalg.vector_norm(hidden_states, dim=-1, keepdim=True)  # (N, 1)
     inv_rms = inv_rms.square_().div_(width).add_(self.variance_epsilon).rsqrt_()

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoModel
+from transformers import AutoModel, InternVLConfig
 from transformers.models.internvl.modeling_internvl import InternVLModel, InternVLMultiModalProjector
 
 
 class InternVLVisual(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config: InternVLConfig) -> None:
         super().__init__()
         self.vision_tower = AutoModel.from_config(config.vision_config)
         self.multi_modal_projector = InternVLMultiModalProjector(config)
@@ -45,4 +45,5 @@ class InternVLVisual(nn.Module):
         # pixel_shuffle does not use the model; call HF's own implementation so the ordering is identical.
         features = InternVLModel.pixel_shuffle(None, features, scale_factor=self.downsample_ratio)  # type: ignore[arg-type]
         features = features.reshape(tiles, -1, features.shape[-1])  # (tiles, HW*r^2, C/r^2)
-        return self.multi_modal_projector(features)  # (tiles, tokens_per_tile, dim)
+        projected: torch.Tensor = self.multi_modal_projector(features)  # (tiles, tokens_per_tile, dim)
+        return projected

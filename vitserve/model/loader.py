@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,6 +15,9 @@ from vitserve.families import DEMO_FAMILY
 from vitserve.model.adapters import ADAPTERS, FamilyAdapter, resolve_adapter
 from vitserve.model.encoder import HFVisionEncoder
 from vitserve.model.weights import assign_weights, read_vision_weights, rebuild_rope_buffers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,7 @@ def _load_demo(device: torch.device, dtype: torch.dtype) -> HFVisionEncoder:
 def _finish(
     visual: nn.Module,
     adapter: FamilyAdapter,
-    config,
+    config: PreTrainedConfig,
     model_name: str,
     device: torch.device,
     dtype: torch.dtype,
@@ -105,7 +109,7 @@ def model_name_of(path: Path) -> str:
     return parts[-1]
 
 
-def _read_config_json(path: Path) -> dict:
+def _read_config_json(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise ConfigError(
             f"--model {str(path)!r} is not a directory (give a local checkpoint directory or 'demo')"
@@ -116,7 +120,8 @@ def _read_config_json(path: Path) -> dict:
             f"--model {str(path)!r} has no config.json; give a Hugging Face checkpoint directory"
         )
     try:
-        return json.loads(config_file.read_text())
+        parsed: dict[str, Any] = json.loads(config_file.read_text())
+        return parsed
     except ValueError as exc:
         raise ConfigError(f"{config_file} is not valid JSON ({exc}); check --model") from exc
 

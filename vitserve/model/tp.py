@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from vitserve.errors import ConfigError
 from vitserve.families import FAMILIES
@@ -52,7 +53,7 @@ class RowParallelLinear(nn.Linear):
     linear layers by type, e.g. vitserve.model.fast's attention check, still does after this pass.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup | None):
         nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a fresh (out, in) weight
         self.weight = nn.Parameter(weight, requires_grad=False)  # (out, in / tp)
         # (out,), not sharded; register_parameter accepts None like nn.Linear(bias=False) does
@@ -74,7 +75,7 @@ class RowParallelLinear(nn.Linear):
 class ShardedRMSNorm(nn.Module):
     """RMSNorm over a feature dim split across ranks (InternVL q/k norm): exact, via one all-reduce of x^2 sums."""
 
-    def __init__(self, weight: torch.Tensor, eps: float, full_dim: int, group):
+    def __init__(self, weight: torch.Tensor, eps: float, full_dim: int, group: ProcessGroup | None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # (full_dim / tp,)
         self.variance_epsilon = eps
@@ -95,7 +96,7 @@ class ShardedRMSNorm(nn.Module):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def apply_tp(visual: nn.Module, family: str, group=None) -> nn.Module:
+def apply_tp(visual: nn.Module, family: str, group: ProcessGroup | None = None) -> nn.Module:
     """Shard `visual` in place for this rank of `group` (default: the default process group)."""
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -151,7 +152,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _shard_attention(attn: Any, rank: int, world: int, group) -> None:
+def _shard_attention(attn: Any, rank: int, world: int, group: ProcessGroup | None) -> None:
     heads = int(attn.num_heads)
     local = heads // world
     lo, hi = rank * local, (rank + 1) * local
@@ -168,7 +169,7 @@ def _shard_attention(attn: Any, rank: int, world: int, group) -> None:
     attn.num_heads = local
 
 
-def _shard_mlp(mlp: Any, rank: int, world: int, group) -> None:
+def _shard_mlp(mlp: Any, rank: int, world: int, group: ProcessGroup | None) -> None:
     for col in _MLP_COLUMN:
         if col in mlp._modules:
             _column_by_head(getattr(mlp, col), rank, rank + 1, world, fused=1)  # `world` equal chunks
@@ -188,7 +189,7 @@ def _column_by_head(linear: nn.Linear, lo: int, hi: int, chunks: int, *, fused: 
     linear.out_features = linear.weight.shape[0]
 
 
-def _row_parallel(linear: nn.Linear, rank: int, world: int, group) -> RowParallelLinear:
+def _row_parallel(linear: nn.Linear, rank: int, world: int, group: ProcessGroup | None) -> RowParallelLinear:
     out, width = linear.weight.shape
     local = width // world
     w = linear.weight.detach()[:, rank * local : (rank + 1) * local]  # (out, width / tp)
@@ -196,7 +197,7 @@ def _row_parallel(linear: nn.Linear, rank: int, world: int, group) -> RowParalle
     return RowParallelLinear(_own(w), bias, group)
 
 
-def _shard_qk_norms(attn: Any, lo: int, hi: int, heads: int, group) -> None:
+def _shard_qk_norms(attn: Any, lo: int, hi: int, heads: int, group: ProcessGroup | None) -> None:
     for name in ("q_norm", "k_norm"):
         norm: Any = attn._modules.get(name)
         if norm is None or getattr(norm, "weight", None) is None:

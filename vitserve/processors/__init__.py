@@ -1,4 +1,4 @@
-"""Model-family image processors with an unbreakable per-image token budget (SPEC §7, DESIGN invariant 1).
+"""Model-family image processors with an unbreakable per-image token budget (docs/processing.md, docs/design.md invariant 1).
 
 Usage: ``proc = load_image_processor(checkpoint_dir | family | "demo", budget_tokens=8192)``, then
 ``proc.count_tokens(width, height) -> int`` and ``proc.preprocess(pil_image) -> ProcessedImage``.

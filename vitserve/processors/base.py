@@ -1,4 +1,4 @@
-"""The VisionProcessor interface every model family implements (INTERFACES.md, SPEC §7)."""
+"""The VisionProcessor interface every model family implements (docs/processing.md)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class VisionProcessor(ABC):
         """Pixels ready for the encoder."""
 
     @abstractmethod
-    def clamp_info(self) -> dict:
+    def clamp_info(self) -> dict[str, Any]:
         """The resolved clamp, for the start-up banner and /v1/info."""
 
 

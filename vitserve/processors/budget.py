@@ -1,6 +1,6 @@
 """Token-budget math: the one place that decides an image's resized size, patch grid and token count.
 
-DESIGN invariant 1: every accepted image has ``num_tokens <= budget``. HF's ``smart_resize`` alone does not
+docs/design.md invariant 1: every accepted image has ``num_tokens <= budget``. HF's ``smart_resize`` alone does not
 guarantee it even with ``max_pixels`` clamped to ``budget * factor**2``:
 - in its shrink branch each side is floored to a multiple of ``factor`` but never below one ``factor``
   (``max(factor, ...)``), so an image whose aspect ratio is above the budget keeps a long side that is

@@ -17,17 +17,21 @@ tile, resized from the whole image) is left on the full decode.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from vitserve.contract import ProcessedImage
 from vitserve.errors import VitserveError
 from vitserve.families import FAMILIES
 from vitserve.images import DecodedImage
 
+if TYPE_CHECKING:  # importing vitserve.processors loads transformers; only the type is needed here
+    from vitserve.processors.base import VisionProcessor
+
 
 class JpegDraft:
     """The DraftTarget for one VisionProcessor: ``draft(width, height) -> (w, h) | None``."""
 
-    def __init__(self, processor) -> None:
+    def __init__(self, processor: VisionProcessor) -> None:
         self.processor = processor
         self.enabled = FAMILIES[processor.family].layout == "patches"
 

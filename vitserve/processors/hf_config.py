@@ -27,7 +27,7 @@ def defaults(family: Family) -> dict[str, Any]:
             "merge_size": family.merge_size, **common}
 
 
-def read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict[str, Any] | None:
     """A JSON object from a file, None when the file does not exist."""
     if not path.is_file():
         return None
@@ -55,7 +55,7 @@ def family_of_checkpoint(path: str | Path, family: str = "auto") -> str:
         raise ConfigError(f"{exc} ({path}/config.json)") from None
 
 
-def _vision_config(config: dict | None) -> dict:
+def _vision_config(config: dict[str, Any] | None) -> dict[str, Any]:
     vision = (config or {}).get("vision_config") or {}
     return vision if isinstance(vision, dict) else {}
 
@@ -97,7 +97,8 @@ def qwen_hf_processor(family: str, checkpoint: Path | None) -> Qwen2VLImageProce
     ):
         if src in vision:
             params[key] = int(vision[src])
-    return Qwen2VLImageProcessorPil.from_dict(params)
+    processor: Qwen2VLImageProcessorPil = Qwen2VLImageProcessorPil.from_dict(params)
+    return processor
 
 
 def internvl_hf_processor(family: str, checkpoint: Path | None) -> tuple[GotOcr2ImageProcessorPil, int, int]:

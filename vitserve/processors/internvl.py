@@ -9,7 +9,10 @@ resized_size: the tiled canvas (columns * tile, rows * tile) the image is resize
 
 from __future__ import annotations
 
+from typing import Any
+
 from PIL import Image
+from transformers import GotOcr2ImageProcessorPil
 
 from vitserve.contract import ProcessedImage
 from vitserve.processors.base import VisionProcessor, as_rgb, call_hf, check_grid
@@ -17,7 +20,7 @@ from vitserve.processors.budget import Plan, TileGeometry, plan_tiles
 
 
 class InternVLProcessor(VisionProcessor):
-    def __init__(self, family: str, hf, budget_tokens: int, *, patch_size: int, tokens_per_tile: int):
+    def __init__(self, family: str, hf: GotOcr2ImageProcessorPil, budget_tokens: int, *, patch_size: int, tokens_per_tile: int):
         self.family = family
         self.hf = hf
         self.budget_tokens = budget_tokens
@@ -51,7 +54,7 @@ class InternVLProcessor(VisionProcessor):
             clamped=plan.clamped,
         )
 
-    def clamp_info(self) -> dict:
+    def clamp_info(self) -> dict[str, Any]:
         return {
             "family": self.family,
             "max_tokens": self.budget_tokens,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from PIL import Image
+from transformers import Qwen2VLImageProcessorPil
 from transformers.image_utils import SizeDict
 
 from vitserve.contract import ProcessedImage
@@ -15,7 +17,7 @@ from vitserve.processors.budget import Plan, QwenGeometry, plan_qwen
 class QwenProcessor(VisionProcessor):
     """pixel_values: HF's flat patches (num_patches, C*T*P*P); grid_thw = (1, h_patches, w_patches)."""
 
-    def __init__(self, family: str, hf, budget_tokens: int):
+    def __init__(self, family: str, hf: Qwen2VLImageProcessorPil, budget_tokens: int):
         self.family = family
         self.hf = hf
         self.budget_tokens = budget_tokens
@@ -71,7 +73,7 @@ class QwenProcessor(VisionProcessor):
             clamped=plan.clamped,
         )
 
-    def clamp_info(self) -> dict:
+    def clamp_info(self) -> dict[str, Any]:
         clamp = self.geometry.clamped_max_pixels(self.budget_tokens)
         return {
             "family": self.family,

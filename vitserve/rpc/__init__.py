@@ -1,4 +1,4 @@
-"""Wire messages, their codec, the ZMQ sender and the LLM-side EmbeddingReceiver (SPEC §3)."""
+"""Wire messages, their codec, the ZMQ sender and the LLM-side EmbeddingReceiver (docs/integration.md)."""
 
 from vitserve.rpc.receiver import EmbeddingReceiver
 from vitserve.rpc.sender import LLMSender

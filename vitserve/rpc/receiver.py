@@ -1,11 +1,11 @@
-"""EmbeddingReceiver: the LLM server's end of SPEC §3, shipped with vitserve for LLM-server authors.
+"""EmbeddingReceiver: the LLM server's end of the wire (docs/integration.md), shipped with vitserve for LLM-server authors.
 
     from vitserve.rpc import EmbeddingReceiver
     with EmbeddingReceiver("ipc:///tmp/llm.sock") as rx:     # binds a PULL socket; vitserve connects
         emb = rx.recv(timeout_s=1.0)                          # ImageEmbedding, or TimeoutError
         emb.embedding                                         # (num_tokens, dim) torch.Tensor
 
-Messages that are not SPEC §3 v1 (garbage, a pickle, an unknown version, sizes that do not match the
+Messages that are not wire-format v1 (garbage, a pickle, an unknown version, sizes that do not match the
 header) are rejected with one logged error line — the reason, never payload bytes — and recv() goes
 on to the next message. Nothing received is ever unpickled or executed.
 
@@ -15,7 +15,7 @@ frames, so the tensors are the receiver's to keep or modify.
 Throughput tip (glibc): libzmq mallocs a fresh buffer per received frame, and frames over glibc's mmap
 threshold (32 MB at most) get fresh pages that fault in on every message. Starting the LLM server with
 `MALLOC_MMAP_THRESHOLD_=1000000000 MALLOC_TRIM_THRESHOLD_=2000000000` lets freed buffers be reused:
-about 2x the bandwidth for 59 MB frames in paired runs on a loaded VM (bench/RESULTS.md, "Transfer").
+about 2x the bandwidth for 59 MB frames in paired runs on a loaded VM (bench/history/0.1.0.md, "Transfer").
 It is process-wide, so vitserve does not set it for you.
 """
 
@@ -40,7 +40,7 @@ class EmbeddingReceiver:
 
     endpoint: tcp://host:port or ipc:///path; with bind=True "tcp://127.0.0.1:*" picks a free port,
     and `.endpoint` is the address actually bound.
-    bind: True (the default, SPEC §3: the LLM server binds) or False to connect.
+    bind: True (the default: the LLM server binds) or False to connect.
     rcvhwm: messages ZMQ buffers here before back-pressure reaches the sender.
     max_frame_bytes: ZMQ_MAXMSGSIZE; a peer sending a larger frame is disconnected before the frame
       is allocated (guards an exposed endpoint against a forged 100 GB frame). None = no limit: a

@@ -1,4 +1,4 @@
-"""LLMSender: vitserve's end of SPEC §3 — a ZMQ PUSH socket connected to the LLM server's PULL.
+"""LLMSender: vitserve's end of the wire (docs/integration.md) — a ZMQ PUSH socket connected to the LLM server's PULL.
 
 Back-pressure, never loss: when the LLM server reads slowly, ZMQ queues up to the high-water mark and
 then a send *blocks* (we poll for POLLOUT; we never send with DONTWAIT-and-drop). A send that is still
@@ -27,7 +27,7 @@ DEFAULT_LINGER_S = 5.0  # how long close() keeps flushing queued messages to a s
 
 
 class LLMSender:
-    """Pushes SPEC §3 messages to `endpoint` (tcp://host:port or ipc:///path). Thread-safe.
+    """Pushes wire-format messages (docs/integration.md) to `endpoint` (tcp://host:port or ipc:///path). Thread-safe.
 
     One lock guards the socket (ZMQ sockets are not thread-safe); the engine calls it from a dedicated
     thread or via asyncio.to_thread. Messages from one thread keep their order; the engine sends a
@@ -90,9 +90,7 @@ class LLMSender:
         )
         return self.send_frames(frames, deadline=deadline)
 
-    send = send_embedding  # the name INTERFACES.md uses
-
-    def send_frames(self, frames: list, *, deadline: float) -> int:
+    def send_frames(self, frames: list[bytes | memoryview], *, deadline: float) -> int:
         """Send pre-encoded frames as one multipart message; see send_embedding."""
         nbytes = sum(memoryview(f).nbytes for f in frames)
         wait_s = min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
@@ -108,7 +106,7 @@ class LLMSender:
             self._lock.release()
         return nbytes
 
-    def _send_before(self, frames: list, deadline: float) -> None:
+    def _send_before(self, frames: list[bytes | memoryview], deadline: float) -> None:
         """Wait for room (POLLOUT) until the deadline, then send without blocking.
 
         POLLOUT means ZMQ accepts a whole message now: the high-water mark is only checked at the

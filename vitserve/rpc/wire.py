@@ -1,4 +1,4 @@
-"""The embedding message to the LLM server: SPEC §3, version 1.
+"""The embedding message to the LLM server, version 1 (docs/integration.md).
 
 One ZMQ multipart message per image:
 
@@ -28,12 +28,12 @@ MAX_HEADER_BYTES = 64 * 1024  # a real header is ~300 bytes; refuse to msgpack-p
 
 
 class WireError(ValueError):
-    """A message that does not follow SPEC §3 v1. The message says what is wrong, never the payload."""
+    """A message that does not follow wire-format v1. The message says what is wrong, never the payload."""
 
 
 @dataclass
 class ImageEmbedding:
-    """One image's embedding as the LLM server receives it (SPEC §3)."""
+    """One image's embedding as the LLM server receives it (docs/integration.md)."""
 
     request_id: str  # the /encode request it belongs to
     image_index: int  # position of the image in that request, 0-based
@@ -59,7 +59,7 @@ def encode_embedding_message(
     embedding: torch.Tensor,
     deepstack: Sequence[torch.Tensor] = (),
 ) -> list[bytes | memoryview]:
-    """The frames of one SPEC §3 message. Tensor frames are zero-copy views of contiguous CPU tensors:
+    """The frames of one wire-format message. Tensor frames are zero-copy views of contiguous CPU tensors:
     the caller must not modify `embedding`/`deepstack` in place until ZMQ has sent them."""
     dtype = _embedding_dtype(embedding, deepstack)
     header = {
@@ -99,7 +99,7 @@ def decode_embedding_message(frames: Sequence[Any]) -> ImageEmbedding:
     """Parse and check one message (frames as bytes, memoryviews or zmq.Frame objects).
 
     Tensors share memory with writable frames (zmq.Frame from recv(copy=False)) and copy read-only
-    ones (bytes). Raises WireError for anything that is not a well-formed SPEC §3 v1 message.
+    ones (bytes). Raises WireError for anything that is not a well-formed wire-format v1 message.
     """
     if len(frames) < 2:
         raise WireError(f"a v{WIRE_VERSION} message has at least 2 frames, got {len(frames)}")
@@ -122,7 +122,7 @@ def decode_embedding_message(frames: Sequence[Any]) -> ImageEmbedding:
         image_index=header["image_index"],
         num_images=header["num_images"],
         image_id=header["image_id"],
-        grid_thw=tuple(header["grid_thw"]),  # type: ignore[arg-type]
+        grid_thw=tuple(header["grid_thw"]),
         num_tokens=header["num_tokens"],
         embedding=embedding,
         deepstack=deepstack,
@@ -147,7 +147,7 @@ def _tensor(frame: Any, dtype: str, shape: list[int], what: str) -> torch.Tensor
         raise WireError(f"{what}: {exc}") from None
 
 
-def _parse_header(raw: memoryview) -> dict:
+def _parse_header(raw: memoryview) -> dict[str, Any]:
     if raw.nbytes > MAX_HEADER_BYTES:
         raise WireError(f"header frame is {raw.nbytes} bytes, over the {MAX_HEADER_BYTES}-byte limit")
     try:
@@ -165,8 +165,8 @@ _STR_FIELDS = ("request_id", "image_id", "model", "dtype")
 _INT_FIELDS = ("image_index", "num_images", "num_tokens")
 
 
-def _check_header(h: dict) -> None:
-    """Every SPEC §3 v1 field present, typed, and consistent with the others."""
+def _check_header(h: dict[str, Any]) -> None:
+    """Every wire-format v1 field present, typed, and consistent with the others."""
     version = h.get("v")
     if version != WIRE_VERSION or type(version) is not int:
         raise WireError(f"unknown wire version {_kind(version)}; this receiver speaks v{WIRE_VERSION}")
@@ -174,7 +174,7 @@ def _check_header(h: dict) -> None:
     _check_shapes(h)
 
 
-def _check_scalars(h: dict) -> None:
+def _check_scalars(h: dict[str, Any]) -> None:
     for name in _STR_FIELDS:
         if not isinstance(h.get(name), str):
             raise WireError(f"field {name!r} must be a string, got {_kind(h.get(name))}")
@@ -187,7 +187,7 @@ def _check_scalars(h: dict) -> None:
         raise WireError(f"dtype {_kind(h['dtype'])} is not one of {EMBEDDING_DTYPES}")
 
 
-def _check_shapes(h: dict) -> None:
+def _check_shapes(h: dict[str, Any]) -> None:
     if not _is_dims(h.get("grid_thw"), 3):
         raise WireError(f"grid_thw must be 3 non-negative integers, got {_kind(h.get('grid_thw'))}")
     if not _is_dims(h.get("shape"), 2):

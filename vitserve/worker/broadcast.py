@@ -1,6 +1,6 @@
 """Rank 0 -> TP peers: what to do next, over torch.distributed (gloo on CPU, NCCL on CUDA).
 
-Only rank 0 decides; peers execute exactly what it broadcast (DESIGN invariant 4). One step is:
+Only rank 0 decides; peers execute exactly what it broadcast (docs/design.md invariant 4). One step is:
   1. a fixed-size int64 meta tensor [kind, batch_id, n_items, pv_ndim, dtype_code, total_numel]
   2. (BATCH only) an int64 table, one row per item: t, h, w, num_tokens, width, height, clamped, *pv_shape
   3. (BATCH only) every item's pixel_values flattened and concatenated, in one collective

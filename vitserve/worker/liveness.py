@@ -1,4 +1,4 @@
-"""Worker-side liveness: tell the engine this rank is alive, and die with the parent (RELIABILITY F5).
+"""Worker-side liveness: tell the engine this rank is alive, and die with the parent (scenario F5).
 
 A daemon thread with its own ZMQ socket (sockets are not thread-safe) sends an ALIVE report every
 heartbeat_s / 2. It keeps running during a long forward, so a slow batch is not mistaken for a hang; a
@@ -47,7 +47,7 @@ class LoopCounters:
 
 
 class LivenessThread(threading.Thread):
-    def __init__(self, ctx: zmq.Context, status_endpoint: str, *, group: int, rank: int, parent_pid: int,
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], status_endpoint: str, *, group: int, rank: int, parent_pid: int,
                  heartbeat_s: float, counters: LoopCounters):
         super().__init__(name=f"vitserve-liveness-g{group}r{rank}", daemon=True)
         self._sock = ctx.socket(zmq.PUSH)

@@ -97,7 +97,7 @@ class ErrorMsg:
 
 
 Message = BatchMsg | StopMsg | ReadyMsg | AliveMsg | ResultMsg | ErrorMsg
-_PLAIN = {Kind.STOP: StopMsg, Kind.READY: ReadyMsg, Kind.ALIVE: AliveMsg, Kind.ERROR: ErrorMsg}
+_PLAIN: dict[Kind, type[StopMsg | ReadyMsg | AliveMsg | ErrorMsg]] = {Kind.STOP: StopMsg, Kind.READY: ReadyMsg, Kind.ALIVE: AliveMsg, Kind.ERROR: ErrorMsg}
 
 
 # ---------------------------------------------------------------------------------------------- encode

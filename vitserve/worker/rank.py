@@ -22,6 +22,7 @@ import torch.distributed as dist
 import zmq
 
 from vitserve.config import Config
+from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.errors import ConfigError
 from vitserve.model.base import Encoder
 from vitserve.rpc.tensors import dtype_name
@@ -37,7 +38,7 @@ class Rendezvous:
     """Where a group's ranks meet (resolved at engine construction, passed down).
 
     Single host (the default): a FileStore in the engine's private runtime dir, because torch's TCPStore
-    server listens on every interface whatever address it is given (SPEC §5 wants 127.0.0.1 / ipc only).
+    server listens on every interface whatever address it is given (the store must listen only on 127.0.0.1 / ipc).
     A master address from the config or torchrun's MASTER_ADDR/MASTER_PORT: a TCPStore there.
     """
 
@@ -69,7 +70,7 @@ def startup_timeout_s(config: Config) -> float:
     return max(config.dist_timeout_s, 120.0)
 
 
-def load_configured_encoder(config: Config):
+def load_configured_encoder(config: Config) -> Encoder:
     """The default encoder_factory: --model on this rank's device (set by _init_device) in --dtype."""
     from vitserve.model import load_encoder
 
@@ -111,7 +112,7 @@ class RankWorker:
         self.status = self.ctx.socket(zmq.PUSH)
         self.status.setsockopt(zmq.LINGER, 2000)  # let a final ERROR/RESULT reach the engine before exit
         self.status.connect(args.status_endpoint)
-        self.inbox: zmq.Socket | None = None
+        self.inbox: zmq.Socket[bytes] | None = None
         self.encoder: Encoder | None = None
         self.distributed = self.cfg.tp > 1
 
@@ -223,7 +224,7 @@ class RankWorker:
             if self.args.rank == 0:
                 self._reply(batch.batch_id, outputs)  # 3) embeddings back to the engine
             # Drop this batch's frames before waiting for the next: otherwise two batches' pixels are live in
-            # zmq's receive arena at once, and the runtime peak outgrows the reservation (RELIABILITY L3).
+            # zmq's receive arena at once, and the runtime peak outgrows the reservation (scenario L3).
             del batch, outputs
 
     def _next_step(self) -> tuple[m.Kind, m.BatchMsg | None]:
@@ -254,7 +255,7 @@ class RankWorker:
                 return m.Kind.STOP, None
             log.warning("dropped an unexpected %s message on the batch socket", msg.kind.value)
 
-    def _forward(self, batch: m.BatchMsg) -> list:
+    def _forward(self, batch: m.BatchMsg) -> list[EncodedImage]:
         try:
             assert self.encoder is not None
             with torch.inference_mode():
@@ -265,13 +266,13 @@ class RankWorker:
             self.exit(1)
             raise  # unreachable; exit() does not return
 
-    def _to_device(self, item):
+    def _to_device(self, item: ProcessedImage) -> ProcessedImage:
         if self.device.type == "cpu":
             return item
         item.pixel_values = item.pixel_values.to(self.device, non_blocking=True)
         return item
 
-    def _reply(self, batch_id: int, outputs: list) -> None:
+    def _reply(self, batch_id: int, outputs: list[EncodedImage]) -> None:
         cpu = [type(o)(embedding=o.embedding.cpu(), deepstack=[d.cpu() for d in o.deepstack]) for o in outputs]
         self.status.send_multipart(m.encode(m.ResultMsg(group=self.args.group, batch_id=batch_id, outputs=cpu)),
                                    copy=False)

@@ -14,7 +14,7 @@ Which batch is the worst case:
   57.0 / 44.6 / 40.9 / 33.6 MiB, Qwen2.5-VL 46.7 / 35.3 / 30.2 MiB. With HF's eager attention the gap is
   far larger (tiny tower, 1024 tokens as 1 / 4 / 16 images: 525 / 59.7 / 14.7 MiB).
   Caveat on CPU: glibc's heap fragments, so a later batch (even the same one) can raise the RSS peak above
-  the stress peak (RELIABILITY L3, tests/integration/test_memory_l3.py: +12-38 MiB over a 62-107 MiB
+  the stress peak (scenario L3, tests/integration/test_memory_l3.py: +12-38 MiB over a 62-107 MiB
   growth); hence the multi-batch stress and CPU_HEAP_MARGIN. CUDA's caching allocator reuses its blocks.
 - InternVL: every tile is encoded independently at the fixed tile size, so memory grows with the total
   number of tiles in the batch: as many tiles as the budget admits. The per-image tile cap is the
@@ -79,7 +79,7 @@ def stress_batches(
 
     One run of the worst case measures its activations on a clean heap, but on CPU the heap that runtime
     batches of other shapes leave behind is fragmented, and a later worst case then needs fresh pages on top
-    (RELIABILITY L3 measured +5-20 MiB over a single-run reservation, tiny Qwen2-VL at 1024 tokens). Every
+    (scenario L3 measured +5-20 MiB over a single-run reservation, tiny Qwen2-VL at 1024 tokens). Every
     batch here is one the scheduler can form at this budget, run through the same production forward, so the
     peak covers that fragmentation without allocating anything production would not.
     """

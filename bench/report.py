@@ -1,0 +1,161 @@
+"""RESULTS.md's tables and the serving plots, from the latest recorded run of each benchmark.
+
+    python bench/report.py            # print each table under its header line (commit, machine, load)
+    python bench/report.py --write    # also put them into bench/RESULTS.md, between its report markers
+
+Reads the last line of bench/out/<bench>.jsonl (written by bench/record.py) for encoder, serve, transfer,
+cache and jpeg_draft, and redraws bench/serve_throughput.png and bench/serve_latency_cdf.png from that serve
+run, so the plots and the tables always come from the same run. A benchmark that never ran here is reported
+as such, never filled from an older file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import record  # noqa: E402
+
+BENCHES = ("encoder", "serve", "transfer", "cache", "jpeg_draft")
+RESULTS = ROOT / "bench" / "RESULTS.md"
+
+
+def _f(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _errors(row: dict) -> int:
+    return sum(row.get("errors", {}).values())  # {kind: count}, see bench/loadgen.py
+
+
+def _table(head: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def encoder_table(res: dict) -> list[str]:
+    peak, size = res["meta"]["peak_flops"], res["meta"].get("peak_matmul_size", 4096)
+    rows = []
+    for r in res["rows"]:
+        ips = r["images_per_s"]
+        rows.append([r["workload"], r["images"], r["patches"], _f(ips["hf_one_at_a_time"]), _f(ips["hf_packed"]),
+                     _f(ips["vitserve_packed"]), f"**{_f(r['vs_hf_packed'])}x**", f"{_f(r['vs_hf_one'])}x",
+                     f"**{100 * r['peak_fraction']:.0f}%**", f"{r['max_abs_diff']:.1e}"])  # fmt: skip
+    head = ["workload", "images", "patches", "HF one img/s", "HF packed img/s", "vitserve img/s", "x HF packed",
+            "x HF one", "% of matmul peak", "max abs diff"]  # fmt: skip
+    return _table(head, rows) + ["", f"Matmul peak (fp32 torch.mm {size}², same run): {peak / 1e9:.1f} GFLOP/s; "
+                                 f"threads {res['meta']['threads']}, repeats {res['meta']['repeats']}."]
+
+
+def serve_table(res: dict) -> list[str]:
+    servers = res["servers"]
+    vit, naive = servers.get("vitserve", {}), servers.get("baseline", {})
+    rows = []
+    for workload in res["workload_params"]:
+        base = {r["concurrency"]: r for r in naive.get(workload, [])}
+        for v in vit.get(workload, []):
+            b = base.get(v["concurrency"], {})
+            ratio = v["images_per_s"] / b["images_per_s"] if b.get("images_per_s") else None
+            p50 = v["p50_s"] / b["p50_s"] if v.get("p50_s") and b.get("p50_s") else None
+            rows.append([workload, v["concurrency"], _f(v["images_per_s"]), _f(b.get("images_per_s")),
+                         f"**{_f(ratio)}x**", _f(v["p50_s"]), _f(b.get("p50_s")), _f(p50),
+                         _f(v.get("mean_batch_fill_ratio")), _errors(v) + _errors(b),
+                         _f(v.get("loadavg"), 1)])  # fmt: skip
+    head = ["workload", "clients", "vitserve img/s", "naive img/s", "x naive", "vitserve p50 s", "naive p50 s",
+            "p50 / naive", "batch fill", "errors", "load"]  # fmt: skip
+    enc = res["encoder_only"]
+    ceiling = ", ".join(f"{w} {_f(enc[w]['images_per_s'])}" for w in res["workload_params"] if w in enc)
+    return _table(head, rows) + ["", f"Profile `{res['profile']}`, budget {res['budget']} tokens. Encoder-only "
+                                 f"ceiling (in-process, img/s): {ceiling or '-'}."]
+
+
+def transfer_table(rows: list[dict]) -> list[str]:
+    body = [[r["dtype"], r["MB"], r["path"], r["malloc"], r["zmq_GBps"], r["clone_GBps"], r["copy_GBps"],
+             f"**{r['ratio_vs_clone']}**", r["ratio_vs_copy"]] for r in rows]  # fmt: skip
+    head = ["dtype", "MB", "path", "malloc", "ZMQ GB/s", "clone GB/s", "copy_ GB/s", "/ clone", "/ copy_"]
+    return _table(head, body)
+
+
+def cache_table(rows: list[dict]) -> list[str]:
+    body = [[r["mode"], r["order"], r["images"], r["encoded"], r["images_per_s"], f"**{r['speedup_vs_off']}x**",
+             r.get("hit_ms", "-")] for r in rows]  # fmt: skip
+    return _table(["mode", "order", "requests", "encoded", "images/s", "x off", "cache hit ms"], body)
+
+
+def jpeg_draft_table(res: dict) -> list[str]:
+    speed = {r["budget"]: r for r in res["speed"]}
+    body = []
+    for model, rows in res["fidelity"].items():
+        for r in rows:
+            s = speed.get(r["budget"]) if model == "demo" else None
+            body.append([model, r["budget"], "/".join(str(x) for x in sorted(set(r["draft_scales"]))),
+                         f"{r['mean_cosine']:.6f}", f"{r['worst_image_cosine']:.6f}", f"{r['worst_token_cosine']:.6f}",
+                         _f(s and s["full_median_s"], 3), _f(s and s["draft_median_s"], 3),
+                         f"**{_f(s['speedup_median'])}x**" if s else "-"])  # fmt: skip
+    head = ["model", "budget", "draft scale", "mean cosine", "worst image", "worst token", "full s", "draft s",
+            "speed-up"]  # fmt: skip
+    note = (f"{res['photos']} photos of {res['size'][0]}x{res['size'][1]}; decode+preprocess medians (one "
+            f"thread) on the demo rows. Default on (all cosines >= {res['threshold']}): {res['default_on']}.")
+    return _table(head, body) + ["", note]
+
+
+TABLES = {"encoder": encoder_table, "serve": serve_table, "transfer": transfer_table, "cache": cache_table,
+          "jpeg_draft": jpeg_draft_table}  # fmt: skip
+
+
+def section(bench: str, out_dir: Path | None) -> str:
+    """Header line (commit, machine, load) and table of `bench`'s latest run."""
+    run = record.latest(bench, out_dir)
+    if run is None:
+        return f"_No `{bench}` run recorded on this machine: run `bench/run_all.sh`._"
+    return "\n".join([record.header(run), "", *TABLES[bench](run["results"])])
+
+
+def write_into(text: str, bench: str, body: str) -> str:
+    """Replace what lies between `<!-- report:BENCH -->` and `<!-- /report:BENCH -->`."""
+    pattern = re.compile(rf"(<!-- report:{bench} -->\n).*?(<!-- /report:{bench} -->)", re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{RESULTS} has no <!-- report:{bench} --> ... <!-- /report:{bench} --> markers")
+    return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+
+
+def draw_serve_plots(out_dir: Path | None, dest: Path) -> list[Path]:
+    run = record.latest("serve", out_dir)
+    if run is None or not run["results"]["servers"]:
+        return []
+    from bench import plot
+
+    note = f"commit {run['commit']}{'+' if run['dirty'] else ''}, {run['started']}"
+    paths = [dest / "serve_throughput.png", dest / "serve_latency_cdf.png"]
+    plot.plot_throughput(run["results"], paths[0], note)
+    plot.plot_latency_cdf(run["results"], paths[1], note)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--write", action="store_true", help=f"also fill the tables into {RESULTS.relative_to(ROOT)}")
+    ap.add_argument("--records", type=Path, default=None, help="where the run records are (default bench/out)")
+    ap.add_argument("--plots", type=Path, default=ROOT / "bench", help="where the PNGs go")
+    args = ap.parse_args(argv)
+    sections = {bench: section(bench, args.records) for bench in BENCHES}
+    for bench, body in sections.items():
+        print(f"## {bench}\n\n{body}\n")
+    for path in draw_serve_plots(args.records, args.plots):
+        print(f"wrote {path}")
+    if args.write:
+        text = RESULTS.read_text()
+        for bench, body in sections.items():
+            text = write_into(text, bench, body)
+        RESULTS.write_text(text)
+        print(f"filled {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""Every fenced shell (bash/sh/shell/console) and Python block in README.md and docs/*.md runs as written.
+
+Blocks are found by tests/docblocks.py in every docs/*.md, whoever wrote it; a new block is tested the day it
+is written. Each block is one test, id `FILE:LINE`.
+
+Markers: an HTML comment on the line right before the opening fence (invisible when rendered):
+- `<!-- no-run: REASON -->`: not run, e.g. it needs a GPU, vLLM, Docker or a real 7B checkpoint. The reason is
+  required; a marker without one fails (so does a marker this file does not know).
+- `<!-- slow: REASON -->`: run only with `-m slow` (it takes minutes); the reason is required.
+- `<!-- server -->` (may be combined: `<!-- slow server: REASON -->`): the block starts vitserve in the
+  foreground and never returns; it must end by exec-ing the server (scripts/serve.sh does, and so does a
+  one-command block). It runs from the repository root with `VITSERVE_PORT=0`, so the server binds a free
+  port, which is read from its "serving on http://127.0.0.1:PORT" line; the test waits for `/ready` 200,
+  sends SIGTERM and expects exit code 0.
+Anything else runs in the default suite and fails the test when it fails.
+
+How blocks run:
+- Shell blocks: `bash -e -o pipefail -c BLOCK` (console blocks: only their `$ ` lines), in a fresh working
+  directory per document that holds the files the docs name (FIXTURES: `photo.jpg`), with the venv's bin/
+  first on PATH.
+- Python blocks: exec'd in this process, in that working directory, compiled with the document's name and
+  line numbers (a traceback points into the .md file). The Python blocks of one document share one
+  namespace and run in order, as a reader pasting them into one session would.
+- A block that contains `http://127.0.0.1:8100` (vitserve's default address) gets a real server: the test
+  starts `python -m vitserve.cli` on a free port (one per document, started when first needed) over a tiny
+  real Qwen2-VL checkpoint (tests/checkpoints.py) and replaces that address in the block's text with the
+  server's. A shell block talking to it must not print an error body (`"error":`), since curl -s exits 0 on
+  HTTP errors.
+- Environment for every block: `VITSERVE_MODEL` = that checkpoint's directory and `VITSERVE_LLM_ENDPOINT` =
+  `ipc://<tmp>/ipc/llm.sock` (the directory does not exist: the docs must create it), the same values the
+  server was started with; `VITSERVE_RUNTIME_DIR` = a temp directory.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.checkpoints import make_checkpoint
+from tests.docblocks import ROOT, Block, blocks, doc_files
+
+DOC_URL = "http://127.0.0.1:8100"
+SERVER_ARGS = ["--port", "0", "--visual_batch_max_tokens", "256", "--device", "cpu", "--heartbeat_s", "2",
+               "--dist_timeout_s", "120"]
+
+
+def _photo() -> bytes:
+    """112x84: a whole number of 28-px units, so no processor resizes it (12 tokens on the tiny Qwen2-VL)."""
+    pixels = np.random.default_rng(0).integers(0, 256, (84, 112, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+FIXTURES = {"photo.jpg": _photo}
+
+
+def _clean_env(runtime_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
+    env.update(VITSERVE_RUNTIME_DIR=str(runtime_dir),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    return env
+
+
+class Served:
+    """A vitserve process (or a shell that execs one); `url` once its banner named the port."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path):
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self.port: int | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if m := re.search(r"serving on http://127\.0\.0\.1:(\d+)", line):
+                self.port = int(m.group(1))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, limit_s: float) -> float:
+        """Seconds from start to /ready 200."""
+        start, end = time.monotonic(), time.monotonic() + limit_s
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise AssertionError("vitserve never became ready:\n" + "".join(self.lines[-60:]))
+            if self.port is not None:
+                try:
+                    if httpx.get(self.url + "/ready", timeout=5, trust_env=False).status_code == 200:
+                        return time.monotonic() - start
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        """SIGTERM (vitserve drains and exits 0); the process group is killed if it does not go."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+
+
+class DocSession:
+    """One document's working directory, environment, Python namespace and (lazily) server."""
+
+    def __init__(self, doc: Path, tmp: Path, checkpoint: Path):
+        self.doc, self.tmp = doc, tmp
+        self.workdir = tmp / "work"
+        self.workdir.mkdir()
+        for name, make in FIXTURES.items():
+            (self.workdir / name).write_bytes(make())
+        self.env = {"VITSERVE_MODEL": str(checkpoint), "VITSERVE_LLM_ENDPOINT": f"ipc://{tmp}/ipc/llm.sock",
+                    "VITSERVE_RUNTIME_DIR": str(tmp / "rt")}
+        self.namespace: dict = {"__name__": "__main__"}
+        self._server: Served | None = None
+
+    def server(self) -> Served:
+        if self._server is None:
+            args = ["--model", self.env["VITSERVE_MODEL"], "--llm_endpoint", self.env["VITSERVE_LLM_ENDPOINT"]]
+            env = {**_clean_env(self.tmp / "rt"), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+            self._server = Served([sys.executable, "-m", "vitserve.cli", *args, *SERVER_ARGS], env, ROOT)
+            self._server.wait_ready(240)
+        return self._server
+
+    def close(self) -> None:
+        if self._server is not None:
+            code = self._server.stop()
+            assert code == 0, "".join(self._server.lines[-40:])
+            self._server = None
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory):
+    checkpoint = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("ckpt"))
+    opened: dict[Path, DocSession] = {}
+
+    def session(doc: Path) -> DocSession:
+        if doc not in opened:
+            for other in opened.values():  # blocks run document by document: one server at a time
+                other.close()
+            opened[doc] = DocSession(doc, tmp_path_factory.mktemp(doc.stem), checkpoint)
+        return opened[doc]
+
+    yield session
+    for s in opened.values():
+        s.close()
+
+
+def _params():
+    for doc in doc_files():
+        for block in blocks(doc):
+            marks = [pytest.mark.slow, pytest.mark.timeout(1800)] if "slow" in block.tags else []
+            yield pytest.param(block, id=block.id, marks=marks)
+
+
+def _with_server(code: str, session: DocSession) -> str:
+    return code.replace(DOC_URL, session.server().url) if DOC_URL in code else code
+
+
+def run_python(block: Block, session: DocSession, monkeypatch) -> None:
+    code = _with_server(block.commands(), session)
+    monkeypatch.chdir(session.workdir)
+    for name, value in session.env.items():
+        monkeypatch.setenv(name, value)
+    exec(compile("\n" * (block.line - 1) + code, str(block.doc), "exec"), session.namespace)
+
+
+def run_shell(block: Block, session: DocSession) -> None:
+    code = _with_server(block.commands(), session)
+    env = {**_clean_env(session.tmp / "rt"), **session.env}
+    r = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code], cwd=session.workdir, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, f"exit {r.returncode}\n{code}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}"
+    if code != block.commands():  # it talked to the server: an error answer is a failure too
+        assert '"error":' not in r.stdout, r.stdout
+
+
+def run_server_block(block: Block, tmp: Path) -> None:
+    env = {**_clean_env(tmp / "rt"), "VITSERVE_PORT": "0"}
+    served = Served(["bash", "-e", "-o", "pipefail", "-c", block.commands()], env, ROOT)
+    try:
+        took = served.wait_ready(1500)
+        print(f"{block.id}: /ready after {took:.0f} s")
+    finally:
+        code = served.stop()
+    assert code == 0, "".join(served.lines[-40:])
+
+
+@pytest.mark.parametrize("block", _params())
+def test_doc_block(block: Block, sessions, monkeypatch, tmp_path):
+    assert block.marker_error is None, block.marker_error
+    if "no-run" in block.tags:
+        pytest.skip(f"no-run: {block.reason}")
+    if "server" in block.tags:
+        run_server_block(block, tmp_path)
+    elif block.is_python:
+        run_python(block, sessions(block.doc), monkeypatch)
+    else:
+        run_shell(block, sessions(block.doc))

@@ -1,0 +1,124 @@
+"""README.md and docs/*.md name only things that exist: files in this repository, and flags vitserve has.
+
+- Every relative Markdown link resolves from the linking file (as GitHub resolves it).
+- Every `*.md` / `*.py` path named in the text exists: at the repository root, next to the document, or as
+  the tail of a file in the tree (`processors/budget.py` for vitserve/processors/budget.py); a glob such
+  as `test_faults*.py` must match at least one file.
+- No document cites the design notes that live outside the repository (SPEC, DESIGN, INTERFACES,
+  RELIABILITY).
+- Every `--flag` is a flag of `vitserve` (vitserve.cli.FLAGS, its dashed alias, `--no-` for a switch, or
+  `--help`), or is in NON_VITSERVE_FLAGS below with the program it belongs to.
+- Every doc-test marker before a code block is understood and carries its reason (see
+  tests/integration/test_doc_blocks.py for the convention).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.docblocks import ROOT, blocks, doc_files, flags, links, named_paths
+from vitserve.cli import FLAGS, parse_bool
+
+# Flags the docs mention that belong to another program; each says whose it is.
+NON_VITSERVE_FLAGS = {
+    "bind": "python -m vitserve.rpc.receiver --bind ENDPOINT (the stand-in LLM side)",
+}
+OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
+DOCS = doc_files()
+
+
+def _tree() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
+def vitserve_flags() -> set[str]:
+    known = {"help", "version"}
+    for flag, spec in FLAGS.items():
+        known |= {flag, flag.replace("_", "-")}
+        if spec.parse is parse_bool:
+            known |= {f"no-{flag}", f"no-{flag.replace('_', '-')}"}
+    return known
+
+
+def missing_paths(doc: Path, text: str, tree: list[str]) -> list[str]:
+    missing = []
+    for target in links(text):
+        if not (doc.parent / target).exists():
+            missing.append(f"link {target}")
+    for name in named_paths(text):
+        if (ROOT / name).exists() or (doc.parent / name).exists():
+            continue
+        if not any(fnmatch.fnmatch(path, name) or fnmatch.fnmatch(path, "*/" + name) for path in tree):
+            missing.append(name)
+    return missing
+
+
+@pytest.fixture(scope="module")
+def tree() -> list[str]:
+    return _tree()
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_named_files_exist(doc, tree):
+    assert missing_paths(doc, doc.read_text(), tree) == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_no_reference_to_notes_outside_the_repository(doc):
+    hits = [f"{n}: {line.strip()}" for n, line in enumerate(doc.read_text().splitlines(), 1)
+            if OUTSIDE_NOTES.search(line)]
+    assert hits == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_every_flag_exists(doc):
+    known = vitserve_flags() | set(NON_VITSERVE_FLAGS)
+    assert sorted({f"--{f}" for f in flags(doc.read_text()) if f not in known}) == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_doc_test_markers_are_understood(doc):
+    assert [f"{b.id}: {b.marker_error}" for b in blocks(doc) if b.marker_error] == []
+
+
+# The checks themselves can fail: each meets the mistake it is there to catch.
+
+
+def test_checks_catch_missing_files_and_links(tree):
+    doc = ROOT / "docs" / "x.md"
+    text = ("See [api](api.md), [gone](nowhere.md), `vitserve/engine/service.py`, `processors/budget.py`, "
+            "`tests/integration/test_faults*.py`, `SPEC.md` and `vitserve/nothing.py`.")
+    assert missing_paths(doc, text, tree) == ["link nowhere.md", "SPEC.md", "vitserve/nothing.py"]
+
+
+def test_flag_check_knows_aliases_and_switches():
+    known = vitserve_flags()
+    assert {"visual_batch_max_tokens", "visual-batch-max-tokens", "no-jpeg_draft", "help"} <= known
+    assert "master_addr" not in known  # MASTER_ADDR is an environment variable, not a flag
+    assert "no-port" not in known  # only switches have a --no- form
+    assert flags("run `vitserve --port 1 --no-jpeg_draft`, not --master_addr; a -- b") == [
+        "port", "no-jpeg_draft", "master_addr"]
+
+
+def test_marker_parser_wants_a_reason():
+    text = ("<!-- no-run: needs vLLM -->\n```python\nimport vllm\n```\n"
+            "<!-- no-run -->\n```bash\nfalse\n```\n"
+            "<!-- slow server: the demo at 8192 takes minutes -->\n```bash\nvitserve\n```\n"
+            "<!-- skip: whatever -->\n```sh\ntrue\n```\n"
+            "```json\n{}\n```\n"
+            "```console\n$ echo hi \\\n  there\nhi there\n```\n")
+    found = blocks(ROOT / "docs" / "x.md", text)
+    assert [(b.lang, sorted(b.tags), b.reason) for b in found] == [
+        ("python", ["no-run"], "needs vLLM"), ("bash", ["no-run"], ""),
+        ("bash", ["server", "slow"], "the demo at 8192 takes minutes"), ("sh", ["skip"], "whatever"),
+        ("console", [], "")]
+    assert [b.marker_error is None for b in found] == [True, False, True, False, True]
+    assert found[4].commands() == "echo hi \\\n  there\n"
+    assert found[0].line == 3
