@@ -37,11 +37,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import record  # noqa: E402
 from vitserve.config import Config  # noqa: E402
+from vitserve.contract import EncodeRequest, PreparedImage  # noqa: E402
 from vitserve.engine import Engine  # noqa: E402
 from vitserve.metrics import Metrics  # noqa: E402
 from vitserve.processors import load_image_processor  # noqa: E402
 
 MODES = {"off": 0.0, "dedup": 0.0, "cache": 1.0}  # mode -> --cache_gb
+
+
+def request(request_id: str, item, image_id: str, seconds: float) -> EncodeRequest:
+    """A one-image engine request, as the API builds it after decoding."""
+    return EncodeRequest(request_id, (PreparedImage(item, image_id, item.resized_size, 0.0, 0.0),),
+                         time.monotonic() + seconds, return_embeddings=False)
 
 
 def make_images(distinct: int, size: int):
@@ -62,8 +69,7 @@ async def run_mode(mode: str, args, processor, images) -> dict:
     await engine.start()
     try:
         items = [processor.preprocess(img) for _, img in images]
-        await engine.encode("warmup", [processor.preprocess(images[0][1].rotate(90))], ["warmup"],
-                            deadline=time.monotonic() + 600, return_embeddings=False)
+        await engine.encode(request("warmup", processor.preprocess(images[0][1].rotate(90)), "warmup", 600))
         work = [k % len(items) for k in range(len(items) * args.repeats)]
         if args.order == "grouped":
             work.sort()
@@ -73,8 +79,7 @@ async def run_mode(mode: str, args, processor, images) -> dict:
             while queue:
                 n, k = queue.pop(0)
                 image_id = f"request-{n}" if mode == "off" else images[k][0]  # off: opaque ids, nothing shared
-                await engine.encode(f"r{n}", [items[k]], [image_id], deadline=time.monotonic() + 600,
-                                    return_embeddings=False)
+                await engine.encode(request(f"r{n}", items[k], image_id, 600))
 
         before = engine.metrics.value("vitserve_batch_images_sum") or 0.0
         start = time.perf_counter()
@@ -95,8 +100,7 @@ async def hit_seconds(engine, item, image_id: str, n: int = 200) -> float:
     """Mean engine.encode() latency of a one-image request served from the cache (inline embeddings off)."""
     start = time.perf_counter()
     for k in range(n):
-        (res,) = await engine.encode(f"hit{k}", [item], [image_id], deadline=time.monotonic() + 60,
-                                     return_embeddings=False)
+        (res,) = await engine.encode(request(f"hit{k}", item, image_id, 60))
         assert res.cached
     return (time.perf_counter() - start) / n
 
@@ -115,7 +119,7 @@ async def main() -> None:
     if args.quick:
         args.distinct, args.repeats, args.size = 2, 3, 224
     run = record.begin("cache", args)
-    processor = load_image_processor("demo", max_tokens=args.budget)
+    processor = load_image_processor("demo", budget_tokens=args.budget)
     images = make_images(args.distinct, args.size)
     rows = [await run_mode(mode, args, processor, images) for mode in MODES]
     base = rows[0]["images_per_s"]

@@ -49,7 +49,7 @@ def per_token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def fidelity(model: str, processor_name: str, photos: list[bytes], budget: int) -> dict:
-    processor = load_image_processor(processor_name, max_tokens=budget)
+    processor = load_image_processor(processor_name, budget_tokens=budget)
     encoder = load_encoder(model)
     means, worst_token, scales = [], 1.0, []
     for blob in photos:
@@ -73,7 +73,7 @@ def fidelity(model: str, processor_name: str, photos: list[bytes], budget: int) 
 
 def speed(photos: list[bytes], budget: int, reps: int) -> dict:
     """Full and draft timed alternately (same background load on a shared box); min and median."""
-    processor = load_image_processor("demo", max_tokens=budget)
+    processor = load_image_processor("demo", budget_tokens=budget)
     times: dict[str, list[float]] = {"full": [], "draft": []}
     for _ in range(reps):
         for blob in photos:

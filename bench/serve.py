@@ -138,14 +138,14 @@ def encoder_only(images: dict[str, list[bytes]], budget: int, threads: int, reps
     """
     import torch
 
+    from vitserve.engine.scheduler import Scheduler
     from vitserve.images import decode_image
     from vitserve.model import load_encoder
     from vitserve.processors import load_image_processor
-    from vitserve.scheduler import Scheduler
 
     torch.set_num_threads(threads)
     encoder = load_encoder("demo")
-    processor = load_image_processor("demo", max_tokens=budget)
+    processor = load_image_processor("demo", budget_tokens=budget)
     out: dict = {"fast_kernels_in_load_encoder": _has_fast(encoder.visual)}
     if force_fast and not out["fast_kernels_in_load_encoder"]:
         from vitserve.model.fast import optimize

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import hashlib
 import math
 import os
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+import zmq
 from torch import nn
 
-from vitserve.errors import EncoderFailed, NotReady, QueueFull, Timeout
-from vitserve.types import EncodedImage, ImageResult, ProcessedImage
+from vitserve.contract import EncodedImage, ProcessedImage
+from vitserve.engine import Engine
+from vitserve.engine.groups import WorkerGroup
+from vitserve.rpc.tensors import dtype_name
+from vitserve.worker import messages as m
 
 # ------------------------------------------------------------------------------------------------------
 # FakeEncoder: a deterministic Encoder with real computation and, at tp > 1, a real collective.
@@ -59,7 +62,7 @@ class _FakeVisual(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # (4 * cols, dim / tp): this rank's columns
-        # what reservation.worst_case_items reads for a Qwen-family tower
+        # what worker/worst_case.worst_case_items reads for a Qwen-family tower
         self.config = SimpleNamespace(spatial_merge_size=2, patch_size=14, temporal_patch_size=2, in_channels=3)
 
 
@@ -123,18 +126,17 @@ class FakeEncoderFactory:
         rank = dist.get_rank() if dist.is_initialized() else 0
         enc = FakeEncoder(self, rank, config.tp)
         if config.visual_reserved_mem_gb is None:
-            # The stress runs several batches (reservation.stress_batches); number the calls so that its last
+            # The stress runs several batches (worker/worst_case.stress_batches); number the calls so that its last
             # one is call 0 and the first runtime batch call 1, whatever that count is.
-            from vitserve.reservation import stress_batches
+            from vitserve.worker.worst_case import stress_batches
 
             enc.calls = 1 - sum(1 for _ in stress_batches(enc, config.visual_batch_max_tokens,
                                                           config.visual_infer_batch_size))
         return enc
 
 # ---------------------------------------------------------------------------------------------------------
-# FakeEngine: a tiny deterministic Encoder and an in-process Engine with the exact Engine contract
-# (queue limit, FIFO token budget, deadlines, cancellation, drain), so the HTTP layer can be tested through a
-# real uvicorn server where the multi-process Engine is not wanted (e.g. to hold the queue still).
+# ThreadGroup: the real Engine over an in-process encoder group, so the HTTP layer can be tested through a
+# real uvicorn server with the real queue, dedup, cache and push, while a test holds the encoder still.
 # ---------------------------------------------------------------------------------------------------------
 
 class TinyEncoder:
@@ -161,177 +163,97 @@ class TinyEncoder:
         return [EncodedImage(embedding=e.clone()) for e in out.split([r.shape[0] for r in rows])]
 
 
-@dataclass
-class _FakeRequest:
-    request_id: str
-    items: list
-    image_ids: list
-    deadline: float
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    return_embeddings: bool
-    enqueued: float = field(default_factory=time.monotonic)
-    results: dict = field(default_factory=dict)
-    cancelled: bool = False
+class ThreadGroup(WorkerGroup):
+    """A WorkerGroup whose one rank is a thread of this process instead of a spawned process.
 
-
-class FakeEngine:
-    """In-process Engine (the vitserve.types.EncodeEngine contract); one worker thread runs the encoder on FIFO batches.
-
-    `gate` (threading.Event, set by default) holds the worker before each batch while cleared, so tests
-    can let a queue build up.  `encoded_ids` records every image id that reached the encoder.
+    Everything between the engine and the rank is the production path: the group's state machine, its
+    batch socket (the thread binds it, as rank 0 does), the typed messages, the status socket with READY,
+    ALIVE, RESULT and ERROR. Only the process-facing methods differ. The rank reserves no memory (it
+    reports --visual_reserved_mem_gb, or 0, as an override). `gate` (threading.Event, set by default)
+    holds the rank before each batch while cleared, so tests can let a queue build up.
     """
 
-    def __init__(self, config, metrics, *, encoder=None):
-        self.config = config
-        self.metrics = metrics
-        self.encoder = encoder or TinyEncoder()
-        self.gate = threading.Event()
-        self.gate.set()
-        self.encoded_ids: list[str] = []
-        self._queue: deque = deque()  # of (request, index)
-        self._cv = threading.Condition()
-        self._ready = False
-        self._stopping = False
-        self._in_flight = 0
+    def __init__(self, *args, gate: threading.Event, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.config.tp != 1:
+            raise ValueError("a ThreadGroup is one rank: --tp 1")
+        self.gate = gate
+        self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
-        self.failed = asyncio.Event()  # set by tests to play "every encoder group is dead"
 
-    # -- lifecycle ---------------------------------------------------------------------------------------
-    async def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="fake-engine", daemon=True)
+    def _init_batch_socket(self, ctx, endpoint: str) -> None:
+        self._ctx = ctx  # the thread makes its own sockets from it (a zmq socket belongs to one thread)
+        super()._init_batch_socket(ctx, endpoint)
+
+    # -- the process-facing methods of WorkerGroup ----------------------------------------------------------
+    def spawn(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"vitserve-g{self.index}-thread", daemon=True)
         self._thread.start()
-        self._ready = True
 
-    async def shutdown(self) -> None:
-        self._ready = False
-        self._stopping = True
-        while self._in_flight:
-            await asyncio.sleep(0.02)
-        with self._cv:
-            self._cv.notify_all()
-        self.gate.set()
+    @property
+    def pids(self) -> list[int]:
+        return [os.getpid()]
+
+    def kill(self) -> None:
+        self._stopped.set()
+        self.join(5)
+        self._sock.close(linger=0)
+
+    def join(self, timeout_s: float) -> bool:
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 5)
+            self._thread.join(timeout_s)
+        return self._thread is None or not self._thread.is_alive()
 
-    def readiness(self) -> tuple[bool, str]:
-        if self._stopping:
-            return False, "shutting down"
-        return (True, "ready") if self._ready else (False, "starting")
+    def _exited(self) -> str | None:
+        if self._thread is not None and not self._thread.is_alive() and not self._stopped.is_set():
+            return f"rank 0 (a thread) of group {self.index} exited"
+        return None
 
-    def info(self) -> dict:
-        enc = self.encoder
-        return {"model": enc.model_name, "family": enc.family, "embed_dim": enc.embed_dim, "dtype": "float32",
-                "tp": 1, "dp": 1, "reserved_memory_bytes": {0: 0}, "reserved_source": "override"}
-
-    @property
-    def queue_tokens(self) -> int:
-        with self._cv:
-            return sum(r.items[i].num_tokens for r, i in self._queue if not r.cancelled)
-
-    @property
-    def queue_images(self) -> int:
-        with self._cv:
-            return sum(1 for r, _ in self._queue if not r.cancelled)
-
-    # -- the API's call ----------------------------------------------------------------------------------
-    async def encode(self, request_id, items, image_ids, *, deadline, return_embeddings):
-        if not self._ready:
-            raise NotReady("engine is not ready")
-        loop = asyncio.get_running_loop()
-        req = _FakeRequest(request_id, list(items), list(image_ids), deadline, loop.create_future(), loop,
-                           return_embeddings)
-        new_tokens = sum(it.num_tokens for it in items)
-        limit = self.config.queue_token_limit
-        with self._cv:
-            queued = sum(r.items[i].num_tokens for r, i in self._queue if not r.cancelled)
-            if limit is not None and queued > 0 and queued + new_tokens > limit:
-                raise QueueFull(f"{queued} tokens queued; limit {limit} (--max_queue_tokens)", retry_after_s=1.0)
-            self._queue.extend((req, i) for i in range(len(items)))
-            self._cv.notify()
-        self._in_flight += 1
-        try:
-            return await asyncio.wait_for(asyncio.shield(req.future), max(deadline - time.monotonic(), 0))
-        except asyncio.TimeoutError:
-            self._withdraw(req)
-            raise Timeout("deadline passed (--request_timeout_s)") from None
-        except asyncio.CancelledError:  # the client went away: its queued items are never encoded
-            self._withdraw(req)
-            raise
-        finally:
-            self._in_flight -= 1
-
-    def _withdraw(self, req) -> None:
-        with self._cv:
-            req.cancelled = True
-            self._queue = deque(e for e in self._queue if e[0] is not req)
-
-    # -- worker thread -----------------------------------------------------------------------------------
+    # -- the rank ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
-        while self._wait_for_work():
-            self.gate.wait()  # tests clear the gate to let a queue build up
-            batch = self._next_batch()
-            if batch:
-                self._forward(batch)
-
-    def _wait_for_work(self) -> bool:
-        with self._cv:
-            while not self._queue:
-                if self._stopping:
-                    return False
-                self._cv.wait(0.05)
-            return True
-
-    def _next_batch(self):
-        budget = self.config.visual_batch_max_tokens
-        with self._cv:
-            batch, tokens = [], 0
-            while self._queue and len(batch) < self.config.visual_infer_batch_size:
-                req, i = self._queue[0]
-                if req.cancelled or req.future.done():
-                    self._queue.popleft()
-                    continue
-                if time.monotonic() > req.deadline:
-                    self._queue.popleft()
-                    self._fail(req, Timeout("deadline passed while queued (--request_timeout_s)"))
-                    continue
-                t = req.items[i].num_tokens
-                if batch and budget and tokens + t > budget:
-                    break
-                batch.append(self._queue.popleft())
-                tokens += t
-            return batch
-
-    def _forward(self, batch) -> None:
-        start = time.monotonic()
+        status = self._ctx.socket(zmq.PUSH)
+        inbox = self._ctx.socket(zmq.PULL)
         try:
-            outs = self.encoder.encode([req.items[i] for req, i in batch])
-        except Exception as exc:
-            for req, _ in batch:
-                self._fail(req, EncoderFailed(f"the encoder failed: {type(exc).__name__}"))
-            return
-        encode_ms = (time.monotonic() - start) * 1000
-        for (req, i), out in zip(batch, outs, strict=True):
-            self.encoded_ids.append(req.image_ids[i])
-            req.results[i] = ImageResult(
-                num_tokens=req.items[i].num_tokens,
-                embedding=out.embedding if req.return_embeddings else None,
-                deepstack=list(out.deepstack) if req.return_embeddings else [],
-                timing_ms={"queue": (start - req.enqueued) * 1000, "encode": encode_ms, "send": 0.0},
-            )
-            if len(req.results) == len(req.items):
-                done = [req.results[k] for k in range(len(req.items))]
-                req.loop.call_soon_threadsafe(_settle, req.future, done, None)
+            status.connect(self._status_endpoint)
+            inbox.bind(self.batch_endpoint)
+            self._serve(inbox, lambda msg: status.send_multipart(m.encode(msg), copy=False))
+        finally:
+            status.close(linger=1000)
+            inbox.close(linger=0)
 
-    @staticmethod
-    def _fail(req, err) -> None:
-        req.loop.call_soon_threadsafe(_settle, req.future, None, err)
+    def _serve(self, inbox, report) -> None:
+        cfg, heartbeats = self.config, 0
+        encoder = self._factory(cfg)
+        reserved = int((cfg.visual_reserved_mem_gb or 0) * 2**30)
+        report(m.ReadyMsg(group=self.index, rank=0, pid=os.getpid(), model_name=encoder.model_name,
+                          family=encoder.family, embed_dim=encoder.embed_dim, num_deepstack=encoder.num_deepstack,
+                          dtype=dtype_name(encoder.dtype), device="cpu", reserved_bytes=reserved,
+                          reserved_source="override"))
+        while not self._stopped.is_set():
+            if not inbox.poll(int(cfg.heartbeat_s * 500)):
+                heartbeats += 1
+                report(m.AliveMsg(group=self.index, rank=0, heartbeats=heartbeats, batches=0))
+                continue
+            msg = m.decode([f.buffer for f in inbox.recv_multipart(copy=False)])
+            if isinstance(msg, m.StopMsg):
+                self._stopped.set()
+                return
+            assert isinstance(msg, m.BatchMsg), msg.kind  # the engine sends nothing else on this socket
+            while not self.gate.wait(cfg.heartbeat_s / 2):  # held: still alive
+                if self._stopped.is_set():
+                    return
+                report(m.AliveMsg(group=self.index, rank=0, heartbeats=heartbeats, batches=0))
+            try:
+                outputs = encoder.encode(msg.items)
+            except Exception as exc:  # as a rank does: report, then exit
+                report(m.ErrorMsg(group=self.index, rank=0, stage="forward", message=repr(exc),
+                                  batch_id=msg.batch_id))
+                return
+            report(m.ResultMsg(group=self.index, batch_id=msg.batch_id, outputs=outputs))
 
 
-def _settle(future: asyncio.Future, result, err) -> None:
-    if future.done():
-        return
-    if err is not None:
-        future.set_exception(err)
-    else:
-        future.set_result(result)
+def thread_engine(config, metrics, *, gate: threading.Event, encoder=None) -> Engine:
+    """The real Engine over ThreadGroups running `encoder` (default TinyEncoder)."""
+    encoder = encoder or TinyEncoder()
+    return Engine(config, metrics, encoder_factory=lambda _config: encoder, environ={},
+                  group_factory=functools.partial(ThreadGroup, gate=gate))

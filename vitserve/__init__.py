@@ -12,14 +12,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-WIRE_VERSION = 1
 
 if TYPE_CHECKING:
     from vitserve.client import AsyncVitserveClient, VitserveClient, VitserveClientError
     from vitserve.rpc.receiver import EmbeddingReceiver
+    from vitserve.rpc.wire import WIRE_VERSION
 
 # public name -> module that defines it
 _LAZY = {
+    "WIRE_VERSION": "vitserve.rpc.wire",
     "VitserveClient": "vitserve.client",
     "AsyncVitserveClient": "vitserve.client",
     "VitserveClientError": "vitserve.client",

@@ -247,17 +247,17 @@ def render_banner(service: Service) -> str:
     """One block with every resolved setting that guards memory or load (docs/api.md)."""
     c: Config = service.config
     info = service.engine.info()
-    reserved = info.get("reserved_memory_bytes") or {}
+    reserved = info.reserved_memory_bytes
     per_rank = ", ".join(f"rank {r}: {_mib(b)}" for r, b in sorted(reserved.items())) or "unknown"
-    budget = f"{c.visual_batch_max_tokens} tokens per batch and per image" if c.budget_enabled else "OFF (no clamp)"
+    budget = f"{c.budget_tokens} tokens per batch and per image" if c.budget_enabled else "OFF (no clamp)"
     lines = [
         f"vitserve {__import__('vitserve').__version__} serving on http://{c.host}:{service.port}",
-        f"  model: {info.get('model')} (family {info.get('family')}, dim {info.get('embed_dim')}, "
-        f"dtype {info.get('dtype')}, device {_resolved_device(c.device)})",
-        f"  budget: {budget}; at most {c.visual_infer_batch_size} images per batch",
+        f"  model: {info.model} (family {info.family}, dim {info.embed_dim}, "
+        f"dtype {info.dtype}, device {_resolved_device(c.device)})",
+        f"  budget: {budget}; at most {c.max_batch_images} images per batch",
         f"  processor clamp: {service.processor.clamp_info()}",
-        f"  layout: tp={info.get('tp', c.tp)} dp={info.get('dp', c.dp)}",
-        f"  reserved memory per rank: {per_rank} (source: {info.get('reserved_source')})",
+        f"  layout: tp={info.tp} dp={info.dp}",
+        f"  reserved memory per rank: {per_rank} (source: {info.reserved_source})",
         f"  queue: max_queue_tokens={c.queue_token_limit or 'unlimited'}; request: "
         f"max_images_per_request={c.max_images_per_request}, max_request_bytes={c.max_request_bytes}, "
         f"max_image_pixels={c.max_image_pixels}, request_timeout_s={c.request_timeout_s}",
@@ -275,7 +275,7 @@ def _build_service(config: Config) -> Service:
     from vitserve.api.server import Service, bind_socket
     from vitserve.processors import load_image_processor
 
-    processor = load_image_processor(config.model, max_tokens=config.visual_batch_max_tokens,
+    processor = load_image_processor(config.model, budget_tokens=config.budget_tokens,
                                      family=config.model_family)
     sock = bind_socket(config.host, config.port)
     from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed

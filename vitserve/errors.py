@@ -6,6 +6,8 @@ Messages name the limit and the flag that sets it.
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 
@@ -31,6 +33,16 @@ class VitserveError(Exception):
         if self.image_index is not None:
             err["image_index"] = self.image_index
         return {"error": err}
+
+
+def http_error(err: VitserveError) -> tuple[int, dict[str, str], bytes]:
+    """The one rendering of an error as HTTP: (status, headers, JSON body). Every 503 queue_full carries
+    Retry-After in whole seconds (at least 1)."""
+    headers = {"content-type": "application/json"}
+    if err.retry_after_s is not None:
+        headers["retry-after"] = str(max(1, math.ceil(err.retry_after_s)))
+    body = json.dumps(err.to_body(), ensure_ascii=False, separators=(",", ":")).encode()
+    return err.status, headers, body
 
 
 class InvalidRequest(VitserveError):

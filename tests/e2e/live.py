@@ -12,9 +12,10 @@ from dataclasses import dataclass, replace
 import httpx
 from PIL import Image
 
-from tests.fakes import FakeEngine
+from tests.fakes import thread_engine
 from vitserve.api.server import Service, bind_socket
 from vitserve.config import Config
+from vitserve.engine import Engine
 from vitserve.metrics import Metrics
 from vitserve.processors import load_image_processor
 
@@ -25,23 +26,30 @@ TEST_CONFIG = Config(port=0, visual_batch_max_tokens=256, request_timeout_s=30)
 class Live:
     url: str
     service: Service
-    engine: object
+    engine: Engine
     metrics: Metrics
     config: Config
     result: dict
+    gate: threading.Event  # cleared: the in-process encoder group holds every batch (no effect on make_engine)
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 30), **kw)
 
 
 @contextlib.contextmanager
-def live_server(config: Config | None = None, *, engine=None, processor=None, make_engine=None, **overrides):
-    """make_engine(config, metrics) builds the engine (e.g. the real vitserve.engine.Engine); default FakeEngine."""
+def live_server(config: Config | None = None, *, engine=None, processor=None, make_engine=None, encoder=None,
+                **overrides):
+    """The Service over `engine`, else make_engine(config, metrics) (e.g. the real Engine with spawned ranks),
+    else the real Engine over one in-process ThreadGroup running `encoder` (default tests.fakes.TinyEncoder)."""
     config = replace(config or TEST_CONFIG, **overrides)
     metrics = Metrics()
     processor = processor or load_image_processor(
-        "qwen2_5_vl" if config.model == "demo" else config.model, max_tokens=config.visual_batch_max_tokens)
-    engine = engine or (make_engine or FakeEngine)(config, metrics)
+        "qwen2_5_vl" if config.model == "demo" else config.model, budget_tokens=config.budget_tokens)
+    gate = threading.Event()
+    gate.set()
+    if engine is None:
+        engine = make_engine(config, metrics) if make_engine else thread_engine(config, metrics, gate=gate,
+                                                                                 encoder=encoder)
     service = Service(config, engine, processor, metrics, sock=bind_socket("127.0.0.1", 0))
     result: dict = {}
 
@@ -52,10 +60,11 @@ def live_server(config: Config | None = None, *, engine=None, processor=None, ma
     thread.start()
     if not service.started.wait(300):
         raise RuntimeError(f"server did not start: {result}")
-    live = Live(f"http://127.0.0.1:{service.port}", service, engine, metrics, config, result)
+    live = Live(f"http://127.0.0.1:{service.port}", service, engine, metrics, config, result, gate)
     try:
         yield live
     finally:
+        gate.set()
         service.request_stop()
         thread.join(60)
 

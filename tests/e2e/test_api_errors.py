@@ -234,7 +234,7 @@ def test_body_over_cap_via_httpx_is_413(client, live):
 def test_image_above_budget_after_clamping_is_413_over_token_budget():
     from vitserve.processors import load_image_processor
 
-    proc = load_image_processor("internvl", max_tokens=64)  # one InternVL tile is 256 tokens: cannot shrink to 64
+    proc = load_image_processor("internvl", budget_tokens=64)  # one InternVL tile is 256 tokens: cannot shrink to 64
     with live_server(visual_batch_max_tokens=64, processor=proc) as srv, srv.client() as c:
         err = assert_error(c.post("/encode", json={"images": [ok_image()]}), 413, "over_token_budget", 0)
         assert "--visual_batch_max_tokens" in err["message"]
@@ -266,23 +266,20 @@ class BrokenEncoder:
 
 
 def test_encoder_failure_in_flight_is_503_encoder_failed():
-    from tests.e2e.live import TEST_CONFIG
-    from tests.fakes import FakeEngine
-    from vitserve.metrics import Metrics
-
-    with live_server(engine=FakeEngine(TEST_CONFIG, Metrics(), encoder=BrokenEncoder())) as srv, srv.client() as c:
-        assert_error(c.post("/encode", json={"images": [ok_image()]}), 503, "encoder_failed")
+    with live_server(encoder=BrokenEncoder()) as srv, srv.client() as c:
+        err = assert_error(c.post("/encode", json={"images": [ok_image()]}), 503, "encoder_failed")
+        assert "worker died" in err["message"]  # the rank's own report names the root cause
 
 
 def test_deadline_is_504_timeout():
     with live_server(request_timeout_s=1.0) as srv, srv.client() as c:
-        srv.engine.gate.clear()  # nothing gets encoded: the request waits in the queue past its deadline
+        srv.gate.clear()  # nothing gets encoded: the request waits in the queue past its deadline
         try:
             err = assert_error(c.post("/encode", json={"images": [ok_image()]}), 504, "timeout")
             assert "--request_timeout_s" in err["message"]
             assert srv.engine.queue_images == 0
         finally:
-            srv.engine.gate.set()
+            srv.gate.set()
 
 
 # -- 404/405 and the shape of framework errors ---------------------------------------------------------------

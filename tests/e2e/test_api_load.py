@@ -56,25 +56,26 @@ def test_l1_concurrent_clients_all_succeed_and_match_single_runs():
 def test_l2_burst_of_ten_times_queue_capacity():
     img = noise_png(112, 112)  # 16 tokens at the test budget
     with live_server(max_queue_tokens=64) as srv, srv.client() as c:
-        srv.engine.gate.clear()  # hold the encoder so the burst meets a full queue
+        srv.gate.clear()  # hold the encoder so the burst meets a full queue
         accepted: list[httpx.Response] = []
 
-        def send(results: list):
+        def send(results: list, seed: int):  # distinct images: identical ones would share one queued encode
             with srv.client() as cc:
-                results.append(cc.post("/encode", files=[("images", ("x.png", img))]))
+                results.append(cc.post("/encode", files=[("images", ("x.png", noise_png(112, 112, seed)))]))
 
-        waiting = [threading.Thread(target=send, args=(accepted,)) for _ in range(4)]
+        waiting = [threading.Thread(target=send, args=(accepted, 100 + k)) for k in range(5)]
         for t in waiting:
             t.start()
+        # the first request's image is in flight (held at the gate); the other 4 x 16 tokens fill the queue
         wait_until(lambda: srv.engine.queue_tokens == 64, "4 requests x 16 tokens queued")
         t0 = time.monotonic()
         rejected = [c.post("/encode", files=[("images", ("x.png", img))]) for _ in range(36)]
         reject_s = time.monotonic() - t0
         assert c.get("/ready").status_code == 200
-        srv.engine.gate.set()
+        srv.gate.set()
         for t in waiting:
             t.join(60)
-    assert [r.status_code for r in accepted] == [200] * 4
+    assert [r.status_code for r in accepted] == [200] * 5
     for r in rejected:
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "queue_full"
@@ -83,24 +84,33 @@ def test_l2_burst_of_ten_times_queue_capacity():
 
 
 def test_f8_client_disconnect_while_queued_is_never_encoded():
-    gone_img, other_img = noise_png(100, 100, seed=11), noise_png(100, 100, seed=12)
+    filler, gone_img, other_img = (noise_png(100, 100, seed=s) for s in (10, 11, 12))
     with live_server() as srv:
-        srv.engine.gate.clear()
+        srv.gate.clear()
+        done: list[httpx.Response] = []
+
+        def patient():
+            with srv.client() as cc:
+                done.append(cc.post("/encode", files=[("images", ("f.png", filler))]))
 
         def impatient():
             with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url, timeout=httpx.Timeout(30, read=1.0)) as cc:
                 cc.post("/encode", files=[("images", ("g.png", gone_img))])
 
+        held = threading.Thread(target=patient)
+        held.start()
+        wait_until(lambda: srv.metrics.value("vitserve_batch_images_count") == 1, "the filler in flight, held")
         t = threading.Thread(target=impatient)
         t.start()
+        wait_until(lambda: srv.engine.queue_images == 1, "the impatient request's image queued")
         t.join(30)
         wait_until(lambda: srv.engine.queue_images == 0, "the disconnected request's images withdrawn")
-        srv.engine.gate.set()
+        srv.gate.set()
+        held.join(30)
         with VitserveClient(srv.url) as c:
-            out = c.encode([other_img])
-        gone_id = hashlib.sha256(gone_img).hexdigest()
-        assert out["images"][0]["image_id"] in srv.engine.encoded_ids
-        assert gone_id not in srv.engine.encoded_ids
+            c.encode([other_img])
+        assert [r.status_code for r in done] == [200]
+        assert srv.metrics.value("vitserve_batch_images_sum") == 2  # filler and other: `gone` never reached it
         assert srv.metrics.value("vitserve_requests_total", code="499") == 1
 
 
@@ -149,10 +159,8 @@ def test_client_accepts_paths_bytes_and_pil_images(tmp_path):
 
 
 def test_bfloat16_embeddings_travel_bit_exact():
-    from tests.e2e.live import TEST_CONFIG
-    from tests.fakes import FakeEngine, TinyEncoder
-    from vitserve.metrics import Metrics
-    from vitserve.types import EncodedImage
+    from tests.fakes import TinyEncoder
+    from vitserve.contract import EncodedImage
 
     class Bf16Encoder(TinyEncoder):
         dtype = torch.bfloat16
@@ -161,7 +169,7 @@ def test_bfloat16_embeddings_travel_bit_exact():
             return [EncodedImage(o.embedding.to(torch.bfloat16)) for o in super().encode(items)]
 
     data = noise_png(90, 70, seed=6)
-    with live_server(engine=FakeEngine(TEST_CONFIG, Metrics(), encoder=Bf16Encoder())) as srv, \
+    with live_server(encoder=Bf16Encoder()) as srv, \
             VitserveClient(srv.url) as c:
         got = c.encode([data], return_embeddings=True)["images"][0]
         body = {"images": [{"b64": base64.b64encode(data).decode()}], "return_embeddings": True}

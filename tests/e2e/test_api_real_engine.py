@@ -96,7 +96,7 @@ def test_budget_guard_clamps_and_the_embedding_equals_the_hf_reference(real, che
     assert out["clamped"] is True
     assert out["num_tokens"] <= BUDGET
     assert out["original_size"] == [1200, 900]
-    item = load_image_processor(str(checkpoint), max_tokens=BUDGET).preprocess(
+    item = load_image_processor(str(checkpoint), budget_tokens=BUDGET).preprocess(
         decode_image(data, max_image_pixels=50_000_000).image)
     assert list(item.resized_size) == out["resized_size"]
     assert list(item.grid_thw) == out["grid_thw"]
@@ -269,7 +269,7 @@ def test_tp2_through_http_matches_the_hf_reference_and_reports_both_ranks(checkp
         info = c.info()
     assert (info["tp"], info["dp"]) == (2, 1)
     assert sorted(info["reserved_memory_bytes"]) == ["0", "1"]
-    item = load_image_processor(str(checkpoint), max_tokens=BUDGET).preprocess(
+    item = load_image_processor(str(checkpoint), budget_tokens=BUDGET).preprocess(
         decode_image(data, max_image_pixels=50_000_000).image)
     ref, _ = hf_reference(checkpoint, "qwen2_5_vl")(item.pixel_values, torch.tensor([item.grid_thw]))
     torch.testing.assert_close(out["embedding"], ref, rtol=1e-4, atol=1e-5)  # fp32 round-off, TP all_reduce

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cache-http")
-    processor = load_image_processor("qwen2_5_vl", max_tokens=256)
+    processor = load_image_processor("qwen2_5_vl", budget_tokens=256)
 
     def make_engine(config, metrics):
         return Engine(config, metrics, encoder_factory=FakeEncoderFactory(), environ={},
@@ -49,4 +49,4 @@ def test_a_repeated_image_is_served_from_the_cache(server):
     assert "vitserve_cache_hits_total 1.0" in text
     assert 'vitserve_images_total{outcome="cached"} 2.0' in text
     assert 'vitserve_images_total{outcome="encoded"} 2.0' in text
-    assert server.engine._table.fingerprint  # set from the ranks' model info and the processor clamp
+    assert server.engine._jobs.fingerprint  # set from the ranks' model info and the processor clamp

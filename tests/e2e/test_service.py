@@ -1,4 +1,5 @@
-"""The Service lifecycle in-process (FakeEngine, so the queue can be held still): drain, exit codes, banner."""
+"""The Service lifecycle in-process (the real Engine over a ThreadGroup, so the queue can be held still): drain,
+exit codes, banner."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_stop_drains_in_flight_refuses_new_and_exits_0():
     img = noise_png(120, 90)
     with live_server() as srv:
-        srv.engine.gate.clear()
+        srv.gate.clear()
         held: list[httpx.Response] = []
 
         def send():
@@ -26,7 +27,7 @@ def test_stop_drains_in_flight_refuses_new_and_exits_0():
 
         t = threading.Thread(target=send)
         t.start()
-        wait_until(lambda: srv.engine.queue_images == 1, "the first request queued")
+        wait_until(lambda: srv.metrics.value("vitserve_batch_images_count") == 1, "the first request in flight")
         srv.service.request_stop()  # what SIGTERM does
         wait_until(lambda: srv.service.state.draining, "draining")
         with srv.client() as c:
@@ -35,7 +36,7 @@ def test_stop_drains_in_flight_refuses_new_and_exits_0():
             assert late.json()["error"]["code"] == "not_ready"
             assert c.get("/ready").status_code == 503
             assert c.get("/health").status_code == 200
-        srv.engine.gate.set()
+        srv.gate.set()
         t.join(30)
     assert [r.status_code for r in held] == [200]
     assert srv.result["code"] == 0

@@ -8,6 +8,7 @@ import time
 
 from tests.fakes import FakeEncoderFactory
 from vitserve.config import Config
+from vitserve.contract import EncodeRequest, PreparedImage, ProcessedImage
 from vitserve.engine import Engine
 from vitserve.metrics import Metrics
 
@@ -27,8 +28,7 @@ async def running_engine(config: Config, factory: FakeEncoderFactory | None = Fa
     try:
         yield engine
     finally:
-        if not engine._draining:
-            await engine.shutdown()
+        await engine.shutdown()  # a second call is a no-op
         assert_gone(all_pids(engine))
 
 
@@ -61,3 +61,11 @@ def deadline(seconds: float = 30.0) -> float:
 def kill_quietly(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
+
+
+def encode(engine: Engine, request_id: str, items: list[ProcessedImage], image_ids: list[str], *, deadline: float,
+           return_embeddings: bool):
+    """engine.encode with the request built from plain items (the API builds it from decoded uploads)."""
+    images = tuple(PreparedImage(item, image_id, item.resized_size, 0.0, 0.0)
+                   for item, image_id in zip(items, image_ids, strict=True))
+    return engine.encode(EncodeRequest(request_id, images, deadline, return_embeddings))

@@ -13,12 +13,13 @@ import torch
 
 from tests.fakes import FakeEncoderFactory, fake_item, fake_reference
 from tests.integration.engine_helpers import all_pids, assert_gone, deadline, make_config
-from vitserve.cache import cache_fingerprint, cache_key, entry_nbytes
+from tests.integration.engine_helpers import encode as engine_encode
+from vitserve.contract import EncodedImage
 from vitserve.engine import Engine
+from vitserve.engine.cache import cache_fingerprint, entry_nbytes
 from vitserve.errors import Timeout
 from vitserve.metrics import Metrics
 from vitserve.rpc import EmbeddingReceiver
-from vitserve.types import EncodedImage
 
 ENTRY_BYTES = 16 * 32 * 4  # fake_item(4, 4): 16 tokens x embed_dim 32, fp32
 
@@ -46,8 +47,8 @@ async def running_engine(config, factory=None, **kwargs):
 
 def waiters(engine, img) -> int:
     """Requests' images currently waiting on the one queued/in-flight encode of `img`."""
-    shared = engine._table._inflight.get(cache_key(engine._table.fingerprint, img[1]))
-    return shared.waiters if shared is not None else 0
+    job = engine._jobs.job(img[1])
+    return job.claims if job is not None else 0
 
 
 def encoded_images(engine) -> float:
@@ -66,7 +67,7 @@ async def until(cond, what: str, limit_s: float = 10.0) -> None:
 
 async def encode(engine, rid, images, *, seconds=30.0, inline=True):
     items, ids = [i for i, _ in images], [d for _, d in images]
-    return await engine.encode(rid, items, ids, deadline=deadline(seconds), return_embeddings=inline)
+    return await engine_encode(engine, rid, items, ids, deadline=deadline(seconds), return_embeddings=inline)
 
 
 async def test_hit_miss_eviction_and_fingerprint(tmp_path):
@@ -74,7 +75,7 @@ async def test_hit_miss_eviction_and_fingerprint(tmp_path):
     config = make_config(tmp_path, cache_gb=2.5 * ENTRY_BYTES / 1024**3)
     async with running_engine(config, processor_clamp={"max_pixels": 12345}) as engine:
         m = engine.metrics
-        assert engine._table.fingerprint == cache_fingerprint(
+        assert engine._jobs.fingerprint == cache_fingerprint(
             config, {"max_pixels": 12345}, model_name="fake-encoder", family="qwen2_5_vl", dtype="float32",
             device="cpu")
         a, b, c = image(1), image(2), image(3)
@@ -84,7 +85,7 @@ async def test_hit_miss_eviction_and_fingerprint(tmp_path):
         assert (first.cached, again.cached) == (False, True)
         assert again.embedding.numpy().tobytes() == first.embedding.numpy().tobytes()
         torch.testing.assert_close(again.embedding, fake_reference(a[0]))
-        assert again.timing_ms["encode"] == 0.0
+        assert again.timing.encode_ms == 0.0
         assert encoded_images(engine) == 1  # the hit never reached the encoder
         assert (m.value("vitserve_cache_hits_total"), m.value("vitserve_cache_misses_total")) == (1, 1)
         assert m.value("vitserve_images_total", outcome="cached") == 1
@@ -93,7 +94,7 @@ async def test_hit_miss_eviction_and_fingerprint(tmp_path):
 
         await encode(engine, "r3", [b, c])  # a is the oldest: evicted to make room for c
         assert m.value("vitserve_cache_evictions_total") == 1
-        assert m.value("vitserve_cache_bytes") == 2 * ENTRY_BYTES <= engine._table.cache.max_bytes
+        assert m.value("vitserve_cache_bytes") == 2 * ENTRY_BYTES <= engine._jobs.cache.max_bytes
         (late,) = await encode(engine, "r4", [a])
         assert late.cached is False
         assert encoded_images(engine) == 4
@@ -106,7 +107,7 @@ async def test_hit_miss_eviction_and_fingerprint(tmp_path):
 async def test_identical_concurrent_images_are_encoded_once(tmp_path):
     config = make_config(tmp_path)  # --cache_gb 0: deduplication still applies
     async with running_engine(config, FakeEncoderFactory(sleep_s=0.3)) as engine:
-        assert engine._table.cache is None
+        assert engine._jobs.cache is None
         x = image(7)
         outs = await asyncio.gather(*(encode(engine, f"r{i}", [x, x]) for i in range(6)))
         assert encoded_images(engine) == 1  # 12 copies, one encode
@@ -119,7 +120,7 @@ async def test_identical_concurrent_images_are_encoded_once(tmp_path):
         m = engine.metrics
         assert m.value("vitserve_images_total", outcome="encoded") == 1
         assert m.value("vitserve_images_total", outcome="cached") == 11
-        assert engine._table.inflight_keys == 0
+        assert len(engine._jobs) == 0
         (after,) = await encode(engine, "later", [x])  # no cache: a later request encodes again
         assert after.cached is False
         assert encoded_images(engine) == 2
@@ -130,11 +131,11 @@ async def test_opaque_ids_are_never_shared(tmp_path):
     async with running_engine(make_config(tmp_path, cache_gb=0.001)) as engine:
         a, b = fake_item(4, 4, seed=1), fake_item(4, 4, seed=2)
         outs = await asyncio.gather(
-            engine.encode("r1", [a], ["img"], deadline=deadline(), return_embeddings=True),
-            engine.encode("r2", [b], ["img"], deadline=deadline(), return_embeddings=True))
+            engine_encode(engine, "r1", [a], ["img"], deadline=deadline(), return_embeddings=True),
+            engine_encode(engine, "r2", [b], ["img"], deadline=deadline(), return_embeddings=True))
         torch.testing.assert_close(outs[1][0].embedding, fake_reference(b))
         assert encoded_images(engine) == 2
-        assert len(engine._table.cache) == 0
+        assert len(engine._jobs.cache) == 0
 
 
 async def test_a_leaving_waiter_never_cancels_the_shared_encode(tmp_path):

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from tests.checkpoints import make_checkpoint
-from tests.integration.engine_helpers import deadline, make_config, running_engine
+from tests.integration.engine_helpers import deadline, encode, make_config, running_engine
 from vitserve.model import load_encoder
 from vitserve.processors import load_image_processor
 
@@ -26,15 +26,15 @@ def _images() -> list[Image.Image]:
 @pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.slow)])
 async def test_tp2_engine_equals_single_process_encoder(tmp_path, family):
     ckpt = make_checkpoint(family, tmp_path / "ckpt")
-    proc = load_image_processor(str(ckpt), max_tokens=BUDGET)
+    proc = load_image_processor(str(ckpt), budget_tokens=BUDGET)
     items = [proc.preprocess(img) for img in _images()]
     reference = load_encoder(str(ckpt), device="cpu", dtype=torch.float32).encode(
         [proc.preprocess(img) for img in _images()])
 
     config = make_config(tmp_path, model=str(ckpt), tp=2, dtype="float32", visual_batch_max_tokens=BUDGET)
     async with running_engine(config, factory=None) as engine:  # None: the production load_configured_encoder
-        assert engine.info()["family"] == family
-        results = await engine.encode("ckpt", items, ["a", "b", "c"], deadline=deadline(60), return_embeddings=True)
+        assert engine.info().family == family
+        results = await encode(engine, "ckpt", items, ["a", "b", "c"], deadline=deadline(60), return_embeddings=True)
     for ref, res in zip(reference, results, strict=True):
         torch.testing.assert_close(res.embedding, ref.embedding, rtol=1e-4, atol=1e-5)
         assert len(res.deepstack) == len(ref.deepstack)

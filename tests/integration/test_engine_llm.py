@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 
 from tests.fakes import FakeEncoderFactory, fake_item
-from tests.integration.engine_helpers import deadline, make_config, running_engine
+from tests.integration.engine_helpers import deadline, encode, make_config, running_engine
 from vitserve.errors import Timeout
 from vitserve.rpc import EmbeddingReceiver
 
@@ -29,7 +29,7 @@ async def test_every_image_arrives_once_in_request_order_byte_identical(tmp_path
         async with running_engine(make_config(tmp_path, tp=2, llm_endpoint=endpoint)) as engine:
             reqs = {f"r{i}": [fake_item(2 + (i + k) % 3, 4, seed=100 * i + k) for k in range(3)] for i in range(5)}
             outs = await asyncio.gather(*(
-                engine.encode(rid, items, [f"{rid}-{k}" for k in range(3)], deadline=deadline(), return_embeddings=True)
+                encode(engine, rid, items, [f"{rid}-{k}" for k in range(3)], deadline=deadline(), return_embeddings=True)
                 for rid, items in reqs.items()))
             inline = dict(zip(reqs, outs, strict=True))
             got = await asyncio.to_thread(_drain, rx)
@@ -56,7 +56,7 @@ async def test_f7_receiver_slow_then_gone_blocks_then_504_and_nothing_is_dropped
     async def run(engine, prefix: str, n_requests: int, n_images: int, seconds: float) -> dict:
         reqs = {f"{prefix}{i}": [fake_item(4, 4, seed=100 * i + k) for k in range(n_images)] for i in range(n_requests)}
         outs = await asyncio.gather(*(
-            engine.encode(rid, items, [str(k) for k in range(n_images)], deadline=deadline(seconds),
+            encode(engine, rid, items, [str(k) for k in range(n_images)], deadline=deadline(seconds),
                           return_embeddings=False) for rid, items in reqs.items()), return_exceptions=True)
         return dict(zip(reqs, outs, strict=True))
 

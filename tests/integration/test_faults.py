@@ -14,6 +14,7 @@ from tests.integration.engine_helpers import (
     all_pids,
     assert_gone,
     deadline,
+    encode,
     kill_quietly,
     make_config,
     running_engine,
@@ -30,13 +31,13 @@ def _config(tmp_path, **kw):
 
 def _request(engine, name: str, n: int = 1):
     items = [fake_item(4, 4, seed=hash(name) % 1000 + k) for k in range(n)]
-    return asyncio.create_task(engine.encode(name, items, [str(k) for k in range(n)], deadline=deadline(),
+    return asyncio.create_task(encode(engine, name, items, [str(k) for k in range(n)], deadline=deadline(),
                                              return_embeddings=False))
 
 
 async def _wait_not_ready(engine, within_s: float) -> float:
     start = time.monotonic()
-    while engine.readiness()[0]:
+    while engine.readiness().ready:
         assert time.monotonic() - start < within_s, "readiness still true"
         await asyncio.sleep(0.02)
     return time.monotonic() - start
@@ -47,10 +48,10 @@ async def test_f1_sigkill_idle_rank_fails_group_and_new_requests(tmp_path):
         pids = all_pids(engine)
         kill_quietly(pids[1], signal.SIGKILL)
         await _wait_not_ready(engine, within_s=2 * HEARTBEAT_S)
-        assert "rank 1" in engine.readiness()[1]
+        assert "rank 1" in engine.readiness().reason
         await asyncio.wait_for(engine.failed.wait(), 1)
         with pytest.raises(EncoderFailed, match="no encoder group is left"):
-            await engine.encode("new", [fake_item(2, 2, 0)], ["a"], deadline=deadline(), return_embeddings=False)
+            await encode(engine, "new", [fake_item(2, 2, 0)], ["a"], deadline=deadline(), return_embeddings=False)
         assert_gone(pids)  # rank 0 was torn down with its dead peer
 
 
@@ -93,7 +94,7 @@ async def test_f3_sigstop_is_found_by_missed_heartbeats(tmp_path):
             with pytest.raises(EncoderFailed, match="missed heartbeats"):
                 await task
             assert time.monotonic() - start < 2 * HEARTBEAT_S + 1.5
-            assert not engine.readiness()[0]
+            assert not engine.readiness().ready
             assert_gone(pids)  # SIGKILL also ends a stopped process
         finally:
             kill_quietly(pids[1], signal.SIGCONT)
@@ -119,4 +120,4 @@ async def test_startup_failure_names_the_knob_and_leaves_no_orphans(tmp_path):
         await engine.start()
     assert_gone(all_pids(engine))
     await engine.shutdown()  # what a CLI does on its way out: harmless after a failed start
-    assert engine.readiness()[0] is False
+    assert engine.readiness().ready is False

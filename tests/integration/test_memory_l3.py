@@ -1,7 +1,7 @@
 """Scenario L3: batches that fill the token budget exactly stay within the published reservation (CPU: RSS).
 
 A real Engine (tp=1) loads a tiny real checkpoint with the production load_encoder, reserves at start-up
-(vitserve.reservation: malloc_trim, reset VmHWM, one production forward on the worst case, publish the
+(vitserve/worker/stress.py: malloc_trim, reset VmHWM, one production forward on the worst case, publish the
 VmRSS growth) and then serves many batches whose tokens sum to EXACTLY the budget, in every composition the
 scheduler can form: one image of B tokens, a long thin one, equal halves / quarters, the image-count cap,
 and a mix. The worker's peak RSS over the whole run (VmHWM, never reset after the stress) minus the RSS it
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from tests.checkpoints import VISION_CONFIGS, make_checkpoint
-from tests.integration.engine_helpers import deadline, make_config, running_engine
-from vitserve.reservation import read_reservation
-from vitserve.types import ProcessedImage
+from tests.integration.engine_helpers import deadline, encode, make_config, running_engine
+from vitserve.contract import ProcessedImage
+from vitserve.reservation_file import read_reservation
 
 BUDGET = 1024  # merged tokens per batch
 MAX_IMAGES = 8  # --visual_infer_batch_size
@@ -79,14 +79,14 @@ async def test_full_budget_batches_stay_within_published_reservation(tmp_path, c
         published = read_reservation(config.runtime_dir, "cpu", 0)
         assert published is not None
         assert (published["source"], published["pid"]) == ("stress", pid)
-        assert engine.info()["reserved_memory_bytes"] == {0: published["bytes"]}
+        assert engine.info().reserved_memory_bytes == {0: published["bytes"]}
         hwm_ready = _vm_kib(pid, "VmHWM")
 
         seed = 0
         for _ in range(ROUNDS):
             for name, shape in COMPOSITIONS.items():
                 items = [_item(family, r, c, seed := seed + 1) for r, c in shape]
-                results = await engine.encode(name, items, [f"{name}{i}" for i in range(len(items))],
+                results = await encode(engine, name, items, [f"{name}{i}" for i in range(len(items))],
                                               deadline=deadline(60), return_embeddings=False)
                 assert sum(res.num_tokens for res in results) == BUDGET
         assert engine.metrics.value("vitserve_images_total", outcome="encoded") == \

@@ -14,7 +14,8 @@ import zmq
 
 from tests.e2e.netcheck import listening_sockets
 from tests.fakes import FakeEncoderFactory, fake_item, fake_reference
-from tests.integration.engine_helpers import deadline, kill_quietly, make_config, running_engine
+from tests.integration.engine_helpers import deadline, encode, kill_quietly, make_config, running_engine
+from vitserve.contract import Readiness
 
 
 def _read_logs(log_dir) -> dict[str, list[str]]:
@@ -31,7 +32,7 @@ async def _mixed_load(engine, n_requests: int, seed: int = 0):
 
     async def one(i, items):
         await asyncio.sleep(0.01 * (i % 5))  # staggered arrivals: batches of varying composition
-        return await engine.encode(f"r{i}", items, [str(k) for k in range(len(items))], deadline=deadline(),
+        return await encode(engine, f"r{i}", items, [str(k) for k in range(len(items))], deadline=deadline(),
                                    return_embeddings=True)
 
     outs = await asyncio.gather(*(one(i, items) for i, items in enumerate(reqs)))
@@ -59,9 +60,9 @@ async def test_l4_idle_past_the_dist_timeout_then_serve(tmp_path, idle_s):
     config = make_config(tmp_path, tp=2, heartbeat_s=1.0, dist_timeout_s=3.0)
     async with running_engine(config) as engine:
         await asyncio.sleep(idle_s)  # twice --dist_timeout_s: only heartbeats keep rank 1's broadcast alive
-        assert engine.readiness() == (True, "ok")
+        assert engine.readiness() == Readiness(True, "ok")
         item = fake_item(3, 3, seed=5)
-        (res,) = await engine.encode("after-idle", [item], ["a"], deadline=deadline(), return_embeddings=True)
+        (res,) = await encode(engine, "after-idle", [item], ["a"], deadline=deadline(), return_embeddings=True)
         torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
         assert engine.metrics.value("vitserve_heartbeats_total") >= idle_s / 1.0 - 2
 
@@ -82,9 +83,9 @@ async def test_dp2_both_groups_serve_and_one_survives_the_other(tmp_path):
         while engine.groups()[0]["state"] != "failed":
             await asyncio.sleep(0.05)
         assert engine.groups()[1]["state"] == "ready"
-        ready, reason = engine.readiness()
-        assert not ready  # a dead rank is never "ready" (docs/design.md invariant 5), though group 1 still serves
-        assert "group 0" in reason
+        readiness = engine.readiness()
+        assert not readiness.ready  # a dead rank is never "ready" (docs/design.md invariant 5), though group 1 still serves
+        assert "group 0" in readiness.reason
         await _mixed_load(engine, 4, seed=1000)  # group 1 serves the whole queue
         assert not engine.failed.is_set()
         assert engine.metrics.value("vitserve_workers_ready") == 1
@@ -101,9 +102,9 @@ async def test_s4_garbage_and_pickle_on_the_status_socket_are_dropped(tmp_path):
         sock.close(linger=1000)
         ctx.term()
         item = fake_item(2, 2, seed=1)
-        (res,) = await engine.encode("after", [item], ["a"], deadline=deadline(), return_embeddings=True)
+        (res,) = await encode(engine, "after", [item], ["a"], deadline=deadline(), return_embeddings=True)
         torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
-        assert engine.readiness() == (True, "ok")
+        assert engine.readiness() == Readiness(True, "ok")
 
 
 async def test_s1_ranks_listen_on_loopback_only(tmp_path):
@@ -119,10 +120,10 @@ async def test_a_blocked_event_loop_does_not_kill_healthy_ranks(tmp_path):
 
     async with running_engine(make_config(tmp_path, heartbeat_s=1.0)) as engine:
         time.sleep(3.0)  # the API process hogs its loop (3 x heartbeat): ALIVE reports pile up unread
-        assert engine.readiness() == (True, "ok")
+        assert engine.readiness() == Readiness(True, "ok")
         await asyncio.sleep(1.0)  # the watchdog and the status reader run again
         assert engine.groups()[0]["state"] == "ready"
-        assert engine.readiness() == (True, "ok")
+        assert engine.readiness() == Readiness(True, "ok")
         item = fake_item(2, 2, seed=3)
-        (res,) = await engine.encode("after", [item], ["a"], deadline=deadline(), return_embeddings=True)
+        (res,) = await encode(engine, "after", [item], ["a"], deadline=deadline(), return_embeddings=True)
         torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)

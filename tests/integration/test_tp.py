@@ -18,7 +18,7 @@ CASES = [(f, {}) for f in FAMILIES] + [("internvl", {"qk_norm": False})]  # Inte
 def _sharded_outputs(rank: int, world: int, cases) -> dict:
     """Per rank: build the same seeded tower, shard it, run the packed batch."""
     from vitserve.errors import ConfigError
-    from vitserve.parallel.tp import apply_tp
+    from vitserve.model.tp import apply_tp
 
     results: dict = {}
     for family, kwargs in cases:

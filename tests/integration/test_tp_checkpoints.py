@@ -19,8 +19,8 @@ SIZES = [(100, 60), (56, 56), (90, 130)]  # (w, h): different grids / tile count
 
 def _encode_sharded(rank: int, world: int, paths: dict, items: dict) -> dict:
     from vitserve.model import load_encoder
-    from vitserve.parallel.tp import apply_tp
-    from vitserve.reservation import reserve
+    from vitserve.model.tp import apply_tp
+    from vitserve.worker.stress import reserve
 
     out: dict = {}
     for family, path in paths.items():

@@ -35,7 +35,7 @@ BUDGET_TOKENS = 256
 DECODE_ERRORS = (InvalidImage, PayloadTooLarge)  # decode_image's docstring
 PREPROCESS_ERRORS = (ImageTooSmall, AspectRatioTooLarge, OverTokenBudget)  # VisionProcessor.plan's docstring
 
-PROCESSOR = load_image_processor("qwen2_5_vl", max_tokens=BUDGET_TOKENS)
+PROCESSOR = load_image_processor("qwen2_5_vl", budget_tokens=BUDGET_TOKENS)
 _counts = {"decoded": 0, "preprocessed": 0}
 
 

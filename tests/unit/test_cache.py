@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vitserve.cache import (
+from vitserve.config import Config
+from vitserve.contract import EncodedImage
+from vitserve.engine.cache import (
     EmbeddingCache,
     cache_bytes_from_gb,
     cache_fingerprint,
@@ -13,9 +15,7 @@ from vitserve.cache import (
     entry_nbytes,
     make_cache,
 )
-from vitserve.config import Config
 from vitserve.metrics import Metrics
-from vitserve.types import EncodedImage
 
 
 def enc(rows: int, dim: int = 4, *, deepstack: int = 0, seed: int = 0) -> EncodedImage:

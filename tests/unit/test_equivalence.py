@@ -16,8 +16,8 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from tests.checkpoints import FAMILIES, VISION_CONFIGS, hf_reference, make_checkpoint
+from vitserve.contract import ProcessedImage
 from vitserve.model import load_encoder
-from vitserve.types import ProcessedImage
 
 LAYOUTS = ("model.visual", "visual")
 
@@ -139,7 +139,7 @@ def test_vitserve_processor_pixels_match_hf_reference(checkpoints):
     processors = pytest.importorskip("vitserve.processors")
     for family in FAMILIES:
         path = checkpoints(family)
-        proc = processors.load_image_processor(str(path), max_tokens=0)
+        proc = processors.load_image_processor(str(path), budget_tokens=0)
         ref = hf_reference(path, family)
         enc = load_encoder(str(path))
         items = [proc.preprocess(image(*s)) for s in COMPOSITIONS["mixed"]]

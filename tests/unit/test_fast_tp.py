@@ -1,4 +1,4 @@
-"""The optimized attention under a simulated tensor-parallel shard (what vitserve/parallel/tp.py does).
+"""The optimized attention under a simulated tensor-parallel shard (what vitserve/model/tp.py does).
 
 TP keeps the modules, slices qkv by heads (column parallel) and proj by input columns (row parallel),
 sets `num_heads` to the local count, and all-reduces proj's output. Summing the shards' outputs here

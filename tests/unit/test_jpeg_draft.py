@@ -79,7 +79,7 @@ def test_no_draft_target_decodes_exactly_as_before(photo):
 @pytest.mark.parametrize("budget", [16, 64, 256, 1024, 0])
 @pytest.mark.parametrize("size", [(1600, 1200), (1200, 1600), (1599, 901), (3000, 200)])
 def test_draft_keeps_the_full_paths_plan(family, budget, size):
-    processor = load_image_processor(family, max_tokens=budget)
+    processor = load_image_processor(family, budget_tokens=budget)
     data = jpeg_bytes(photo_like(*size, seed=size[0]))
     full = _prepare(data, processor, jpeg_draft=False)
     draft = _prepare(data, processor, jpeg_draft=True)
@@ -98,7 +98,7 @@ def test_draft_keeps_the_full_paths_plan(family, budget, size):
 
 
 def test_draft_pixels_stay_close_to_the_full_decode():
-    processor = load_image_processor("qwen2_5_vl", max_tokens=64)
+    processor = load_image_processor("qwen2_5_vl", budget_tokens=64)
     data = jpeg_bytes(photo_like(1600, 1200, seed=9))
     full = _prepare(data, processor, jpeg_draft=False)
     draft = _prepare(data, processor, jpeg_draft=True)
@@ -113,7 +113,7 @@ def test_exif_rotation_is_planned_on_the_oriented_size():
     exif[0x0112] = 6  # rotate 90 degrees: oriented size is 1200x1600
     buf = io.BytesIO()
     stored.save(buf, format="JPEG", quality=90, exif=exif.tobytes())
-    processor = load_image_processor("qwen2_5_vl", max_tokens=64)
+    processor = load_image_processor("qwen2_5_vl", budget_tokens=64)
     full = _prepare(buf.getvalue(), processor, jpeg_draft=False)
     draft = _prepare(buf.getvalue(), processor, jpeg_draft=True)
     assert full.original_size == draft.original_size == (1200, 1600)
@@ -124,7 +124,7 @@ def test_exif_rotation_is_planned_on_the_oriented_size():
 
 
 def test_internvl_keeps_the_full_decode():
-    processor = load_image_processor("internvl", max_tokens=256)
+    processor = load_image_processor("internvl", budget_tokens=256)
     assert JpegDraft(processor)(1600, 1200) is None
 
 
@@ -171,7 +171,7 @@ async def test_the_api_pipeline_uses_the_flag(jpeg_draft):
     from vitserve.api.pipeline import Preprocessor
     from vitserve.metrics import Metrics
 
-    processor = load_image_processor("qwen2_5_vl", max_tokens=64)
+    processor = load_image_processor("qwen2_5_vl", budget_tokens=64)
     data = jpeg_bytes(photo_like(1600, 1200, seed=11))
     pre = Preprocessor(processor, max_image_pixels=0, metrics=Metrics(), workers=1, jpeg_draft=jpeg_draft)
     try:

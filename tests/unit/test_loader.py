@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import FAMILIES, make_checkpoint, vision_prefixes
+from vitserve.contract import ProcessedImage
 from vitserve.errors import ConfigError
 from vitserve.model import Encoder, load_encoder
 from vitserve.model.adapters import ADAPTERS
 from vitserve.model.loader import model_name_of
 from vitserve.model.weights import INDEX_FILE, read_vision_weights
-from vitserve.types import ProcessedImage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

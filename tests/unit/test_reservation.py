@@ -10,19 +10,18 @@ import pytest
 import torch
 
 from tests.checkpoints import make_checkpoint
+from vitserve.config import GIB
 from vitserve.errors import ConfigError
 from vitserve.families import DISABLED_BUDGET_TOKENS
 from vitserve.model import load_encoder
-from vitserve.reservation import (
-    GIB,
-    near_square_grid,
+from vitserve.reservation_file import (
     publish_reservation,
     read_reservation,
     remove_reservation,
     reservation_path,
-    reserve,
-    worst_case_items,
 )
+from vitserve.worker.stress import reserve
+from vitserve.worker.worst_case import near_square_grid, worst_case_items
 
 torch.set_num_threads(1)
 

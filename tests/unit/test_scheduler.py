@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from vitserve.scheduler import Scheduler
+from vitserve.engine.scheduler import Scheduler
 
 
 def drain(s: Scheduler) -> list[list]:

@@ -7,7 +7,7 @@ import torch
 
 from tests.tp_towers import _qwen_class, build_visual
 from vitserve.errors import ConfigError
-from vitserve.parallel.tp import check_shardable, find_blocks
+from vitserve.model.tp import check_shardable, find_blocks
 
 
 def _meta_qwen25(**overrides):

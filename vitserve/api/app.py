@@ -1,9 +1,9 @@
-"""The FastAPI application: routes of docs/api.md and the one place errors become HTTP responses."""
+"""The FastAPI application: the routes, and the one handler that turns any exception into a typed error
+(rendered by errors.http_error, like the edge's refusals)."""
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,28 +14,26 @@ from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vitserve
+from vitserve.api.edge import Edge, ServerState
 from vitserve.api.encode import EncodeHandler
-from vitserve.api.middleware import FrontDoor, ServerState
 from vitserve.api.openapi import DOCS_ASSETS_URL, ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
 from vitserve.api.pipeline import Preprocessor
 from vitserve.config import Config
-from vitserve.errors import InvalidRequest, NotReady, VitserveError
+from vitserve.contract import Engine
+from vitserve.errors import InvalidRequest, NotReady, VitserveError, http_error
 from vitserve.metrics import CONTENT_TYPE, Metrics
 from vitserve.processors.base import VisionProcessor
-from vitserve.types import EncodeEngine
 
 log = logging.getLogger(__name__)
 _HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 
 
-def error_response(err: VitserveError) -> JSONResponse:
-    """The single mapping from a typed error to its HTTP answer (docs/api.md body, Retry-After on 503 queue_full)."""
-    headers = {}
-    if err.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+def error_response(err: VitserveError) -> Response:
+    """A typed error as the route's answer, rendered by errors.http_error like the edge's refusals."""
     if err.status >= 500:
         log.warning("%s: %s", err.code, err.message)
-    return JSONResponse(err.to_body(), status_code=err.status, headers=headers)
+    status, headers, body = http_error(err)
+    return Response(body, status_code=status, headers=headers)
 
 
 def _as_vitserve_error(exc: Exception) -> VitserveError:
@@ -51,20 +49,19 @@ def _as_vitserve_error(exc: Exception) -> VitserveError:
     return VitserveError("internal error; see the server log")
 
 
-async def _handle(_request: Request, exc: Exception) -> JSONResponse:
+async def _handle(_request: Request, exc: Exception) -> Response:
     return error_response(_as_vitserve_error(exc))
 
 
-def info_body(config: Config, engine: EncodeEngine, processor: VisionProcessor) -> dict[str, Any]:
+def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dict[str, Any]:
     info = engine.info()
     return {
-        "model": info.get("model"), "family": info.get("family", processor.family),
-        "tp": info.get("tp", config.tp), "dp": info.get("dp", config.dp),
-        "embed_dim": info.get("embed_dim"), "dtype": info.get("dtype"),
-        "budget_tokens": config.visual_batch_max_tokens, "max_batch_images": config.visual_infer_batch_size,
+        "model": info.model, "family": info.family, "tp": info.tp, "dp": info.dp,
+        "embed_dim": info.embed_dim, "dtype": info.dtype,
+        "budget_tokens": config.budget_tokens, "max_batch_images": config.max_batch_images,
         "processor_clamp": processor.clamp_info(),
-        "reserved_memory_bytes": {str(k): v for k, v in (info.get("reserved_memory_bytes") or {}).items()},
-        "reserved_source": info.get("reserved_source"),
+        "reserved_memory_bytes": {str(k): v for k, v in info.reserved_memory_bytes.items()},
+        "reserved_source": info.reserved_source,
         "limits": {
             "max_queue_tokens": config.queue_token_limit, "max_images_per_request": config.max_images_per_request,
             "max_request_bytes": config.max_request_bytes, "max_image_pixels": config.max_image_pixels,
@@ -74,7 +71,8 @@ def info_body(config: Config, engine: EncodeEngine, processor: VisionProcessor) 
     }
 
 
-def create_app(config: Config, engine: EncodeEngine, processor: VisionProcessor, metrics: Metrics, *, state: ServerState | None = None) -> FastAPI:
+def create_app(config: Config, engine: Engine, processor: VisionProcessor, metrics: Metrics, *,
+               state: ServerState | None = None) -> FastAPI:
     """The ASGI app. `state` lets the entry point flip `draining` on SIGTERM; app.state.server holds it."""
     state = state or ServerState()
     # /docs and /redoc with Swagger UI / ReDoc files from the installed fastapi-offline package, never a
@@ -100,12 +98,10 @@ def create_app(config: Config, engine: EncodeEngine, processor: VisionProcessor,
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
-        ok, reason = engine.readiness()
-        if state.draining:
-            ok, reason = False, "shutting down"
-        if not ok:
-            return error_response(NotReady(f"not ready: {reason}"))
+    async def ready() -> Response:  # while draining, the edge answers instead
+        readiness = engine.readiness()
+        if not readiness.ready:
+            return error_response(NotReady(f"not ready: {readiness.reason}"))
         return JSONResponse({"status": "ready"})
 
     @app.get("/v1/info")
@@ -117,7 +113,7 @@ def create_app(config: Config, engine: EncodeEngine, processor: VisionProcessor,
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    app.add_middleware(FrontDoor, api_key=config.api_key, state=state, metrics=metrics)
+    app.add_middleware(Edge, api_key=config.api_key, state=state, metrics=metrics)
     return app
 
 

@@ -25,12 +25,12 @@ from vitserve.api.inputs import (
     parse_json_body,
     parse_multipart_body,
 )
-from vitserve.api.pipeline import PreparedImage, Preprocessor
+from vitserve.api.pipeline import Preprocessor
 from vitserve.config import Config
-from vitserve.errors import InvalidRequest, QueueFull, Timeout, VitserveError
+from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage
+from vitserve.errors import InvalidRequest, Timeout, VitserveError
 from vitserve.metrics import Metrics
 from vitserve.rpc.tensors import dtype_name, tensor_to_buffer
-from vitserve.types import EncodeEngine, ImageResult
 
 log = logging.getLogger(__name__)
 _DEADLINE_GRACE_S = 5.0  # the engine enforces the deadline; this only guards against an engine that does not
@@ -41,7 +41,7 @@ def tensor_json(t: torch.Tensor) -> dict[str, Any]:
 
 
 class EncodeHandler:
-    def __init__(self, config: Config, engine: EncodeEngine, preprocessor: Preprocessor, metrics: Metrics):
+    def __init__(self, config: Config, engine: Engine, preprocessor: Preprocessor, metrics: Metrics):
         self.config = config
         self.engine = engine
         self.pre = preprocessor
@@ -52,7 +52,7 @@ class EncodeHandler:
         parsed: ParsedRequest | None = None
         try:
             parsed = await self._parse_within(request, deadline)
-            self._refuse_if_queue_full()
+            self.engine.admit(None)  # a full queue refuses before any decoding is spent
             blobs = await fetch_sources(parsed.sources, self.config, deadline)
             prepared = await self.pre.prepare(blobs, deadline)
             self._count_accepted(prepared)
@@ -74,13 +74,6 @@ class EncodeHandler:
             self.metrics.image_tokens.observe(p.item.num_tokens)
             if p.item.clamped:
                 self.metrics.images_clamped_total.inc()
-
-    def _refuse_if_queue_full(self) -> None:
-        """Fast path of the engine's own check: skip decoding when the queue is already at its limit."""
-        limit = self.config.queue_token_limit
-        if limit is not None and self.engine.queue_tokens >= limit:
-            raise QueueFull(f"{self.engine.queue_tokens} tokens queued, limit {limit} (--max_queue_tokens)",
-                            retry_after_s=1.0)
 
     async def _parse_within(self, request: Request, deadline: float) -> ParsedRequest:
         """A body that trickles in (slowloris) is bounded by the request deadline too."""
@@ -107,10 +100,9 @@ class EncodeHandler:
         """The engine's results, or None when the client went away first (its queued work is cancelled)."""
         if await request.is_disconnected():  # left while we decoded: enqueue nothing at all
             return None
-        work = asyncio.ensure_future(self.engine.encode(
-            parsed.request_id, [p.item for p in prepared], [p.image_id for p in prepared],
-            deadline=deadline, return_embeddings=parsed.return_embeddings,
-        ))
+        work = asyncio.ensure_future(self.engine.encode(EncodeRequest(
+            request_id=parsed.request_id, images=tuple(prepared), deadline=deadline,
+            return_embeddings=parsed.return_embeddings)))
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             timeout = deadline - time.monotonic() + _DEADLINE_GRACE_S
@@ -141,14 +133,14 @@ class EncodeHandler:
             images.append(out)
 
         def stage(name: str) -> float:  # queue/encode/send overlap across images: the request waited the max
-            return round(max((r.timing_ms.get(name, 0.0) for r in results), default=0.0), 3)
+            return round(max((getattr(r.timing, f"{name}_ms") for r in results), default=0.0), 3)
 
         timing = {
             "decode": round(sum(p.decode_s for p in prepared) * 1000, 3),
             "preprocess": round(sum(p.preprocess_s for p in prepared) * 1000, 3),
             "queue": stage("queue"), "encode": stage("encode"), "send": stage("send"),
         }
-        return {"request_id": parsed.request_id, "model": self.engine.info().get("model", ""),
+        return {"request_id": parsed.request_id, "model": self.engine.info().model,
                 "images": images, "timing_ms": timing}
 
 

@@ -14,17 +14,14 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
+from vitserve.contract import PreparedImage
 from vitserve.errors import InvalidImage, Timeout, VitserveError
 from vitserve.metrics import Metrics
+from vitserve.processors.base import VisionProcessor
 from vitserve.processors.draft import JpegDraft
-from vitserve.processors.prepare import PreparedImage, prepare_image
-
-if TYPE_CHECKING:
-    from vitserve.processors.base import VisionProcessor
-
-__all__ = ["PreparedImage", "Preprocessor", "default_workers"]
+from vitserve.processors.prepare import prepare_image
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """Running the app: uvicorn on a socket we bound, the engine started beside it, SIGTERM -> drain.
 
-Drain order (F6): stop taking /encode (503 not_ready), let every in-flight request finish, shut the
-engine down (its own drain), then close the HTTP server. uvicorn's own signal capture is disabled: it
+Drain order (Service._drain, the only drain): the edge refuses /encode and /ready (503 not_ready), every
+active request finishes, the engine stops its groups, then the HTTP server closes. uvicorn's own signal capture is disabled: it
 would close the listening socket first and re-raise the signal afterwards, turning a clean drain into a
 death by SIGTERM (exit -15).
 """
@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator
 import uvicorn
 
 from vitserve.api.app import create_app
-from vitserve.api.middleware import ServerState
+from vitserve.api.edge import ServerState
 from vitserve.config import Config
+from vitserve.contract import Engine
 from vitserve.errors import ConfigError
 from vitserve.metrics import Metrics
 from vitserve.processors.base import VisionProcessor
-from vitserve.types import EncodeEngine
 
 log = logging.getLogger("vitserve")
 
@@ -55,7 +55,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 class Service:
     """One vitserve process: HTTP front door + engine. `run()` returns the process exit code."""
 
-    def __init__(self, config: Config, engine: EncodeEngine, processor: VisionProcessor, metrics: Metrics, *,
+    def __init__(self, config: Config, engine: Engine, processor: VisionProcessor, metrics: Metrics, *,
                  sock: socket.socket | None = None, banner: Callable[[Service], str] | None = None):
         self.config = config
         self.engine = engine
@@ -112,10 +112,12 @@ class Service:
         return code
 
     async def _drain(self, *, graceful: bool) -> None:
+        """The one drain sequence: the edge refuses new work and /ready, the requests being served finish
+        (each bounded by its deadline), then the engine stops its groups."""
         self.state.draining = True
-        log.info("draining: refusing new requests, finishing %d in flight", self.state.in_flight)
+        log.info("draining: refusing new requests, finishing %d active", self.state.active_requests)
         give_up = time.monotonic() + self.config.request_timeout_s + 5
-        while graceful and self.state.in_flight and time.monotonic() < give_up:
+        while graceful and self.state.active_requests and time.monotonic() < give_up:
             await asyncio.sleep(0.05)
         try:
             await self.engine.shutdown()
@@ -125,8 +127,7 @@ class Service:
 
     async def _watch_engine(self) -> None:
         """Returns when the engine says no encoder group is left (engine.failed, an asyncio.Event)."""
-        failed = getattr(self.engine, "failed", None)
-        await (failed or asyncio.Event()).wait()  # an engine without the signal: only a signal stops us
+        await self.engine.failed.wait()
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from vitserve.types import EncodedImage, ProcessedImage
+from vitserve.contract import EncodedImage, ProcessedImage
 
 
 @runtime_checkable

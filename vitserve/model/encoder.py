@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.model.adapters import FamilyAdapter
-from vitserve.types import EncodedImage, ProcessedImage
 
 
 class HFVisionEncoder:

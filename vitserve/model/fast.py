@@ -6,7 +6,7 @@ What is slow in HF's packed forward (measured in bench/encoder.py, see bench/RES
   * rotary embedding builds several full-size temporaries per layer (float copies, rotate_half's cat).
 Each replacement computes the same math, so outputs equal HF's to fp32 round-off.
 
-Contract with the tensor-parallel pass (vitserve/parallel/tp.py): every HF submodule keeps its name and is
+Contract with the tensor-parallel pass (vitserve/model/tp.py): every HF submodule keeps its name and is
 called as a module (qkv, proj, fc1, fc2, gate_proj, up_proj, down_proj, linear_fc1, linear_fc2, q_proj, ...),
 and the head count is read from `self.num_heads` at forward time (TP sets it to the local count); the head
 dim comes from the width of qkv's output. No weight is copied or cached here.

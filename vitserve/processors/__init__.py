@@ -1,12 +1,13 @@
 """Model-family image processors with an unbreakable per-image token budget (docs/processing.md, docs/design.md invariant 1).
 
-Usage: ``proc = load_image_processor(checkpoint_dir | family | "demo", max_tokens=8192)``, then
+Usage: ``proc = load_image_processor(checkpoint_dir | family | "demo", budget_tokens=8192)``, then
 ``proc.count_tokens(width, height) -> int`` and ``proc.preprocess(pil_image) -> ProcessedImage``.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 from vitserve.errors import ConfigError
@@ -23,13 +24,13 @@ from vitserve.processors.internvl import InternVLProcessor
 from vitserve.processors.qwen import QwenProcessor
 
 
-def _patches(family: str, checkpoint: Path | None, max_tokens: int) -> VisionProcessor:
-    return QwenProcessor(family, qwen_hf_processor(family, checkpoint), max_tokens)
+def _patches(family: str, checkpoint: Path | None, budget_tokens: int) -> VisionProcessor:
+    return QwenProcessor(family, qwen_hf_processor(family, checkpoint), budget_tokens)
 
 
-def _tiles(family: str, checkpoint: Path | None, max_tokens: int) -> VisionProcessor:
+def _tiles(family: str, checkpoint: Path | None, budget_tokens: int) -> VisionProcessor:
     hf, patch, tokens_per_tile = internvl_hf_processor(family, checkpoint)
-    return InternVLProcessor(family, hf, max_tokens, patch_size=patch, tokens_per_tile=tokens_per_tile)
+    return InternVLProcessor(family, hf, budget_tokens, patch_size=patch, tokens_per_tile=tokens_per_tile)
 
 
 # One builder per registry layout; every model_type the registry accepts resolves to one of these.
@@ -46,16 +47,22 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def load_image_processor(name_or_path: str, max_tokens: int = 0, *, family: str = "auto") -> VisionProcessor:
-    """A family processor clamped to ``max_tokens`` image tokens per image (0 = exactly as HF ships it).
+def load_image_processor(name_or_path: str, budget_tokens: int = 0, *, family: str = "auto",
+                         max_tokens: int | None = None) -> VisionProcessor:
+    """A family processor clamped to ``budget_tokens`` image tokens per image (0 = exactly as HF ships it).
 
     ``name_or_path``: a checkpoint directory (read offline), a family name, or "demo" (= qwen2_5_vl).
     ``family``: "auto" reads it from the checkpoint's config.json (what --model_family auto does).
+    ``max_tokens``: the old name of ``budget_tokens``; deprecated, kept for one release.
     """
-    if max_tokens < 0:
-        raise ConfigError(f"--visual_batch_max_tokens must be >= 0, got {max_tokens}")
+    if max_tokens is not None:
+        warnings.warn("load_image_processor(max_tokens=) is deprecated; pass budget_tokens=",
+                      DeprecationWarning, stacklevel=2)
+        budget_tokens = max_tokens
+    if budget_tokens < 0:
+        raise ConfigError(f"--visual_batch_max_tokens must be >= 0, got {budget_tokens}")
     checkpoint, family = _resolve(str(name_or_path), family)
-    proc = _BUILDERS[FAMILIES[family].layout](family, checkpoint, max_tokens)
+    proc = _BUILDERS[FAMILIES[family].layout](family, checkpoint, budget_tokens)
     check_geometry(proc.clamp_info(), tower_geometry(checkpoint))  # before any rank starts
     _warn_if_minimum_above_budget(proc)
     return proc
@@ -80,11 +87,11 @@ def _resolve(name_or_path: str, family: str) -> tuple[Path | None, str]:
 def _warn_if_minimum_above_budget(proc: VisionProcessor) -> None:
     info = proc.clamp_info()
     minimum = info.get("min_tokens") or info.get("tokens_per_tile")
-    if proc.max_tokens > 0 and minimum and minimum > proc.max_tokens:
+    if proc.budget_tokens > 0 and minimum and minimum > proc.budget_tokens:
         log.warning(
             "the %s processor's minimum of %d tokens per image is above --visual_batch_max_tokens=%d: "
             "images it must grow (or every image, for tiles) will be refused with 413 over_token_budget",
             proc.family,
             minimum,
-            proc.max_tokens,
+            proc.budget_tokens,
         )

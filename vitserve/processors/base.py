@@ -7,10 +7,10 @@ from typing import Any
 
 from PIL import Image
 
+from vitserve.contract import ProcessedImage
 from vitserve.errors import VitserveError
 from vitserve.images import to_rgb
 from vitserve.processors.budget import Plan
-from vitserve.types import ProcessedImage
 
 
 class VisionProcessor(ABC):
@@ -22,7 +22,7 @@ class VisionProcessor(ABC):
 
     family: str
     hf: Any  # the clamped HF image processor object; calling it directly also respects the budget
-    max_tokens: int  # per-image token budget; 0 = no clamp
+    budget_tokens: int  # per-image token budget; 0 = no clamp
 
     @abstractmethod
     def plan(self, width: int, height: int) -> Plan:

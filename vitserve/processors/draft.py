@@ -19,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from vitserve.contract import ProcessedImage
 from vitserve.errors import VitserveError
 from vitserve.families import FAMILIES
 from vitserve.images import DecodedImage
-from vitserve.types import ProcessedImage
 
 if TYPE_CHECKING:  # importing vitserve.processors loads transformers; only the type is needed here
     from vitserve.processors.base import VisionProcessor

@@ -14,16 +14,16 @@ from typing import Any
 from PIL import Image
 from transformers import GotOcr2ImageProcessorPil
 
+from vitserve.contract import ProcessedImage
 from vitserve.processors.base import VisionProcessor, as_rgb, call_hf, check_grid
 from vitserve.processors.budget import Plan, TileGeometry, plan_tiles
-from vitserve.types import ProcessedImage
 
 
 class InternVLProcessor(VisionProcessor):
-    def __init__(self, family: str, hf: GotOcr2ImageProcessorPil, max_tokens: int, *, patch_size: int, tokens_per_tile: int):
+    def __init__(self, family: str, hf: GotOcr2ImageProcessorPil, budget_tokens: int, *, patch_size: int, tokens_per_tile: int):
         self.family = family
         self.hf = hf
-        self.max_tokens = max_tokens
+        self.budget_tokens = budget_tokens
         self.geometry = TileGeometry(
             tile_height=int(hf.size["height"]),
             tile_width=int(hf.size["width"]),
@@ -32,13 +32,13 @@ class InternVLProcessor(VisionProcessor):
             min_patches=int(hf.min_patches),
             max_patches=int(hf.max_patches),
         )
-        if max_tokens > 0:
+        if budget_tokens > 0:
             # the clamp lives in the HF object, so calling it directly respects the budget too
-            self.hf.max_patches = self.geometry.clamped_max_patches(max_tokens)
+            self.hf.max_patches = self.geometry.clamped_max_patches(budget_tokens)
             self.hf.min_patches = min(self.geometry.min_patches, self.hf.max_patches)
 
     def plan(self, width: int, height: int) -> Plan:
-        return plan_tiles(width, height, self.geometry, self.max_tokens)
+        return plan_tiles(width, height, self.geometry, self.budget_tokens)
 
     def preprocess(self, image: Image.Image) -> ProcessedImage:
         plan = self.plan(*image.size)
@@ -57,7 +57,7 @@ class InternVLProcessor(VisionProcessor):
     def clamp_info(self) -> dict[str, Any]:
         return {
             "family": self.family,
-            "max_tokens": self.max_tokens,
+            "max_tokens": self.budget_tokens,
             "max_patches": int(self.hf.max_patches),
             "min_patches": int(self.hf.min_patches),
             "tile_size": self.geometry.tile_height,

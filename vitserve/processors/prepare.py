@@ -9,24 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
 
+from vitserve.contract import PreparedImage
 from vitserve.images import decode_image
 from vitserve.processors.base import VisionProcessor
 from vitserve.processors.draft import JpegDraft
-from vitserve.types import ProcessedImage
-
-
-@dataclass(frozen=True)
-class PreparedImage:
-    """One image ready for the engine."""
-
-    item: ProcessedImage
-    image_id: str  # hex sha256 of the bytes as received
-    original_size: tuple[int, int]  # (width, height) after EXIF orientation
-    decode_s: float
-    preprocess_s: float
-    draft_scale: int = 1  # 1, 2, 4 or 8: the reduced JPEG decode --jpeg_draft used (1 = full decode)
 
 
 def prepare_image(

@@ -9,18 +9,18 @@ from PIL import Image
 from transformers import Qwen2VLImageProcessorPil
 from transformers.image_utils import SizeDict
 
+from vitserve.contract import ProcessedImage
 from vitserve.processors.base import VisionProcessor, as_rgb, call_hf, check_grid
 from vitserve.processors.budget import Plan, QwenGeometry, plan_qwen
-from vitserve.types import ProcessedImage
 
 
 class QwenProcessor(VisionProcessor):
     """pixel_values: HF's flat patches (num_patches, C*T*P*P); grid_thw = (1, h_patches, w_patches)."""
 
-    def __init__(self, family: str, hf: Qwen2VLImageProcessorPil, max_tokens: int):
+    def __init__(self, family: str, hf: Qwen2VLImageProcessorPil, budget_tokens: int):
         self.family = family
         self.hf = hf
-        self.max_tokens = max_tokens
+        self.budget_tokens = budget_tokens
         self.geometry = QwenGeometry(
             patch_size=int(hf.patch_size),
             merge_size=int(hf.merge_size),
@@ -35,9 +35,9 @@ class QwenProcessor(VisionProcessor):
         transformers 5.x reads only ``size["longest_edge"]`` (``min_pixels``/``max_pixels`` init kwargs are
         folded into ``size``); older versions read a ``max_pixels`` attribute, set too where it exists.
         """
-        if self.max_tokens <= 0:
+        if self.budget_tokens <= 0:
             return  # exactly as HF ships it
-        clamp = self.geometry.clamped_max_pixels(self.max_tokens)
+        clamp = self.geometry.clamped_max_pixels(self.budget_tokens)
         size = self.hf.size
         if isinstance(size, SizeDict):
             new = {"longest_edge": clamp}
@@ -50,7 +50,7 @@ class QwenProcessor(VisionProcessor):
             self.hf.max_pixels = clamp
 
     def plan(self, width: int, height: int) -> Plan:
-        return plan_qwen(width, height, self.geometry, self.max_tokens)
+        return plan_qwen(width, height, self.geometry, self.budget_tokens)
 
     def preprocess(self, image: Image.Image) -> ProcessedImage:
         plan = self.plan(*image.size)
@@ -74,10 +74,10 @@ class QwenProcessor(VisionProcessor):
         )
 
     def clamp_info(self) -> dict[str, Any]:
-        clamp = self.geometry.clamped_max_pixels(self.max_tokens)
+        clamp = self.geometry.clamped_max_pixels(self.budget_tokens)
         return {
             "family": self.family,
-            "max_tokens": self.max_tokens,
+            "max_tokens": self.budget_tokens,
             "max_pixels": clamp,
             "longest_edge": clamp,  # HF's size["longest_edge"] is a pixel count for this processor
             "min_pixels": self.geometry.min_pixels,

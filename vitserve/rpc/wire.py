@@ -22,7 +22,7 @@ import torch
 
 from vitserve.rpc.tensors import dtype_name, tensor_from_buffer, tensor_to_buffer
 
-WIRE_VERSION = 1
+WIRE_VERSION = 1  # also `vitserve.WIRE_VERSION` (loaded lazily from here)
 EMBEDDING_DTYPES = ("float32", "float16", "bfloat16")
 MAX_HEADER_BYTES = 64 * 1024  # a real header is ~300 bytes; refuse to msgpack-parse anything huge
 

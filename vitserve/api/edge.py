@@ -1,39 +1,42 @@
-"""The outermost ASGI layer: bearer-key check, drain refusal, in-flight count, requests_total{code}.
+"""The outermost ASGI layer: bearer-key check, the draining refusal, active_requests, requests_total{code}.
 
 A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware, so the request's `receive` stays the
 server's own: the /encode handler needs it to notice a client that disconnects while its images queue.
+While the Service drains, this is the one place that refuses: /encode gets 503 not_ready (and the
+connection closes) and /ready says "shutting down", so a load balancer stops sending work.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vitserve.errors import NotReady, Unauthorized, VitserveError
+from vitserve.errors import NotReady, Unauthorized, VitserveError, http_error
 from vitserve.metrics import Metrics
 
 OPEN_PATHS = frozenset({"/health"})
 WORK_PATHS = frozenset({"/encode"})
+READY_PATH = "/ready"
 
 
 class ServerState:
-    """What the signal handler and the routes share: draining flag and the number of /encode in flight."""
+    """What the Service and the edge share: the draining flag and the number of /encode requests served now."""
 
     def __init__(self) -> None:
-        self.draining = False
-        self.in_flight = 0
+        self.draining = False  # set once by Service's drain; never cleared
+        self.active_requests = 0
 
 
 async def send_error(send: Send, err: VitserveError, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps(err.to_body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers + (extra_headers or [])})
+    status, headers, body = http_error(err)
+    raw = [(k.encode(), v.encode()) for k, v in headers.items()]
+    raw.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw + (extra_headers or [])})
     await send({"type": "http.response.body", "body": body})
 
 
-class FrontDoor:
+class Edge:
     def __init__(self, app: ASGIApp, *, api_key: str | None, state: ServerState, metrics: Metrics):
         self.app = app
         self.key = f"Bearer {api_key}".encode() if api_key else None
@@ -68,6 +71,9 @@ class FrontDoor:
             err = Unauthorized("missing or wrong API key; send 'Authorization: Bearer <key>' (--api_key)")
             await send_error(send, err, [(b"www-authenticate", b"Bearer")])
             return
+        if self.state.draining and scope["path"] == READY_PATH:
+            await send_error(send, NotReady("not ready: shutting down"))
+            return
         if scope["path"] not in WORK_PATHS:
             await self.app(scope, receive, send)
             return
@@ -75,8 +81,8 @@ class FrontDoor:
             await send_error(send, NotReady("vitserve is shutting down and accepts no new work"),
                              [(b"connection", b"close")])
             return
-        self.state.in_flight += 1
+        self.state.active_requests += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.state.in_flight -= 1
+            self.state.active_requests -= 1

@@ -19,7 +19,7 @@ import time
 
 import zmq
 
-from vitserve.parallel import messages as m
+from vitserve.worker import messages as m
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1

@@ -1,4 +1,4 @@
-"""vitserve/parallel/messages.py: typed internal messages round-trip; garbage and pickle are refused."""
+"""vitserve/worker/messages.py: typed internal messages round-trip; garbage and pickle are refused."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import msgpack
 import pytest
 import torch
 
-from vitserve.parallel import messages as m
-from vitserve.types import EncodedImage, ProcessedImage
+from vitserve.contract import EncodedImage, ProcessedImage
+from vitserve.worker import messages as m
 
 
 def _roundtrip(msg):

@@ -1,12 +1,15 @@
-"""The engine: what the HTTP front end calls. Owns the queue, the futures, deadlines and the LLM push.
+"""The engine: what the HTTP front end calls (contract.Engine). Owns admission, Jobs, groups and the LLM push.
 
     engine = Engine(config, metrics)            # encoder_factory=None -> load_configured_encoder
     await engine.start()                         # spawn dp x tp ranks, wait for every READY
-    results = await engine.encode(request_id, items, image_ids, deadline=..., return_embeddings=False)
-    await engine.shutdown()                      # drain, STOP, join, clean files
+    engine.admit(None)                           # the one queue rule; raises QueueFull with Retry-After
+    results = await engine.encode(EncodeRequest(...))
+    await engine.shutdown()                      # STOP, join, clean files
 
+This is the only module that calls both the JobTable (jobs.py) and the Dispatcher (dispatch.py): a new
+Job goes to the dispatcher's queue, and the Jobs a request leaves orphaned go to `dispatch.cancel`.
 `engine.failed` (asyncio.Event) is set when no encoder group is left (every rank of every group died or
-hung): from then on encode() raises EncoderFailed, and the CLI should exit non-zero.
+hung): from then on admit() raises EncoderFailed, and the Service exits non-zero.
 """
 
 from __future__ import annotations
@@ -25,30 +28,32 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from vitserve.cache import make_cache
 from vitserve.config import Config
-from vitserve.engine_dedup import Slot, WorkTable
-from vitserve.engine_dispatch import Dispatcher
-from vitserve.engine_send import LLMPush
+from vitserve.contract import EncodedImage, EncodeRequest, EngineInfo, ImageResult, Readiness, StageTimes
+from vitserve.engine.cache import make_cache
+from vitserve.engine.dispatch import Dispatcher
+from vitserve.engine.groups import GroupState, Watchdog, WorkerGroup, free_port
+from vitserve.engine.jobs import Claim, JobTable
+from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
 from vitserve.metrics import Metrics
 from vitserve.model.base import Encoder
-from vitserve.parallel import messages as m
-from vitserve.parallel.pool import GroupState, WorkerGroup, free_port
-from vitserve.parallel.watchdog import Watchdog
-from vitserve.parallel.worker import Rendezvous, load_configured_encoder, startup_timeout_s
-from vitserve.types import EncodedImage, ImageResult, ProcessedImage
+from vitserve.reservation_file import remove_reservation
+from vitserve.worker.rank import Rendezvous, load_configured_encoder, startup_timeout_s
 
 log = logging.getLogger(__name__)
+GroupFactory = Callable[..., WorkerGroup]  # WorkerGroup's constructor, or a test's in-process group
 
 
 class Engine:
     def __init__(self, config: Config, metrics: Metrics, *, encoder_factory: Callable[[Config], Encoder] | None = None,
-                 environ: Mapping[str, str] | None = None, processor_clamp: Mapping[str, Any] | None = None):
+                 environ: Mapping[str, str] | None = None, processor_clamp: Mapping[str, Any] | None = None,
+                 group_factory: GroupFactory = WorkerGroup):
         self.config = config
         self.metrics = metrics
         self.encoder_factory = encoder_factory or load_configured_encoder
         self.processor_clamp = processor_clamp  # the processor's clamp_info(); part of the cache fingerprint
+        self._group_factory = group_factory
         self._init_rendezvous(os.environ if environ is None else environ)
         self._init_state()
 
@@ -62,46 +67,50 @@ class Engine:
     def _init_state(self) -> None:
         self._dispatch = Dispatcher(self.config, self.metrics)
         self.failed = self._dispatch.all_failed  # set when no encoder group is left
-        self._table = WorkTable(self._dispatch, make_cache(self.config, self.metrics))  # cache + dedup
+        self._jobs = JobTable(make_cache(self.config, self.metrics))  # cache + dedup
         self._started = False
-        self._draining = False
-        self._active = 0  # encode() calls in progress
+        self._stopping = False  # shutdown() began: admit() refuses, readiness() says so
+        self._closed = False  # torn down (after shutdown() or a failed start())
         self._tasks: list[asyncio.Task[None]] = []
         self._ipc_dir: str | None = None
-        self._closed = False  # torn down (after shutdown() or a failed start())
         self._push: LLMPush | None = None  # once started with --llm_endpoint
 
     # ------------------------------------------------------------------------------------ start / stop
 
     async def start(self) -> None:
         """Spawn dp x tp ranks and return once every rank reported READY (after its reservation)."""
-        self._init_llm_push()  # first: a bad --llm_endpoint fails before any rank is spawned
+        if self.config.llm_endpoint:  # first: a bad --llm_endpoint fails before any rank is spawned
+            self._push = LLMPush(self.config.llm_endpoint, self.metrics)
         self._ipc_dir = tempfile.mkdtemp(prefix="vitserve-")  # 0700: only this user reaches the sockets
-        self._zmq = zmq.asyncio.Context()
-        self._sync_zmq = zmq.Context()
-        self._status = self._zmq.socket(zmq.PULL)
-        self._status.setsockopt(zmq.LINGER, 0)
-        status_endpoint = f"ipc://{self._ipc_dir}/status"
-        self._status.bind(status_endpoint)
+        self._open_sockets()
+        groups = self._dispatch.groups
         for g in range(self.config.dp):
-            group = WorkerGroup(g, self.config, self.encoder_factory, ctx=self._sync_zmq, ipc_dir=self._ipc_dir,
-                                status_endpoint=status_endpoint, rendezvous=self._rendezvous(g))
-            self._dispatch.groups.append(group)
-        self._watchdog = Watchdog(self._dispatch.groups, self.config.heartbeat_s, self._dispatch.fail_group)
+            groups.append(self._group_factory(g, self.config, self.encoder_factory, ctx=self._sync_zmq,
+                                              ipc_dir=self._ipc_dir, status_endpoint=self._status_endpoint,
+                                              rendezvous=self._rendezvous(g)))
+        self._watchdog = Watchdog(groups, self.config.heartbeat_s, self._dispatch.fail_group)
         self._tasks = [asyncio.create_task(self._dispatch.read_status(self._status), name="vitserve-status"),
                        asyncio.create_task(self._watchdog.run(), name="vitserve-watchdog")]
-        for group in self._dispatch.groups:
+        for group in groups:
             group.spawn()
         try:
             await self._wait_ready()
         except BaseException:
             await self._teardown()
             raise
+        info = self.info()
         if self._push is not None:
-            self._push.model = self.info()["model"]  # known once the ranks loaded it
-        self._table.set_fingerprint(self.config, self.processor_clamp, self.info(),
-                                    self._dispatch.groups[0].ready[0].device)
+            self._push.model = info.model  # known once the ranks loaded it
+        self._jobs.set_fingerprint(self.config, self.processor_clamp, info, groups[0].ready[0].device)
         self._started = True
+
+    def _open_sockets(self) -> None:
+        self._zmq = zmq.asyncio.Context()
+        self._sync_zmq = zmq.Context()
+        self._status = self._zmq.socket(zmq.PULL)
+        self._status.setsockopt(zmq.LINGER, 0)
+        self._status_endpoint = f"ipc://{self._ipc_dir}/status"
+        self._status.bind(self._status_endpoint)
 
     def _rendezvous(self, group: int) -> Rendezvous:
         if self._master_addr is None:
@@ -122,23 +131,16 @@ class Engine:
                                   "(--dist_timeout_s, at least 120 s)")
             await asyncio.sleep(0.05)
 
-    def _init_llm_push(self) -> None:
-        if self.config.llm_endpoint:
-            self._push = LLMPush(self.config.llm_endpoint, self.metrics)
-
     async def shutdown(self) -> None:
-        """Refuse new work, let accepted requests finish (each bounded by its deadline), stop the ranks.
-        Safe to call twice, after a failed start(), or without start()."""
-        self._draining = True
+        """Refuse new work and stop the ranks. The Service lets the active requests finish first (its
+        drain); work still pending here fails with NotReady. Safe to call twice, after a failed start(),
+        or without start()."""
+        self._stopping = True
         if self._ipc_dir is None or self._closed:
             return
-        cap = time.monotonic() + self.config.request_timeout_s + 5
-        while self._active and time.monotonic() < cap:
-            await asyncio.sleep(0.05)
         stopping = [g for g in self._dispatch.groups if g.state is GroupState.READY]
         for group in stopping:
-            group.send(m.StopMsg())
-            group.state = GroupState.STOPPED  # the watchdog leaves it alone while it exits
+            group.stop()
         for group in stopping:
             if not await asyncio.to_thread(group.join, max(5.0, 2 * self.config.heartbeat_s)):
                 log.warning("group %d did not stop cleanly; killing it", group.index)
@@ -149,6 +151,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self._dispatch.fail_all(NotReady("the server shut down before this image was encoded"))
         for group in self._dispatch.groups:
             group.kill()
             self._remove_reservations(group)
@@ -168,44 +171,38 @@ class Engine:
 
     def _remove_reservations(self, group: WorkerGroup) -> None:
         """Ranks remove their own file on a clean exit; this covers ranks that were killed."""
-        from vitserve.reservation import remove_reservation
-
         for rank, ready in group.ready.items():
-            device = ready.device.split(":")[0]
-            remove_reservation(self.config.runtime_dir, device, group.index * self.config.tp + rank)
+            remove_reservation(self.config.runtime_dir, ready.device.split(":")[0], group.global_rank(rank))
 
     # ------------------------------------------------------------------------------------ state
 
-    def readiness(self) -> tuple[bool, str]:
-        if self._draining:
-            return False, "shutting down"
+    def readiness(self) -> Readiness:
+        if self._stopping:
+            return Readiness(False, "shutting down")
         if not self._started:
-            return False, "encoder ranks are starting (loading weights, reserving memory)"
+            return Readiness(False, "encoder ranks are starting (loading weights, reserving memory)")
         failed = [g.failure for g in self._dispatch.groups if g.state is GroupState.FAILED]
         if failed:
-            return False, "; ".join(f for f in failed if f)
-        now, limit = time.monotonic(), 2 * self.config.heartbeat_s
-        if self._watchdog.loop_stalled(now):  # our loop was blocked: reports may be unread, not missing
-            return True, "ok"
+            return Readiness(False, "; ".join(f for f in failed if f))
+        now = time.monotonic()
         for group in self._dispatch.groups:
-            for rank, seen in enumerate(group.last_seen):
-                if now - seen > limit:
-                    return False, f"rank {rank} of group {group.index} has not reported for {now - seen:.1f}s"
-        return True, "ok"
+            reason = self._watchdog.health(group, now)  # the watchdog's own verdict, before it acts on it
+            if reason is not None:
+                return Readiness(False, reason)
+        return Readiness(True, "ok")
 
-    def info(self) -> dict[str, Any]:
-        readies = [(g.index * self.config.tp + r, msg) for g in self._dispatch.groups for r, msg in g.ready.items()]
-        first = readies[0][1] if readies else None
-        return {
-            "model": first.model_name if first else None,
-            "family": first.family if first else None,
-            "embed_dim": first.embed_dim if first else None,
-            "dtype": first.dtype if first else None,
-            "tp": self.config.tp,
-            "dp": self.config.dp,
-            "reserved_memory_bytes": {rank: msg.reserved_bytes for rank, msg in sorted(readies)},
-            "reserved_source": first.reserved_source if first else None,
-        }
+    def info(self) -> EngineInfo:
+        groups = self._dispatch.groups
+        if not any(len(g.ready) == self.config.tp for g in groups):
+            raise NotReady("encoder ranks are still starting")
+        readies = sorted((g.global_rank(r), msg) for g in groups for r, msg in g.ready.items())
+        first = readies[0][1]
+        return EngineInfo(model=first.model_name, family=first.family, embed_dim=first.embed_dim, dtype=first.dtype,
+                          tp=self.config.tp, dp=self.config.dp,
+                          reserved_memory_bytes={rank: msg.reserved_bytes for rank, msg in readies},
+                          reserved_source=first.reserved_source)  # type: ignore[arg-type]
+
+    # -------------------------------------------------------------------- views for the CLI and tests
 
     @property
     def queue_tokens(self) -> int:
@@ -231,62 +228,66 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ encode
 
-    async def encode(self, request_id: str, items: list[ProcessedImage], image_ids: list[str], *,
-                     deadline: float, return_embeddings: bool) -> list[ImageResult]:
-        """Encode a request's images, push each to the LLM in order, return once all were handed over.
-        Cache hits and images already queued or encoding (same sha256 image_id) are not encoded again."""
-        self._admit([])
-        slots = self._table.acquire(items, image_ids, deadline)  # see engine_dedup.py
-        self._active += 1
-        try:
-            fresh = self._table.fresh_works(slots)
-            self._admit([w.item for w in fresh])  # only new work counts against --max_queue_tokens
-            self._dispatch.add(fresh)
-            return await self._complete(request_id, slots, image_ids, deadline, return_embeddings)
-        finally:
-            self._table.release(slots)  # timeout, disconnect or error: drop queued work nobody else awaits
-            self._active -= 1
-
-    def _admit(self, items: list[ProcessedImage]) -> None:
-        if self._draining:
+    def admit(self, tokens: int | None) -> None:
+        """The one admission rule. `tokens` more queued tokens are refused when the queue already holds
+        some and the sum would pass --max_queue_tokens; None (before decoding) counts as one token. An
+        empty queue always admits, so one request larger than the limit is not refused forever, and
+        0 tokens (every image a cache hit or already queued) always pass the queue check."""
+        if self._stopping:
             raise NotReady("the server is shutting down and accepts no new requests")
         if self.failed.is_set():
             reasons = "; ".join(g.failure or "" for g in self._dispatch.groups)
             raise EncoderFailed(f"no encoder group is left to serve: {reasons}")
         if not self._started:
             raise NotReady("encoder ranks are still starting")
-        limit = self.config.queue_token_limit
-        queued, tokens = self.queue_tokens, sum(it.num_tokens for it in items)
-        # An empty queue always admits, so one request larger than the limit is not refused forever.
-        if limit is not None and queued and tokens and queued + tokens > limit:
-            raise QueueFull(f"{queued} tokens are queued and this request adds {tokens}, above --max_queue_tokens "
-                            f"{limit}", retry_after_s=self._retry_after_s(queued))
+        limit, queued = self.config.queue_token_limit, self.queue_tokens
+        adding = 1 if tokens is None else tokens
+        if limit is not None and queued and adding and queued + adding > limit:
+            more = "" if tokens is None else f" and this request adds {tokens}"
+            raise QueueFull(f"{queued} tokens are queued{more}, above --max_queue_tokens {limit}",
+                            retry_after_s=self._retry_after_s(queued))
 
     def _retry_after_s(self, queued: int) -> float:
         rate = self._dispatch.tokens_per_s
         return float(min(60, max(1, math.ceil(queued / rate)))) if rate > 0 else 1.0
 
-    async def _complete(self, request_id: str, slots: list[Slot], image_ids: list[str], deadline: float,
-                        return_embeddings: bool) -> list[ImageResult]:
+    async def encode(self, request: EncodeRequest) -> list[ImageResult]:
+        """Encode a request's images, push each to the LLM in order, return once all were handed over.
+        Cache hits and images already queued or encoding (same sha256 image_id) are not encoded again."""
+        self.admit(0)  # refuses when stopping, failed or starting, before any image is claimed
+        claims = self._jobs.claim(request.images, request.deadline)
+        try:
+            new = self._jobs.new_jobs(claims)
+            self.admit(sum(job.item.num_tokens for job in new))  # only new Jobs count against the limit
+            self._dispatch.add(new)
+            return await self._collect(request, claims)
+        finally:  # result, error, timeout or disconnect: Jobs nobody else claims leave the queue
+            self._dispatch.cancel(self._jobs.release(claims))
+
+    async def _collect(self, request: EncodeRequest, claims: list[Claim]) -> list[ImageResult]:
+        """Await each claim in request order and push it to the LLM before the next (the send order)."""
         results = []
-        for k, slot in enumerate(slots):
-            # shielded: this request leaving must not cancel an encode that other requests share
-            encoded = slot.cached
+        for k, claim in enumerate(claims):
+            encoded = claim.cached
             if encoded is None:
-                encoded = await _wait(asyncio.shield(slot.future), deadline, request_id)
+                assert claim.job is not None
+                # shielded: this request leaving must not cancel an encode that other requests share
+                encoded = await _wait(asyncio.shield(claim.job.future), request.deadline, request.request_id)
             send_s = 0.0
             if self._push is not None:  # image k goes out only after 0..k-1 were handed over
-                send_s = await self._push.push(request_id=request_id, image_index=k, num_images=len(slots),
-                                               image_id=image_ids[k], item=slot.item, encoded=encoded,
-                                               deadline=deadline)
-            if slot.reused:  # a cache hit, or another request's encode of the same image
+                send_s = await self._push.push(request=request, image_index=k, encoded=encoded)
+            if claim.reused:  # a cache hit, or another request's encode of the same image
                 self.metrics.images_total.labels(outcome="cached").inc()
-            queue_s, encode_s = slot.timing
-            results.append(ImageResult(
-                num_tokens=slot.item.num_tokens, embedding=encoded.embedding if return_embeddings else None,
-                deepstack=list(encoded.deepstack) if return_embeddings else [], cached=slot.reused,
-                timing_ms={"queue": queue_s * 1e3, "encode": encode_s * 1e3, "send": send_s * 1e3}))
+            results.append(_result(claim, encoded, send_s, request.return_embeddings))
         return results
+
+
+def _result(claim: Claim, encoded: EncodedImage, send_s: float, return_embeddings: bool) -> ImageResult:
+    queue_s, encode_s = claim.timing
+    return ImageResult(
+        num_tokens=claim.image.item.num_tokens, embedding=encoded.embedding if return_embeddings else None,
+        deepstack=tuple(encoded.deepstack) if return_embeddings else (), cached=claim.reused,
+        timing=StageTimes(queue_ms=queue_s * 1e3, encode_ms=encode_s * 1e3, send_ms=send_s * 1e3))
 
 
 def _startup_hint(failure: str | None) -> str:

@@ -18,8 +18,8 @@ from typing import Any
 import msgpack
 import torch
 
+from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.rpc.tensors import dtype_name, tensor_from_buffer, tensor_to_buffer
-from vitserve.types import EncodedImage, ProcessedImage
 
 VERSION = 1
 

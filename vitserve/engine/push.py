@@ -12,9 +12,9 @@ import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from vitserve.contract import EncodedImage, EncodeRequest
 from vitserve.metrics import Metrics
 from vitserve.rpc.sender import LLMSender
-from vitserve.types import EncodedImage, ProcessedImage
 
 
 class LLMPush:
@@ -25,13 +25,14 @@ class LLMPush:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitserve-llm-send")
         self.sent = 0  # messages handed to ZMQ (the receiver must see exactly this many)
 
-    async def push(self, *, request_id: str, image_index: int, num_images: int, image_id: str,
-                   item: ProcessedImage, encoded: EncodedImage, deadline: float) -> float:
+    async def push(self, *, request: EncodeRequest, image_index: int, encoded: EncodedImage) -> float:
         """Hand one image to ZMQ; returns the seconds it took. Raises Timeout past the deadline."""
+        image = request.images[image_index]
         call = functools.partial(
-            self._sender.send_embedding, request_id=request_id, image_index=image_index, num_images=num_images,
-            image_id=image_id, model=self.model, grid_thw=tuple(item.grid_thw), embedding=encoded.embedding,
-            deepstack=list(encoded.deepstack), deadline=deadline)
+            self._sender.send_embedding, request_id=request.request_id, image_index=image_index,
+            num_images=len(request.images), image_id=image.image_id, model=self.model,
+            grid_thw=tuple(image.item.grid_thw), embedding=encoded.embedding, deepstack=list(encoded.deepstack),
+            deadline=request.deadline)
         start = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(self._thread, call)
         seconds = time.monotonic() - start

@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vitserve.parallel.messages import BatchMsg, Kind
-from vitserve.types import ProcessedImage
+from vitserve.contract import ProcessedImage
+from vitserve.worker.messages import BatchMsg, Kind
 
 _KIND_CODES = {Kind.HEARTBEAT: 0, Kind.BATCH: 1, Kind.STOP: 2}
 _KINDS = {v: k for k, v in _KIND_CODES.items()}
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.uint8]
+_PIXEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.uint8]  # index = the dtype code broadcast to the peers
 _META_LEN = 6
 _FIXED_COLS = 7  # t, h, w, num_tokens, width, height, clamped
 
@@ -27,7 +27,7 @@ def send_step(kind: Kind, batch: BatchMsg | None, device: torch.device) -> None:
     items = batch.items if batch is not None else []
     pv = [it.pixel_values for it in items]
     ndim = pv[0].dim() if pv else 0
-    dtype_code = _DTYPES.index(pv[0].dtype) if pv else 0
+    dtype_code = _PIXEL_DTYPES.index(pv[0].dtype) if pv else 0
     total = sum(t.numel() for t in pv)
     batch_id = batch.batch_id if batch is not None else -1
     meta = torch.tensor([_KIND_CODES[kind], batch_id, len(items), ndim, dtype_code, total], dtype=torch.int64)
@@ -50,7 +50,7 @@ def recv_step(device: torch.device) -> tuple[Kind, BatchMsg | None]:
         return kind, None
     table = torch.empty((n_items, _FIXED_COLS + ndim), dtype=torch.int64, device=device)
     dist.broadcast(table, src=0)
-    flat = torch.empty(total, dtype=_DTYPES[dtype_code], device=device)
+    flat = torch.empty(total, dtype=_PIXEL_DTYPES[dtype_code], device=device)
     dist.broadcast(flat, src=0)
     return kind, BatchMsg(batch_id=batch_id, items=_rebuild(table.cpu().tolist(), flat))  # pixels stay on device
 

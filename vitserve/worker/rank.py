@@ -22,13 +22,13 @@ import torch.distributed as dist
 import zmq
 
 from vitserve.config import Config
+from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.errors import ConfigError
 from vitserve.model.base import Encoder
-from vitserve.parallel import broadcast
-from vitserve.parallel import messages as m
-from vitserve.parallel.liveness import LivenessThread, LoopCounters, die_with_parent
 from vitserve.rpc.tensors import dtype_name
-from vitserve.types import EncodedImage, ProcessedImage
+from vitserve.worker import broadcast
+from vitserve.worker import messages as m
+from vitserve.worker.liveness import LivenessThread, LoopCounters, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -176,17 +176,18 @@ class RankWorker:
         self.encoder = enc = self.args.encoder_factory(self.cfg)
         # Encoders that shard themselves (test fakes) say so; real towers get the TP pass.
         if self.distributed and not getattr(enc, "handles_tp", False):
-            from vitserve.parallel.tp import apply_tp  # only needed for tp > 1
+            from vitserve.model.tp import apply_tp  # only needed for tp > 1
 
             apply_tp(enc.visual, enc.family)
 
     def _init_reservation(self) -> None:
-        from vitserve.reservation import publish_reservation, reserve
+        from vitserve.reservation_file import publish_reservation
+        from vitserve.worker.stress import reserve
 
         override = self.cfg.visual_reserved_mem_gb
         assert self.encoder is not None
-        res = reserve(self.encoder, budget_tokens=self.cfg.visual_batch_max_tokens,
-                      max_batch_images=self.cfg.visual_infer_batch_size, override_gb=override)
+        res = reserve(self.encoder, budget_tokens=self.cfg.budget_tokens,
+                      max_batch_images=self.cfg.max_batch_images, override_gb=override)
         publish_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source)
         self.reservation = res
 
@@ -303,6 +304,6 @@ class RankWorker:
     def _remove_reservation(self) -> None:
         if getattr(self, "reservation", None) is None:
             return
-        from vitserve.reservation import remove_reservation
+        from vitserve.reservation_file import remove_reservation
 
         remove_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank)

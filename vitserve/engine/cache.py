@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
-from vitserve.config import Config
+from vitserve.config import GIB, Config
+from vitserve.contract import EncodedImage
 from vitserve.metrics import Metrics
-from vitserve.types import EncodedImage
 
-GIB = 1024**3
 FINGERPRINT_VERSION = 1  # bump when the meaning of an entry changes (e.g. a new field in EncodedImage)
 
 

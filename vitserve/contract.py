@@ -1,0 +1,126 @@
+"""The one contract between the HTTP front end and the engine, and the image types both sides share.
+
+The API knows an engine only through `Engine` below; it never imports `vitserve.engine`, and the engine
+never imports `vitserve.api`. The dataclasses say everything the API may know about the engine: what it
+sends (`EncodeRequest` of `PreparedImage`s), what it gets back (`ImageResult` with `StageTimes`), and the
+engine's facts and health (`EngineInfo`, `Readiness`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+
+
+@dataclass
+class ProcessedImage:
+    """One image after the family's processor, ready for the encoder (docs/processing.md)."""
+
+    pixel_values: torch.Tensor  # (num_patches, C*T*P*P) for Qwen families; (num_tiles, C, H, W) for InternVL
+    grid_thw: tuple[int, int, int]  # patch grid before merge (InternVL: (num_tiles, h, w) of one tile)
+    num_tokens: int  # merged tokens = rows of the embedding
+    resized_size: tuple[int, int]  # (width, height) fed to the encoder
+    clamped: bool  # True when the token budget shrank the image
+
+
+@dataclass
+class EncodedImage:
+    """The encoder's output for one image."""
+
+    embedding: torch.Tensor  # (num_tokens, dim)
+    deepstack: list[torch.Tensor] = field(default_factory=list)  # each (num_tokens, dim); Qwen3-VL/3.5 only
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """One image of a request, decoded and preprocessed: what the API hands the engine."""
+
+    item: ProcessedImage
+    image_id: str  # hex sha256 of the bytes as received (the engine's dedup and cache key)
+    original_size: tuple[int, int]  # (width, height) after EXIF orientation
+    decode_s: float
+    preprocess_s: float
+    draft_scale: int = 1  # 1, 2, 4 or 8: the reduced JPEG decode --jpeg_draft used (1 = full decode)
+
+
+@dataclass(frozen=True)
+class EncodeRequest:
+    """Every image of one HTTP request; the engine answers one ImageResult per image, in this order."""
+
+    request_id: str
+    images: tuple[PreparedImage, ...]
+    deadline: float  # time.monotonic() based
+    return_embeddings: bool
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.item.num_tokens for p in self.images)
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Milliseconds one image spent in each engine stage (zero for a stage it skipped)."""
+
+    queue_ms: float = 0.0
+    encode_ms: float = 0.0
+    send_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class ImageResult:
+    """The engine's answer for one image of a request."""
+
+    num_tokens: int
+    embedding: torch.Tensor | None  # (num_tokens, dim); None unless return_embeddings was asked
+    deepstack: tuple[torch.Tensor, ...] = ()  # each (num_tokens, dim)
+    cached: bool = False  # a cache hit, or another request's encode of the same image
+    timing: StageTimes = StageTimes()
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the encoder ranks reported at start-up: the banner and /v1/info show it."""
+
+    model: str
+    family: str
+    embed_dim: int
+    dtype: str
+    tp: int
+    dp: int
+    reserved_memory_bytes: dict[int, int]  # global rank -> bytes reserved for the worst-case batch
+    reserved_source: Literal["stress", "override"]
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """Whether the engine can take work now, and if not, why (the /ready body says it)."""
+
+    ready: bool
+    reason: str
+
+
+class Engine(Protocol):
+    """What the API and the Service call. Every method runs on the event loop that called start()."""
+
+    failed: asyncio.Event  # set when no encoder group is left: the Service exits with code 1
+
+    async def start(self) -> None:
+        """Start every encoder group; return once all are ready, or raise ConfigError naming the flag."""
+
+    async def shutdown(self) -> None:
+        """Stop taking work, stop the groups, remove what start() made. Safe to call twice or unstarted."""
+
+    def admit(self, tokens: int | None) -> None:
+        """Raise NotReady, EncoderFailed or QueueFull (with Retry-After) when `tokens` more queued tokens
+        cannot be taken now. None: the tokens are not known yet (before decoding), count at least one."""
+
+    async def encode(self, request: EncodeRequest) -> list[ImageResult]:
+        """Encode (or reuse) every image, push each to the LLM in order, and return one result per image."""
+
+    def readiness(self) -> Readiness: ...
+
+    def info(self) -> EngineInfo:
+        """The ranks' facts; raises NotReady before start() has returned."""

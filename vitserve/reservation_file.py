@@ -1,0 +1,66 @@
+"""The reservation file reserved_mem_<device>_<rank>.json: where it lives, and writing, reading and removing it.
+
+A rank publishes it after its start-up stress (vitserve/worker/stress.py) and removes it on a clean exit; the
+engine removes the files of ranks it had to kill. An LLM server on the same device reads it before sizing its
+KV cache (docs/integration.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_FIELDS = {"device": str, "rank": int, "bytes": int, "source": str, "pid": int}
+
+
+def reservation_path(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> Path:
+    safe_device = str(device).replace(os.sep, "_")
+    return Path(runtime_dir) / f"reserved_mem_{safe_device}_{int(rank)}.json"
+
+
+def publish_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int, nbytes: int, source: str) -> Path:
+    """Write the reservation atomically: a temp file in the same directory, fsync, then os.replace."""
+    path = reservation_path(runtime_dir, device, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"device": str(device), "rank": int(rank), "bytes": int(nbytes), "source": source, "pid": os.getpid()}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # readers see the old file or the whole new one, never a partial write
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> dict[str, Any] | None:
+    """The published reservation, or None when it is not (yet) known. Never raises."""
+    try:
+        text = reservation_path(runtime_dir, device, rank).read_text()
+        body = json.loads(text)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    for key, kind in _FIELDS.items():
+        value = body.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return None
+    return {key: body[key] for key in _FIELDS}
+
+
+def remove_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> None:
+    """Delete this rank's file on clean shutdown; a missing file is fine."""
+    try:
+        reservation_path(runtime_dir, device, rank).unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not remove the reservation file: %s", exc)

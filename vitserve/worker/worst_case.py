@@ -1,0 +1,204 @@
+"""The worst-case batch under the token budget, and the other full-budget batches the start-up stress runs.
+
+Which batch is the worst case:
+- Qwen families: ONE image with the most tokens <= budget. Linear layers, norms and the merger cost memory
+  linear in the total patch count, which is the same for one big image or many small ones at the same
+  total; attention is per image (cu_seqlens), and every implementation costs at least as much for one
+  image of n patches as for k images of n/k (eager/SDPA-math scores are O(n^2) per image; padded-batch
+  kernels k*(n/k)^2; flash kernels are linear). Qwen2.5-VL runs window attention in most blocks (windows
+  of `window_size` pixels, linear in n) but FULL attention over each whole image in
+  `fullatt_block_indexes` — which is O(n^2) per image, so one big image is the worst case there as well.
+  The grid is near-square with both sides multiples of `spatial_merge_size` (the processor's output shape).
+  Measured with the production encoder (load_encoder of tests/checkpoints.py's tiny towers, fast kernels,
+  CPU, peak RSS growth in a fresh process, 1024 tokens as 1 / 2 / 4 / 16 images): Qwen3-VL
+  57.0 / 44.6 / 40.9 / 33.6 MiB, Qwen2.5-VL 46.7 / 35.3 / 30.2 MiB. With HF's eager attention the gap is
+  far larger (tiny tower, 1024 tokens as 1 / 4 / 16 images: 525 / 59.7 / 14.7 MiB).
+  Caveat on CPU: glibc's heap fragments, so a later batch (even the same one) can raise the RSS peak above
+  the stress peak (scenario L3, tests/integration/test_memory_l3.py: +12-38 MiB over a 62-107 MiB
+  growth); hence the multi-batch stress and CPU_HEAP_MARGIN. CUDA's caching allocator reuses its blocks.
+- InternVL: every tile is encoded independently at the fixed tile size, so memory grows with the total
+  number of tiles in the batch: as many tiles as the budget admits. The per-image tile cap is the
+  processor's (clamped `max_patches` + the thumbnail) and is not known to the encoder; when the caller
+  passes it (`max_tiles_per_image`), the tiles are split into images of at most that many, at most
+  `max_batch_images` images; without it the budget alone bounds the batch (one image holding every tile —
+  the same memory as several images, and never less than a real batch).
+- Budget 0 (disabled): there is no bound on a batch, so no stress can cover it. We stress a documented
+  default (`DISABLED_BUDGET_TOKENS`, the largest image HF's default Qwen2-VL processor yields:
+  max_pixels 12845056 / 28^2) and log that `--visual_reserved_mem_gb` is the way to reserve more.
+
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from vitserve.contract import ProcessedImage
+from vitserve.errors import ConfigError
+from vitserve.families import DISABLED_BUDGET_TOKENS, FAMILIES, MAX_ASPECT_RATIO, tokens_per_tile
+from vitserve.model.base import Encoder
+
+log = logging.getLogger(__name__)
+
+
+def worst_case_items(
+    encoder: Encoder, budget_tokens: int, max_batch_images: int, *, max_tiles_per_image: int | None = None
+) -> list[ProcessedImage]:
+    """The synthetic batch that maximises activation memory under the budget and the batch-size cap.
+
+    max_tiles_per_image: InternVL only, the processor's per-image tile limit (max_patches + 1), if known.
+    """
+    if max_batch_images < 1:
+        raise ConfigError(f"--visual_infer_batch_size must be >= 1, got {max_batch_images}")
+    if budget_tokens <= 0:
+        log.warning(
+            "--visual_batch_max_tokens 0 (budget off): no batch bound exists; stressing a default of %d tokens. "
+            "Set --visual_reserved_mem_gb to reserve for larger batches.",
+            DISABLED_BUDGET_TOKENS,
+        )
+        budget_tokens = DISABLED_BUDGET_TOKENS
+    layout = getattr(FAMILIES.get(encoder.family), "layout", None)  # None: a family with no worst case
+    if layout == "patches":
+        return [_qwen_item(_vision_config(encoder), near_square_grid(budget_tokens))]
+    if layout == "tiles":
+        return _internvl_items(encoder, budget_tokens, max_batch_images, max_tiles_per_image)
+    raise ConfigError(
+        f"no worst-case shape for family {encoder.family!r}; set --visual_reserved_mem_gb to skip the stress"
+    )
+
+
+def stress_batches(
+    encoder: Encoder, budget_tokens: int, max_batch_images: int, *, max_tiles_per_image: int | None = None
+) -> Iterator[list[ProcessedImage]]:
+    """The batches the start-up stress runs, one at a time: the worst case, other full-budget compositions,
+    then the worst case again.
+
+    One run of the worst case measures its activations on a clean heap, but on CPU the heap that runtime
+    batches of other shapes leave behind is fragmented, and a later worst case then needs fresh pages on top
+    (scenario L3 measured +5-20 MiB over a single-run reservation, tiny Qwen2-VL at 1024 tokens). Every
+    batch here is one the scheduler can form at this budget, run through the same production forward, so the
+    peak covers that fragmentation without allocating anything production would not.
+    """
+    yield worst_case_items(encoder, budget_tokens, max_batch_images, max_tiles_per_image=max_tiles_per_image)
+    if getattr(FAMILIES.get(encoder.family), "layout", None) == "patches":
+        cfg = _vision_config(encoder)
+        budget = budget_tokens if budget_tokens > 0 else DISABLED_BUDGET_TOKENS
+        for grids in _full_budget_grids(budget, max_batch_images):
+            yield [_qwen_item(cfg, grid) for grid in grids]
+    yield worst_case_items(encoder, budget_tokens, max_batch_images, max_tiles_per_image=max_tiles_per_image)
+
+
+def _full_budget_grids(budget: int, max_images: int) -> list[list[tuple[int, int]]]:
+    """(rows, cols) token grids of batches that fill the budget: one long thin image, max_images equal images,
+    and a mix of halving sizes (1/2, 1/4, ...) up to max_images images."""
+    rows = max(1, math.isqrt(budget) // 8)
+    batches = [[(rows, budget // rows)]]
+    equal = budget // max_images
+    if max_images > 1 and equal >= 1:
+        batches.append([near_square_grid(equal)] * max_images)
+    sizes: list[int] = []
+    left = budget
+    while len(sizes) < max_images - 1 and left // 2 >= 1:
+        sizes.append(left // 2)
+        left -= left // 2
+    if len(sizes) > 1:
+        batches.append([near_square_grid(n) for n in [*sizes, left]])
+    return batches
+
+
+def near_square_grid(max_cells: int) -> tuple[int, int]:
+    """(rows, cols), rows <= cols, with rows * cols <= max_cells maximal among grids a processor can emit
+    (aspect ratio <= MAX_ASPECT_RATIO); among equals the most square one."""
+    best = (1, 1)
+    for rows in range(math.isqrt(max_cells), 0, -1):
+        cols = max_cells // rows
+        if cols > MAX_ASPECT_RATIO * rows:
+            break  # fewer rows only gets longer and thinner
+        if rows * cols > best[0] * best[1]:
+            best = (rows, cols)
+        if rows * cols == max_cells:
+            break
+    return best
+
+
+def _qwen_item(cfg: Any, grid: tuple[int, int]) -> ProcessedImage:
+    merge = int(cfg.spatial_merge_size)
+    patch = _first(cfg.patch_size)
+    temporal = _first(getattr(cfg, "temporal_patch_size", 2))
+    channels = int(getattr(cfg, "in_channels", None) or getattr(cfg, "in_chans", None) or 3)
+    rows, cols = grid  # merged tokens
+    h, w = rows * merge, cols * merge  # patches; multiples of merge_size like the processor's output
+    gen = torch.Generator().manual_seed(0)  # same pixels on every TP rank
+    pixels = torch.randn(h * w, channels * temporal * patch * patch, generator=gen)  # (h*w, C*T*P*P)
+    return ProcessedImage(
+        pixel_values=pixels,
+        grid_thw=(1, h, w),
+        num_tokens=rows * cols,
+        resized_size=(w * patch, h * patch),
+        clamped=False,
+    )
+
+
+def _internvl_items(
+    encoder: Encoder, budget_tokens: int, max_batch_images: int, max_tiles_per_image: int | None
+) -> list[ProcessedImage]:
+    cfg = _vision_config(encoder)
+    image_size = _first(cfg.image_size)
+    patch = _first(cfg.patch_size)
+    ratio = float(_find_attr(encoder, "downsample_ratio", 0.5))
+    side = image_size // patch  # patches per tile side
+    per_tile = tokens_per_tile(image_size, patch, ratio)
+    channels = int(getattr(cfg, "num_channels", 3))
+    if per_tile > budget_tokens:
+        raise ConfigError(
+            f"one InternVL tile is {per_tile} tokens, above --visual_batch_max_tokens {budget_tokens}"
+        )
+    tiles = budget_tokens // per_tile
+    per_image = max(1, max_tiles_per_image) if max_tiles_per_image else tiles
+    tiles = min(tiles, max_batch_images * per_image)
+    gen = torch.Generator().manual_seed(0)
+    items = []
+    while tiles > 0:
+        n = min(tiles, per_image)
+        pixels = torch.randn(n, channels, image_size, image_size, generator=gen)  # (tiles, C, H, W)
+        items.append(
+            ProcessedImage(
+                pixel_values=pixels,
+                grid_thw=(n, side, side),
+                num_tokens=n * per_tile,
+                resized_size=(image_size, image_size),
+                clamped=False,
+            )
+        )
+        tiles -= n
+    return items
+
+
+def _vision_config(encoder: Encoder) -> Any:
+    """The tower's vision config: visual.config (Qwen towers), or visual.vision_tower.config (InternVL)."""
+    visual = encoder.visual
+    tower = getattr(visual, "vision_tower", None)
+    cfg = getattr(visual, "config", None) or getattr(tower, "config", None)
+    if cfg is None:
+        raise ConfigError("the encoder's visual module has no config; set --visual_reserved_mem_gb to skip the stress")
+    return getattr(cfg, "vision_config", None) or cfg
+
+
+def _find_attr(encoder: Encoder, name: str, default: Any) -> Any:
+    """InternVL keeps downsample_ratio on the full-model config; look where a loader may have put it."""
+    visual = encoder.visual
+    cfg = getattr(visual, "config", None)
+    for holder in (encoder, visual, cfg, getattr(cfg, "vision_config", None)):
+        value = getattr(holder, name, None) if holder is not None else None
+        if value is not None:
+            return value
+    return default
+
+
+def _first(value: Any) -> int:
+    """HF configs give sizes as an int or a per-axis list; the towers here are square."""
+    return int(value[0]) if isinstance(value, (list, tuple)) else int(value)
