@@ -69,16 +69,29 @@ def create_app(budget_tokens: int) -> FastAPI:
         out = []
         for index, image in enumerate(req.images):
             try:
-                pil = ImageOps.exif_transpose(Image.open(io.BytesIO(base64.b64decode(image.b64)))).convert("RGB")
+                pil = ImageOps.exif_transpose(Image.open(io.BytesIO(base64.b64decode(image.b64)))).convert(
+                    "RGB"
+                )
             except Exception as exc:
                 raise HTTPException(400, f"image {index}: {exc}") from exc
             inputs = processor(images=pil, return_tensors="pt")
             with lock, torch.inference_mode():
-                emb = model(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output  # (tokens, dim)
-            out.append({"index": index, "num_tokens": int(emb.shape[0]),
-                        "grid_thw": inputs["image_grid_thw"][0].tolist(), "original_size": list(pil.size)})
-        return {"request_id": req.request_id, "images": out,
-                "timing_ms": {"total": (time.perf_counter() - t0) * 1e3}}
+                emb = model(
+                    inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]
+                ).pooler_output  # (tokens, dim)
+            out.append(
+                {
+                    "index": index,
+                    "num_tokens": int(emb.shape[0]),
+                    "grid_thw": inputs["image_grid_thw"][0].tolist(),
+                    "original_size": list(pil.size),
+                }
+            )
+        return {
+            "request_id": req.request_id,
+            "images": out,
+            "timing_ms": {"total": (time.perf_counter() - t0) * 1e3},
+        }
 
     return app
 

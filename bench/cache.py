@@ -47,8 +47,12 @@ MODES = {"off": 0.0, "dedup": 0.0, "cache": 1.0}  # mode -> --cache_gb
 
 def request(request_id: str, item, image_id: str, seconds: float) -> EncodeRequest:
     """A one-image engine request, as the API builds it after decoding."""
-    return EncodeRequest(request_id, (PreparedImage(item, image_id, item.resized_size, 0.0, 0.0),),
-                         time.monotonic() + seconds, return_embeddings=False)
+    return EncodeRequest(
+        request_id,
+        (PreparedImage(item, image_id, item.resized_size, 0.0, 0.0),),
+        time.monotonic() + seconds,
+        return_embeddings=False,
+    )
 
 
 def make_images(distinct: int, size: int):
@@ -63,8 +67,14 @@ def make_images(distinct: int, size: int):
 
 
 async def run_mode(mode: str, args, processor, images) -> dict:
-    config = Config(model="demo", visual_batch_max_tokens=args.budget, cache_gb=MODES[mode], device="cpu",
-                    runtime_dir=f"/tmp/vitserve-bench-cache-{os.getpid()}", request_timeout_s=600)
+    config = Config(
+        model="demo",
+        visual_batch_max_tokens=args.budget,
+        cache_gb=MODES[mode],
+        device="cpu",
+        runtime_dir=f"/tmp/vitserve-bench-cache-{os.getpid()}",
+        request_timeout_s=600,
+    )
     engine = Engine(config, Metrics(), processor_clamp=processor.clamp_info())
     await engine.start()
     try:
@@ -78,7 +88,9 @@ async def run_mode(mode: str, args, processor, images) -> dict:
         async def client() -> None:
             while queue:
                 n, k = queue.pop(0)
-                image_id = f"request-{n}" if mode == "off" else images[k][0]  # off: opaque ids, nothing shared
+                image_id = (
+                    f"request-{n}" if mode == "off" else images[k][0]
+                )  # off: opaque ids, nothing shared
                 await engine.encode(request(f"r{n}", items[k], image_id, 600))
 
         before = engine.metrics.value("vitserve_batch_images_sum") or 0.0
@@ -86,9 +98,15 @@ async def run_mode(mode: str, args, processor, images) -> dict:
         await asyncio.gather(*(client() for _ in range(args.clients)))
         seconds = time.perf_counter() - start
         encoded = (engine.metrics.value("vitserve_batch_images_sum") or 0.0) - before
-        row = {"mode": mode, "order": args.order, "images": len(work), "encoded": int(encoded),
-               "seconds": round(seconds, 3), "images_per_s": round(len(work) / seconds, 2),
-               "tokens_per_image": items[0].num_tokens}
+        row = {
+            "mode": mode,
+            "order": args.order,
+            "images": len(work),
+            "encoded": int(encoded),
+            "seconds": round(seconds, 3),
+            "images_per_s": round(len(work) / seconds, 2),
+            "tokens_per_image": items[0].num_tokens,
+        }
         if mode == "cache":
             row["hit_ms"] = round(await hit_seconds(engine, items[0], images[0][0]) * 1e3, 3)
         return row
@@ -128,7 +146,9 @@ async def main() -> None:
         print(json.dumps(r))
     print("\n| mode | images | encoded | images/s | x off |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['images']} | {r['encoded']} | {r['images_per_s']} | {r['speedup_vs_off']} |")
+        print(
+            f"| {r['mode']} | {r['images']} | {r['encoded']} | {r['images_per_s']} | {r['speedup_vs_off']} |"
+        )
     record.finish(run, rows, args.out)
 
 

@@ -158,10 +158,16 @@ def print_table(rows: list[Row], peak: float, peak_size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads, 1 repeat (a ~1 min smoke run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smaller workloads, 1 repeat (a ~1 min smoke run)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every mode")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per mode (default 5; quick 1)")
-    parser.add_argument("--out", type=Path, default=None, help="where the run record goes (default bench/out)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed repeats per mode (default 5; quick 1)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where the run record goes (default bench/out)"
+    )
     parser.add_argument("--no-tune-allocator", action="store_true", help="keep glibc's mmap for large blocks")
     args = parser.parse_args(argv)
     run = record.begin("encoder", args)

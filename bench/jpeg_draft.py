@@ -41,7 +41,9 @@ THRESHOLD = 0.999
 
 def prepare(blob: bytes, processor, *, jpeg_draft: bool):
     """The production decode + preprocess path, with or without --jpeg_draft."""
-    return prepare_image(blob, processor, max_image_pixels=0, draft=JpegDraft(processor) if jpeg_draft else None)
+    return prepare_image(
+        blob, processor, max_image_pixels=0, draft=JpegDraft(processor) if jpeg_draft else None
+    )
 
 
 def per_token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -66,9 +68,14 @@ def fidelity(model: str, processor_name: str, photos: list[bytes], budget: int) 
         cos = per_token_cosine(emb_full, emb_draft)
         means.append(float(cos.mean()))
         worst_token = min(worst_token, float(cos.min()))
-    return {"budget": budget, "draft_scales": scales, "tokens": full.num_tokens,
-            "mean_cosine": statistics.fmean(means), "worst_image_cosine": min(means),
-            "worst_token_cosine": worst_token}
+    return {
+        "budget": budget,
+        "draft_scales": scales,
+        "tokens": full.num_tokens,
+        "mean_cosine": statistics.fmean(means),
+        "worst_image_cosine": min(means),
+        "worst_token_cosine": worst_token,
+    }
 
 
 def speed(photos: list[bytes], budget: int, reps: int) -> dict:
@@ -81,7 +88,9 @@ def speed(photos: list[bytes], budget: int, reps: int) -> dict:
                 t0 = time.perf_counter()
                 prepare(blob, processor, jpeg_draft=key == "draft")
                 times[key].append(time.perf_counter() - t0)
-    out = {f"{key}_{stat.__name__}_s": stat(ts) for key, ts in times.items() for stat in (min, statistics.median)}
+    out = {
+        f"{key}_{stat.__name__}_s": stat(ts) for key, ts in times.items() for stat in (min, statistics.median)
+    }
     out["speedup_min"] = out["full_min_s"] / out["draft_min_s"]
     out["speedup_median"] = out["full_median_s"] / out["draft_median_s"]
     return {"budget": budget, **out}
@@ -110,21 +119,38 @@ def main() -> None:
         for family in ("qwen2_5_vl", "qwen3_vl"):
             path = str(make_checkpoint(family, Path(tmp) / family))
             models[f"tiny-{family}"] = (path, family, budgets)
-        fid = {name: [fidelity(model, proc, photos, b) for b in bs] for name, (model, proc, bs) in models.items()}
+        fid = {
+            name: [fidelity(model, proc, photos, b) for b in bs] for name, (model, proc, bs) in models.items()
+        }
     for name, rows in fid.items():
         for r in rows:
-            print(f"[fidelity] {name:16s} budget={r['budget']:5d} scales={r['draft_scales']} "
-                  f"mean={r['mean_cosine']:.6f} worst_image={r['worst_image_cosine']:.6f} "
-                  f"worst_token={r['worst_token_cosine']:.6f}", flush=True)
+            print(
+                f"[fidelity] {name:16s} budget={r['budget']:5d} scales={r['draft_scales']} "
+                f"mean={r['mean_cosine']:.6f} worst_image={r['worst_image_cosine']:.6f} "
+                f"worst_token={r['worst_token_cosine']:.6f}",
+                flush=True,
+            )
     spd = [speed(photos[:2], b, args.reps) for b in budgets]
     for r in spd:
-        print(f"[speed] budget={r['budget']:5d} full min/median={r['full_min_s']:.3f}/{r['full_median_s']:.3f}s "
-              f"draft={r['draft_min_s']:.3f}/{r['draft_median_s']:.3f}s speedup={r['speedup_min']:.2f}x "
-              f"(median {r['speedup_median']:.2f}x)", flush=True)
-    ok = all(r["mean_cosine"] >= THRESHOLD and r["worst_image_cosine"] >= THRESHOLD
-             for rows in fid.values() for r in rows)
-    report = {"photos": n, "size": LARGE_SIZE, "threshold": THRESHOLD, "fidelity": fid, "speed": spd,
-              "default_on": ok}
+        print(
+            f"[speed] budget={r['budget']:5d} full min/median={r['full_min_s']:.3f}/{r['full_median_s']:.3f}s "
+            f"draft={r['draft_min_s']:.3f}/{r['draft_median_s']:.3f}s speedup={r['speedup_min']:.2f}x "
+            f"(median {r['speedup_median']:.2f}x)",
+            flush=True,
+        )
+    ok = all(
+        r["mean_cosine"] >= THRESHOLD and r["worst_image_cosine"] >= THRESHOLD
+        for rows in fid.values()
+        for r in rows
+    )
+    report = {
+        "photos": n,
+        "size": LARGE_SIZE,
+        "threshold": THRESHOLD,
+        "fidelity": fid,
+        "speed": spd,
+        "default_on": ok,
+    }
     record.finish(run, report, args.out)
     print(f"default on: {ok} (threshold {THRESHOLD} on mean and worst image)")
 

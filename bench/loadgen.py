@@ -22,7 +22,10 @@ def json_bodies(images: list[bytes], per_request: int = 1) -> list[bytes]:
     bodies = []
     for start in range(0, len(images), per_request):
         chunk = images[start : start + per_request]
-        payload = {"images": [{"b64": base64.b64encode(b).decode()} for b in chunk], "return_embeddings": False}
+        payload = {
+            "images": [{"b64": base64.b64encode(b).decode()} for b in chunk],
+            "return_embeddings": False,
+        }
         bodies.append(json.dumps(payload).encode())
     return bodies
 
@@ -62,8 +65,9 @@ class PointResult:
         }
 
 
-async def run_point(url: str, bodies: list[bytes], *, concurrency: int, duration_s: float,
-                    max_requests: int, timeout_s: float) -> PointResult:
+async def run_point(
+    url: str, bodies: list[bytes], *, concurrency: int, duration_s: float, max_requests: int, timeout_s: float
+) -> PointResult:
     """Drive `url`/encode with `concurrency` closed-loop clients."""
     result = PointResult(concurrency)
     next_index = 0
@@ -124,7 +128,8 @@ def batch_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, 
         total = after.get(f"vitserve_batch_{name}_sum", 0) - before.get(f"vitserve_batch_{name}_sum", 0)
         out[f"mean_batch_{name}"] = total / count if count else None
     out["batches"] = after.get("vitserve_batch_fill_ratio_count", 0) - before.get(
-        "vitserve_batch_fill_ratio_count", 0)
+        "vitserve_batch_fill_ratio_count", 0
+    )
     return out
 
 

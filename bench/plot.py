@@ -25,7 +25,9 @@ def plot_throughput(report: dict, path: Path, note: str = "") -> None:
             conc = [r["concurrency"] for r in rows[workload]]
             ips = [r["images_per_s"] for r in rows[workload]]
             ax.plot(conc, ips, "o-", color=COLOURS.get(kind), label=kind)
-        keys = ["encoder_only"] + ([] if report["encoder_only"].get("fast_kernels") else ["encoder_only_fast"])
+        keys = ["encoder_only"] + (
+            [] if report["encoder_only"].get("fast_kernels") else ["encoder_only_fast"]
+        )
         for key, style in zip(keys, ("--", ":"), strict=False):
             enc = report.get(key, {}).get(workload)
             if enc:
@@ -40,7 +42,9 @@ def plot_throughput(report: dict, path: Path, note: str = "") -> None:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"Throughput vs concurrency (demo model, budget {report['budget']} tokens) {note}", fontsize=10)
+    fig.suptitle(
+        f"Throughput vs concurrency (demo model, budget {report['budget']} tokens) {note}", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -56,8 +60,13 @@ def plot_latency_cdf(report: dict, path: Path, note: str = "") -> None:
             if not xs:
                 continue
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            ax.step(xs, ys, where="post", color=COLOURS.get(kind),
-                    label=f"{kind} (c={row['concurrency']}, n={len(xs)})")
+            ax.step(
+                xs,
+                ys,
+                where="post",
+                color=COLOURS.get(kind),
+                label=f"{kind} (c={row['concurrency']}, n={len(xs)})",
+            )
         ax.set_xlabel("request latency (s)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(workload)

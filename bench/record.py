@@ -84,7 +84,9 @@ def finish(run: dict[str, Any], results: Any, out_dir: Path | None = None) -> Pa
     path = out / f"{run['bench']}.jsonl"
     with path.open("a") as f:
         f.write(json.dumps(record, default=_plain) + "\n")
-    print(f"recorded {run['bench']} run of {record['commit']}{' (dirty)' if record['dirty'] else ''} in {path}")
+    print(
+        f"recorded {run['bench']} run of {record['commit']}{' (dirty)' if record['dirty'] else ''} in {path}"
+    )
     return path
 
 

@@ -48,8 +48,11 @@ def encoder_table(res: dict) -> list[str]:
                      f"**{100 * r['peak_fraction']:.0f}%**", f"{r['max_abs_diff']:.1e}"])  # fmt: skip
     head = ["workload", "images", "patches", "HF one img/s", "HF packed img/s", "vitserve img/s", "x HF packed",
             "x HF one", "% of matmul peak", "max abs diff"]  # fmt: skip
-    return _table(head, rows) + ["", f"Matmul peak (fp32 torch.mm {size}², same run): {peak / 1e9:.1f} GFLOP/s; "
-                                 f"threads {res['meta']['threads']}, repeats {res['meta']['repeats']}."]
+    return _table(head, rows) + [
+        "",
+        f"Matmul peak (fp32 torch.mm {size}², same run): {peak / 1e9:.1f} GFLOP/s; "
+        f"threads {res['meta']['threads']}, repeats {res['meta']['repeats']}.",
+    ]
 
 
 def serve_table(res: dict) -> list[str]:
@@ -70,8 +73,11 @@ def serve_table(res: dict) -> list[str]:
             "p50 / naive", "batch fill", "errors", "load"]  # fmt: skip
     enc = res["encoder_only"]
     ceiling = ", ".join(f"{w} {_f(enc[w]['images_per_s'])}" for w in res["workload_params"] if w in enc)
-    return _table(head, rows) + ["", f"Profile `{res['profile']}`, budget {res['budget']} tokens. Encoder-only "
-                                 f"ceiling (in-process, img/s): {ceiling or '-'}."]
+    return _table(head, rows) + [
+        "",
+        f"Profile `{res['profile']}`, budget {res['budget']} tokens. Encoder-only "
+        f"ceiling (in-process, img/s): {ceiling or '-'}.",
+    ]
 
 
 def transfer_table(rows: list[dict]) -> list[str]:
@@ -99,8 +105,10 @@ def jpeg_draft_table(res: dict) -> list[str]:
                          f"**{_f(s['speedup_median'])}x**" if s else "-"])  # fmt: skip
     head = ["model", "budget", "draft scale", "mean cosine", "worst image", "worst token", "full s", "draft s",
             "speed-up"]  # fmt: skip
-    note = (f"{res['photos']} photos of {res['size'][0]}x{res['size'][1]}; decode+preprocess medians (one "
-            f"thread) on the demo rows. Default on (all cosines >= {res['threshold']}): {res['default_on']}.")
+    note = (
+        f"{res['photos']} photos of {res['size'][0]}x{res['size'][1]}; decode+preprocess medians (one "
+        f"thread) on the demo rows. Default on (all cosines >= {res['threshold']}): {res['default_on']}."
+    )
     return _table(head, body) + ["", note]
 
 
@@ -139,8 +147,12 @@ def draw_serve_plots(out_dir: Path | None, dest: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--write", action="store_true", help=f"also fill the tables into {RESULTS.relative_to(ROOT)}")
-    ap.add_argument("--records", type=Path, default=None, help="where the run records are (default bench/out)")
+    ap.add_argument(
+        "--write", action="store_true", help=f"also fill the tables into {RESULTS.relative_to(ROOT)}"
+    )
+    ap.add_argument(
+        "--records", type=Path, default=None, help="where the run records are (default bench/out)"
+    )
     ap.add_argument("--plots", type=Path, default=ROOT / "bench", help="where the PNGs go")
     args = ap.parse_args(argv)
     sections = {bench: section(bench, args.records) for bench in BENCHES}

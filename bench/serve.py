@@ -46,11 +46,24 @@ READY_TIMEOUT_S = 900
 
 # (the serving targets are read at 8 clients, and at 1 client for latency)
 PROFILES = {
-    "quick": {"budget": 1024, "small": (8, (1, 8), 5, 40), "mixed": (4, (1, 8), 5, 8), "large": (1, (1,), 5, 1)},
-    "standard": {"budget": 1024, "small": (24, (1, 8, 16), 20, 400), "mixed": (8, (1, 8, 16), 20, 20),
-                 "large": (3, (1, 4), 20, 8)},
-    "full": {"budget": 2048, "small": (64, (1, 4, 16, 64), 30, 2000), "mixed": (16, (1, 4, 16), 60, 200),
-             "large": (6, (1, 4, 16), 60, 100)},
+    "quick": {
+        "budget": 1024,
+        "small": (8, (1, 8), 5, 40),
+        "mixed": (4, (1, 8), 5, 8),
+        "large": (1, (1,), 5, 1),
+    },
+    "standard": {
+        "budget": 1024,
+        "small": (24, (1, 8, 16), 20, 400),
+        "mixed": (8, (1, 8, 16), 20, 20),
+        "large": (3, (1, 4), 20, 8),
+    },
+    "full": {
+        "budget": 2048,
+        "small": (64, (1, 4, 16, 64), 30, 2000),
+        "mixed": (16, (1, 4, 16), 60, 200),
+        "large": (6, (1, 4, 16), 60, 100),
+    },
 }
 
 
@@ -62,12 +75,36 @@ def free_port() -> int:
 
 def server_command(kind: str, port: int, budget: int, threads: int, runtime_dir: str) -> list[str]:
     if kind == "vitserve":
-        return [sys.executable, "-m", "vitserve.cli", "--model", "demo", "--host", "127.0.0.1",
-                "--port", str(port), "--visual_batch_max_tokens", str(budget),
-                # the benchmark measures throughput, not admission control: room for every client's request
-                "--max_queue_tokens", str(64 * budget), "--runtime_dir", runtime_dir, "--log_level", "warning"]
-    return [sys.executable, str(ROOT / "bench" / "baseline_server.py"), "--port", str(port),
-            "--budget", str(budget), "--threads", str(threads)]
+        return [
+            sys.executable,
+            "-m",
+            "vitserve.cli",
+            "--model",
+            "demo",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--visual_batch_max_tokens",
+            str(budget),
+            # the benchmark measures throughput, not admission control: room for every client's request
+            "--max_queue_tokens",
+            str(64 * budget),
+            "--runtime_dir",
+            runtime_dir,
+            "--log_level",
+            "warning",
+        ]
+    return [
+        sys.executable,
+        str(ROOT / "bench" / "baseline_server.py"),
+        "--port",
+        str(port),
+        "--budget",
+        str(budget),
+        "--threads",
+        str(threads),
+    ]
 
 
 @contextlib.contextmanager
@@ -76,8 +113,13 @@ def launched(kind: str, budget: int, threads: int, log_path: Path):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as runtime_dir, open(log_path, "w") as log:
-        proc = subprocess.Popen(server_command(kind, port, budget, threads, runtime_dir), cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            server_command(kind, port, budget, threads, runtime_dir),
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             wait_ready(url, "/ready" if kind == "vitserve" else "/health", READY_TIMEOUT_S, proc)
@@ -99,17 +141,27 @@ def bench_servers(kinds: list[str], bodies: dict, profile: dict, threads: int, o
     """
     results: dict = {kind: {} for kind in kinds}
     with contextlib.ExitStack() as stack:
-        urls = {kind: stack.enter_context(launched(kind, profile["budget"], threads, out_dir / f"{kind}.log"))
-                for kind in kinds}
+        urls = {
+            kind: stack.enter_context(launched(kind, profile["budget"], threads, out_dir / f"{kind}.log"))
+            for kind in kinds
+        }
         flip = False
         for workload, wl_bodies in bodies.items():
             _, concurrencies, duration, cap = profile[workload]
             for kind in kinds:  # warm-up (unmeasured): lazy init, allocator growth
-                asyncio.run(run_point(urls[kind], wl_bodies[:4], concurrency=1, duration_s=duration,
-                                      max_requests=4, timeout_s=600))
+                asyncio.run(
+                    run_point(
+                        urls[kind],
+                        wl_bodies[:4],
+                        concurrency=1,
+                        duration_s=duration,
+                        max_requests=4,
+                        timeout_s=600,
+                    )
+                )
                 results[kind][workload] = []
             for conc in concurrencies:
-                for kind in (kinds[::-1] if flip else kinds):
+                for kind in kinds[::-1] if flip else kinds:
                     row = measure_point(kind, urls[kind], workload, wl_bodies, conc, duration, cap)
                     results[kind][workload].append(row)
                 flip = not flip
@@ -119,19 +171,26 @@ def bench_servers(kinds: list[str], bodies: dict, profile: dict, threads: int, o
     return results
 
 
-def measure_point(kind: str, url: str, workload: str, bodies: list[bytes], conc: int, duration: float,
-                  cap: int) -> dict:
+def measure_point(
+    kind: str, url: str, workload: str, bodies: list[bytes], conc: int, duration: float, cap: int
+) -> dict:
     before = scrape_batch_metrics(url)
-    point = asyncio.run(run_point(url, bodies, concurrency=conc, duration_s=duration, max_requests=cap,
-                                  timeout_s=600))
+    point = asyncio.run(
+        run_point(url, bodies, concurrency=conc, duration_s=duration, max_requests=cap, timeout_s=600)
+    )
     row = {**point.summary(), **batch_delta(before, scrape_batch_metrics(url)), "loadavg": os.getloadavg()[0]}
-    print(f"[{kind}] {workload:5s} c={conc:<3d} {row['images_per_s']:.3f} img/s "
-          f"p50={_fmt(row['p50_s'])} p99={_fmt(row['p99_s'])} fill={_fmt(row['mean_batch_fill_ratio'])} "
-          f"errors={row['errors']} load={row['loadavg']:.1f}", flush=True)
+    print(
+        f"[{kind}] {workload:5s} c={conc:<3d} {row['images_per_s']:.3f} img/s "
+        f"p50={_fmt(row['p50_s'])} p99={_fmt(row['p99_s'])} fill={_fmt(row['mean_batch_fill_ratio'])} "
+        f"errors={row['errors']} load={row['loadavg']:.1f}",
+        flush=True,
+    )
     return row
 
 
-def encoder_only(images: dict[str, list[bytes]], budget: int, threads: int, reps: int, force_fast: bool) -> dict:
+def encoder_only(
+    images: dict[str, list[bytes]], budget: int, threads: int, reps: int, force_fast: bool
+) -> dict:
     """Images/s of load_encoder("demo").encode on full-budget FIFO batches of the same processed images.
 
     force_fast: apply vitserve.model.fast.optimize if load_encoder did not (a what-if while it is not wired).
@@ -160,18 +219,26 @@ def encoder_only(images: dict[str, list[bytes]], budget: int, threads: int, reps
         batches = []
         while (batch := sched.next_batch()) is not None:
             batches.append([items[i] for i in batch])
-        for batch in batches:  # warm-up pass: every batch shape once (first-shape costs, as the server's warm-up)
+        for (
+            batch
+        ) in batches:  # warm-up pass: every batch shape once (first-shape costs, as the server's warm-up)
             encoder.encode(batch)
         t0 = time.perf_counter()
         for _ in range(reps):
             for batch in batches:
                 encoder.encode(batch)
         seconds = time.perf_counter() - t0
-        out[workload] = {"images_per_s": reps * len(items) / seconds, "batches": len(batches),
-                         "mean_batch_fill_ratio": sum(it.num_tokens for it in items) / (len(batches) * budget),
-                         "tokens_per_image": sum(it.num_tokens for it in items) / len(items)}
-        print(f"[encoder-only fast={out['fast_kernels']}] {workload:5s} {out[workload]['images_per_s']:.3f} img/s "
-              f"({len(batches)} batches, fill {out[workload]['mean_batch_fill_ratio']:.2f})", flush=True)
+        out[workload] = {
+            "images_per_s": reps * len(items) / seconds,
+            "batches": len(batches),
+            "mean_batch_fill_ratio": sum(it.num_tokens for it in items) / (len(batches) * budget),
+            "tokens_per_image": sum(it.num_tokens for it in items) / len(items),
+        }
+        print(
+            f"[encoder-only fast={out['fast_kernels']}] {workload:5s} {out[workload]['images_per_s']:.3f} img/s "
+            f"({len(batches)} batches, fill {out[workload]['mean_batch_fill_ratio']:.2f})",
+            flush=True,
+        )
     return out
 
 
@@ -190,7 +257,9 @@ def summarize(servers: dict, enc: dict) -> dict:
         if not isinstance(enc[workload], dict) or workload not in servers.get("vitserve", {}):
             continue
         v = max(servers["vitserve"][workload], key=lambda r: r["images_per_s"])
-        b = max(servers.get("baseline", {}).get(workload, [{"images_per_s": 0}]), key=lambda r: r["images_per_s"])
+        b = max(
+            servers.get("baseline", {}).get(workload, [{"images_per_s": 0}]), key=lambda r: r["images_per_s"]
+        )
         sat = servers["vitserve"][workload][-1]  # highest concurrency
         out[workload] = {
             "vitserve_best_images_per_s": v["images_per_s"],
@@ -209,10 +278,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the smoke profile (about a minute on 2 cores)")
     ap.add_argument("--full", action="store_true", help="the full sweep (budget 2048, 4-64 clients)")
     ap.add_argument("--budget", type=int, help="--visual_batch_max_tokens (default: 1024; 2048 with --full)")
-    ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1),
-                    help="torch threads of the baseline and the encoder-only run; vitserve's worker uses "
-                         "cpu_count // (tp*dp), i.e. the same with tp=dp=1")
-    ap.add_argument("--workloads", default=None, help="comma list (default: small,mixed with --quick, else all)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, os.cpu_count() or 1),
+        help="torch threads of the baseline and the encoder-only run; vitserve's worker uses "
+        "cpu_count // (tp*dp), i.e. the same with tp=dp=1",
+    )
+    ap.add_argument(
+        "--workloads", default=None, help="comma list (default: small,mixed with --quick, else all)"
+    )
     ap.add_argument("--servers", default="vitserve,baseline", help="comma list, or 'none' for encoder-only")
     ap.add_argument("--reps", type=int, default=1, help="encoder-only repetitions over each workload")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
@@ -224,7 +299,9 @@ def main() -> None:
     if args.budget:
         profile["budget"] = args.budget
     args.out.mkdir(parents=True, exist_ok=True)
-    run = record.begin("serve", args)  # the code the servers start with (the tree may change during a long run)
+    run = record.begin(
+        "serve", args
+    )  # the code the servers start with (the tree may change during a long run)
 
     workloads = (args.workloads or ("small,mixed" if args.quick else "small,mixed,large")).split(",")
     images = {w: WORKLOADS[w](profile[w][0]) for w in workloads}
@@ -232,11 +309,21 @@ def main() -> None:
     kinds = [k for k in args.servers.split(",") if k and k != "none"]  # "none": encoder-only
     servers = bench_servers(kinds, bodies, profile, args.threads, args.out) if kinds else {}
     enc = encoder_only(images, profile["budget"], args.threads, args.reps, force_fast=False)
-    enc_fast = enc if enc["fast_kernels"] else encoder_only(images, profile["budget"], args.threads, args.reps,
-                                                             force_fast=True)
-    report = {"profile": name, "budget": profile["budget"], "torch_threads": args.threads,
-              "workload_params": {w: profile[w] for w in workloads}, "servers": servers, "encoder_only": enc,
-              "encoder_only_fast": enc_fast, "summary": summarize(servers, enc)}
+    enc_fast = (
+        enc
+        if enc["fast_kernels"]
+        else encoder_only(images, profile["budget"], args.threads, args.reps, force_fast=True)
+    )
+    report = {
+        "profile": name,
+        "budget": profile["budget"],
+        "torch_threads": args.threads,
+        "workload_params": {w: profile[w] for w in workloads},
+        "servers": servers,
+        "encoder_only": enc,
+        "encoder_only_fast": enc_fast,
+        "summary": summarize(servers, enc),
+    }
     print(json.dumps(report["summary"], indent=1))
     record.finish(run, report, args.out)
 

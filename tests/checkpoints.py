@@ -34,7 +34,12 @@ _QWEN_TEXT = {
 }
 # Qwen's real special-token ids (151655, ...) lie outside the tiny vocabulary; these fit, so a prompt built
 # from config.image_token_id runs (docs/integration.md).
-_QWEN_TOKEN_IDS = {"image_token_id": 5, "video_token_id": 6, "vision_start_token_id": 7, "vision_end_token_id": 8}
+_QWEN_TOKEN_IDS = {
+    "image_token_id": 5,
+    "video_token_id": 6,
+    "vision_start_token_id": 7,
+    "vision_end_token_id": 8,
+}
 # head_dim 12 -> mrope sections sum to 6.
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2]}
 
@@ -119,8 +124,9 @@ def _config(family: str):
 
     vision = VISION_CONFIGS[family]
     if family == "qwen2_vl":
-        return tf.Qwen2VLConfig(text_config={**_QWEN_TEXT, "rope_parameters": _MROPE}, vision_config=vision,
-                                **_QWEN_TOKEN_IDS)
+        return tf.Qwen2VLConfig(
+            text_config={**_QWEN_TEXT, "rope_parameters": _MROPE}, vision_config=vision, **_QWEN_TOKEN_IDS
+        )
     if family == "qwen2_5_vl":
         return tf.Qwen2_5_VLConfig(
             text_config={**_QWEN_TEXT, "rope_parameters": _MROPE}, vision_config=vision

@@ -60,13 +60,21 @@ def parse_marker(comment: str) -> tuple[frozenset[str], str, str | None]:
     """`no-run: reason`, `slow: reason`, `slow server: reason`, `server` -> (tags, reason, error or None)."""
     m = _MARKER.match(comment.strip())
     if not m:
-        return frozenset(), "", f"unreadable doc-test marker <!--{comment}-->; expected e.g. <!-- no-run: why -->"
+        return (
+            frozenset(),
+            "",
+            f"unreadable doc-test marker <!--{comment}-->; expected e.g. <!-- no-run: why -->",
+        )
     tags = frozenset(re.split(r"[ ,]+", m.group("tags")))
     reason = (m.group("reason") or "").strip()
     if tags - TAGS:
         return tags, reason, f"unknown doc-test marker {sorted(tags - TAGS)} (known: {sorted(TAGS)})"
     if tags & TAGS_NEEDING_REASON and not reason:
-        return tags, reason, f"marker {sorted(tags)} needs a reason after ':' (why can this block not run here?)"
+        return (
+            tags,
+            reason,
+            f"marker {sorted(tags)} needs a reason after ':' (why can this block not run here?)",
+        )
     return tags, reason, None
 
 
@@ -89,7 +97,7 @@ def blocks(doc: Path, text: str | None = None) -> list[Block]:
             comment = _COMMENT.match(lines[i - 1].strip()) if i else None
             if comment:
                 tags, reason, error = parse_marker(comment.group("body"))
-            code = "\n".join(lines[i + 1:end]) + "\n"
+            code = "\n".join(lines[i + 1 : end]) + "\n"
             found.append(Block(doc, i + 2, lang, code, tags, reason, error))
         i = end + 1
     return found

@@ -32,7 +32,9 @@ FAKE_MERGE = 4  # rows merged into one token, like the 2x2 spatial merge
 
 def fake_weight(embed_dim: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(FAKE_MERGE * FAKE_PATCH_COLS, embed_dim, generator=gen) / math.sqrt(FAKE_MERGE * FAKE_PATCH_COLS)
+    return torch.randn(FAKE_MERGE * FAKE_PATCH_COLS, embed_dim, generator=gen) / math.sqrt(
+        FAKE_MERGE * FAKE_PATCH_COLS
+    )
 
 
 def fake_item(h_tokens: int, w_tokens: int, seed: int) -> ProcessedImage:
@@ -40,8 +42,13 @@ def fake_item(h_tokens: int, w_tokens: int, seed: int) -> ProcessedImage:
     gen = torch.Generator().manual_seed(seed)
     rows = FAKE_MERGE * h_tokens * w_tokens
     pixels = torch.randn(rows, FAKE_PATCH_COLS, generator=gen)  # (4 * tokens, C*T*P*P)
-    return ProcessedImage(pixel_values=pixels, grid_thw=(1, 2 * h_tokens, 2 * w_tokens), num_tokens=h_tokens * w_tokens,
-                          resized_size=(28 * w_tokens, 28 * h_tokens), clamped=False)
+    return ProcessedImage(
+        pixel_values=pixels,
+        grid_thw=(1, 2 * h_tokens, 2 * w_tokens),
+        num_tokens=h_tokens * w_tokens,
+        resized_size=(28 * w_tokens, 28 * h_tokens),
+        clamped=False,
+    )
 
 
 def fake_reference(item: ProcessedImage, embed_dim: int = 32, seed: int = 0) -> torch.Tensor:
@@ -63,7 +70,9 @@ class _FakeVisual(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # (4 * cols, dim / tp): this rank's columns
         # what worker/worst_case.worst_case_items reads for a Qwen-family tower
-        self.config = SimpleNamespace(spatial_merge_size=2, patch_size=14, temporal_patch_size=2, in_channels=3)
+        self.config = SimpleNamespace(
+            spatial_merge_size=2, patch_size=14, temporal_patch_size=2, in_channels=3
+        )
 
 
 class FakeEncoder:
@@ -82,7 +91,9 @@ class FakeEncoder:
             raise ValueError(f"embed_dim {hooks.embed_dim} is not divisible by --tp {tp}")
         self.embed_dim, self.hooks, self.rank, self.tp = hooks.embed_dim, hooks, rank, tp
         cols = hooks.embed_dim // tp
-        self.visual = _FakeVisual(fake_weight(hooks.embed_dim, hooks.seed)[:, rank * cols:(rank + 1) * cols].clone())
+        self.visual = _FakeVisual(
+            fake_weight(hooks.embed_dim, hooks.seed)[:, rank * cols : (rank + 1) * cols].clone()
+        )
         self.calls = 0
 
     def encode(self, items):
@@ -130,14 +141,17 @@ class FakeEncoderFactory:
             # one is call 0 and the first runtime batch call 1, whatever that count is.
             from vitserve.worker.worst_case import stress_batches
 
-            enc.calls = 1 - sum(1 for _ in stress_batches(enc, config.visual_batch_max_tokens,
-                                                          config.visual_infer_batch_size))
+            enc.calls = 1 - sum(
+                1 for _ in stress_batches(enc, config.visual_batch_max_tokens, config.visual_infer_batch_size)
+            )
         return enc
+
 
 # ---------------------------------------------------------------------------------------------------------
 # ThreadGroup: the real Engine over an in-process encoder group, so the HTTP layer can be tested through a
 # real uvicorn server with the real queue, dedup, cache and push, while a test holds the encoder still.
 # ---------------------------------------------------------------------------------------------------------
+
 
 class TinyEncoder:
     """Encoder protocol: each 2x2 merge unit (4 consecutive patch rows, Qwen order) -> one seeded linear.
@@ -158,7 +172,9 @@ class TinyEncoder:
 
     @torch.no_grad()
     def encode(self, items):
-        rows = [it.pixel_values.reshape(-1, 4 * it.pixel_values.shape[1]) for it in items]  # (tokens, 4*D) each
+        rows = [
+            it.pixel_values.reshape(-1, 4 * it.pixel_values.shape[1]) for it in items
+        ]  # (tokens, 4*D) each
         out = self.visual(torch.cat(rows).float())  # (sum tokens, embed_dim)
         return [EncodedImage(embedding=e.clone()) for e in out.split([r.shape[0] for r in rows])]
 
@@ -225,10 +241,21 @@ class ThreadGroup(WorkerGroup):
         cfg, heartbeats = self.config, 0
         encoder = self._factory(cfg)
         reserved = int((cfg.visual_reserved_mem_gb or 0) * 2**30)
-        report(m.ReadyMsg(group=self.index, rank=0, pid=os.getpid(), model_name=encoder.model_name,
-                          family=encoder.family, embed_dim=encoder.embed_dim, num_deepstack=encoder.num_deepstack,
-                          dtype=dtype_name(encoder.dtype), device="cpu", reserved_bytes=reserved,
-                          reserved_source="override"))
+        report(
+            m.ReadyMsg(
+                group=self.index,
+                rank=0,
+                pid=os.getpid(),
+                model_name=encoder.model_name,
+                family=encoder.family,
+                embed_dim=encoder.embed_dim,
+                num_deepstack=encoder.num_deepstack,
+                dtype=dtype_name(encoder.dtype),
+                device="cpu",
+                reserved_bytes=reserved,
+                reserved_source="override",
+            )
+        )
         while not self._stopped.is_set():
             if not inbox.poll(int(cfg.heartbeat_s * 500)):
                 heartbeats += 1
@@ -246,8 +273,11 @@ class ThreadGroup(WorkerGroup):
             try:
                 outputs = encoder.encode(msg.items)
             except Exception as exc:  # as a rank does: report, then exit
-                report(m.ErrorMsg(group=self.index, rank=0, stage="forward", message=repr(exc),
-                                  batch_id=msg.batch_id))
+                report(
+                    m.ErrorMsg(
+                        group=self.index, rank=0, stage="forward", message=repr(exc), batch_id=msg.batch_id
+                    )
+                )
                 return
             report(m.ResultMsg(group=self.index, batch_id=msg.batch_id, outputs=outputs))
 
@@ -255,5 +285,10 @@ class ThreadGroup(WorkerGroup):
 def thread_engine(config, metrics, *, gate: threading.Event, encoder=None) -> Engine:
     """The real Engine over ThreadGroups running `encoder` (default TinyEncoder)."""
     encoder = encoder or TinyEncoder()
-    return Engine(config, metrics, encoder_factory=lambda _config: encoder, environ={},
-                  group_factory=functools.partial(ThreadGroup, gate=gate))
+    return Engine(
+        config,
+        metrics,
+        encoder_factory=lambda _config: encoder,
+        environ={},
+        group_factory=functools.partial(ThreadGroup, gate=gate),
+    )

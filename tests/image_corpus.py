@@ -25,7 +25,9 @@ class Sample:
     name: str
     data: bytes
     size: tuple[int, int] | None = None  # (width, height) after EXIF orientation; None for a refused file
-    rgb: np.ndarray | None = None  # exact expected pixels (H, W, 3) uint8; None where only status/size are checked
+    rgb: np.ndarray | None = (
+        None  # exact expected pixels (H, W, 3) uint8; None where only status/size are checked
+    )
     code: str | None = None  # the expected error code; None means 200
     status: int = 200
 
@@ -85,13 +87,18 @@ def raw_png(samples: np.ndarray, color_type: int, bit_depth: int, *chunks: bytes
         elif bit_depth == 8:
             raw = row.astype(np.uint8).tobytes()
         else:  # 1/2/4-bit greyscale or palette: pack MSB first
-            bits = np.unpackbits(row.astype(np.uint8)[:, None], axis=1)[:, 8 - bit_depth:]
+            bits = np.unpackbits(row.astype(np.uint8)[:, None], axis=1)[:, 8 - bit_depth :]
             raw = np.packbits(bits.reshape(-1)).tobytes()
         rows.append(b"\0" + raw)
     width, height = size or (w, h)
     ihdr = struct.pack(">IIBBBBB", width, height, bit_depth, color_type, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + b"".join(chunks)
-            + chunk(b"IDAT", zlib.compress(b"".join(rows))) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + b"".join(chunks)
+        + chunk(b"IDAT", zlib.compress(b"".join(rows)))
+        + chunk(b"IEND", b"")
+    )
 
 
 def save(img: Image.Image, fmt: str, **kw) -> bytes:
@@ -131,35 +138,49 @@ def png_samples(seed: int, w: int, h: int) -> Iterator[Sample]:
         yield _ok(f"png-L{depth}-{seed}", raw_png(raw, 0, depth), grey3(raw * step))
         key = int(raw[0, 0])
         trns = chunk(b"tRNS", struct.pack(">H", key))
-        yield _ok(f"png-L{depth}-trns-{seed}", raw_png(raw, 0, depth, trns),
-                  grey3(np.where(raw == key, 255, raw * step)))
+        yield _ok(
+            f"png-L{depth}-trns-{seed}",
+            raw_png(raw, 0, depth, trns),
+            grey3(np.where(raw == key, 255, raw * step)),
+        )
     grey = _u8(rng, h, w)
     yield _ok(f"png-L-{seed}", raw_png(grey, 0, 8), grey3(grey))
     key = int(grey[0, 0])
-    yield _ok(f"png-L-trns-{seed}", raw_png(grey, 0, 8, chunk(b"tRNS", struct.pack(">H", key))),
-              grey3(np.where(grey == key, 255, grey)))
+    yield _ok(
+        f"png-L-trns-{seed}",
+        raw_png(grey, 0, 8, chunk(b"tRNS", struct.pack(">H", key))),
+        grey3(np.where(grey == key, 255, grey)),
+    )
     la = _u8(rng, h, w, 2)
     yield _ok(f"png-LA-{seed}", raw_png(la, 4, 8), on_white(grey3(la[..., 0]), la[..., 1]))
     rgb = _u8(rng, h, w, 3)
     yield _ok(f"png-RGB-{seed}", raw_png(rgb, 2, 8), rgb)
     key3 = rgb[0, 0].astype(int)
     trns = chunk(b"tRNS", struct.pack(">HHH", *key3))
-    yield _ok(f"png-RGB-trns-{seed}", raw_png(rgb, 2, 8, trns),
-              np.where((rgb == key3).all(-1, keepdims=True), 255, rgb).astype(np.uint8))
+    yield _ok(
+        f"png-RGB-trns-{seed}",
+        raw_png(rgb, 2, 8, trns),
+        np.where((rgb == key3).all(-1, keepdims=True), 255, rgb).astype(np.uint8),
+    )
     rgba = _u8(rng, h, w, 4)
     yield _ok(f"png-RGBA-{seed}", raw_png(rgba, 6, 8), on_white(rgba[..., :3], rgba[..., 3]))
     palette, alpha = _u8(rng, 256, 3), _u8(rng, 256)
     idx = _u8(rng, h, w)
     plte = chunk(b"PLTE", palette.tobytes())
     yield _ok(f"png-P-{seed}", raw_png(idx, 3, 8, plte), palette[idx])
-    yield _ok(f"png-P-trns-{seed}", raw_png(idx, 3, 8, plte, chunk(b"tRNS", alpha.tobytes())),
-              on_white(palette[idx], alpha[idx]))
+    yield _ok(
+        f"png-P-trns-{seed}",
+        raw_png(idx, 3, 8, plte, chunk(b"tRNS", alpha.tobytes())),
+        on_white(palette[idx], alpha[idx]),
+    )
     small = rng.integers(0, 16, size=(h, w), dtype=np.uint8)  # 4-bit palette, shorter tRNS table
     short_alpha = _u8(rng, 9)
     full_alpha = np.concatenate([short_alpha, np.full(256 - 9, 255, np.uint8)])
-    yield _ok(f"png-P4-trns-{seed}", raw_png(small, 3, 4, chunk(b"PLTE", palette[:16].tobytes()),
-                                             chunk(b"tRNS", short_alpha.tobytes())),
-              on_white(palette[small], full_alpha[small]))
+    yield _ok(
+        f"png-P4-trns-{seed}",
+        raw_png(small, 3, 4, chunk(b"PLTE", palette[:16].tobytes()), chunk(b"tRNS", short_alpha.tobytes())),
+        on_white(palette[small], full_alpha[small]),
+    )
 
 
 def png16_samples(seed: int, w: int, h: int) -> Iterator[Sample]:
@@ -168,12 +189,18 @@ def png16_samples(seed: int, w: int, h: int) -> Iterator[Sample]:
     v16[0, :3] = [0, 65535, 32896]
     yield _ok(f"png-I16-{seed}", raw_png(v16, 0, 16), grey3(scale16(v16)))
     key = int(v16[h // 2, w // 2])
-    yield _ok(f"png-I16-trns-{seed}", raw_png(v16, 0, 16, chunk(b"tRNS", struct.pack(">H", key))),
-              grey3(np.where(v16 == key, 255, scale16(v16))))
+    yield _ok(
+        f"png-I16-trns-{seed}",
+        raw_png(v16, 0, 16, chunk(b"tRNS", struct.pack(">H", key))),
+        grey3(np.where(v16 == key, 255, scale16(v16))),
+    )
     low = rng.integers(0, 1024, size=(h, w), dtype=np.uint16)  # dark 16-bit: the case clipping ruins
     key = int(low[0, 0])
-    yield _ok(f"png-I16-dark-trns-{seed}", raw_png(low, 0, 16, chunk(b"tRNS", struct.pack(">H", key))),
-              grey3(np.where(low == key, 255, scale16(low))))
+    yield _ok(
+        f"png-I16-dark-trns-{seed}",
+        raw_png(low, 0, 16, chunk(b"tRNS", struct.pack(">H", key))),
+        grey3(np.where(low == key, 255, scale16(low))),
+    )
     c16 = rng.integers(0, 65536, size=(h, w, 3), dtype=np.uint16)
     yield _ok(f"png-RGB16-{seed}", raw_png(c16, 2, 16), (c16 >> 8).astype(np.uint8))
     c16a = rng.integers(0, 65536, size=(h, w, 4), dtype=np.uint16)
@@ -198,8 +225,12 @@ def exif_samples(seed: int, w: int, h: int) -> Iterator[Sample]:
 def jpeg_samples(seed: int, w: int, h: int) -> Iterator[Sample]:
     rng = _rng(seed)
     rgb = Image.fromarray(_u8(rng, h, w, 3))
-    for name, kw in (("base", {}), ("prog", {"progressive": True}), ("444", {"subsampling": 0}),
-                     ("opt", {"optimize": True, "quality": 40})):
+    for name, kw in (
+        ("base", {}),
+        ("prog", {"progressive": True}),
+        ("444", {"subsampling": 0}),
+        ("opt", {"optimize": True, "quality": 40}),
+    ):
         yield _ok(f"jpeg-{name}-{seed}", save(rgb, "JPEG", **kw), None, size=(w, h))
     grey = save(Image.fromarray(_u8(rng, h, w)), "JPEG")
     yield _ok(f"jpeg-grey-{seed}", grey, grey3(np.asarray(Image.open(io.BytesIO(grey)))))
@@ -213,13 +244,26 @@ def webp_gif_bmp_samples(seed: int, w: int, h: int) -> Iterator[Sample]:
     rgb, rgba = _u8(rng, h, w, 3), _u8(rng, h, w, 4)
     yield _ok(f"webp-lossy-{seed}", save(Image.fromarray(rgb), "WEBP", quality=80), None, size=(w, h))
     yield _ok(f"webp-lossless-{seed}", save(Image.fromarray(rgb), "WEBP", lossless=True), rgb)
-    yield _ok(f"webp-alpha-{seed}", save(Image.fromarray(rgba, "RGBA"), "WEBP", lossless=True, exact=True),
-              on_white(rgba[..., :3], rgba[..., 3]))
-    yield _ok(f"webp-lossy-alpha-{seed}", save(Image.fromarray(rgba, "RGBA"), "WEBP", quality=70), None,
-              size=(w, h))
+    yield _ok(
+        f"webp-alpha-{seed}",
+        save(Image.fromarray(rgba, "RGBA"), "WEBP", lossless=True, exact=True),
+        on_white(rgba[..., :3], rgba[..., 3]),
+    )
+    yield _ok(
+        f"webp-lossy-alpha-{seed}", save(Image.fromarray(rgba, "RGBA"), "WEBP", quality=70), None, size=(w, h)
+    )
     frames = [_u8(rng, h, w, 3) for _ in range(3)]
-    yield _ok(f"webp-animated-{seed}", save(Image.fromarray(frames[0]), "WEBP", lossless=True, save_all=True,
-                                           append_images=[Image.fromarray(f) for f in frames[1:]]), frames[0])
+    yield _ok(
+        f"webp-animated-{seed}",
+        save(
+            Image.fromarray(frames[0]),
+            "WEBP",
+            lossless=True,
+            save_all=True,
+            append_images=[Image.fromarray(f) for f in frames[1:]],
+        ),
+        frames[0],
+    )
     palette = _u8(rng, 8, 3)
     idx = rng.integers(0, 8, size=(h, w), dtype=np.uint8)
     gif_frames = []
@@ -227,12 +271,18 @@ def webp_gif_bmp_samples(seed: int, w: int, h: int) -> Iterator[Sample]:
         frame = Image.fromarray((idx + shift) % 8, "P")
         frame.putpalette(palette.reshape(-1).tolist())
         gif_frames.append(frame)
-    yield _ok(f"gif-animated-{seed}", save(gif_frames[0], "GIF", save_all=True, append_images=gif_frames[1:],
-                                          duration=20, loop=0), palette[idx])
+    yield _ok(
+        f"gif-animated-{seed}",
+        save(gif_frames[0], "GIF", save_all=True, append_images=gif_frames[1:], duration=20, loop=0),
+        palette[idx],
+    )
     see_through = Image.fromarray(idx, "P")
     see_through.putpalette(palette.reshape(-1).tolist())
-    yield _ok(f"gif-transparent-{seed}", save(see_through, "GIF", transparency=3),
-              np.where((idx == 3)[..., None], 255, palette[idx]).astype(np.uint8))
+    yield _ok(
+        f"gif-transparent-{seed}",
+        save(see_through, "GIF", transparency=3),
+        np.where((idx == 3)[..., None], 255, palette[idx]).astype(np.uint8),
+    )
     yield _ok(f"bmp-RGB-{seed}", save(Image.fromarray(rgb), "BMP"), rgb)
     grey = _u8(rng, h, w)
     yield _ok(f"bmp-L-{seed}", save(Image.fromarray(grey), "BMP"), grey3(grey))
@@ -245,41 +295,71 @@ def tiff_samples(seed: int, w: int, h: int) -> Iterator[Sample]:
     rng = _rng(seed)
     rgb, cmyk, la = _u8(rng, h, w, 3), _u8(rng, h, w, 4), _u8(rng, h, w, 2)
     for comp in ("raw", "tiff_lzw", "tiff_adobe_deflate", "packbits", "lzma", "zstd"):
-        if comp != "raw" and not libtiff.codec_configured({"tiff_lzw": 5, "tiff_adobe_deflate": 8,
-                                                          "packbits": 32773, "lzma": 34925, "zstd": 50000}[comp]):
+        if comp != "raw" and not libtiff.codec_configured(
+            {"tiff_lzw": 5, "tiff_adobe_deflate": 8, "packbits": 32773, "lzma": 34925, "zstd": 50000}[comp]
+        ):
             continue
         yield _ok(f"tiff-RGB-{comp}-{seed}", save(Image.fromarray(rgb), "TIFF", compression=comp), rgb)
-        yield _ok(f"tiff-CMYK-{comp}-{seed}", save(Image.fromarray(cmyk, "CMYK"), "TIFF", compression=comp),
-                  cmyk_to_rgb(cmyk))
+        yield _ok(
+            f"tiff-CMYK-{comp}-{seed}",
+            save(Image.fromarray(cmyk, "CMYK"), "TIFF", compression=comp),
+            cmyk_to_rgb(cmyk),
+        )
     yield _ok(f"tiff-jpeg-{seed}", save(Image.fromarray(rgb), "TIFF", compression="jpeg"), None, size=(w, h))
-    yield _ok(f"tiff-LA-{seed}", save(Image.fromarray(la, "LA"), "TIFF"), on_white(grey3(la[..., 0]), la[..., 1]))
+    yield _ok(
+        f"tiff-LA-{seed}", save(Image.fromarray(la, "LA"), "TIFF"), on_white(grey3(la[..., 0]), la[..., 1])
+    )
     rgba = _u8(rng, h, w, 4)
-    yield _ok(f"tiff-RGBA-{seed}", save(Image.fromarray(rgba, "RGBA"), "TIFF"), on_white(rgba[..., :3], rgba[..., 3]))
+    yield _ok(
+        f"tiff-RGBA-{seed}",
+        save(Image.fromarray(rgba, "RGBA"), "TIFF"),
+        on_white(rgba[..., :3], rgba[..., 3]),
+    )
     bits = rng.integers(0, 2, size=(h, w)).astype(bool)
-    yield _ok(f"tiff-1bit-g4-{seed}", save(Image.fromarray(bits), "TIFF", compression="group4"),
-              grey3(bits.astype(np.uint8) * 255))
+    yield _ok(
+        f"tiff-1bit-g4-{seed}",
+        save(Image.fromarray(bits), "TIFF", compression="group4"),
+        grey3(bits.astype(np.uint8) * 255),
+    )
     v16 = rng.integers(0, 65536, size=(h, w), dtype=np.uint16)
     yield _ok(f"tiff-I16-{seed}", save(Image.fromarray(v16), "TIFF"), grey3(scale16(v16)))
-    yield _ok(f"tiff-I16-lzw-{seed}", save(Image.fromarray(v16), "TIFF", compression="tiff_lzw"), grey3(scale16(v16)))
+    yield _ok(
+        f"tiff-I16-lzw-{seed}",
+        save(Image.fromarray(v16), "TIFF", compression="tiff_lzw"),
+        grey3(scale16(v16)),
+    )
     i32 = rng.integers(-1000, 70000, size=(h, w), dtype=np.int32)
     yield _ok(f"tiff-I32-{seed}", save(Image.fromarray(i32, "I"), "TIFF"), grey3(scale16(i32)))
     unit = rng.random(size=(h, w), dtype=np.float32)
-    yield _ok(f"tiff-F-unit-{seed}", save(Image.fromarray(unit, "F"), "TIFF"),
-              grey3(np.round(unit.astype(np.float64) * 255.0)))
+    yield _ok(
+        f"tiff-F-unit-{seed}",
+        save(Image.fromarray(unit, "F"), "TIFF"),
+        grey3(np.round(unit.astype(np.float64) * 255.0)),
+    )
     wide = rng.uniform(-50, 300, size=(h, w)).astype(np.float32)
     wide[0, 0] = np.nan
     expected = np.clip(np.round(np.nan_to_num(wide.astype(np.float64), nan=0.0)), 0, 255)
     yield _ok(f"tiff-F-wide-{seed}", save(Image.fromarray(wide, "F"), "TIFF"), grey3(expected))
     pages = [Image.fromarray(_u8(rng, h, w, 3)) for _ in range(3)]
-    yield _ok(f"tiff-multipage-{seed}", save(pages[0], "TIFF", save_all=True, append_images=pages[1:]),
-              np.asarray(pages[0]))
+    yield _ok(
+        f"tiff-multipage-{seed}",
+        save(pages[0], "TIFF", save_all=True, append_images=pages[1:]),
+        np.asarray(pages[0]),
+    )
 
 
 def valid_samples(seeds: range, sizes: tuple[tuple[int, int], ...] = ((23, 17),)) -> list[Sample]:
     out: list[Sample] = []
     for seed in seeds:
         w, h = sizes[seed % len(sizes)]
-        for gen in (png_samples, png16_samples, exif_samples, jpeg_samples, webp_gif_bmp_samples, tiff_samples):
+        for gen in (
+            png_samples,
+            png16_samples,
+            exif_samples,
+            jpeg_samples,
+            webp_gif_bmp_samples,
+            tiff_samples,
+        ):
             out.extend(gen(seed, w, h))
     return out
 
@@ -332,8 +412,15 @@ def refused_samples() -> list[Sample]:
             refuse(f"outside-allowlist-{fmt}", save(rgb.convert("RGB"), fmt), "invalid_image")
         except (KeyError, OSError, ValueError):  # a Pillow built without that writer
             continue
-    for fmt, kw in (("PNG", {}), ("JPEG", {}), ("WEBP", {"lossless": True}), ("GIF", {}), ("BMP", {}),
-                    ("TIFF", {}), ("WEBP", {"quality": 80})):
+    for fmt, kw in (
+        ("PNG", {}),
+        ("JPEG", {}),
+        ("WEBP", {"lossless": True}),
+        ("GIF", {}),
+        ("BMP", {}),
+        ("TIFF", {}),
+        ("WEBP", {"quality": 80}),
+    ):
         data = save(rgb, fmt, **kw)
         for cut in (0.5, 0.9):
             refuse(f"truncated-{fmt}-{kw}-{cut}", data[: int(len(data) * cut)], "invalid_image")
@@ -357,10 +444,17 @@ def refused_samples() -> list[Sample]:
     for scheme, codec in ((50001, "webp"), (34887, "34887"), (50002, "50002"), (34661, "34661")):
         refuse(f"tiff-codec-{codec}", _tiff_with_compression(scheme), "unsupported_image")
     for code, codec in ((4, "jpeg"), (5, "png")):  # BI_JPEG, BI_PNG
-        refuse(f"bmp-{codec}-inside", _patched(save(Image.new("RGB", (8, 8)), "BMP"), 30, "<I", code),
-               "unsupported_image")
+        refuse(
+            f"bmp-{codec}-inside",
+            _patched(save(Image.new("RGB", (8, 8)), "BMP"), 30, "<I", code),
+            "unsupported_image",
+        )
     c16 = np.zeros((4, 4, 3), np.uint16)
-    refuse("png-RGB16-trns", raw_png(c16, 2, 16, chunk(b"tRNS", struct.pack(">HHH", 0, 0, 0))), "unsupported_image")
+    refuse(
+        "png-RGB16-trns",
+        raw_png(c16, 2, 16, chunk(b"tRNS", struct.pack(">HHH", 0, 0, 0))),
+        "unsupported_image",
+    )
     return bad
 
 
@@ -374,8 +468,11 @@ def polyglot_samples() -> list[Sample]:
     return [
         _ok("polyglot-png-plus-zip", png + b"PK\x03\x04" + b"\0" * 100, rgb),
         _ok("polyglot-png-plus-html", png + b"<script>alert(1)</script>", rgb),
-        _ok("polyglot-gif-plus-js", save(gif, "GIF") + b"*/=1;alert(1)//", np.full((12, 10, 3), (200, 100, 50),
-                                                                                 np.uint8)),
+        _ok(
+            "polyglot-gif-plus-js",
+            save(gif, "GIF") + b"*/=1;alert(1)//",
+            np.full((12, 10, 3), (200, 100, 50), np.uint8),
+        ),
     ]
 
 

@@ -17,7 +17,13 @@ INTERNVL_IMAGE, INTERNVL_PATCH = 16, 4  # one tile = 4x4 patches -> 2x2 = 4 toke
 
 def vision_config(family: str, *, heads: int = 4, width: int = 32, mlp: int = 48, qk_norm: bool = True):
     """A tiny vision config of the family (InternVL: the full InternVLConfig, whose vision_config is used)."""
-    common = {"depth": 2, "num_heads": heads, "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": 2}
+    common = {
+        "depth": 2,
+        "num_heads": heads,
+        "patch_size": PATCH,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": 2,
+    }
     if family == "qwen2_vl":
         from transformers import Qwen2VLVisionConfig
 
@@ -27,28 +33,53 @@ def vision_config(family: str, *, heads: int = 4, width: int = 32, mlp: int = 48
 
         # window of 2x2 merged tokens; block 1 is a full-attention block
         return Qwen2_5_VLVisionConfig(
-            hidden_size=width, intermediate_size=mlp, out_hidden_size=24, window_size=PATCH * MERGE * 2,
-            fullatt_block_indexes=[1], **common,
+            hidden_size=width,
+            intermediate_size=mlp,
+            out_hidden_size=24,
+            window_size=PATCH * MERGE * 2,
+            fullatt_block_indexes=[1],
+            **common,
         )
     if family in ("qwen3_vl", "qwen3_5"):
         if family == "qwen3_vl":
             from transformers.models.qwen3_vl import Qwen3VLVisionConfig as cls
+
             extra = {"deepstack_visual_indexes": [0]}
         else:
             from transformers.models.qwen3_5 import Qwen3_5VisionConfig as cls
+
             extra = {}
-        return cls(hidden_size=width, intermediate_size=mlp, out_hidden_size=24, num_position_embeddings=16,
-                   **common, **extra)
+        return cls(
+            hidden_size=width,
+            intermediate_size=mlp,
+            out_hidden_size=24,
+            num_position_embeddings=16,
+            **common,
+            **extra,
+        )
     if family == "internvl":
         from transformers import InternVLConfig
 
         vision = {
-            "hidden_size": width, "num_attention_heads": heads, "intermediate_size": mlp, "num_hidden_layers": 2,
-            "image_size": INTERNVL_IMAGE, "patch_size": INTERNVL_PATCH, "use_qk_norm": qk_norm,
-            "norm_type": "rms_norm" if qk_norm else "layer_norm", "use_mean_pooling": False,
+            "hidden_size": width,
+            "num_attention_heads": heads,
+            "intermediate_size": mlp,
+            "num_hidden_layers": 2,
+            "image_size": INTERNVL_IMAGE,
+            "patch_size": INTERNVL_PATCH,
+            "use_qk_norm": qk_norm,
+            "norm_type": "rms_norm" if qk_norm else "layer_norm",
+            "use_mean_pooling": False,
         }
-        text = {"model_type": "qwen2", "hidden_size": 24, "intermediate_size": 32, "num_hidden_layers": 1,
-                "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}
+        text = {
+            "model_type": "qwen2",
+            "hidden_size": 24,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": 64,
+        }
         return InternVLConfig(vision_config=vision, text_config=text, downsample_ratio=0.5)
     raise ValueError(family)
 
@@ -111,7 +142,9 @@ def _reinit(module: nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(module.named_parameters()):
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.ndim == 1 and "weight" in _ else 0.0))
+            p.copy_(
+                torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.ndim == 1 and "weight" in _ else 0.0)
+            )
 
 
 def packed_inputs(family: str, seed: int = 1):

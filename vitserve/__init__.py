@@ -27,8 +27,14 @@ _LAZY = {
     "EmbeddingReceiver": "vitserve.rpc.receiver",
 }
 
-__all__ = ["WIRE_VERSION", "AsyncVitserveClient", "EmbeddingReceiver", "VitserveClient", "VitserveClientError",
-           "__version__"]
+__all__ = [
+    "WIRE_VERSION",
+    "AsyncVitserveClient",
+    "EmbeddingReceiver",
+    "VitserveClient",
+    "VitserveClientError",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

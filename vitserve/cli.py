@@ -68,11 +68,22 @@ class Flag(NamedTuple):
     default_text: str | None = None  # when the Config default alone would not say what happens
 
 
-GROUPS = ("model", "server", "parallelism", "budget and limits", "LLM handoff", "cache", "security", "logging",
-          "runtime")
+GROUPS = (
+    "model",
+    "server",
+    "parallelism",
+    "budget and limits",
+    "LLM handoff",
+    "cache",
+    "security",
+    "logging",
+    "runtime",
+)
 # The one table of flags. Defaults come from Config, so there is one source of truth for them too.
 FLAGS: dict[str, Flag] = {
-    "model": Flag(str, "model", "local HF checkpoint directory, or 'demo' (random weights; embeddings mean nothing)"),
+    "model": Flag(
+        str, "model", "local HF checkpoint directory, or 'demo' (random weights; embeddings mean nothing)"
+    ),
     "model_family": Flag(str, "model", f"one of {', '.join(FAMILY_CHOICES)}"),
     "dtype": Flag(str, "model", "auto | float32 | bfloat16 | float16"),
     "host": Flag(str, "server", "HTTP bind address"),
@@ -81,27 +92,46 @@ FLAGS: dict[str, Flag] = {
     "dp": Flag(parse_int, "parallelism", "independent encoder groups sharing one queue"),
     "heartbeat_s": Flag(float, "parallelism", "rank-0 heartbeat interval"),
     "dist_timeout_s": Flag(float, "parallelism", "torch.distributed timeout"),
-    "visual_batch_max_tokens": Flag(parse_int, "budget and limits",
-                                    "token budget per batch AND per image (after merge); 0 disables"),
+    "visual_batch_max_tokens": Flag(
+        parse_int, "budget and limits", "token budget per batch AND per image (after merge); 0 disables"
+    ),
     "visual_infer_batch_size": Flag(parse_int, "budget and limits", "at most this many images per batch"),
-    "visual_reserved_mem_gb": Flag(_optional(float), "budget and limits",
-                                   "skip the start-up stress and reserve this much", "none (measure at start-up)"),
-    "max_queue_tokens": Flag(_optional(parse_int), "budget and limits", "queued tokens above which requests get 503",
-                             "4 x budget"),
+    "visual_reserved_mem_gb": Flag(
+        _optional(float),
+        "budget and limits",
+        "skip the start-up stress and reserve this much",
+        "none (measure at start-up)",
+    ),
+    "max_queue_tokens": Flag(
+        _optional(parse_int), "budget and limits", "queued tokens above which requests get 503", "4 x budget"
+    ),
     "max_images_per_request": Flag(parse_int, "budget and limits", "more images in one request -> 400"),
-    "max_request_bytes": Flag(parse_size, "budget and limits", "larger body -> 413 (accepts sizes like 64MiB)"),
-    "max_image_pixels": Flag(parse_int, "budget and limits",
-                             "decoded width x height above this -> 413 (checked from the header)"),
+    "max_request_bytes": Flag(
+        parse_size, "budget and limits", "larger body -> 413 (accepts sizes like 64MiB)"
+    ),
+    "max_image_pixels": Flag(
+        parse_int, "budget and limits", "decoded width x height above this -> 413 (checked from the header)"
+    ),
     "request_timeout_s": Flag(float, "budget and limits", "end-to-end deadline (504 after it)"),
-    "jpeg_draft": Flag(parse_bool, "budget and limits",
-                       "faster but NOT exact: decode big JPEGs at 1/2-1/8 scale when the budget clamp "
-                       "shrinks them anyway (docs/jpeg_draft.md)"),
-    "llm_endpoint": Flag(_optional(str), "LLM handoff",
-                         "ZMQ endpoint of the LLM server (tcp://host:port or ipc:///path); none: inline only"),
+    "jpeg_draft": Flag(
+        parse_bool,
+        "budget and limits",
+        "faster but NOT exact: decode big JPEGs at 1/2-1/8 scale when the budget clamp "
+        "shrinks them anyway (docs/jpeg_draft.md)",
+    ),
+    "llm_endpoint": Flag(
+        _optional(str),
+        "LLM handoff",
+        "ZMQ endpoint of the LLM server (tcp://host:port or ipc:///path); none: inline only",
+    ),
     "cache_gb": Flag(float, "cache", "encoder-output cache size; 0 disables"),
-    "api_key": Flag(_optional(str), "security", "require 'Authorization: Bearer KEY' on every route but /health"),
+    "api_key": Flag(
+        _optional(str), "security", "require 'Authorization: Bearer KEY' on every route but /health"
+    ),
     "allow_image_urls": Flag(parse_bool, "security", "accept {'url': ...} images (SSRF-guarded)"),
-    "allowed_url_domains": Flag(parse_domains, "security", "comma-separated domains URL images may come from"),
+    "allowed_url_domains": Flag(
+        parse_domains, "security", "comma-separated domains URL images may come from"
+    ),
     "log_level": Flag(str, "logging", "debug | info | warning | error"),
     "device": Flag(str, "runtime", "auto | cpu | cuda | cuda:N"),
     "runtime_dir": Flag(str, "runtime", "private runtime directory (ipc sockets, reservation files)"),
@@ -159,10 +189,12 @@ def _metavar(flag: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="vitserve", description="Serve the vision encoder of a multimodal LLM.",
+        prog="vitserve",
+        description="Serve the vision encoder of a multimodal LLM.",
         epilog="Every flag also reads the environment variable shown with it (the flag wins); "
-               "--flag_name and --flag-name are the same flag.",
-        argument_default=argparse.SUPPRESS)
+        "--flag_name and --flag-name are the same flag.",
+        argument_default=argparse.SUPPRESS,
+    )
     p.add_argument("--version", action="version", version=f"vitserve {vitserve.__version__}")
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     for flag, spec in FLAGS.items():
@@ -170,11 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
         names = [(flag, full_help)] + ([(flag.replace("_", "-"), argparse.SUPPRESS)] if "_" in flag else [])
         for name, help_text in names:  # the hyphenated alias works but is not listed a second time
             if isinstance(_DEFAULTS[flag], bool):  # switches: --flag / --no-flag
-                groups[spec.group].add_argument(f"--{name}", dest=flag, action=argparse.BooleanOptionalAction,
-                                                help=help_text)
+                groups[spec.group].add_argument(
+                    f"--{name}", dest=flag, action=argparse.BooleanOptionalAction, help=help_text
+                )
             else:
-                groups[spec.group].add_argument(f"--{name}", dest=flag, metavar=_metavar(flag), type=str,
-                                                help=help_text)
+                groups[spec.group].add_argument(
+                    f"--{name}", dest=flag, metavar=_metavar(flag), type=str, help=help_text
+                )
     return p
 
 
@@ -213,10 +247,26 @@ def _positive(config: Config, *flags: str, allow_zero: bool = False) -> None:
 
 
 def validate(config: Config) -> None:
-    _positive(config, "tp", "dp", "visual_infer_batch_size", "max_images_per_request", "max_request_bytes",
-              "max_image_pixels", "request_timeout_s", "heartbeat_s", "dist_timeout_s")
-    _positive(config, "visual_batch_max_tokens", "max_queue_tokens", "cache_gb", "visual_reserved_mem_gb",
-              allow_zero=True)
+    _positive(
+        config,
+        "tp",
+        "dp",
+        "visual_infer_batch_size",
+        "max_images_per_request",
+        "max_request_bytes",
+        "max_image_pixels",
+        "request_timeout_s",
+        "heartbeat_s",
+        "dist_timeout_s",
+    )
+    _positive(
+        config,
+        "visual_batch_max_tokens",
+        "max_queue_tokens",
+        "cache_gb",
+        "visual_reserved_mem_gb",
+        allow_zero=True,
+    )
     if not 0 <= config.port <= 65535:
         raise ConfigError(f"--port must be 0..65535, got {config.port}")
     if config.model_family not in FAMILY_CHOICES:
@@ -265,7 +315,8 @@ def render_banner(service: Service) -> str:
         f"image URLs: {'on for ' + ','.join(c.allowed_url_domains) if c.allow_image_urls else 'off'}",
         f"  cache: {f'{c.cache_gb:g} GiB' if c.cache_gb > 0 else 'off'} (in-flight dedup always on); "
         f"jpeg_draft: {'on' if c.jpeg_draft else 'off'}",
-        "  output: NOT exact: --jpeg_draft is on (docs/jpeg_draft.md)" if c.jpeg_draft
+        "  output: NOT exact: --jpeg_draft is on (docs/jpeg_draft.md)"
+        if c.jpeg_draft
         else "  output: exact (matches transformers)",
     ]
     return "\n".join(lines)
@@ -275,8 +326,9 @@ def _build_service(config: Config) -> Service:
     from vitserve.api.server import Service, bind_socket
     from vitserve.processors import load_image_processor
 
-    processor = load_image_processor(config.model, budget_tokens=config.budget_tokens,
-                                     family=config.model_family)
+    processor = load_image_processor(
+        config.model, budget_tokens=config.budget_tokens, family=config.model_family
+    )
     sock = bind_socket(config.host, config.port)
     from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed
 
@@ -292,8 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         # cores the API's preprocessing threads need: small images at 4 clients went 1.9 -> 9.9 img/s with
         # PASSIVE on 2 cores (bench/history/0.1.0.md, Serving, run 3). A value the user set is kept.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=config.log_level.upper(),
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
         service = _build_service(config)
     except (ConfigError, VitserveError, OSError) as exc:
         print(f"vitserve: start-up failed: {exc}", file=sys.stderr)

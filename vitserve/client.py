@@ -28,8 +28,15 @@ ImageLike = Any  # str | os.PathLike | bytes | PIL.Image.Image
 class VitserveClientError(Exception):
     """An error answer from vitserve (or a transport failure: status 0, code 'connection_error')."""
 
-    def __init__(self, status: int, code: str, message: str, *, image_index: int | None = None,
-                 retry_after_s: float | None = None):
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        image_index: int | None = None,
+        retry_after_s: float | None = None,
+    ):
         super().__init__(f"{status} {code}: {message}")
         self.status, self.code, self.message = status, code, message
         self.image_index = image_index
@@ -52,7 +59,10 @@ def image_bytes(image: ImageLike) -> bytes:
 def _files(
     images: list[ImageLike], request_id: str | None, return_embeddings: bool
 ) -> tuple[list[tuple[str, tuple[str, bytes, str]]], dict[str, str]]:
-    files = [("images", (f"image{i}", image_bytes(img), "application/octet-stream")) for i, img in enumerate(images)]
+    files = [
+        ("images", (f"image{i}", image_bytes(img), "application/octet-stream"))
+        for i, img in enumerate(images)
+    ]
     data = {"return_embeddings": "true" if return_embeddings else "false"}
     if request_id is not None:
         data["request_id"] = request_id
@@ -71,8 +81,13 @@ def _result(resp: httpx.Response) -> dict[str, Any]:
         except (ValueError, KeyError, TypeError):
             code, message, index = "http_error", resp.text[:500], None
         retry = resp.headers.get("retry-after")
-        raise VitserveClientError(resp.status_code, code, message, image_index=index,
-                                  retry_after_s=float(retry) if retry and retry.isdigit() else None)
+        raise VitserveClientError(
+            resp.status_code,
+            code,
+            message,
+            image_index=index,
+            retry_after_s=float(retry) if retry and retry.isdigit() else None,
+        )
     body: dict[str, Any] = resp.json()
     for img in body.get("images", []):
         if "embedding" in img:
@@ -91,10 +106,16 @@ def _headers(api_key: str | None) -> dict[str, str]:
 
 
 class VitserveClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8100", api_key: str | None = None, timeout: float = 300.0):
-        self._http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout, trust_env=False)
+    def __init__(
+        self, base_url: str = "http://127.0.0.1:8100", api_key: str | None = None, timeout: float = 300.0
+    ):
+        self._http = httpx.Client(
+            base_url=base_url, headers=_headers(api_key), timeout=timeout, trust_env=False
+        )
 
-    def encode(self, images: list[ImageLike], return_embeddings: bool = False, request_id: str | None = None) -> dict[str, Any]:
+    def encode(
+        self, images: list[ImageLike], return_embeddings: bool = False, request_id: str | None = None
+    ) -> dict[str, Any]:
         files, data = _files(images, request_id, return_embeddings)
         try:
             resp = self._http.post("/encode", files=files, data=data)
@@ -133,11 +154,16 @@ class VitserveClient:
 
 
 class AsyncVitserveClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8100", api_key: str | None = None, timeout: float = 300.0):
-        self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=timeout, trust_env=False)
+    def __init__(
+        self, base_url: str = "http://127.0.0.1:8100", api_key: str | None = None, timeout: float = 300.0
+    ):
+        self._http = httpx.AsyncClient(
+            base_url=base_url, headers=_headers(api_key), timeout=timeout, trust_env=False
+        )
 
-    async def encode(self, images: list[ImageLike], return_embeddings: bool = False,
-                     request_id: str | None = None) -> dict[str, Any]:
+    async def encode(
+        self, images: list[ImageLike], return_embeddings: bool = False, request_id: str | None = None
+    ) -> dict[str, Any]:
         files, data = _files(images, request_id, return_embeddings)
         try:
             resp = await self._http.post("/encode", files=files, data=data)

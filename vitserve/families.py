@@ -30,7 +30,9 @@ _IMAGENET_STD = (0.229, 0.224, 0.225)
 class Family:
     name: str  # "qwen2_5_vl": the one key used everywhere
     display: str  # "Qwen2.5-VL": for messages and the TP pass
-    layout: Literal["patches", "tiles"]  # packed patch rows with a spatial merge | fixed tiles + pixel shuffle
+    layout: Literal[
+        "patches", "tiles"
+    ]  # packed patch rows with a spatial merge | fixed tiles + pixel shuffle
     model_types: tuple[str, ...]  # config.json model_type values the processor AND the loader accept
     patch_size: int  # defaults when a checkpoint ships no processor config
     merge_size: int = 0  # patches: spatial merge (2 = 2x2 patches per token)
@@ -47,15 +49,35 @@ class Family:
 
 
 def _qwen2(name: str, display: str) -> Family:
-    return Family(name, display, "patches", (name,), patch_size=14, merge_size=2, temporal_patch_size=2,
-                  min_pixels=56 * 56, max_pixels=28 * 28 * 16384)
+    return Family(
+        name,
+        display,
+        "patches",
+        (name,),
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=2,
+        min_pixels=56 * 56,
+        max_pixels=28 * 28 * 16384,
+    )
 
 
 def _qwen3(name: str, display: str, *, deepstack: bool) -> Family:
     # MoE variants share their dense family's tower and processor.
-    return Family(name, display, "patches", (name, f"{name}_moe"), patch_size=16, merge_size=2,
-                  temporal_patch_size=2, min_pixels=64 * 32 * 32, max_pixels=16384 * 32 * 32,
-                  image_mean=_HALF, image_std=_HALF, deepstack=deepstack)
+    return Family(
+        name,
+        display,
+        "patches",
+        (name, f"{name}_moe"),
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+        min_pixels=64 * 32 * 32,
+        max_pixels=16384 * 32 * 32,
+        image_mean=_HALF,
+        image_std=_HALF,
+        deepstack=deepstack,
+    )
 
 
 FAMILIES: dict[str, Family] = {
@@ -66,8 +88,19 @@ FAMILIES: dict[str, Family] = {
         _qwen3("qwen3_vl", "Qwen3-VL", deepstack=True),
         _qwen3("qwen3_5", "Qwen3.5", deepstack=False),
         # HF's "internvl" layout: GotOcr2 processor, 448 tiles of 14-px patches, pixel shuffle 0.5 -> 256 tokens.
-        Family("internvl", "InternVL", "tiles", ("internvl",), patch_size=14, tile_size=448, min_tiles=1,
-               max_tiles=12, downsample_ratio=0.5, image_mean=_IMAGENET_MEAN, image_std=_IMAGENET_STD),
+        Family(
+            "internvl",
+            "InternVL",
+            "tiles",
+            ("internvl",),
+            patch_size=14,
+            tile_size=448,
+            min_tiles=1,
+            max_tiles=12,
+            downsample_ratio=0.5,
+            image_mean=_IMAGENET_MEAN,
+            image_std=_IMAGENET_STD,
+        ),
     )
 }
 FAMILY_CHOICES = ("auto", *FAMILIES)  # --model_family
@@ -89,9 +122,7 @@ def family_of_model_type(model_type: str, family: str = "auto") -> Family:
     """The family for a checkpoint's config.json ``model_type`` and a --model_family value (which wins, so a
     fine-tune with its own model_type can still name its tower). One check for processors and loader."""
     if model_type in UNLOADABLE_MODEL_TYPES:
-        raise ConfigError(
-            f"--model: model_type {model_type!r} is {UNLOADABLE_MODEL_TYPES[model_type]}"
-        )
+        raise ConfigError(f"--model: model_type {model_type!r} is {UNLOADABLE_MODEL_TYPES[model_type]}")
     if family != "auto":
         if family not in FAMILIES:
             raise ConfigError(f"--model_family {family!r} is not one of {', '.join(FAMILY_CHOICES)}")
@@ -110,7 +141,9 @@ def tokens_per_tile(tile: int, patch: int, downsample_ratio: float) -> int:
     (int(side*r), int(side*r)) tokens, and fails when side*r is not a whole number (its view() then
     cannot reshape), so such a geometry is refused here instead of on the first batch."""
     if tile % patch:
-        raise ConfigError(f"tile {tile} is not a multiple of the vision patch {patch}; fix the checkpoint (--model)")
+        raise ConfigError(
+            f"tile {tile} is not a multiple of the vision patch {patch}; fix the checkpoint (--model)"
+        )
     side = tile // patch
     shuffled = side * downsample_ratio
     if shuffled != int(shuffled) or shuffled < 1:

@@ -65,16 +65,30 @@ class _DemoteToDebug(logging.Filter):
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
-for _name in ("Image", "ImageFile", "JpegImagePlugin", "PngImagePlugin", "WebPImagePlugin", "GifImagePlugin",
-              "BmpImagePlugin", "TiffImagePlugin"):
+for _name in (
+    "Image",
+    "ImageFile",
+    "JpegImagePlugin",
+    "PngImagePlugin",
+    "WebPImagePlugin",
+    "GifImagePlugin",
+    "BmpImagePlugin",
+    "TiffImagePlugin",
+):
     logging.getLogger(f"PIL.{_name}").addFilter(_DemoteToDebug())
 
 _ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
 _SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})
 _TIFF_MAGIC = {b"II*\0": 8, b"MM\0*": 8, b"II+\0": 16, b"MM\0+": 16}  # -> header length (classic, BigTIFF)
 # TIFF compression schemes PIL does not know at all, by the name their users would recognise
-_OTHER_TIFF_CODECS = {34661: "JBIG", 34712: "JPEG 2000", 34887: "LERC", 34892: "lossy JPEG (DNG)",
-                      50002: "JPEG XL", 52546: "JPEG XL (DNG)"}
+_OTHER_TIFF_CODECS = {
+    34661: "JBIG",
+    34712: "JPEG 2000",
+    34887: "LERC",
+    34892: "lossy JPEG (DNG)",
+    50002: "JPEG XL",
+    52546: "JPEG XL (DNG)",
+}
 _BMP_CODECS = {4: "JPEG", 5: "PNG"}  # BITMAPINFOHEADER compression values PIL cannot decode
 _PNG_LOW_BIT_SCALE = {"L;2": 85, "L;4": 17}  # PIL scales 2/4-bit grey samples by these; tRNS stays raw
 
@@ -95,7 +109,9 @@ DraftTarget = Callable[[int, int], "tuple[int, int] | None"]
 _SWAPS_AXES = frozenset({5, 6, 7, 8})  # EXIF orientations that transpose width and height
 
 
-def decode_image(data: bytes, *, max_image_pixels: int, draft_target: DraftTarget | None = None) -> DecodedImage:
+def decode_image(
+    data: bytes, *, max_image_pixels: int, draft_target: DraftTarget | None = None
+) -> DecodedImage:
     """Decode untrusted bytes into an RGB PIL image.
 
     Raises InvalidImage (not an image, a format outside the allowlist, truncated or corrupt data),

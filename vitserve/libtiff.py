@@ -79,8 +79,13 @@ def _load() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(None)
         libc.vsnprintf.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_void_p]
         _state["vsnprintf"] = libc.vsnprintf
-        _state["handlers"] = (_make_handler("warning"), _make_handler("error"))  # kept alive: libtiff holds them
-        for setter, handler in zip(("TIFFSetWarningHandler", "TIFFSetErrorHandler"), _state["handlers"], strict=True):
+        _state["handlers"] = (
+            _make_handler("warning"),
+            _make_handler("error"),
+        )  # kept alive: libtiff holds them
+        for setter, handler in zip(
+            ("TIFFSetWarningHandler", "TIFFSetErrorHandler"), _state["handlers"], strict=True
+        ):
             fn = getattr(lib, setter)
             fn.argtypes, fn.restype = [_HANDLER], ctypes.c_void_p
             fn(handler)

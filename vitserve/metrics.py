@@ -32,11 +32,17 @@ class Metrics:
         self.requests_total = Counter(p + "requests", "HTTP requests by status code", ["code"], registry=r)
         self.images_total = Counter(p + "images", "Images by outcome", ["outcome"], registry=r)
         self.images_clamped_total = Counter(p + "images_clamped", "Images shrunk by the budget", registry=r)
-        self.image_tokens = Histogram(p + "image_tokens", "Tokens per image", buckets=_TOKEN_BUCKETS, registry=r)
+        self.image_tokens = Histogram(
+            p + "image_tokens", "Tokens per image", buckets=_TOKEN_BUCKETS, registry=r
+        )
         self.queue_tokens = Gauge(p + "queue_tokens", "Tokens waiting in the queue", registry=r)
         self.queue_images = Gauge(p + "queue_images", "Images waiting in the queue", registry=r)
-        self.batch_tokens = Histogram(p + "batch_tokens", "Tokens per batch", buckets=_TOKEN_BUCKETS, registry=r)
-        self.batch_images = Histogram(p + "batch_images", "Images per batch", buckets=_COUNT_BUCKETS, registry=r)
+        self.batch_tokens = Histogram(
+            p + "batch_tokens", "Tokens per batch", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.batch_images = Histogram(
+            p + "batch_images", "Images per batch", buckets=_COUNT_BUCKETS, registry=r
+        )
         self.batch_fill_ratio = Histogram(
             p + "batch_fill_ratio", "Batch tokens / budget", buckets=_FILL_BUCKETS, registry=r
         )
@@ -54,7 +60,9 @@ class Metrics:
         # Encoder-output cache (issue: never encode the same image twice).
         self.cache_hits_total = Counter(p + "cache_hits", "Encoder-output cache hits", registry=r)
         self.cache_misses_total = Counter(p + "cache_misses", "Encoder-output cache misses", registry=r)
-        self.cache_evictions_total = Counter(p + "cache_evictions", "Encoder-output cache evictions", registry=r)
+        self.cache_evictions_total = Counter(
+            p + "cache_evictions", "Encoder-output cache evictions", registry=r
+        )
         self.cache_bytes = Gauge(p + "cache_bytes", "Bytes held by the encoder-output cache", registry=r)
 
     def render(self) -> bytes:

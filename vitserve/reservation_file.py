@@ -24,11 +24,19 @@ def reservation_path(runtime_dir: str | os.PathLike[str], device: str, rank: int
     return Path(runtime_dir) / f"reserved_mem_{safe_device}_{int(rank)}.json"
 
 
-def publish_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int, nbytes: int, source: str) -> Path:
+def publish_reservation(
+    runtime_dir: str | os.PathLike[str], device: str, rank: int, nbytes: int, source: str
+) -> Path:
     """Write the reservation atomically: a temp file in the same directory, fsync, then os.replace."""
     path = reservation_path(runtime_dir, device, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"device": str(device), "rank": int(rank), "bytes": int(nbytes), "source": source, "pid": os.getpid()}
+    body = {
+        "device": str(device),
+        "rank": int(rank),
+        "bytes": int(nbytes),
+        "source": source,
+        "pid": os.getpid(),
+    }
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:

@@ -30,26 +30,33 @@ class Live:
     metrics: Metrics
     config: Config
     result: dict
-    gate: threading.Event  # cleared: the in-process encoder group holds every batch (no effect on make_engine)
+    gate: (
+        threading.Event
+    )  # cleared: the in-process encoder group holds every batch (no effect on make_engine)
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 30), **kw)
 
 
 @contextlib.contextmanager
-def live_server(config: Config | None = None, *, engine=None, processor=None, make_engine=None, encoder=None,
-                **overrides):
+def live_server(
+    config: Config | None = None, *, engine=None, processor=None, make_engine=None, encoder=None, **overrides
+):
     """The Service over `engine`, else make_engine(config, metrics) (e.g. the real Engine with spawned ranks),
     else the real Engine over one in-process ThreadGroup running `encoder` (default tests.fakes.TinyEncoder)."""
     config = replace(config or TEST_CONFIG, **overrides)
     metrics = Metrics()
     processor = processor or load_image_processor(
-        "qwen2_5_vl" if config.model == "demo" else config.model, budget_tokens=config.budget_tokens)
+        "qwen2_5_vl" if config.model == "demo" else config.model, budget_tokens=config.budget_tokens
+    )
     gate = threading.Event()
     gate.set()
     if engine is None:
-        engine = make_engine(config, metrics) if make_engine else thread_engine(config, metrics, gate=gate,
-                                                                                 encoder=encoder)
+        engine = (
+            make_engine(config, metrics)
+            if make_engine
+            else thread_engine(config, metrics, gate=gate, encoder=encoder)
+        )
     service = Service(config, engine, processor, metrics, sock=bind_socket("127.0.0.1", 0))
     result: dict = {}
 
@@ -90,8 +97,14 @@ def real_engine_options(tmp_dir) -> dict:
     from vitserve.engine import Engine
 
     checkpoint = make_checkpoint("qwen2_5_vl", tmp_dir / "ckpt")
-    return {"model": str(checkpoint), "make_engine": Engine, "heartbeat_s": 2.0, "dist_timeout_s": 60.0,
-            "device": "cpu", "runtime_dir": str(tmp_dir / "rt")}
+    return {
+        "model": str(checkpoint),
+        "make_engine": Engine,
+        "heartbeat_s": 2.0,
+        "dist_timeout_s": 60.0,
+        "device": "cpu",
+        "runtime_dir": str(tmp_dir / "rt"),
+    }
 
 
 def wait_until(predicate, what: str, limit_s: float = 30.0) -> None:

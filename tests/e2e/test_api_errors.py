@@ -40,11 +40,17 @@ def assert_error(resp, status: int, code: str, index=None) -> dict:
 
 def png_header_only(width: int, height: int) -> bytes:
     """A PNG that declares width x height (RGB, 8 bit) with a tiny IDAT: a decompression bomb's header."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,37 +81,50 @@ def test_normal_request_succeeds(client):
     assert set(body) == {"request_id", "model", "images", "timing_ms"}
     assert set(body["timing_ms"]) == {"decode", "preprocess", "queue", "encode", "send"}
     img = body["images"][0]
-    assert set(img) == {"index", "image_id", "num_tokens", "grid_thw", "original_size", "resized_size", "clamped",
-                        "cached"}
+    assert set(img) == {
+        "index",
+        "image_id",
+        "num_tokens",
+        "grid_thw",
+        "original_size",
+        "resized_size",
+        "clamped",
+        "cached",
+    }
     assert img["original_size"] == [64, 48]
 
 
 # -- B3 and invalid_request ---------------------------------------------------------------------------------
-@pytest.mark.parametrize(("kwargs", "code"), [
-    ({"content": b"{not json", "headers": {"content-type": "application/json"}}, "invalid_request"),
-    ({"content": b"", "headers": {"content-type": "application/json"}}, "invalid_request"),
-    ({"json": {"images": []}}, "invalid_request"),
-    ({"json": {"images": [{"b64": "aGVsbG8"}]}}, "invalid_request"),
-    ({"json": {"images": [{"b64": "!!!!"}]}}, "invalid_request"),
-    ({"json": {"images": [{"b64": "aGk=", "url": "https://x"}]}}, "invalid_request"),
-    ({"json": {"images": [{}]}}, "invalid_request"),
-    ({"json": {"images": "abc"}}, "invalid_request"),
-    ({"json": []}, "invalid_request"),
-    ({"json": {"images": [{"b64": "aGk="}], "extra": 1}}, "invalid_request"),
-    ({"json": {"images": [{"b64": "aGk=", "extra": 1}]}}, "invalid_request"),
-    ({"json": {"images": [{"b64": "aGk="}], "request_id": ""}}, "invalid_request"),
-    ({"json": {"images": [{"b64": "aGk="}], "return_embeddings": "maybe"}}, "invalid_request"),
-    ({"content": b"images=1", "headers": {"content-type": "text/plain"}}, "invalid_request"),
-    ({"files": [("images", ("a.png", png_bytes(8, 8)))], "data": {"colour": "red"}}, "invalid_request"),
-    ({"files": [("other", ("a.png", png_bytes(8, 8)))]}, "invalid_request"),
-    ({"data": {"request_id": "x"}, "files": [("request_id", ("x", b"x"))]}, "invalid_request"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "code"),
+    [
+        ({"content": b"{not json", "headers": {"content-type": "application/json"}}, "invalid_request"),
+        ({"content": b"", "headers": {"content-type": "application/json"}}, "invalid_request"),
+        ({"json": {"images": []}}, "invalid_request"),
+        ({"json": {"images": [{"b64": "aGVsbG8"}]}}, "invalid_request"),
+        ({"json": {"images": [{"b64": "!!!!"}]}}, "invalid_request"),
+        ({"json": {"images": [{"b64": "aGk=", "url": "https://x"}]}}, "invalid_request"),
+        ({"json": {"images": [{}]}}, "invalid_request"),
+        ({"json": {"images": "abc"}}, "invalid_request"),
+        ({"json": []}, "invalid_request"),
+        ({"json": {"images": [{"b64": "aGk="}], "extra": 1}}, "invalid_request"),
+        ({"json": {"images": [{"b64": "aGk=", "extra": 1}]}}, "invalid_request"),
+        ({"json": {"images": [{"b64": "aGk="}], "request_id": ""}}, "invalid_request"),
+        ({"json": {"images": [{"b64": "aGk="}], "return_embeddings": "maybe"}}, "invalid_request"),
+        ({"content": b"images=1", "headers": {"content-type": "text/plain"}}, "invalid_request"),
+        ({"files": [("images", ("a.png", png_bytes(8, 8)))], "data": {"colour": "red"}}, "invalid_request"),
+        ({"files": [("other", ("a.png", png_bytes(8, 8)))]}, "invalid_request"),
+        ({"data": {"request_id": "x"}, "files": [("request_id", ("x", b"x"))]}, "invalid_request"),
+    ],
+)
 def test_malformed_requests_are_400_invalid_request(client, kwargs, code):
     assert_error(client.post("/encode", **kwargs), 400, code)
 
 
 def test_bad_base64_points_at_the_image(client):
-    assert_error(client.post("/encode", json={"images": [ok_image(), {"b64": "@@@"}]}), 400, "invalid_request", 1)
+    assert_error(
+        client.post("/encode", json={"images": [ok_image(), {"b64": "@@@"}]}), 400, "invalid_request", 1
+    )
 
 
 def truncated(data: bytes) -> bytes:
@@ -118,10 +137,18 @@ def jpeg_bytes() -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("data", [
-    b"definitely not an image", b"\x89PNG\r\n\x1a\n", truncated(noise_png(64, 64)), truncated(jpeg_bytes()),
-    b"GIF89a", b"",
-], ids=["text", "png-magic-only", "truncated-png", "truncated-jpeg", "gif-magic-only", "empty"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"definitely not an image",
+        b"\x89PNG\r\n\x1a\n",
+        truncated(noise_png(64, 64)),
+        truncated(jpeg_bytes()),
+        b"GIF89a",
+        b"",
+    ],
+    ids=["text", "png-magic-only", "truncated-png", "truncated-jpeg", "gif-magic-only", "empty"],
+)
 def test_not_an_image_is_400_invalid_image(client, data):
     r = client.post("/encode", json={"images": [ok_image(), {"b64": b64(data)}]})
     assert_error(r, 400, "invalid_image", 1)
@@ -134,8 +161,11 @@ def test_multipart_bad_image_and_no_images(client):
 
 
 def test_multipart_request_succeeds_with_fields(client):
-    r = client.post("/encode", files=[("images", ("a.png", png_bytes(30, 40)))],
-                    data={"request_id": "mp-1", "return_embeddings": "true"})
+    r = client.post(
+        "/encode",
+        files=[("images", ("a.png", png_bytes(30, 40)))],
+        data={"request_id": "mp-1", "return_embeddings": "true"},
+    )
     assert r.status_code == 200
     img = r.json()["images"][0]
     assert r.json()["request_id"] == "mp-1"
@@ -145,7 +175,9 @@ def test_multipart_request_succeeds_with_fields(client):
 # -- B8 -----------------------------------------------------------------------------------------------------
 def test_one_image_more_than_allowed_is_too_many_images(client):
     assert client.post("/encode", json={"images": [ok_image()] * 4}).status_code == 200
-    err = assert_error(client.post("/encode", json={"images": [ok_image()] * 5}), 400, "too_many_images", ABSENT)
+    err = assert_error(
+        client.post("/encode", json={"images": [ok_image()] * 5}), 400, "too_many_images", ABSENT
+    )
     assert "--max_images_per_request" in err["message"]
     files = [("images", (f"{i}.png", png_bytes(8, 8))) for i in range(5)]
     assert_error(client.post("/encode", files=files), 400, "too_many_images")
@@ -165,16 +197,21 @@ def test_degenerate_sizes_are_400_naming_the_limit_or_200_within_budget(client, 
 
 
 def test_extreme_aspect_ratio_is_aspect_ratio_too_large(client):
-    assert_error(client.post("/encode", json={"images": [{"b64": b64(png_bytes(1, 10000))}]}), 400,
-                 "aspect_ratio_too_large", 0)
+    assert_error(
+        client.post("/encode", json={"images": [{"b64": b64(png_bytes(1, 10000))}]}),
+        400,
+        "aspect_ratio_too_large",
+        0,
+    )
 
 
 # -- B1 -----------------------------------------------------------------------------------------------------
 def test_decompression_bomb_header_is_413_before_decoding(client):
     bomb = png_header_only(30000, 30000)
     assert len(bomb) < 200
-    err = assert_error(client.post("/encode", json={"images": [ok_image(), {"b64": b64(bomb)}]}), 413,
-                       "payload_too_large", 1)
+    err = assert_error(
+        client.post("/encode", json={"images": [ok_image(), {"b64": b64(bomb)}]}), 413, "payload_too_large", 1
+    )
     assert "--max_image_pixels" in err["message"]
 
 
@@ -206,8 +243,10 @@ def raw_http(port: int, head: bytes, body_chunks: list[bytes]) -> bytes:
 
 
 def test_declared_length_over_cap_is_413_without_reading_the_body(live):
-    head = (b"POST /encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 1000000000\r\n\r\n")
+    head = (
+        b"POST /encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000000000\r\n\r\n"
+    )
     reply = raw_http(live.service.port, head, [])
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert b'"payload_too_large"' in reply
@@ -215,8 +254,10 @@ def test_declared_length_over_cap_is_413_without_reading_the_body(live):
 
 
 def test_chunked_body_over_cap_is_413(live):
-    head = (b"POST /encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n")
+    head = (
+        b"POST /encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
     piece = b"a" * 16384
     chunks = [b"%x\r\n" % len(piece) + piece + b"\r\n"] * 20  # 320 KiB > 256 KiB cap, no length anywhere
     reply = raw_http(live.service.port, head, chunks)
@@ -234,7 +275,9 @@ def test_body_over_cap_via_httpx_is_413(client, live):
 def test_image_above_budget_after_clamping_is_413_over_token_budget():
     from vitserve.processors import load_image_processor
 
-    proc = load_image_processor("internvl", budget_tokens=64)  # one InternVL tile is 256 tokens: cannot shrink to 64
+    proc = load_image_processor(
+        "internvl", budget_tokens=64
+    )  # one InternVL tile is 256 tokens: cannot shrink to 64
     with live_server(visual_batch_max_tokens=64, processor=proc) as srv, srv.client() as c:
         err = assert_error(c.post("/encode", json={"images": [ok_image()]}), 413, "over_token_budget", 0)
         assert "--visual_batch_max_tokens" in err["message"]
@@ -291,29 +334,40 @@ def test_unknown_route_and_method_use_the_error_shape(client):
 # -- S5 -----------------------------------------------------------------------------------------------------
 def test_logs_after_bad_inputs_hold_no_image_bytes_or_base64(caplog):
     caplog.set_level(logging.DEBUG)
-    bomb, junk, trunc = png_header_only(30000, 30000), b"\x00\x01secret-bytes\xff" * 10, truncated(noise_png(40, 40))
+    bomb, junk, trunc = (
+        png_header_only(30000, 30000),
+        b"\x00\x01secret-bytes\xff" * 10,
+        truncated(noise_png(40, 40)),
+    )
     payloads = [bomb, junk, trunc, noise_png(40, 40, seed=3)]
     with live_server(max_request_bytes=64 * 1024, log_level="debug") as srv, srv.client() as c:
         for data in payloads[:3]:
             c.post("/encode", json={"images": [{"b64": b64(data)}]})
             c.post("/encode", files=[("images", ("x.png", data))])
         c.post("/encode", json={"images": [{"b64": b64(payloads[3])[:-3] + "!!!"}]})
-        c.post("/encode", content=b"{" + b64(payloads[3]).encode(), headers={"content-type": "application/json"})
+        c.post(
+            "/encode", content=b"{" + b64(payloads[3]).encode(), headers={"content-type": "application/json"}
+        )
         c.post("/encode", files=[("images", ("x.png", noise_png(200, 200)))])  # over the 64 KiB cap
     text = caplog.text
     assert "POST /encode" in text or caplog.records  # the capture saw the server's logging
     for data in payloads:
         encoded = b64(data)
         for i in range(0, max(1, len(encoded) - 24), 24):  # no 24-char window of any image's base64
-            assert encoded[i:i + 24] not in text
+            assert encoded[i : i + 24] not in text
         assert repr(data[:16])[2:-1] not in text
     assert "secret-bytes" not in text
 
 
 def test_body_that_trickles_in_past_the_deadline_is_504():
-    with live_server(request_timeout_s=1.0) as srv, socket.create_connection(("127.0.0.1", srv.service.port)) as s:
+    with (
+        live_server(request_timeout_s=1.0) as srv,
+        socket.create_connection(("127.0.0.1", srv.service.port)) as s,
+    ):
         s.settimeout(30)
-        s.sendall(b"POST /encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        s.sendall(
+            b"POST /encode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+        )
         reply = b""
         while b"}}" not in reply:  # the rest of the body never comes; read the whole answer
             part = s.recv(65536)
@@ -326,7 +380,7 @@ def test_body_that_trickles_in_past_the_deadline_is_504():
 
 def test_base64_with_data_url_prefix_and_line_breaks_is_accepted(client):
     raw = b64(png_bytes(50, 40))
-    wrapped = "\n".join(raw[i:i + 76] for i in range(0, len(raw), 76))
+    wrapped = "\n".join(raw[i : i + 76] for i in range(0, len(raw), 76))
     r = client.post("/encode", json={"images": [{"b64": "data:image/png;base64," + raw}, {"b64": wrapped}]})
     assert r.status_code == 200, r.text
     assert r.json()["images"][0]["image_id"] == r.json()["images"][1]["image_id"]

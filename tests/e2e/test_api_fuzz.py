@@ -27,7 +27,9 @@ def test_b9_no_server_errors(live):
         examples = 150 if op.path == "/encode" else 10
 
         @given(case=op.as_strategy())
-        @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(
+            max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None
+        )
         def run(case):
             resp = case.call(timeout=60)
             assert resp.status_code < 500, (case.method, case.path, resp.status_code, resp.text[:300])

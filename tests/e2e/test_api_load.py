@@ -32,8 +32,9 @@ def test_l1_concurrent_clients_all_succeed_and_match_single_runs():
                 out = []
                 for j in range(3):
                     picks = [(k + j + m) % len(images) for m in range(1 + (k % 3))]
-                    resp = await ac.encode([images[p] for p in picks], return_embeddings=True,
-                                           request_id=f"c{k}-{j}")
+                    resp = await ac.encode(
+                        [images[p] for p in picks], return_embeddings=True, request_id=f"c{k}-{j}"
+                    )
                     out.extend(zip(picks, resp["images"], strict=True))
                 return out
 
@@ -47,7 +48,9 @@ def test_l1_concurrent_clients_all_succeed_and_match_single_runs():
             ref = single[pick]
             assert img["image_id"] == ref["image_id"]
             assert img["num_tokens"] == ref["num_tokens"] == img["embedding"].shape[0]
-            torch.testing.assert_close(img["embedding"], ref["embedding"], rtol=1e-5, atol=1e-5)  # fp32 round-off
+            torch.testing.assert_close(
+                img["embedding"], ref["embedding"], rtol=1e-5, atol=1e-5
+            )  # fp32 round-off
             seen += 1
     assert seen == sum(3 * (1 + (k % 3)) for k in range(16))
     assert srv.metrics.value("vitserve_requests_total", code="200") == len(images) + 48
@@ -94,12 +97,17 @@ def test_f8_client_disconnect_while_queued_is_never_encoded():
                 done.append(cc.post("/encode", files=[("images", ("f.png", filler))]))
 
         def impatient():
-            with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url, timeout=httpx.Timeout(30, read=1.0)) as cc:
+            with (
+                pytest.raises(httpx.ReadTimeout),
+                httpx.Client(base_url=srv.url, timeout=httpx.Timeout(30, read=1.0)) as cc,
+            ):
                 cc.post("/encode", files=[("images", ("g.png", gone_img))])
 
         held = threading.Thread(target=patient)
         held.start()
-        wait_until(lambda: srv.metrics.value("vitserve_batch_images_count") == 1, "the filler in flight, held")
+        wait_until(
+            lambda: srv.metrics.value("vitserve_batch_images_count") == 1, "the filler in flight, held"
+        )
         t = threading.Thread(target=impatient)
         t.start()
         wait_until(lambda: srv.engine.queue_images == 1, "the impatient request's image queued")
@@ -110,7 +118,9 @@ def test_f8_client_disconnect_while_queued_is_never_encoded():
         with VitserveClient(srv.url) as c:
             c.encode([other_img])
         assert [r.status_code for r in done] == [200]
-        assert srv.metrics.value("vitserve_batch_images_sum") == 2  # filler and other: `gone` never reached it
+        assert (
+            srv.metrics.value("vitserve_batch_images_sum") == 2
+        )  # filler and other: `gone` never reached it
         assert srv.metrics.value("vitserve_requests_total", code="499") == 1
 
 
@@ -169,8 +179,7 @@ def test_bfloat16_embeddings_travel_bit_exact():
             return [EncodedImage(o.embedding.to(torch.bfloat16)) for o in super().encode(items)]
 
     data = noise_png(90, 70, seed=6)
-    with live_server(encoder=Bf16Encoder()) as srv, \
-            VitserveClient(srv.url) as c:
+    with live_server(encoder=Bf16Encoder()) as srv, VitserveClient(srv.url) as c:
         got = c.encode([data], return_embeddings=True)["images"][0]
         body = {"images": [{"b64": base64.b64encode(data).decode()}], "return_embeddings": True}
         raw = httpx.post(srv.url + "/encode", json=body).json()["images"][0]["embedding"]

@@ -38,9 +38,18 @@ def real(checkpoint, tmp_path_factory):
     endpoint = f"ipc://{tmp}/llm.sock"
     receiver = EmbeddingReceiver(endpoint, bind=True)
     # the tiny checkpoint's own processor allows 64 tokens; a 32-token budget makes the clamp do real work
-    with live_server(model=str(checkpoint), visual_batch_max_tokens=BUDGET, max_queue_tokens=100_000, heartbeat_s=2, dist_timeout_s=60,
-                     device="cpu", runtime_dir=str(tmp), llm_endpoint=endpoint, request_timeout_s=120,
-                     make_engine=engine_mod.Engine) as srv:
+    with live_server(
+        model=str(checkpoint),
+        visual_batch_max_tokens=BUDGET,
+        max_queue_tokens=100_000,
+        heartbeat_s=2,
+        dist_timeout_s=60,
+        device="cpu",
+        runtime_dir=str(tmp),
+        llm_endpoint=endpoint,
+        request_timeout_s=120,
+        make_engine=engine_mod.Engine,
+    ) as srv:
         yield srv, receiver
     receiver.close()
 
@@ -53,8 +62,10 @@ def test_l1_real_engine_concurrent_clients_match_single_runs_and_reach_the_llm_o
     srv, receiver = real
     images = [noise_png(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]
     with VitserveClient(srv.url) as c:
-        single = [c.encode([img], return_embeddings=True, request_id=f"single-{i}")["images"][0]
-                  for i, img in enumerate(images)]
+        single = [
+            c.encode([img], return_embeddings=True, request_id=f"single-{i}")["images"][0]
+            for i, img in enumerate(images)
+        ]
     got_single = drain(receiver, len(images))
     assert sorted(e.request_id for e in got_single) == sorted(f"single-{i}" for i in range(len(images)))
 
@@ -97,7 +108,8 @@ def test_budget_guard_clamps_and_the_embedding_equals_the_hf_reference(real, che
     assert out["num_tokens"] <= BUDGET
     assert out["original_size"] == [1200, 900]
     item = load_image_processor(str(checkpoint), budget_tokens=BUDGET).preprocess(
-        decode_image(data, max_image_pixels=50_000_000).image)
+        decode_image(data, max_image_pixels=50_000_000).image
+    )
     assert list(item.resized_size) == out["resized_size"]
     assert list(item.grid_thw) == out["grid_thw"]
     ref, _ = hf_reference(checkpoint, "qwen2_5_vl")(item.pixel_values, torch.tensor([item.grid_thw]))
@@ -108,10 +120,15 @@ def test_bad_inputs_leave_workers_untouched_and_next_request_succeeds(real):
     srv, receiver = real
     pids = srv.engine.worker_pids()
     with srv.client() as c:
-        for body in ({"images": [{"b64": "@@"}]}, {"images": [{"b64": base64.b64encode(b"junk").decode()}]},
-                     {"images": []}):
+        for body in (
+            {"images": [{"b64": "@@"}]},
+            {"images": [{"b64": base64.b64encode(b"junk").decode()}]},
+            {"images": []},
+        ):
             assert c.post("/encode", json=body).status_code == 400
-        ok = c.post("/encode", files=[("images", ("a.png", noise_png(64, 64)))], data={"request_id": "after-bad"})
+        ok = c.post(
+            "/encode", files=[("images", ("a.png", noise_png(64, 64)))], data={"request_id": "after-bad"}
+        )
         assert ok.status_code == 200, ok.text
         info = c.get("/v1/info").json()
     assert drain(receiver, 1)[0].request_id == "after-bad"  # the 400s sent nothing
@@ -138,9 +155,18 @@ def demo(tmp_path_factory):
     endpoint = f"ipc://{tmp}/llm.sock"
     receiver = EmbeddingReceiver(endpoint, bind=True)
     # heartbeat 10 s: the tests below hold the rank (SIGSTOP) for a few seconds; 2 x 10 s is far from "hung".
-    with live_server(model="demo", visual_batch_max_tokens=256, max_queue_tokens=1024, heartbeat_s=10,
-                     dist_timeout_s=120, device="cpu", runtime_dir=str(tmp), llm_endpoint=endpoint,
-                     request_timeout_s=200, make_engine=engine_mod.Engine) as srv:
+    with live_server(
+        model="demo",
+        visual_batch_max_tokens=256,
+        max_queue_tokens=1024,
+        heartbeat_s=10,
+        dist_timeout_s=120,
+        device="cpu",
+        runtime_dir=str(tmp),
+        llm_endpoint=endpoint,
+        request_timeout_s=200,
+        make_engine=engine_mod.Engine,
+    ) as srv:
         yield srv, receiver
     receiver.close()
 
@@ -184,8 +210,13 @@ def occupy(srv, request_id: str, n: int = 3) -> tuple[threading.Thread, list]:
 
     def send():
         with httpx.Client(base_url=srv.url, timeout=200) as c:
-            out.append(c.post("/encode", files=[("images", (f"{i}.png", b)) for i, b in enumerate(images)],
-                              data={"request_id": request_id}))
+            out.append(
+                c.post(
+                    "/encode",
+                    files=[("images", (f"{i}.png", b)) for i, b in enumerate(images)],
+                    data={"request_id": request_id},
+                )
+            )
 
     t = threading.Thread(target=send)
     t.start()
@@ -201,10 +232,15 @@ def test_f8_real_engine_disconnect_while_queued_is_never_encoded_nor_sent(demo):
     srv, receiver = demo
     with held(srv):  # "busy" fills the rank, "gone" must wait in the queue
         t, first = occupy(srv, "busy")
-        with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url,
-                                                            timeout=httpx.Timeout(60, read=1.5)) as c:
-            c.post("/encode", files=[("images", ("g.png", noise_png(448, 448, seed=99)))],
-                   data={"request_id": "gone"})
+        with (
+            pytest.raises(httpx.ReadTimeout),
+            httpx.Client(base_url=srv.url, timeout=httpx.Timeout(60, read=1.5)) as c,
+        ):
+            c.post(
+                "/encode",
+                files=[("images", ("g.png", noise_png(448, 448, seed=99)))],
+                data={"request_id": "gone"},
+            )
         wait_until(lambda: srv.metrics.value("vitserve_requests_total", code="499") == 1, "the disconnect")
     drained, ids = drain_in_background(receiver, 4)
     t.join(200)
@@ -225,18 +261,27 @@ def test_l2_real_engine_burst_gets_fast_queue_full_and_ready_stays_200(demo):
 
     async def burst():
         async with httpx.AsyncClient(base_url=srv.url, timeout=200) as c:
+
             async def one(k):
-                return await c.post("/encode", files=[("images", ("b.png", imgs[k]))], data={"request_id": f"b{k}"})
+                return await c.post(
+                    "/encode", files=[("images", ("b.png", imgs[k]))], data={"request_id": f"b{k}"}
+                )
+
             return await asyncio.gather(*(one(k) for k in range(40)))  # 40 x 256 = 10x the 1024-token queue
 
-    drained, got = drain_in_background(receiver, 3 + 2)  # busy2's 3 images and the 2 burst requests the queue has room for
+    drained, got = drain_in_background(
+        receiver, 3 + 2
+    )  # busy2's 3 images and the 2 burst requests the queue has room for
     pool = ThreadPoolExecutor(1)  # the burst's two admitted requests can only finish after the rank resumes
     try:
         with held(srv):  # 256 tokens on the rank, 512 queued: room for exactly two more 256-token requests
             t, first = occupy(srv, "busy2")
             answers_f = pool.submit(asyncio.run, burst())
-            wait_until(lambda: (srv.metrics.value("vitserve_requests_total", code="503") or 0) >= 38,
-                       "38 refusals", limit_s=15)
+            wait_until(
+                lambda: (srv.metrics.value("vitserve_requests_total", code="503") or 0) >= 38,
+                "38 refusals",
+                limit_s=15,
+            )
             with srv.client() as c:
                 assert c.get("/ready").status_code == 200
         answers = answers_f.result(timeout=200)
@@ -262,14 +307,25 @@ def test_tp2_through_http_matches_the_hf_reference_and_reports_both_ranks(checkp
     from vitserve.processors import load_image_processor
 
     data = noise_png(700, 500, seed=8)
-    with live_server(model=str(checkpoint), tp=2, visual_batch_max_tokens=BUDGET, heartbeat_s=2, dist_timeout_s=60,
-                     device="cpu", runtime_dir=str(tmp_path), make_engine=engine_mod.Engine) as srv, \
-            VitserveClient(srv.url) as c:
+    with (
+        live_server(
+            model=str(checkpoint),
+            tp=2,
+            visual_batch_max_tokens=BUDGET,
+            heartbeat_s=2,
+            dist_timeout_s=60,
+            device="cpu",
+            runtime_dir=str(tmp_path),
+            make_engine=engine_mod.Engine,
+        ) as srv,
+        VitserveClient(srv.url) as c,
+    ):
         out = c.encode([data], return_embeddings=True)["images"][0]
         info = c.info()
     assert (info["tp"], info["dp"]) == (2, 1)
     assert sorted(info["reserved_memory_bytes"]) == ["0", "1"]
     item = load_image_processor(str(checkpoint), budget_tokens=BUDGET).preprocess(
-        decode_image(data, max_image_pixels=50_000_000).image)
+        decode_image(data, max_image_pixels=50_000_000).image
+    )
     ref, _ = hf_reference(checkpoint, "qwen2_5_vl")(item.pixel_values, torch.tensor([item.grid_thw]))
     torch.testing.assert_close(out["embedding"], ref, rtol=1e-4, atol=1e-5)  # fp32 round-off, TP all_reduce

@@ -26,11 +26,20 @@ def test_s1_listening_sockets_are_loopback_only():
 
 
 # -- S2 -----------------------------------------------------------------------------------------------------
-ROUTES = [("GET", "/ready"), ("GET", "/v1/info"), ("GET", "/metrics"), ("GET", "/docs"), ("GET", "/openapi.json"),
-          ("POST", "/encode"), ("GET", "/does-not-exist")]
+ROUTES = [
+    ("GET", "/ready"),
+    ("GET", "/v1/info"),
+    ("GET", "/metrics"),
+    ("GET", "/docs"),
+    ("GET", "/openapi.json"),
+    ("POST", "/encode"),
+    ("GET", "/does-not-exist"),
+]
 
 
-@pytest.mark.parametrize("auth", [None, "Bearer wrong", "Bearer s3cret-but-longer", "s3cret", "Basic czNjcmV0"])
+@pytest.mark.parametrize(
+    "auth", [None, "Bearer wrong", "Bearer s3cret-but-longer", "s3cret", "Basic czNjcmV0"]
+)
 def test_s2_every_route_but_health_needs_the_key(auth):
     with live_server(api_key="s3cret") as srv, srv.client() as c:
         headers = {"Authorization": auth} if auth else {}
@@ -94,20 +103,33 @@ def decoy():
     d.close()
 
 
-ALLOWED = ("localhost", "127.0.0.1", "::1", "169.254.169.254", "10.0.0.1", "::ffff:127.0.0.1", "redirector.test",
-           "pinned.test")
+ALLOWED = (
+    "localhost",
+    "127.0.0.1",
+    "::1",
+    "169.254.169.254",
+    "10.0.0.1",
+    "::ffff:127.0.0.1",
+    "redirector.test",
+    "pinned.test",
+)
 
 
 def url_request(c, url: str):
-    return c.post("/encode", json={"images": [{"b64": base64.b64encode(png_bytes(8, 8)).decode()}, {"url": url}]})
+    return c.post(
+        "/encode", json={"images": [{"b64": base64.b64encode(png_bytes(8, 8)).decode()}, {"url": url}]}
+    )
 
 
 def test_s3_urls_are_refused_when_disabled(decoy):
     with live_server() as srv, srv.client() as c:
         r = url_request(c, f"http://localhost:{decoy.port}/a.png")
         assert r.status_code == 400
-        assert r.json()["error"] == {"code": "url_not_allowed", "image_index": 1,
-                                     "message": r.json()["error"]["message"]}
+        assert r.json()["error"] == {
+            "code": "url_not_allowed",
+            "image_index": 1,
+            "message": r.json()["error"]["message"],
+        }
         assert "--allow_image_urls" in r.json()["error"]["message"]
     assert decoy.connections == 0
 
@@ -115,10 +137,17 @@ def test_s3_urls_are_refused_when_disabled(decoy):
 def test_s3_internal_targets_are_refused_before_connecting(decoy):
     p = decoy.port
     targets = [
-        f"http://127.0.0.1:{p}/a.png", f"http://[::1]:{p}/a.png", "http://169.254.169.254/latest/meta-data/",
-        "http://10.0.0.1/a.png", f"http://[::ffff:127.0.0.1]:{p}/a.png", f"http://localhost:{p}/a.png",
-        f"https://localhost:{p}/a.png", "file:///etc/passwd", f"ftp://localhost:{p}/a.png",
-        f"http://evil.example:{p}/a.png", f"http://user:pw@localhost:{p}/a.png",
+        f"http://127.0.0.1:{p}/a.png",
+        f"http://[::1]:{p}/a.png",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://10.0.0.1/a.png",
+        f"http://[::ffff:127.0.0.1]:{p}/a.png",
+        f"http://localhost:{p}/a.png",
+        f"https://localhost:{p}/a.png",
+        "file:///etc/passwd",
+        f"ftp://localhost:{p}/a.png",
+        f"http://evil.example:{p}/a.png",
+        f"http://user:pw@localhost:{p}/a.png",
     ]
     with live_server(allow_image_urls=True, allowed_url_domains=ALLOWED) as srv, srv.client() as c:
         for url in targets:
@@ -126,7 +155,9 @@ def test_s3_internal_targets_are_refused_before_connecting(decoy):
             assert r.status_code == 400, (url, r.text)
             assert r.json()["error"]["code"] == "url_not_allowed", url
             assert r.json()["error"]["image_index"] == 1
-        assert srv.metrics.value("vitserve_batch_images_count") == 0  # all-or-nothing: image 0 never reached it
+        assert (
+            srv.metrics.value("vitserve_batch_images_count") == 0
+        )  # all-or-nothing: image 0 never reached it
     assert decoy.connections == 0
 
 
@@ -194,8 +225,10 @@ def test_s3_url_body_over_cap_is_413(monkeypatch):
     server = Decoy(big)
     _pretend_public(monkeypatch, {"pinned.test"})
     try:
-        with live_server(allow_image_urls=True, allowed_url_domains=ALLOWED, max_request_bytes=100_000) as srv, \
-                srv.client() as c:
+        with (
+            live_server(allow_image_urls=True, allowed_url_domains=ALLOWED, max_request_bytes=100_000) as srv,
+            srv.client() as c,
+        ):
             r = url_request(c, f"http://pinned.test:{server.port}/big")
             assert r.status_code == 413
             assert r.json()["error"]["code"] == "payload_too_large"

@@ -24,11 +24,23 @@ def server(tmp_path_factory):
     processor = load_image_processor("qwen2_5_vl", budget_tokens=256)
 
     def make_engine(config, metrics):
-        return Engine(config, metrics, encoder_factory=FakeEncoderFactory(), environ={},
-                      processor_clamp=processor.clamp_info())
+        return Engine(
+            config,
+            metrics,
+            encoder_factory=FakeEncoderFactory(),
+            environ={},
+            processor_clamp=processor.clamp_info(),
+        )
 
-    with live_server(processor=processor, make_engine=make_engine, cache_gb=0.01, device="cpu", heartbeat_s=1.0,
-                     dist_timeout_s=10.0, runtime_dir=str(tmp / "runtime")) as srv:
+    with live_server(
+        processor=processor,
+        make_engine=make_engine,
+        cache_gb=0.01,
+        device="cpu",
+        heartbeat_s=1.0,
+        dist_timeout_s=10.0,
+        runtime_dir=str(tmp / "runtime"),
+    ) as srv:
         yield srv
 
 

@@ -31,8 +31,14 @@ class CliServer:
     """`python -m vitserve.cli ...` with its stderr collected; `url` once the banner names the port."""
 
     def __init__(self, args: list[str], tmp_path):
-        self.proc = subprocess.Popen([sys.executable, "-m", "vitserve.cli", *args], cwd=ROOT, env=cli_env(tmp_path),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vitserve.cli", *args],
+            cwd=ROOT,
+            env=cli_env(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self.port: int | None = None
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -66,24 +72,56 @@ class CliServer:
         return "".join(self.lines)
 
 
-BASE_ARGS = ["--model", "demo", "--port", "0", "--visual_batch_max_tokens", "256", "--heartbeat_s", "2",
-             "--dist_timeout_s", "120", "--device", "cpu", "--request_timeout_s", "240"]
+BASE_ARGS = [
+    "--model",
+    "demo",
+    "--port",
+    "0",
+    "--visual_batch_max_tokens",
+    "256",
+    "--heartbeat_s",
+    "2",
+    "--dist_timeout_s",
+    "120",
+    "--device",
+    "cpu",
+    "--request_timeout_s",
+    "240",
+]
 
 
 def test_startup_failure_exits_nonzero_naming_the_knob(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "vitserve.cli", "--tp", "0"], cwd=ROOT, env=cli_env(tmp_path),
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "vitserve.cli", "--tp", "0"],
+        cwd=ROOT,
+        env=cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0
     assert "--tp" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "vitserve.cli", "--model", str(tmp_path / "missing")], cwd=ROOT,
-                       env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "vitserve.cli", "--model", str(tmp_path / "missing")],
+        cwd=ROOT,
+        env=cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "--model" in r.stderr
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
-        r = subprocess.run([sys.executable, "-m", "vitserve.cli", "--port", str(busy.getsockname()[1])], cwd=ROOT,
-                           env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "vitserve.cli", "--port", str(busy.getsockname()[1])],
+            cwd=ROOT,
+            env=cli_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert r.returncode != 0
     assert "--port" in r.stderr
 

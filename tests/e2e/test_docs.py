@@ -52,7 +52,9 @@ def test_swagger_ui_sends_the_spec_to_no_online_validator(srv):
 
 
 def test_references_are_found_in_a_known_page():
-    html = '<link href="/a.css"><script src="/b.js"></script><redoc spec-url="/s.json"></redoc>url: \'/o.json\','
+    html = (
+        '<link href="/a.css"><script src="/b.js"></script><redoc spec-url="/s.json"></redoc>url: \'/o.json\','
+    )
     assert references(html) == ["/a.css", "/b.js", "/s.json", "/o.json"]
 
 

@@ -51,7 +51,9 @@ def _check_valid(client, live, samples: list[Sample]) -> None:
         assert r.status_code == 200, (r.status_code, r.text, [s.name for s in group])
         for sample, img in zip(group, r.json()["images"], strict=True):
             assert tuple(img["original_size"]) == sample.size, sample.name
-            assert tuple(img["resized_size"]) == live.service.processor.plan(*sample.size).resized_size, sample.name
+            assert tuple(img["resized_size"]) == live.service.processor.plan(*sample.size).resized_size, (
+                sample.name
+            )
 
 
 def _check_refused(client, samples: list[Sample]) -> None:
@@ -60,7 +62,10 @@ def _check_refused(client, samples: list[Sample]) -> None:
         assert r.status_code < 500, (sample.name, r.status_code, r.text)
         if sample.code == "any":  # bit-flipped: 200 or a documented 4xx, nothing else
             if r.status_code != 200:
-                assert r.json()["error"]["code"] in DOCUMENTED_4XX.get(r.status_code, ()), (sample.name, r.text)
+                assert r.json()["error"]["code"] in DOCUMENTED_4XX.get(r.status_code, ()), (
+                    sample.name,
+                    r.text,
+                )
             continue
         assert r.status_code == sample.status, (sample.name, r.text)
         err = r.json()["error"]
@@ -85,10 +90,16 @@ def _run_corpus(live, valid, refused, capfd, caplog) -> None:
     out, err = capfd.readouterr()
     for text in (out, err, caplog.text):
         assert "Traceback" not in text
-        for noise in ("TIFFReadDirectory", "compression support is not configured", "UserWarning",
-                      "More samples per pixel"):
+        for noise in (
+            "TIFFReadDirectory",
+            "compression support is not configured",
+            "UserWarning",
+            "More samples per pixel",
+        ):
             assert noise not in text
-    loud = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith(("vitserve", "PIL"))]
+    loud = [
+        r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith(("vitserve", "PIL"))
+    ]
     assert not loud, [r.getMessage() for r in loud]
 
 

@@ -27,7 +27,9 @@ def test_stop_drains_in_flight_refuses_new_and_exits_0():
 
         t = threading.Thread(target=send)
         t.start()
-        wait_until(lambda: srv.metrics.value("vitserve_batch_images_count") == 1, "the first request in flight")
+        wait_until(
+            lambda: srv.metrics.value("vitserve_batch_images_count") == 1, "the first request in flight"
+        )
         srv.service.request_stop()  # what SIGTERM does
         wait_until(lambda: srv.service.state.draining, "draining")
         with srv.client() as c:
@@ -53,11 +55,23 @@ def test_engine_with_no_group_left_exits_nonzero():
 def test_banner_names_every_guard():
     with live_server(max_queue_tokens=999, visual_reserved_mem_gb=0.5) as srv:
         text = render_banner(srv.service)
-    for needle in ("256 tokens per batch and per image", "processor clamp: {", "'max_pixels'", "tp=1 dp=1",
-                   "rank 0:", "source: override", "max_queue_tokens=999", "max_images_per_request=32",
-                   "max_request_bytes=67108864", "max_image_pixels=50000000", "request_timeout_s=30",
-                   "cache: off", "jpeg_draft: off", "output: exact (matches transformers)",
-                   f"http://127.0.0.1:{srv.service.port}"):
+    for needle in (
+        "256 tokens per batch and per image",
+        "processor clamp: {",
+        "'max_pixels'",
+        "tp=1 dp=1",
+        "rank 0:",
+        "source: override",
+        "max_queue_tokens=999",
+        "max_images_per_request=32",
+        "max_request_bytes=67108864",
+        "max_image_pixels=50000000",
+        "request_timeout_s=30",
+        "cache: off",
+        "jpeg_draft: off",
+        "output: exact (matches transformers)",
+        f"http://127.0.0.1:{srv.service.port}",
+    ):
         assert needle in text, needle
     assert "NOT exact" not in text
 

@@ -63,14 +63,23 @@ def hf_rows(path, reference, data: bytes):
 
 def test_tp2_defaults_png_and_jpeg_equal_transformers(tmp_path):
     path = make_checkpoint(FAMILY, tmp_path / "ckpt")
-    config = Config(model=str(path), tp=2, port=0, runtime_dir=str(tmp_path / "rt"), heartbeat_s=2.0,
-                    visual_reserved_mem_gb=0.5)
-    processor = load_image_processor(config.model, max_tokens=config.visual_batch_max_tokens,
-                                     family=config.model_family)
+    config = Config(
+        model=str(path),
+        tp=2,
+        port=0,
+        runtime_dir=str(tmp_path / "rt"),
+        heartbeat_s=2.0,
+        visual_reserved_mem_gb=0.5,
+    )
+    processor = load_image_processor(
+        config.model, max_tokens=config.visual_batch_max_tokens, family=config.model_family
+    )
     images = [encode(noise(w, h, seed=i), fmt) for i, (w, h, fmt) in enumerate(IMAGES)]
     files = [("images", (f"image{i}", data, "application/octet-stream")) for i, data in enumerate(images)]
-    with live_server(config, processor=processor, make_engine=cli_engine(processor)) as srv, \
-            httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as http:
+    with (
+        live_server(config, processor=processor, make_engine=cli_engine(processor)) as srv,
+        httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as http,
+    ):
         info = http.get("/v1/info").json()
         resp = http.post("/encode", files=files, data={"return_embeddings": "true"})
     assert (info["tp"], info["dp"]) == (2, 1)

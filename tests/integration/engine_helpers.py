@@ -14,9 +14,16 @@ from vitserve.metrics import Metrics
 
 
 def make_config(tmp_path, **overrides) -> Config:
-    base = {"visual_batch_max_tokens": 64, "visual_infer_batch_size": 8, "heartbeat_s": 1.0, "dist_timeout_s": 10.0,
-            "max_queue_tokens": 1_000_000,
-            "request_timeout_s": 30.0, "runtime_dir": str(tmp_path / "runtime"), "device": "cpu"}
+    base = {
+        "visual_batch_max_tokens": 64,
+        "visual_infer_batch_size": 8,
+        "heartbeat_s": 1.0,
+        "dist_timeout_s": 10.0,
+        "max_queue_tokens": 1_000_000,
+        "request_timeout_s": 30.0,
+        "runtime_dir": str(tmp_path / "runtime"),
+        "device": "cpu",
+    }
     return Config(**{**base, **overrides})
 
 
@@ -63,9 +70,18 @@ def kill_quietly(pid: int, sig: int) -> None:
         os.kill(pid, sig)
 
 
-def encode(engine: Engine, request_id: str, items: list[ProcessedImage], image_ids: list[str], *, deadline: float,
-           return_embeddings: bool):
+def encode(
+    engine: Engine,
+    request_id: str,
+    items: list[ProcessedImage],
+    image_ids: list[str],
+    *,
+    deadline: float,
+    return_embeddings: bool,
+):
     """engine.encode with the request built from plain items (the API builds it from decoded uploads)."""
-    images = tuple(PreparedImage(item, image_id, item.resized_size, 0.0, 0.0)
-                   for item, image_id in zip(items, image_ids, strict=True))
+    images = tuple(
+        PreparedImage(item, image_id, item.resized_size, 0.0, 0.0)
+        for item, image_id in zip(items, image_ids, strict=True)
+    )
     return engine.encode(EncodeRequest(request_id, images, deadline, return_embeddings))

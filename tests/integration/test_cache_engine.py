@@ -76,8 +76,13 @@ async def test_hit_miss_eviction_and_fingerprint(tmp_path):
     async with running_engine(config, processor_clamp={"max_pixels": 12345}) as engine:
         m = engine.metrics
         assert engine._jobs.fingerprint == cache_fingerprint(
-            config, {"max_pixels": 12345}, model_name="fake-encoder", family="qwen2_5_vl", dtype="float32",
-            device="cpu")
+            config,
+            {"max_pixels": 12345},
+            model_name="fake-encoder",
+            family="qwen2_5_vl",
+            dtype="float32",
+            device="cpu",
+        )
         a, b, c = image(1), image(2), image(3)
 
         (first,) = await encode(engine, "r1", [a])
@@ -132,7 +137,8 @@ async def test_opaque_ids_are_never_shared(tmp_path):
         a, b = fake_item(4, 4, seed=1), fake_item(4, 4, seed=2)
         outs = await asyncio.gather(
             engine_encode(engine, "r1", [a], ["img"], deadline=deadline(), return_embeddings=True),
-            engine_encode(engine, "r2", [b], ["img"], deadline=deadline(), return_embeddings=True))
+            engine_encode(engine, "r2", [b], ["img"], deadline=deadline(), return_embeddings=True),
+        )
         torch.testing.assert_close(outs[1][0].embedding, fake_reference(b))
         assert encoded_images(engine) == 2
         assert len(engine._jobs.cache) == 0
@@ -214,10 +220,16 @@ async def test_cache_hits_reach_the_llm_in_request_order_byte_identical(tmp_path
             assert encoded_images(engine) == 3
             got = [await asyncio.to_thread(rx.recv, 5.0) for _ in range(5)]
     assert [(g.request_id, g.image_index, g.image_id) for g in got] == [
-        ("r1", 0, a[1]), ("r1", 1, b[1]), ("r2", 0, b[1]), ("r2", 1, c[1]), ("r2", 2, a[1])]
+        ("r1", 0, a[1]),
+        ("r1", 1, b[1]),
+        ("r2", 0, b[1]),
+        ("r2", 1, c[1]),
+        ("r2", 2, a[1]),
+    ]
     assert all(g.num_images == (2 if g.request_id == "r1" else 3) for g in got)
-    inline = {("r1", k): r.embedding for k, r in enumerate(first)} | {("r2", k): r.embedding
-                                                                     for k, r in enumerate(second)}
+    inline = {("r1", k): r.embedding for k, r in enumerate(first)} | {
+        ("r2", k): r.embedding for k, r in enumerate(second)
+    }
     for g in got:
         assert g.embedding.numpy().tobytes() == inline[(g.request_id, g.image_index)].numpy().tobytes()
     assert got[2].embedding.numpy().tobytes() == got[1].embedding.numpy().tobytes()  # hit == original encode

@@ -52,8 +52,18 @@ from tests.checkpoints import make_checkpoint
 from tests.docblocks import ROOT, Block, blocks, doc_files
 
 DOC_URL = "http://127.0.0.1:8100"
-SERVER_ARGS = ["--port", "0", "--visual_batch_max_tokens", "256", "--device", "cpu", "--heartbeat_s", "2",
-               "--dist_timeout_s", "120"]
+SERVER_ARGS = [
+    "--port",
+    "0",
+    "--visual_batch_max_tokens",
+    "256",
+    "--device",
+    "cpu",
+    "--heartbeat_s",
+    "2",
+    "--dist_timeout_s",
+    "120",
+]
 
 
 def _photo() -> bytes:
@@ -69,8 +79,10 @@ FIXTURES = {"photo.jpg": _photo}
 
 def _clean_env(runtime_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
-    env.update(VITSERVE_RUNTIME_DIR=str(runtime_dir),
-               PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    env.update(
+        VITSERVE_RUNTIME_DIR=str(runtime_dir),
+        PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+    )
     return env
 
 
@@ -78,8 +90,15 @@ class Served:
     """A vitserve process (or a shell that execs one); `url` once its banner named the port."""
 
     def __init__(self, argv: list[str], env: dict[str, str], cwd: Path):
-        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self.port: int | None = None
         threading.Thread(target=self._read, daemon=True).start()
@@ -129,14 +148,22 @@ class DocSession:
         self.workdir.mkdir()
         for name, make in FIXTURES.items():
             (self.workdir / name).write_bytes(make())
-        self.env = {"VITSERVE_MODEL": str(checkpoint), "VITSERVE_LLM_ENDPOINT": f"ipc://{tmp}/ipc/llm.sock",
-                    "VITSERVE_RUNTIME_DIR": str(tmp / "rt")}
+        self.env = {
+            "VITSERVE_MODEL": str(checkpoint),
+            "VITSERVE_LLM_ENDPOINT": f"ipc://{tmp}/ipc/llm.sock",
+            "VITSERVE_RUNTIME_DIR": str(tmp / "rt"),
+        }
         self.namespace: dict = {"__name__": "__main__"}
         self._server: Served | None = None
 
     def server(self) -> Served:
         if self._server is None:
-            args = ["--model", self.env["VITSERVE_MODEL"], "--llm_endpoint", self.env["VITSERVE_LLM_ENDPOINT"]]
+            args = [
+                "--model",
+                self.env["VITSERVE_MODEL"],
+                "--llm_endpoint",
+                self.env["VITSERVE_LLM_ENDPOINT"],
+            ]
             env = {**_clean_env(self.tmp / "rt"), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
             self._server = Served([sys.executable, "-m", "vitserve.cli", *args, *SERVER_ARGS], env, ROOT)
             self._server.wait_ready(240)
@@ -188,8 +215,14 @@ def run_python(block: Block, session: DocSession, monkeypatch) -> None:
 def run_shell(block: Block, session: DocSession) -> None:
     code = _with_server(block.commands(), session)
     env = {**_clean_env(session.tmp / "rt"), **session.env}
-    r = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code], cwd=session.workdir, env=env,
-                       capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", code],
+        cwd=session.workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, f"exit {r.returncode}\n{code}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}"
     if code != block.commands():  # it talked to the server: an error answer is a failure too
         assert '"error":' not in r.stdout, r.stdout

@@ -28,8 +28,12 @@ async def test_encode_matches_reference_and_shuts_down_clean(tmp_path, tp):
     async with running_engine(config) as engine:
         assert engine.readiness() == Readiness(True, "ok")
         info = engine.info()
-        assert (info.model, info.family, info.embed_dim, info.dtype) == \
-            ("fake-encoder", "qwen2_5_vl", 32, "float32")
+        assert (info.model, info.family, info.embed_dim, info.dtype) == (
+            "fake-encoder",
+            "qwen2_5_vl",
+            32,
+            "float32",
+        )
         assert sorted(info.reserved_memory_bytes) == list(range(tp))
         assert info.reserved_source == "stress"
         files = sorted(os.listdir(config.runtime_dir))
@@ -38,7 +42,9 @@ async def test_encode_matches_reference_and_shuts_down_clean(tmp_path, tp):
             assert json.load(f)["rank"] == 0
 
         items = [fake_item(4, 4, seed=1), fake_item(2, 8, seed=2), fake_item(8, 8, seed=3)]
-        results = await encode(engine, "r1", items, ["a", "b", "c"], deadline=deadline(), return_embeddings=True)
+        results = await encode(
+            engine, "r1", items, ["a", "b", "c"], deadline=deadline(), return_embeddings=True
+        )
         assert [r.num_tokens for r in results] == [16, 16, 64]
         for item, res in zip(items, results, strict=True):
             torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
@@ -47,7 +53,9 @@ async def test_encode_matches_reference_and_shuts_down_clean(tmp_path, tp):
         assert engine.metrics.value("vitserve_workers_ready") == tp
         pids = all_pids(engine)
         await engine.shutdown()
-        assert [p.exitcode for g in engine._dispatch.groups for p in g.processes] == [0] * tp  # STOP, not kill
+        assert [p.exitcode for g in engine._dispatch.groups for p in g.processes] == [
+            0
+        ] * tp  # STOP, not kill
         assert engine.readiness().ready is False
         with pytest.raises(NotReady):
             await encode(engine, "late", items[:1], ["a"], deadline=deadline(), return_embeddings=False)
@@ -59,9 +67,19 @@ async def test_concurrent_requests_batch_within_budget(tmp_path):
     config = make_config(tmp_path, visual_batch_max_tokens=64)
     async with running_engine(config) as engine:
         reqs = [[fake_item(2 + i % 3, 4, seed=10 * i + k) for k in range(3)] for i in range(6)]
-        outs = await asyncio.gather(*(
-            encode(engine, f"r{i}", items, [str(k) for k in range(3)], deadline=deadline(), return_embeddings=True)
-            for i, items in enumerate(reqs)))
+        outs = await asyncio.gather(
+            *(
+                encode(
+                    engine,
+                    f"r{i}",
+                    items,
+                    [str(k) for k in range(3)],
+                    deadline=deadline(),
+                    return_embeddings=True,
+                )
+                for i, items in enumerate(reqs)
+            )
+        )
         for items, results in zip(reqs, outs, strict=True):
             for item, res in zip(items, results, strict=True):
                 torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
@@ -77,11 +95,21 @@ async def test_queue_full_names_the_flag(tmp_path):
 
     config = make_config(tmp_path, max_queue_tokens=64)  # the limit under test
     async with running_engine(config, FakeEncoderFactory(sleep_s=0.5)) as engine:
-        first = asyncio.create_task(encode(engine, "big", [fake_item(8, 8, s) for s in range(3)], ["a", "b", "c"],
-                                                  deadline=deadline(), return_embeddings=False))
+        first = asyncio.create_task(
+            encode(
+                engine,
+                "big",
+                [fake_item(8, 8, s) for s in range(3)],
+                ["a", "b", "c"],
+                deadline=deadline(),
+                return_embeddings=False,
+            )
+        )
         await asyncio.sleep(0.1)  # one batch in flight, two images (128 tokens) queued
         with pytest.raises(QueueFull, match="--max_queue_tokens 64") as err:
-            await encode(engine, "more", [fake_item(2, 2, 9)], ["x"], deadline=deadline(), return_embeddings=False)
+            await encode(
+                engine, "more", [fake_item(2, 2, 9)], ["x"], deadline=deadline(), return_embeddings=False
+            )
         assert err.value.retry_after_s >= 1
         assert len(await first) == 3
 
@@ -95,11 +123,24 @@ async def test_f8_cancelled_request_is_never_encoded_nor_sent(tmp_path):
     endpoint = f"ipc://{tmp_path}/llm"
     config = make_config(tmp_path, llm_endpoint=endpoint, visual_batch_max_tokens=16)
     with EmbeddingReceiver(endpoint, bind=True) as rx:
-        async with running_engine(config, FakeEncoderFactory(sleep_s=1.0, hash_log_dir=str(log_dir))) as engine:
-            first = asyncio.create_task(encode(engine, "stay", [fake_item(4, 4, 1)], ["a"], deadline=deadline(),
-                                                      return_embeddings=False))
-            gone = asyncio.create_task(encode(engine, "gone", [fake_item(4, 4, 2), fake_item(4, 4, 3)], ["b", "c"],
-                                                     deadline=deadline(), return_embeddings=False))
+        async with running_engine(
+            config, FakeEncoderFactory(sleep_s=1.0, hash_log_dir=str(log_dir))
+        ) as engine:
+            first = asyncio.create_task(
+                encode(
+                    engine, "stay", [fake_item(4, 4, 1)], ["a"], deadline=deadline(), return_embeddings=False
+                )
+            )
+            gone = asyncio.create_task(
+                encode(
+                    engine,
+                    "gone",
+                    [fake_item(4, 4, 2), fake_item(4, 4, 3)],
+                    ["b", "c"],
+                    deadline=deadline(),
+                    return_embeddings=False,
+                )
+            )
             await asyncio.sleep(0.3)
             assert engine.queue_images == 2
             gone.cancel()  # the client disconnected while its images were queued
@@ -125,11 +166,14 @@ async def test_deadline_passes_while_queued_gives_timeout_and_drops_the_items(tm
     log_dir.mkdir()
     config = make_config(tmp_path, visual_batch_max_tokens=16)
     async with running_engine(config, FakeEncoderFactory(sleep_s=1.5, hash_log_dir=str(log_dir))) as engine:
-        first = asyncio.create_task(encode(engine, "slow", [fake_item(4, 4, 1)], ["a"], deadline=deadline(),
-                                                  return_embeddings=False))
+        first = asyncio.create_task(
+            encode(engine, "slow", [fake_item(4, 4, 1)], ["a"], deadline=deadline(), return_embeddings=False)
+        )
         await asyncio.sleep(0.2)
         with pytest.raises(Timeout, match="--request_timeout_s"):
-            await encode(engine, "late", [fake_item(4, 4, 2)], ["b"], deadline=deadline(0.5), return_embeddings=False)
+            await encode(
+                engine, "late", [fake_item(4, 4, 2)], ["b"], deadline=deadline(0.5), return_embeddings=False
+            )
         assert engine.queue_images == 0
         await first
         await asyncio.sleep(0.3)

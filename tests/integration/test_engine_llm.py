@@ -27,10 +27,22 @@ async def test_every_image_arrives_once_in_request_order_byte_identical(tmp_path
     endpoint = f"ipc://{tmp_path}/llm"
     with EmbeddingReceiver(endpoint, bind=True) as rx:
         async with running_engine(make_config(tmp_path, tp=2, llm_endpoint=endpoint)) as engine:
-            reqs = {f"r{i}": [fake_item(2 + (i + k) % 3, 4, seed=100 * i + k) for k in range(3)] for i in range(5)}
-            outs = await asyncio.gather(*(
-                encode(engine, rid, items, [f"{rid}-{k}" for k in range(3)], deadline=deadline(), return_embeddings=True)
-                for rid, items in reqs.items()))
+            reqs = {
+                f"r{i}": [fake_item(2 + (i + k) % 3, 4, seed=100 * i + k) for k in range(3)] for i in range(5)
+            }
+            outs = await asyncio.gather(
+                *(
+                    encode(
+                        engine,
+                        rid,
+                        items,
+                        [f"{rid}-{k}" for k in range(3)],
+                        deadline=deadline(),
+                        return_embeddings=True,
+                    )
+                    for rid, items in reqs.items()
+                )
+            )
             inline = dict(zip(reqs, outs, strict=True))
             got = await asyncio.to_thread(_drain, rx)
             assert engine.llm_messages_sent == 15
@@ -50,14 +62,30 @@ async def test_f7_receiver_slow_then_gone_blocks_then_504_and_nothing_is_dropped
     endpoint = f"ipc://{tmp_path}/llm"
     # 256 KB per message: the ZMQ queues (SNDHWM + RCVHWM messages) fill before kernel buffers matter
     factory = FakeEncoderFactory(embed_dim=4096)
-    config = make_config(tmp_path, llm_endpoint=endpoint, visual_batch_max_tokens=256, visual_infer_batch_size=16)
+    config = make_config(
+        tmp_path, llm_endpoint=endpoint, visual_batch_max_tokens=256, visual_infer_batch_size=16
+    )
     got = []
 
     async def run(engine, prefix: str, n_requests: int, n_images: int, seconds: float) -> dict:
-        reqs = {f"{prefix}{i}": [fake_item(4, 4, seed=100 * i + k) for k in range(n_images)] for i in range(n_requests)}
-        outs = await asyncio.gather(*(
-            encode(engine, rid, items, [str(k) for k in range(n_images)], deadline=deadline(seconds),
-                          return_embeddings=False) for rid, items in reqs.items()), return_exceptions=True)
+        reqs = {
+            f"{prefix}{i}": [fake_item(4, 4, seed=100 * i + k) for k in range(n_images)]
+            for i in range(n_requests)
+        }
+        outs = await asyncio.gather(
+            *(
+                encode(
+                    engine,
+                    rid,
+                    items,
+                    [str(k) for k in range(n_images)],
+                    deadline=deadline(seconds),
+                    return_embeddings=False,
+                )
+                for rid, items in reqs.items()
+            ),
+            return_exceptions=True,
+        )
         return dict(zip(reqs, outs, strict=True))
 
     async with running_engine(config, factory) as engine:

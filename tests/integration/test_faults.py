@@ -31,8 +31,9 @@ def _config(tmp_path, **kw):
 
 def _request(engine, name: str, n: int = 1):
     items = [fake_item(4, 4, seed=hash(name) % 1000 + k) for k in range(n)]
-    return asyncio.create_task(encode(engine, name, items, [str(k) for k in range(n)], deadline=deadline(),
-                                             return_embeddings=False))
+    return asyncio.create_task(
+        encode(engine, name, items, [str(k) for k in range(n)], deadline=deadline(), return_embeddings=False)
+    )
 
 
 async def _wait_not_ready(engine, within_s: float) -> float:
@@ -51,14 +52,19 @@ async def test_f1_sigkill_idle_rank_fails_group_and_new_requests(tmp_path):
         assert "rank 1" in engine.readiness().reason
         await asyncio.wait_for(engine.failed.wait(), 1)
         with pytest.raises(EncoderFailed, match="no encoder group is left"):
-            await encode(engine, "new", [fake_item(2, 2, 0)], ["a"], deadline=deadline(), return_embeddings=False)
+            await encode(
+                engine, "new", [fake_item(2, 2, 0)], ["a"], deadline=deadline(), return_embeddings=False
+            )
         assert_gone(pids)  # rank 0 was torn down with its dead peer
 
 
 async def test_f1_queued_requests_fail_when_the_group_dies(tmp_path):
     async with running_engine(_config(tmp_path), FakeEncoderFactory(sleep_s=2.0)) as engine:
         pids = all_pids(engine)
-        running, queued = _request(engine, "a", n=4), _request(engine, "b", n=4)  # 64-token budget: 1 batch each
+        running, queued = (
+            _request(engine, "a", n=4),
+            _request(engine, "b", n=4),
+        )  # 64-token budget: 1 batch each
         await asyncio.sleep(0.3)
         assert engine.queue_images >= 4
         kill_quietly(pids[1], signal.SIGKILL)
@@ -107,7 +113,9 @@ async def test_f4_forward_raises_on_one_rank_only(tmp_path):
         start = time.monotonic()
         with pytest.raises(EncoderFailed, match="injected failure on rank 1"):
             await _request(engine, "boom", n=2)
-        assert time.monotonic() - start < 3.0  # rank 0 was stuck in all_gather; it did not wait for the timeout
+        assert (
+            time.monotonic() - start < 3.0
+        )  # rank 0 was stuck in all_gather; it did not wait for the timeout
         assert_gone(pids)
 
 
@@ -115,7 +123,9 @@ async def test_startup_failure_names_the_knob_and_leaves_no_orphans(tmp_path):
     from vitserve.engine import Engine
     from vitserve.metrics import Metrics
 
-    engine = Engine(_config(tmp_path), Metrics(), encoder_factory=FakeEncoderFactory(embed_dim=33), environ={})
+    engine = Engine(
+        _config(tmp_path), Metrics(), encoder_factory=FakeEncoderFactory(embed_dim=33), environ={}
+    )
     with pytest.raises(ConfigError, match="not divisible by --tp 2"):
         await engine.start()
     assert_gone(all_pids(engine))

@@ -14,8 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_f5_workers_exit_when_the_parent_is_sigkilled(tmp_path):
-    parent = subprocess.Popen([sys.executable, "-m", "tests.integration.engine_child", str(tmp_path)], cwd=ROOT,
-                              stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.engine_child", str(tmp_path)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = parent.stdout.readline()  # the engine is ready once it prints its workers' pids
         pids = json.loads(line)

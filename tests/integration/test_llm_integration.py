@@ -41,8 +41,14 @@ def _received_embedding(tmp_path, encoded, item) -> torch.Tensor:
         sender = LLMSender(endpoint)
         try:
             sender.send_embedding(
-                request_id="r-1", image_index=0, num_images=1, image_id="0" * 64, model="tiny",
-                grid_thw=item.grid_thw, embedding=encoded.embedding, deepstack=encoded.deepstack,
+                request_id="r-1",
+                image_index=0,
+                num_images=1,
+                image_id="0" * 64,
+                model="tiny",
+                grid_thw=item.grid_thw,
+                embedding=encoded.embedding,
+                deepstack=encoded.deepstack,
                 deadline=time.monotonic() + 30,
             )
             msg = receiver.recv(timeout_s=10)
@@ -65,22 +71,30 @@ def test_logits_from_vitserve_embeddings_equal_full_model(tmp_path):
     grid = torch.tensor([item.grid_thw])
     with torch.inference_mode():
         reference = model(
-            input_ids=input_ids, pixel_values=item.pixel_values, image_grid_thw=grid,
+            input_ids=input_ids,
+            pixel_values=item.pixel_values,
+            image_grid_thw=grid,
             mm_token_type_ids=mm_token_type_ids,
         ).logits
         ours = model(
-            input_ids=input_ids, image_grid_thw=grid, mm_token_type_ids=mm_token_type_ids,
+            input_ids=input_ids,
+            image_grid_thw=grid,
+            mm_token_type_ids=mm_token_type_ids,
             mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=[embedding])},
         ).logits
         # inputs_embeds route: scatter the embedding into the token embeddings by hand.
         embeds = model.get_input_embeddings()(input_ids)
         embeds[input_ids == IMAGE_TOKEN] = embedding
         by_hand = model(
-            input_ids=input_ids, inputs_embeds=embeds, image_grid_thw=grid,
+            input_ids=input_ids,
+            inputs_embeds=embeds,
+            image_grid_thw=grid,
             mm_token_type_ids=mm_token_type_ids,
         ).logits
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(by_hand, reference, rtol=1e-5, atol=1e-5)
     # The check can fail: a different image gives different logits.
-    other = load_encoder(str(ckpt)).encode([load_image_processor(str(ckpt)).preprocess(_image(92, 60, seed=4))])
+    other = load_encoder(str(ckpt)).encode(
+        [load_image_processor(str(ckpt)).preprocess(_image(92, 60, seed=4))]
+    )
     assert not torch.allclose(other[0].embedding, embedding)

@@ -49,8 +49,13 @@ def _item(family: str, rows: int, cols: int, seed: int) -> ProcessedImage:
     h, w = rows * merge, cols * merge
     gen = torch.Generator().manual_seed(seed)
     pixels = torch.randn(h * w, 3 * temporal * patch * patch, generator=gen)  # (h*w, C*T*P*P)
-    return ProcessedImage(pixel_values=pixels, grid_thw=(1, h, w), num_tokens=rows * cols,
-                          resized_size=(w * patch, h * patch), clamped=False)
+    return ProcessedImage(
+        pixel_values=pixels,
+        grid_thw=(1, h, w),
+        num_tokens=rows * cols,
+        resized_size=(w * patch, h * patch),
+        clamped=False,
+    )
 
 
 def _vm_kib(pid: int, key: str) -> int:
@@ -72,8 +77,15 @@ async def test_full_budget_batches_stay_within_published_reservation(tmp_path, c
     assert all(sum(r * c for r, c in shape) == BUDGET for shape in COMPOSITIONS.values())
     assert max(len(shape) for shape in COMPOSITIONS.values()) == MAX_IMAGES
     ckpt = make_checkpoint(family, tmp_path / "ckpt")
-    config = make_config(tmp_path, model=str(ckpt), tp=1, dtype="float32", visual_batch_max_tokens=BUDGET,
-                         visual_infer_batch_size=MAX_IMAGES, log_level="info")
+    config = make_config(
+        tmp_path,
+        model=str(ckpt),
+        tp=1,
+        dtype="float32",
+        visual_batch_max_tokens=BUDGET,
+        visual_infer_batch_size=MAX_IMAGES,
+        log_level="info",
+    )
     async with running_engine(config, factory=None) as engine:  # None: the production load_configured_encoder
         (pid,) = engine.worker_pids()[0]
         published = read_reservation(config.runtime_dir, "cpu", 0)
@@ -86,21 +98,31 @@ async def test_full_budget_batches_stay_within_published_reservation(tmp_path, c
         for _ in range(ROUNDS):
             for name, shape in COMPOSITIONS.items():
                 items = [_item(family, r, c, seed := seed + 1) for r, c in shape]
-                results = await encode(engine, name, items, [f"{name}{i}" for i in range(len(items))],
-                                              deadline=deadline(60), return_embeddings=False)
+                results = await encode(
+                    engine,
+                    name,
+                    items,
+                    [f"{name}{i}" for i in range(len(items))],
+                    deadline=deadline(60),
+                    return_embeddings=False,
+                )
                 assert sum(res.num_tokens for res in results) == BUDGET
-        assert engine.metrics.value("vitserve_images_total", outcome="encoded") == \
-            ROUNDS * sum(len(shape) for shape in COMPOSITIONS.values())
+        assert engine.metrics.value("vitserve_images_total", outcome="encoded") == ROUNDS * sum(
+            len(shape) for shape in COMPOSITIONS.values()
+        )
         hwm_after = _vm_kib(pid, "VmHWM")
 
     baseline = _stress_baseline_kib(capfd.readouterr().err)
     reserved = published["bytes"]
     growth = (hwm_after - baseline) * 1024
     mib = 1 << 20
-    print(f"{family}: reserved {reserved / mib:.1f} MiB; peak RSS growth over the pre-stress RSS: "
-          f"{(hwm_ready - baseline) * 1024 / mib:.1f} MiB after READY, {growth / mib:.1f} MiB after "
-          f"{ROUNDS * len(COMPOSITIONS)} full-budget batches")
+    print(
+        f"{family}: reserved {reserved / mib:.1f} MiB; peak RSS growth over the pre-stress RSS: "
+        f"{(hwm_ready - baseline) * 1024 / mib:.1f} MiB after READY, {growth / mib:.1f} MiB after "
+        f"{ROUNDS * len(COMPOSITIONS)} full-budget batches"
+    )
     assert reserved > 0
     assert growth <= reserved + SLACK_BYTES, (
         f"peak RSS grew {growth} bytes over the pre-stress RSS under full-budget batches, above the published "
-        f"reservation of {reserved} bytes (+{SLACK_BYTES} slack)")
+        f"reservation of {reserved} bytes (+{SLACK_BYTES} slack)"
+    )

@@ -27,13 +27,24 @@ def _read_logs(log_dir) -> dict[str, list[str]]:
 
 
 async def _mixed_load(engine, n_requests: int, seed: int = 0):
-    reqs = [[fake_item(1 + (i * 7 + k) % 6, 1 + (i + 3 * k) % 5, seed=seed + 31 * i + k) for k in range(1 + i % 4)]
-            for i in range(n_requests)]
+    reqs = [
+        [
+            fake_item(1 + (i * 7 + k) % 6, 1 + (i + 3 * k) % 5, seed=seed + 31 * i + k)
+            for k in range(1 + i % 4)
+        ]
+        for i in range(n_requests)
+    ]
 
     async def one(i, items):
         await asyncio.sleep(0.01 * (i % 5))  # staggered arrivals: batches of varying composition
-        return await encode(engine, f"r{i}", items, [str(k) for k in range(len(items))], deadline=deadline(),
-                                   return_embeddings=True)
+        return await encode(
+            engine,
+            f"r{i}",
+            items,
+            [str(k) for k in range(len(items))],
+            deadline=deadline(),
+            return_embeddings=True,
+        )
 
     outs = await asyncio.gather(*(one(i, items) for i, items in enumerate(reqs)))
     for items, results in zip(reqs, outs, strict=True):
@@ -62,7 +73,9 @@ async def test_l4_idle_past_the_dist_timeout_then_serve(tmp_path, idle_s):
         await asyncio.sleep(idle_s)  # twice --dist_timeout_s: only heartbeats keep rank 1's broadcast alive
         assert engine.readiness() == Readiness(True, "ok")
         item = fake_item(3, 3, seed=5)
-        (res,) = await encode(engine, "after-idle", [item], ["a"], deadline=deadline(), return_embeddings=True)
+        (res,) = await encode(
+            engine, "after-idle", [item], ["a"], deadline=deadline(), return_embeddings=True
+        )
         torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
         assert engine.metrics.value("vitserve_heartbeats_total") >= idle_s / 1.0 - 2
 
@@ -71,7 +84,9 @@ async def test_dp2_both_groups_serve_and_one_survives_the_other(tmp_path):
     log_dir = tmp_path / "hashes"
     log_dir.mkdir()
     # heartbeat 2 s: this test is about sharing the queue, not about detecting hangs fast
-    config = make_config(tmp_path, dp=2, visual_batch_max_tokens=16, visual_infer_batch_size=1, heartbeat_s=2.0)
+    config = make_config(
+        tmp_path, dp=2, visual_batch_max_tokens=16, visual_infer_batch_size=1, heartbeat_s=2.0
+    )
     factory = FakeEncoderFactory(hash_log_dir=str(log_dir), sleep_s=0.2)
     async with running_engine(config, factory) as engine:
         await _mixed_load(engine, 6)
@@ -84,7 +99,9 @@ async def test_dp2_both_groups_serve_and_one_survives_the_other(tmp_path):
             await asyncio.sleep(0.05)
         assert engine.groups()[1]["state"] == "ready"
         readiness = engine.readiness()
-        assert not readiness.ready  # a dead rank is never "ready" (docs/design.md invariant 5), though group 1 still serves
+        assert (
+            not readiness.ready
+        )  # a dead rank is never "ready" (docs/design.md invariant 5), though group 1 still serves
         assert "group 0" in readiness.reason
         await _mixed_load(engine, 4, seed=1000)  # group 1 serves the whole queue
         assert not engine.failed.is_set()

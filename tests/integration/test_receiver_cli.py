@@ -14,19 +14,32 @@ from vitserve.rpc.sender import LLMSender
 
 def test_receiver_cli_prints_one_line_per_image(tmp_path):
     endpoint = f"ipc://{tmp_path}/llm.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "vitserve.rpc.receiver", "--bind", endpoint, "--count", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vitserve.rpc.receiver", "--bind", endpoint, "--count", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert json.loads(proc.stdout.readline()) == {"listening": endpoint}
         sender = LLMSender(endpoint)
         for k in range(2):
-            sender.send_embedding(request_id="r-7", image_index=k, num_images=2, image_id=f"{k:064x}",
-                                  model="tiny", grid_thw=(1, 4, 6), embedding=torch.ones(6, 8) * k,
-                                  deadline=time.monotonic() + 30)
+            sender.send_embedding(
+                request_id="r-7",
+                image_index=k,
+                num_images=2,
+                image_id=f"{k:064x}",
+                model="tiny",
+                grid_thw=(1, 4, 6),
+                embedding=torch.ones(6, 8) * k,
+                deadline=time.monotonic() + 30,
+            )
         lines = [json.loads(proc.stdout.readline()) for _ in range(2)]
         assert proc.wait(timeout=30) == 0
         sender.close()
     finally:
         proc.kill()
     assert [(d["request_id"], d["image_index"], d["shape"], d["dtype"]) for d in lines] == [
-        ("r-7", 0, [6, 8], "float32"), ("r-7", 1, [6, 8], "float32")]
+        ("r-7", 0, [6, 8], "float32"),
+        ("r-7", 1, [6, 8], "float32"),
+    ]

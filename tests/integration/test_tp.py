@@ -60,9 +60,12 @@ def test_tp_equals_tp1_for_every_family(reference, world):
             assert len(got["outputs"]) == len(expected)
             for g, e in zip(got["outputs"], expected, strict=True):
                 assert g.shape == e.shape
-                torch.testing.assert_close(g, e, rtol=0, atol=1e-5, msg=lambda m, k=key, r=rank: f"{k} rank {r}: {m}")
-        assert results["twice"].startswith(f"apply_tp was already applied to this tower (rank {rank} of {world})")
+                torch.testing.assert_close(
+                    g, e, rtol=0, atol=1e-5, msg=lambda m, k=key, r=rank: f"{k} rank {r}: {m}"
+                )
+        assert results["twice"].startswith(
+            f"apply_tp was already applied to this tower (rank {rank} of {world})"
+        )
         if world == 4:
             for g, e in zip(results["pair"], reference[("qwen2_5_vl", "{}")], strict=True):
                 torch.testing.assert_close(g, e, rtol=0, atol=1e-5)
-

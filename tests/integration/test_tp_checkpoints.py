@@ -61,6 +61,8 @@ def test_tp2_production_encoder_equals_hf(cases):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m, s=msg: f"{s}: {m}")
             assert len(got_deep) == len(want_deep), msg
             for g, w in zip(got_deep, want_deep, strict=True):
-                torch.testing.assert_close(g, w, rtol=0, atol=1e-5, msg=lambda m, s=msg: f"{s} deepstack: {m}")
+                torch.testing.assert_close(
+                    g, w, rtol=0, atol=1e-5, msg=lambda m, s=msg: f"{s} deepstack: {m}"
+                )
             assert results[(family, "heads")] == {2}, msg  # 4 heads split over 2 ranks: really sharded
             assert results[(family, "reserve")] > 0, msg

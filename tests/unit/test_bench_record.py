@@ -52,7 +52,10 @@ def test_report_section_names_the_run_and_tabulates_it(tmp_path):
 
 def test_write_into_replaces_only_between_the_markers():
     text = "intro\n<!-- report:cache -->\nold table\n<!-- /report:cache -->\noutro\n"
-    assert report.write_into(text, "cache", "new") == "intro\n<!-- report:cache -->\nnew\n<!-- /report:cache -->\noutro\n"
+    assert (
+        report.write_into(text, "cache", "new")
+        == "intro\n<!-- report:cache -->\nnew\n<!-- /report:cache -->\noutro\n"
+    )
     with pytest.raises(SystemExit, match="report:serve"):
         report.write_into(text, "serve", "new")
 

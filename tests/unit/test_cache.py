@@ -21,8 +21,9 @@ from vitserve.metrics import Metrics
 def enc(rows: int, dim: int = 4, *, deepstack: int = 0, seed: int = 0) -> EncodedImage:
     """An entry of rows * dim fp32 values (+ deepstack tensors of the same shape)."""
     g = torch.Generator().manual_seed(seed)
-    return EncodedImage(torch.randn(rows, dim, generator=g), [torch.randn(rows, dim, generator=g)
-                                                               for _ in range(deepstack)])
+    return EncodedImage(
+        torch.randn(rows, dim, generator=g), [torch.randn(rows, dim, generator=g) for _ in range(deepstack)]
+    )
 
 
 ROW = 4 * 4  # bytes of one (1, 4) fp32 row
@@ -138,17 +139,20 @@ def test_fingerprint_is_stable_and_order_independent():
     assert len(fp()) == 64
 
 
-@pytest.mark.parametrize("change", [
-    {"config": Config(visual_batch_max_tokens=4096)},  # a changed budget
-    {"config": Config(model="/models/other")},  # another checkpoint
-    {"model_name": "Qwen2-VL-2B-Instruct"},
-    {"family": "qwen3_vl"},
-    {"dtype": "bfloat16"},
-    {"device": "cuda:0"},
-    {"clamp": {"max_pixels": 1024 * 28 * 28, "longest_edge": 1024 * 28 * 28}},
-    {"clamp": None},
-    {"config": Config(tp=2)},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"config": Config(visual_batch_max_tokens=4096)},  # a changed budget
+        {"config": Config(model="/models/other")},  # another checkpoint
+        {"model_name": "Qwen2-VL-2B-Instruct"},
+        {"family": "qwen3_vl"},
+        {"dtype": "bfloat16"},
+        {"device": "cuda:0"},
+        {"clamp": {"max_pixels": 1024 * 28 * 28, "longest_edge": 1024 * 28 * 28}},
+        {"clamp": None},
+        {"config": Config(tp=2)},
+    ],
+)
 def test_fingerprint_changes_with_anything_that_changes_the_output(change):
     assert fp(**change) != fp()
 

@@ -56,9 +56,15 @@ def test_unsupported_codec_is_named_and_still_an_invalid_image():
     assert "50001" in info.value.message
 
 
-@pytest.mark.parametrize(("name", "words"), [("tiff-codec-34887", ("LERC", "34887")),
-                                             ("tiff-codec-50002", ("JPEG XL", "50002")),
-                                             ("bmp-jpeg-inside", ("BMP", "JPEG")), ("bmp-png-inside", ("BMP", "PNG"))])
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("tiff-codec-34887", ("LERC", "34887")),
+        ("tiff-codec-50002", ("JPEG XL", "50002")),
+        ("bmp-jpeg-inside", ("BMP", "JPEG")),
+        ("bmp-png-inside", ("BMP", "PNG")),
+    ],
+)
 def test_unsupported_codec_messages_name_the_codec(name, words):
     sample = next(s for s in REFUSED if s.name == name)
     with pytest.raises(InvalidImage) as info:
@@ -91,8 +97,11 @@ def test_int_and_float_with_transparency(mode):
 
 def test_pa_composited_on_white():
     rng = np.random.default_rng(3)
-    palette, idx, alpha = rng.integers(0, 256, (256, 3), np.uint8), rng.integers(0, 256, (5, 7), np.uint8), \
-        rng.integers(0, 256, (5, 7), np.uint8)
+    palette, idx, alpha = (
+        rng.integers(0, 256, (256, 3), np.uint8),
+        rng.integers(0, 256, (5, 7), np.uint8),
+        rng.integers(0, 256, (5, 7), np.uint8),
+    )
     p = Image.fromarray(idx, "P")
     p.putpalette(palette.reshape(-1).tolist())
     pa = p.convert("PA")

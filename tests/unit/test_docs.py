@@ -33,8 +33,13 @@ DOCS = doc_files()
 
 
 def _tree() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return out.splitlines()
 
 
@@ -72,8 +77,11 @@ def test_named_files_exist(doc, tree):
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
 def test_no_reference_to_notes_outside_the_repository(doc):
-    hits = [f"{n}: {line.strip()}" for n, line in enumerate(doc.read_text().splitlines(), 1)
-            if OUTSIDE_NOTES.search(line)]
+    hits = [
+        f"{n}: {line.strip()}"
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        if OUTSIDE_NOTES.search(line)
+    ]
     assert hits == []
 
 
@@ -93,8 +101,10 @@ def test_doc_test_markers_are_understood(doc):
 
 def test_checks_catch_missing_files_and_links(tree):
     doc = ROOT / "docs" / "x.md"
-    text = ("See [api](api.md), [gone](nowhere.md), `vitserve/engine/service.py`, `processors/budget.py`, "
-            "`tests/integration/test_faults*.py`, `SPEC.md` and `vitserve/nothing.py`.")
+    text = (
+        "See [api](api.md), [gone](nowhere.md), `vitserve/engine/service.py`, `processors/budget.py`, "
+        "`tests/integration/test_faults*.py`, `SPEC.md` and `vitserve/nothing.py`."
+    )
     assert missing_paths(doc, text, tree) == ["link nowhere.md", "SPEC.md", "vitserve/nothing.py"]
 
 
@@ -104,21 +114,29 @@ def test_flag_check_knows_aliases_and_switches():
     assert "master_addr" not in known  # MASTER_ADDR is an environment variable, not a flag
     assert "no-port" not in known  # only switches have a --no- form
     assert flags("run `vitserve --port 1 --no-jpeg_draft`, not --master_addr; a -- b") == [
-        "port", "no-jpeg_draft", "master_addr"]
+        "port",
+        "no-jpeg_draft",
+        "master_addr",
+    ]
 
 
 def test_marker_parser_wants_a_reason():
-    text = ("<!-- no-run: needs vLLM -->\n```python\nimport vllm\n```\n"
-            "<!-- no-run -->\n```bash\nfalse\n```\n"
-            "<!-- slow server: the demo at 8192 takes minutes -->\n```bash\nvitserve\n```\n"
-            "<!-- skip: whatever -->\n```sh\ntrue\n```\n"
-            "```json\n{}\n```\n"
-            "```console\n$ echo hi \\\n  there\nhi there\n```\n")
+    text = (
+        "<!-- no-run: needs vLLM -->\n```python\nimport vllm\n```\n"
+        "<!-- no-run -->\n```bash\nfalse\n```\n"
+        "<!-- slow server: the demo at 8192 takes minutes -->\n```bash\nvitserve\n```\n"
+        "<!-- skip: whatever -->\n```sh\ntrue\n```\n"
+        "```json\n{}\n```\n"
+        "```console\n$ echo hi \\\n  there\nhi there\n```\n"
+    )
     found = blocks(ROOT / "docs" / "x.md", text)
     assert [(b.lang, sorted(b.tags), b.reason) for b in found] == [
-        ("python", ["no-run"], "needs vLLM"), ("bash", ["no-run"], ""),
-        ("bash", ["server", "slow"], "the demo at 8192 takes minutes"), ("sh", ["skip"], "whatever"),
-        ("console", [], "")]
+        ("python", ["no-run"], "needs vLLM"),
+        ("bash", ["no-run"], ""),
+        ("bash", ["server", "slow"], "the demo at 8192 takes minutes"),
+        ("sh", ["skip"], "whatever"),
+        ("console", [], ""),
+    ]
     assert [b.marker_error is None for b in found] == [True, False, True, False, True]
     assert found[4].commands() == "echo hi \\\n  there\n"
     assert found[0].line == 3

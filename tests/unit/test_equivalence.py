@@ -184,7 +184,9 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape
     assert got.dtype == want.dtype == torch.bfloat16
     excess = bf16_excess(got, want)
-    assert excess <= BF16_ULPS, f"max |diff| is {excess:.2f} bf16 ulps of its row's max magnitude > {BF16_ULPS}"
+    assert excess <= BF16_ULPS, (
+        f"max |diff| is {excess:.2f} bf16 ulps of its row's max magnitude > {BF16_ULPS}"
+    )
 
 
 def encode_bf16_mixed(path, family: str, enc=None):

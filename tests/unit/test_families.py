@@ -67,7 +67,9 @@ def test_cli_refuses_internvl_chat_in_one_line(tmp_path):
     ckpt = _checkpoint(tmp_path / "ckpt", {"model_type": "internvl_chat"})
     proc = subprocess.run(
         [sys.executable, "-m", "vitserve.cli", "--model", str(ckpt), "--port", "0", "--device", "cpu"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr
@@ -79,16 +81,31 @@ def test_cli_refuses_internvl_chat_in_one_line(tmp_path):
 
 
 def _hf_internvl(tile: int, patch: int, ratio: float) -> tf.InternVLModel:
-    vision = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32,
-              "image_size": [tile, tile], "patch_size": [patch, patch]}
-    text = {"model_type": "qwen2", "vocab_size": 16, "hidden_size": 24, "intermediate_size": 32,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+    vision = {
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 32,
+        "image_size": [tile, tile],
+        "patch_size": [patch, patch],
+    }
+    text = {
+        "model_type": "qwen2",
+        "vocab_size": 16,
+        "hidden_size": 24,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
     config = tf.InternVLConfig(vision_config=vision, text_config=text, downsample_ratio=ratio)
     torch.manual_seed(0)
     return tf.InternVLModel(config).eval()
 
 
-@pytest.mark.parametrize(("tile", "patch", "ratio"), [(56, 14, 0.5), (112, 14, 0.5), (112, 14, 0.25), (64, 16, 0.5)])
+@pytest.mark.parametrize(
+    ("tile", "patch", "ratio"), [(56, 14, 0.5), (112, 14, 0.5), (112, 14, 0.25), (64, 16, 0.5)]
+)
 def test_tokens_per_tile_is_what_hf_returns(tile, patch, ratio):
     model = _hf_internvl(tile, patch, ratio)
     with torch.inference_mode():
@@ -119,7 +136,9 @@ def test_check_geometry_names_the_mismatch():
     clamp = {"family": "qwen2_vl", "patch_size": 14, "merge_size": 2}
     check_geometry(clamp, {"patch_size": 14, "merge_size": 2})
     check_geometry(clamp, {})  # nothing known about the tower: nothing to compare
-    with pytest.raises(ConfigError, match="^--model: the Qwen2-VL image processor has patch_size 14 .* has 16"):
+    with pytest.raises(
+        ConfigError, match="^--model: the Qwen2-VL image processor has patch_size 14 .* has 16"
+    ):
         check_geometry(clamp, {"patch_size": 16, "merge_size": 2})
 
 

@@ -122,7 +122,9 @@ def test_packed_equals_one_at_a_time(towers):
     pixels, grid_thw = _packed_inputs(fast, grids)
     with torch.inference_mode():
         packed = fast(pixels, grid_thw).pooler_output
-        alone = [fast(p, g[None]).pooler_output for p, g in zip(_split(pixels, grid_thw), grid_thw, strict=True)]
+        alone = [
+            fast(p, g[None]).pooler_output for p, g in zip(_split(pixels, grid_thw), grid_thw, strict=True)
+        ]
     assert_close(packed, torch.cat(alone))
 
 

@@ -57,8 +57,10 @@ def test_head_count_is_read_at_forward_time():
     attn = tower.blocks[0].attn
     hidden = torch.randn(16, attn.proj.in_features)
     theta = torch.rand(16, attn.proj.in_features // attn.num_heads)
-    args = {"cu_seqlens": torch.tensor([0, 16], dtype=torch.int32), "position_embeddings": (theta.cos(), theta.sin())}
+    args = {
+        "cu_seqlens": torch.tensor([0, 16], dtype=torch.int32),
+        "position_embeddings": (theta.cos(), theta.sin()),
+    }
     attn.num_heads = 3  # 64 columns do not split into 3 heads: the forward must notice
     with torch.inference_mode(), pytest.raises(RuntimeError):
         attn(hidden, **args)
-

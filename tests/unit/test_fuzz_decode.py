@@ -55,19 +55,32 @@ def test_only_documented_errors_escape_the_decode_path(tmp_path):
     artifacts = tmp_path / "artifacts"
     artifacts.mkdir()
     repo = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "tests.unit.fuzz_decode_target", f"-max_total_time={MAX_TOTAL_TIME_S}",
-           f"-runs={MAX_RUNS}", "-timeout=20", "-rss_limit_mb=4096", "-max_len=65536",
-           f"-artifact_prefix={artifacts}/", str(corpus)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.unit.fuzz_decode_target",
+        f"-max_total_time={MAX_TOTAL_TIME_S}",
+        f"-runs={MAX_RUNS}",
+        "-timeout=20",
+        "-rss_limit_mb=4096",
+        "-max_len=65536",
+        f"-artifact_prefix={artifacts}/",
+        str(corpus),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True,
-                          timeout=MAX_TOTAL_TIME_S + 90)
+    proc = subprocess.run(
+        cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=MAX_TOTAL_TIME_S + 90
+    )
     log = proc.stderr[-6000:]
     found = sorted(p.name for p in artifacts.iterdir())
     assert (proc.returncode, found) == (0, []), (
         f"the fuzzer found an input that escapes with an undocumented error (rc {proc.returncode}); "
-        f"saved: {[str(artifacts / f) for f in found]}\n{log}")
+        f"saved: {[str(artifacts / f) for f in found]}\n{log}"
+    )
     runs = [line for line in proc.stderr.splitlines() if "Done" in line and "runs" in line]
     assert runs, f"atheris did not report its run count:\n{log}"
-    preprocessed = [int(line.split()[-1]) for line in proc.stderr.splitlines() if line.startswith("B10 preprocessed")]
+    preprocessed = [
+        int(line.split()[-1]) for line in proc.stderr.splitlines() if line.startswith("B10 preprocessed")
+    ]
     assert preprocessed, f"no fuzzed input reached the processor (the seeds should):\n{log}"
     print(f"{runs[-1]}; inputs that decoded and preprocessed: at least {max(preprocessed)}")

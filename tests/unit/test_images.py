@@ -43,7 +43,9 @@ def test_bad_data_is_invalid_image(data):
 
 
 def test_format_outside_allowlist_is_refused():
-    data = encode(noise(8, 8), "ICO")  # PIL reads ICO happily; the format allowlist in docs/processing.md excludes it
+    data = encode(
+        noise(8, 8), "ICO"
+    )  # PIL reads ICO happily; the format allowlist in docs/processing.md excludes it
     assert Image.open(io.BytesIO(data)).format == "ICO"
     with pytest.raises(InvalidImage, match="allowlist"):
         decode_image(data, max_image_pixels=LIMIT)

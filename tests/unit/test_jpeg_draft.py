@@ -22,7 +22,9 @@ pytestmark = pytest.mark.unit
 
 def _prepare(data: bytes, processor, *, jpeg_draft: bool):
     """The production path (vitserve.processors.prepare), with or without --jpeg_draft."""
-    return prepare_image(data, processor, max_image_pixels=0, draft=JpegDraft(processor) if jpeg_draft else None)
+    return prepare_image(
+        data, processor, max_image_pixels=0, draft=JpegDraft(processor) if jpeg_draft else None
+    )
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -34,8 +36,20 @@ def photo() -> Image.Image:
     return photo_like(1600, 1200, seed=3)
 
 
-@pytest.mark.parametrize("target", [(800, 600), (799, 601), (400, 300), (401, 299), (200, 150), (150, 140),
-                                    (60, 40), (1000, 100), (100, 700)])
+@pytest.mark.parametrize(
+    "target",
+    [
+        (800, 600),
+        (799, 601),
+        (400, 300),
+        (401, 299),
+        (200, 150),
+        (150, 140),
+        (60, 40),
+        (1000, 100),
+        (100, 700),
+    ],
+)
 def test_draft_never_decodes_below_the_target_and_takes_the_largest_scale(photo, target):
     calls = []
 
@@ -60,8 +74,9 @@ def test_draft_never_decodes_below_the_target_and_takes_the_largest_scale(photo,
 
 def test_draft_is_off_for_non_jpeg(photo):
     calls = []
-    decoded = decode_image(png_bytes(photo), max_image_pixels=0,
-                           draft_target=lambda w, h: calls.append((w, h)) or (200, 150))
+    decoded = decode_image(
+        png_bytes(photo), max_image_pixels=0, draft_target=lambda w, h: calls.append((w, h)) or (200, 150)
+    )
     assert calls == []
     assert decoded.draft_scale == 1
     assert decoded.image.size == (1600, 1200)

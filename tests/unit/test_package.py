@@ -19,7 +19,11 @@ def test_public_names_import_from_the_package():
     from vitserve.client import VitserveClient as Defined
     from vitserve.rpc.receiver import EmbeddingReceiver as DefinedReceiver
 
-    assert (VitserveClient, AsyncVitserveClient, EmbeddingReceiver) == (Defined, DefinedAsync, DefinedReceiver)
+    assert (VitserveClient, AsyncVitserveClient, EmbeddingReceiver) == (
+        Defined,
+        DefinedAsync,
+        DefinedReceiver,
+    )
     assert issubclass(VitserveClientError, Exception)
     assert set(vitserve.__all__) <= set(dir(vitserve))
 
@@ -31,7 +35,9 @@ def test_unknown_attribute_is_an_attribute_error():
 
 def _loaded_after(code: str) -> dict:
     probe = f"import json, sys; {code}; print(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
     return json.loads(out.stdout)
 
 
@@ -48,6 +54,7 @@ def test_the_lazy_names_do_load_their_modules():
 
 def test_version_flag_needs_no_heavy_dependency():
     assert _loaded_after("import vitserve.cli") == dict.fromkeys(HEAVY, False)
-    out = subprocess.run([sys.executable, "-m", "vitserve.cli", "--version"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "vitserve.cli", "--version"], capture_output=True, text=True, timeout=120
+    )
     assert (out.returncode, out.stdout.strip()) == (0, f"vitserve {vitserve.__version__}")

@@ -158,9 +158,16 @@ def test_remove_deletes_and_tolerates_missing(tmp_path):
 
 @pytest.mark.parametrize(
     "content",
-    [b"", b"{", b"\xff\xfe", b"[]", b"null", b'{"device": "cpu"}',
-     b'{"device": "cpu", "rank": 0, "bytes": "9", "source": "stress", "pid": 1}',
-     b'{"device": "cpu", "rank": 0, "bytes": true, "source": "stress", "pid": 1}'],
+    [
+        b"",
+        b"{",
+        b"\xff\xfe",
+        b"[]",
+        b"null",
+        b'{"device": "cpu"}',
+        b'{"device": "cpu", "rank": 0, "bytes": "9", "source": "stress", "pid": 1}',
+        b'{"device": "cpu", "rank": 0, "bytes": true, "source": "stress", "pid": 1}',
+    ],
 )
 def test_reader_returns_none_for_garbage(tmp_path, content):
     reservation_path(tmp_path, "cpu", 0).write_bytes(content)

@@ -12,11 +12,32 @@ from vitserve.errors import UrlNotAllowed
 ip = ipaddress.ip_address
 
 
-@pytest.mark.parametrize("addr", [
-    "127.0.0.1", "127.8.8.8", "::1", "169.254.169.254", "10.0.0.1", "172.16.0.1", "192.168.1.1", "0.0.0.0", "::",
-    "::ffff:127.0.0.1", "::ffff:10.0.0.1", "::ffff:169.254.169.254", "224.0.0.1", "ff02::1", "fe80::1",
-    "fc00::1", "100.64.0.1", "240.0.0.1", "255.255.255.255", "2002:7f00:1::1", "198.18.0.1",
-])
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "127.0.0.1",
+        "127.8.8.8",
+        "::1",
+        "169.254.169.254",
+        "10.0.0.1",
+        "172.16.0.1",
+        "192.168.1.1",
+        "0.0.0.0",
+        "::",
+        "::ffff:127.0.0.1",
+        "::ffff:10.0.0.1",
+        "::ffff:169.254.169.254",
+        "224.0.0.1",
+        "ff02::1",
+        "fe80::1",
+        "fc00::1",
+        "100.64.0.1",
+        "240.0.0.1",
+        "255.255.255.255",
+        "2002:7f00:1::1",
+        "198.18.0.1",
+    ],
+)
 def test_internal_addresses_are_not_public(addr):
     assert not is_public_address(ip(addr))
 
@@ -35,16 +56,19 @@ def test_domain_allowlist_matches_domain_and_subdomains_only():
     assert not domain_allowed("example.com", ())
 
 
-@pytest.mark.parametrize(("url", "allow", "why"), [
-    ("https://example.com/a.png", False, "--allow_image_urls"),
-    ("file:///etc/passwd", True, "scheme"),
-    ("ftp://example.com/a.png", True, "scheme"),
-    ("gopher://example.com/", True, "scheme"),
-    ("https://user:pw@example.com/a.png", True, "user"),
-    ("https://other.org/a.png", True, "--allowed_url_domains"),
-    ("http://127.0.0.1/a.png", True, "--allowed_url_domains"),
-    ("http:///a.png", True, "host"),
-])
+@pytest.mark.parametrize(
+    ("url", "allow", "why"),
+    [
+        ("https://example.com/a.png", False, "--allow_image_urls"),
+        ("file:///etc/passwd", True, "scheme"),
+        ("ftp://example.com/a.png", True, "scheme"),
+        ("gopher://example.com/", True, "scheme"),
+        ("https://user:pw@example.com/a.png", True, "user"),
+        ("https://other.org/a.png", True, "--allowed_url_domains"),
+        ("http://127.0.0.1/a.png", True, "--allowed_url_domains"),
+        ("http:///a.png", True, "host"),
+    ],
+)
 def test_static_refusals(url, allow, why):
     with pytest.raises(UrlNotAllowed, match=why):
         check_url(url, allow=allow, allowed_domains=("example.com",))
@@ -52,11 +76,16 @@ def test_static_refusals(url, allow, why):
 
 def test_check_url_gives_scheme_host_port():
     assert check_url("https://img.example.com/x", allow=True, allowed_domains=("example.com",)) == (
-        "https", "img.example.com", 443)
+        "https",
+        "img.example.com",
+        443,
+    )
     assert check_url("http://example.com:8080/x", allow=True, allowed_domains=("example.com",))[2] == 8080
 
 
-@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "::1", "::ffff:127.0.0.1", "0.0.0.0", "2130706433"])
+@pytest.mark.parametrize(
+    "host", ["localhost", "127.0.0.1", "::1", "::ffff:127.0.0.1", "0.0.0.0", "2130706433"]
+)
 async def test_resolution_to_loopback_is_refused(host):
     with pytest.raises(UrlNotAllowed, match="not a public address"):
         await resolve_public(host, 80, timeout_s=5)
@@ -64,5 +93,8 @@ async def test_resolution_to_loopback_is_refused(host):
 
 def test_pinned_url_connects_to_the_checked_address():
     assert _pinned_url("https://example.com/a/b.png?x=1#f", ip("93.184.216.34"), 443) == (
-        "https://93.184.216.34:443/a/b.png?x=1")
-    assert _pinned_url("http://example.com", ip("2606:2800:220:1::1"), 80) == "http://[2606:2800:220:1::1]:80/"
+        "https://93.184.216.34:443/a/b.png?x=1"
+    )
+    assert (
+        _pinned_url("http://example.com", ip("2606:2800:220:1::1"), 80) == "http://[2606:2800:220:1::1]:80/"
+    )

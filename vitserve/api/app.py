@@ -56,34 +56,53 @@ async def _handle(_request: Request, exc: Exception) -> Response:
 def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dict[str, Any]:
     info = engine.info()
     return {
-        "model": info.model, "family": info.family, "tp": info.tp, "dp": info.dp,
-        "embed_dim": info.embed_dim, "dtype": info.dtype,
-        "budget_tokens": config.budget_tokens, "max_batch_images": config.max_batch_images,
+        "model": info.model,
+        "family": info.family,
+        "tp": info.tp,
+        "dp": info.dp,
+        "embed_dim": info.embed_dim,
+        "dtype": info.dtype,
+        "budget_tokens": config.budget_tokens,
+        "max_batch_images": config.max_batch_images,
         "processor_clamp": processor.clamp_info(),
         "reserved_memory_bytes": {str(k): v for k, v in info.reserved_memory_bytes.items()},
         "reserved_source": info.reserved_source,
         "limits": {
-            "max_queue_tokens": config.queue_token_limit, "max_images_per_request": config.max_images_per_request,
-            "max_request_bytes": config.max_request_bytes, "max_image_pixels": config.max_image_pixels,
+            "max_queue_tokens": config.queue_token_limit,
+            "max_images_per_request": config.max_images_per_request,
+            "max_request_bytes": config.max_request_bytes,
+            "max_image_pixels": config.max_image_pixels,
             "request_timeout_s": config.request_timeout_s,
         },
-        "llm_endpoint": config.llm_endpoint, "version": vitserve.__version__,
+        "llm_endpoint": config.llm_endpoint,
+        "version": vitserve.__version__,
     }
 
 
-def create_app(config: Config, engine: Engine, processor: VisionProcessor, metrics: Metrics, *,
-               state: ServerState | None = None) -> FastAPI:
+def create_app(
+    config: Config,
+    engine: Engine,
+    processor: VisionProcessor,
+    metrics: Metrics,
+    *,
+    state: ServerState | None = None,
+) -> FastAPI:
     """The ASGI app. `state` lets the entry point flip `draining` on SIGTERM; app.state.server holds it."""
     state = state or ServerState()
     # /docs and /redoc with Swagger UI / ReDoc files from the installed fastapi-offline package, never a
     # CDN: sidecars often run with no internet. Like every route but /health they need --api_key when set.
     # validatorUrl None: Swagger UI would otherwise send the spec to an online validator for its badge.
-    app = FastAPIOffline(title="vitserve", version=vitserve.__version__, static_url=DOCS_ASSETS_URL,
-                         swagger_ui_parameters={"validatorUrl": None},
-                         description="Vision-encoder embeddings for multimodal LLMs (docs/api.md).")
+    app = FastAPIOffline(
+        title="vitserve",
+        version=vitserve.__version__,
+        static_url=DOCS_ASSETS_URL,
+        swagger_ui_parameters={"validatorUrl": None},
+        description="Vision-encoder embeddings for multimodal LLMs (docs/api.md).",
+    )
     app.state.server = state
-    app.state.preprocessor = pre = Preprocessor(processor, max_image_pixels=config.max_image_pixels, metrics=metrics,
-                                                jpeg_draft=config.jpeg_draft)
+    app.state.preprocessor = pre = Preprocessor(
+        processor, max_image_pixels=config.max_image_pixels, metrics=metrics, jpeg_draft=config.jpeg_draft
+    )
     encode = EncodeHandler(config, engine, pre, metrics)
     for exc_type in (VitserveError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _handle)
@@ -119,6 +138,8 @@ def create_app(config: Config, engine: Engine, processor: VisionProcessor, metri
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
         app.openapi_schema = add_schemas(schema)
     return app.openapi_schema

@@ -28,7 +28,9 @@ class ServerState:
         self.active_requests = 0
 
 
-async def send_error(send: Send, err: VitserveError, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_error(
+    send: Send, err: VitserveError, extra_headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     status, headers, body = http_error(err)
     raw = [(k.encode(), v.encode()) for k, v in headers.items()]
     raw.append((b"content-length", str(len(body)).encode()))
@@ -78,8 +80,11 @@ class Edge:
             await self.app(scope, receive, send)
             return
         if self.state.draining:
-            await send_error(send, NotReady("vitserve is shutting down and accepts no new work"),
-                             [(b"connection", b"close")])
+            await send_error(
+                send,
+                NotReady("vitserve is shutting down and accepts no new work"),
+                [(b"connection", b"close")],
+            )
             return
         self.state.active_requests += 1
         try:

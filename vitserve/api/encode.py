@@ -37,7 +37,11 @@ _DEADLINE_GRACE_S = 5.0  # the engine enforces the deadline; this only guards ag
 
 
 def tensor_json(t: torch.Tensor) -> dict[str, Any]:
-    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "b64": base64.b64encode(tensor_to_buffer(t)).decode()}
+    return {
+        "dtype": dtype_name(t.dtype),
+        "shape": list(t.shape),
+        "b64": base64.b64encode(tensor_to_buffer(t)).decode(),
+    }
 
 
 class EncodeHandler:
@@ -64,7 +68,9 @@ class EncodeHandler:
         except ClientGone:
             return Response(status_code=499)
         if results is None:
-            log.info("request %s: client disconnected while queued; its images were withdrawn", parsed.request_id)
+            log.info(
+                "request %s: client disconnected while queued; its images were withdrawn", parsed.request_id
+            )
             return Response(status_code=499)
         body = await self.pre.run(self._response_body, parsed, prepared, results)
         return JSONResponse(body)
@@ -80,8 +86,10 @@ class EncodeHandler:
         try:
             return await asyncio.wait_for(self._parse(request), max(deadline - time.monotonic(), 0))
         except asyncio.TimeoutError:
-            raise Timeout(f"the request body did not arrive within {self.config.request_timeout_s}s "
-                          "(--request_timeout_s)") from None
+            raise Timeout(
+                f"the request body did not arrive within {self.config.request_timeout_s}s "
+                "(--request_timeout_s)"
+            ) from None
 
     async def _parse(self, request: Request) -> ParsedRequest:
         body = await read_body(request, self.config.max_request_bytes)
@@ -89,7 +97,9 @@ class EncodeHandler:
         if kind == "multipart/form-data":
             return await self.pre.run(parse_multipart_body, request.headers, body, self.config)
         if kind not in ("", "application/json") and not kind.endswith("+json"):
-            raise InvalidRequest(f"unsupported Content-Type {kind!r}; send application/json or multipart/form-data")
+            raise InvalidRequest(
+                f"unsupported Content-Type {kind!r}; send application/json or multipart/form-data"
+            )
         if not body:
             raise InvalidRequest("empty request body")
         return await self.pre.run(parse_json_body, body, self.config)
@@ -100,13 +110,22 @@ class EncodeHandler:
         """The engine's results, or None when the client went away first (its queued work is cancelled)."""
         if await request.is_disconnected():  # left while we decoded: enqueue nothing at all
             return None
-        work = asyncio.ensure_future(self.engine.encode(EncodeRequest(
-            request_id=parsed.request_id, images=tuple(prepared), deadline=deadline,
-            return_embeddings=parsed.return_embeddings)))
+        work = asyncio.ensure_future(
+            self.engine.encode(
+                EncodeRequest(
+                    request_id=parsed.request_id,
+                    images=tuple(prepared),
+                    deadline=deadline,
+                    return_embeddings=parsed.return_embeddings,
+                )
+            )
+        )
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             timeout = deadline - time.monotonic() + _DEADLINE_GRACE_S
-            done, _ = await asyncio.wait({work, gone}, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {work, gone}, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             gone.cancel()
         if work in done:
@@ -118,13 +137,20 @@ class EncodeHandler:
             return None
         raise Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")
 
-    def _response_body(self, parsed: ParsedRequest, prepared: list[PreparedImage], results: list[ImageResult]) -> dict[str, Any]:
+    def _response_body(
+        self, parsed: ParsedRequest, prepared: list[PreparedImage], results: list[ImageResult]
+    ) -> dict[str, Any]:
         images = []
         for index, (p, r) in enumerate(zip(prepared, results, strict=True)):
             out = {
-                "index": index, "image_id": p.image_id, "num_tokens": r.num_tokens,
-                "grid_thw": list(p.item.grid_thw), "original_size": list(p.original_size),
-                "resized_size": list(p.item.resized_size), "clamped": p.item.clamped, "cached": r.cached,
+                "index": index,
+                "image_id": p.image_id,
+                "num_tokens": r.num_tokens,
+                "grid_thw": list(p.item.grid_thw),
+                "original_size": list(p.original_size),
+                "resized_size": list(p.item.resized_size),
+                "clamped": p.item.clamped,
+                "cached": r.cached,
             }
             if parsed.return_embeddings and r.embedding is not None:
                 out["embedding"] = tensor_json(r.embedding)
@@ -138,10 +164,16 @@ class EncodeHandler:
         timing = {
             "decode": round(sum(p.decode_s for p in prepared) * 1000, 3),
             "preprocess": round(sum(p.preprocess_s for p in prepared) * 1000, 3),
-            "queue": stage("queue"), "encode": stage("encode"), "send": stage("send"),
+            "queue": stage("queue"),
+            "encode": stage("encode"),
+            "send": stage("send"),
         }
-        return {"request_id": parsed.request_id, "model": self.engine.info().model,
-                "images": images, "timing_ms": timing}
+        return {
+            "request_id": parsed.request_id,
+            "model": self.engine.info().model,
+            "images": images,
+            "timing_ms": timing,
+        }
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -155,8 +155,11 @@ async def fetch_sources(sources: list[ImageSource], config: Config, deadline: fl
             return src.data
         try:
             return await fetch_image_url(
-                src.url or "", allow=config.allow_image_urls, allowed_domains=config.allowed_url_domains,
-                max_bytes=config.max_request_bytes, deadline=deadline,
+                src.url or "",
+                allow=config.allow_image_urls,
+                allowed_domains=config.allowed_url_domains,
+                max_bytes=config.max_request_bytes,
+                deadline=deadline,
             )
         except VitserveError as exc:
             raise exc.with_index(index) from None

@@ -34,9 +34,12 @@ ENCODE_OPENAPI = {
 _ERROR_JSON = {"application/json": {"schema": _ref("ErrorBody")}}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"content": {"application/json": {"schema": _ref("EncodeResponse")}}},
-    400: {"description": "invalid_request, invalid_image, unsupported_image, image_too_small, "
-                         "aspect_ratio_too_large, "
-                         "too_many_images, url_not_allowed", "content": _ERROR_JSON},
+    400: {
+        "description": "invalid_request, invalid_image, unsupported_image, image_too_small, "
+        "aspect_ratio_too_large, "
+        "too_many_images, url_not_allowed",
+        "content": _ERROR_JSON,
+    },
     401: {"description": "unauthorized", "content": _ERROR_JSON},
     413: {"description": "payload_too_large, over_token_budget", "content": _ERROR_JSON},
     503: {"description": "queue_full (with Retry-After), not_ready, encoder_failed", "content": _ERROR_JSON},

@@ -34,13 +34,24 @@ def default_workers() -> int:
 class Preprocessor:
     """Owns the pool; `prepare(blobs)` returns every image ready for the engine, or raises for the first bad one."""
 
-    def __init__(self, processor: VisionProcessor, *, max_image_pixels: int, metrics: Metrics, workers: int | None = None,
-                 jpeg_draft: bool = False):
+    def __init__(
+        self,
+        processor: VisionProcessor,
+        *,
+        max_image_pixels: int,
+        metrics: Metrics,
+        workers: int | None = None,
+        jpeg_draft: bool = False,
+    ):
         self.processor = processor
-        self.draft = JpegDraft(processor) if jpeg_draft else None  # --jpeg_draft (vitserve/processors/draft.py)
+        self.draft = (
+            JpegDraft(processor) if jpeg_draft else None
+        )  # --jpeg_draft (vitserve/processors/draft.py)
         self.max_image_pixels = max_image_pixels
         self.metrics = metrics
-        self.pool = ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="vitserve-pre")
+        self.pool = ThreadPoolExecutor(
+            max_workers=workers or default_workers(), thread_name_prefix="vitserve-pre"
+        )
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Any CPU-heavy call (JSON parsing, base64) on the pool instead of the event loop."""
@@ -51,7 +62,9 @@ class Preprocessor:
         futures = [loop.run_in_executor(self.pool, self._prepare_one, data) for data in blobs]
         remaining = deadline - time.monotonic()
         try:
-            results = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), max(remaining, 0))
+            results = await asyncio.wait_for(
+                asyncio.gather(*futures, return_exceptions=True), max(remaining, 0)
+            )
         except asyncio.TimeoutError:
             raise Timeout("decoding and preprocessing passed the deadline (--request_timeout_s)") from None
         for index, result in enumerate(results):  # the first image at fault, in request order
@@ -59,11 +72,15 @@ class Preprocessor:
                 raise result.with_index(index)
             if isinstance(result, BaseException):
                 log.error("preprocessing image %d failed unexpectedly: %r", index, result)
-                raise InvalidImage(f"image could not be preprocessed ({type(result).__name__})").with_index(index)
+                raise InvalidImage(f"image could not be preprocessed ({type(result).__name__})").with_index(
+                    index
+                )
         return results  # type: ignore[return-value]
 
     def _prepare_one(self, data: bytes) -> PreparedImage:
-        prepared = prepare_image(data, self.processor, max_image_pixels=self.max_image_pixels, draft=self.draft)
+        prepared = prepare_image(
+            data, self.processor, max_image_pixels=self.max_image_pixels, draft=self.draft
+        )
         self.metrics.stage_seconds.labels(stage="decode").observe(prepared.decode_s)
         self.metrics.stage_seconds.labels(stage="preprocess").observe(prepared.preprocess_s)
         return prepared

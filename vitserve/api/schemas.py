@@ -58,7 +58,9 @@ class ImageOut(BaseModel):
     clamped: bool
     cached: bool
     embedding: TensorB64 | None = Field(None, description="only with return_embeddings")
-    deepstack: list[TensorB64] | None = Field(None, description="only with return_embeddings, for models that have it")
+    deepstack: list[TensorB64] | None = Field(
+        None, description="only with return_embeddings, for models that have it"
+    )
 
 
 class TimingMs(BaseModel):

@@ -46,7 +46,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
     except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); change --host/--port") from exc
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); change --host/--port"
+        ) from exc
     sock.listen(2048)
     sock.setblocking(False)
     return sock
@@ -55,8 +57,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
 class Service:
     """One vitserve process: HTTP front door + engine. `run()` returns the process exit code."""
 
-    def __init__(self, config: Config, engine: Engine, processor: VisionProcessor, metrics: Metrics, *,
-                 sock: socket.socket | None = None, banner: Callable[[Service], str] | None = None):
+    def __init__(
+        self,
+        config: Config,
+        engine: Engine,
+        processor: VisionProcessor,
+        metrics: Metrics,
+        *,
+        sock: socket.socket | None = None,
+        banner: Callable[[Service], str] | None = None,
+    ):
         self.config = config
         self.engine = engine
         self.processor = processor
@@ -79,8 +89,14 @@ class Service:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self._install_signals()
-        ucfg = uvicorn.Config(self.app, log_config=None, lifespan="off", access_log=False,
-                              log_level=self.config.log_level.lower(), timeout_graceful_shutdown=5)
+        ucfg = uvicorn.Config(
+            self.app,
+            log_config=None,
+            lifespan="off",
+            access_log=False,
+            log_level=self.config.log_level.lower(),
+            timeout_graceful_shutdown=5,
+        )
         server = _Server(ucfg)
         serving = asyncio.create_task(server.serve(sockets=[self.sock]))
         try:

@@ -70,7 +70,9 @@ async def resolve_public(host: str, port: int, timeout_s: float) -> IPAddress:
     """The first address of `host`, after checking that EVERY address it resolves to is public."""
     loop = asyncio.get_running_loop()
     try:
-        infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), max(timeout_s, 0))
+        infos = await asyncio.wait_for(
+            loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), max(timeout_s, 0)
+        )
     except asyncio.TimeoutError:
         raise Timeout(f"resolving {host!r} passed the deadline (--request_timeout_s)") from None
     except OSError:
@@ -100,12 +102,17 @@ async def fetch_image_url(
     if remaining <= 0:
         raise Timeout("fetching the image URL passed the deadline (--request_timeout_s)")
     default_port = port == _DEFAULT_PORTS[scheme]
-    headers = {"Host": host if default_port else f"{host}:{port}", "Accept": "image/*", "Accept-Encoding": "identity"}
+    headers = {
+        "Host": host if default_port else f"{host}:{port}",
+        "Accept": "image/*",
+        "Accept-Encoding": "identity",
+    }
     try:
         async with (
             httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=remaining) as client,
-            client.stream("GET", _pinned_url(url, ip, port), headers=headers,
-                          extensions={"sni_hostname": host}) as resp,
+            client.stream(
+                "GET", _pinned_url(url, ip, port), headers=headers, extensions={"sni_hostname": host}
+            ) as resp,
         ):
             return await _read_limited(resp, max_bytes)
     except httpx.TimeoutException:
@@ -116,10 +123,14 @@ async def fetch_image_url(
 
 async def _read_limited(resp: httpx.Response, max_bytes: int) -> bytes:
     if resp.is_redirect or 300 <= resp.status_code < 400:
-        raise UrlNotAllowed(f"the image URL answered a redirect (HTTP {resp.status_code}); redirects are not followed")
+        raise UrlNotAllowed(
+            f"the image URL answered a redirect (HTTP {resp.status_code}); redirects are not followed"
+        )
     if resp.status_code != 200:
         raise InvalidRequest(f"the image URL answered HTTP {resp.status_code}")
-    too_large = PayloadTooLarge(f"the image URL's body is larger than {max_bytes} bytes (--max_request_bytes)")
+    too_large = PayloadTooLarge(
+        f"the image URL's body is larger than {max_bytes} bytes (--max_request_bytes)"
+    )
     declared = resp.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise too_large

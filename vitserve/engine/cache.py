@@ -29,8 +29,15 @@ from vitserve.metrics import Metrics
 FINGERPRINT_VERSION = 1  # bump when the meaning of an entry changes (e.g. a new field in EncodedImage)
 
 
-def cache_fingerprint(config: Config, processor_clamp: Mapping[str, Any] | None, *, model_name: str | None,
-                      family: str | None, dtype: str | None, device: str | None) -> str:
+def cache_fingerprint(
+    config: Config,
+    processor_clamp: Mapping[str, Any] | None,
+    *,
+    model_name: str | None,
+    family: str | None,
+    dtype: str | None,
+    device: str | None,
+) -> str:
     """A stable hex digest of everything besides the image bytes that decides the encoder's output.
 
     processor_clamp: the processor's clamp_info() (max_pixels / longest_edge / max_patches), None when the
@@ -122,6 +129,7 @@ class EmbeddingCache:
 
 def _detached(encoded: EncodedImage) -> EncodedImage:
     """The entry as stored: CPU, contiguous, no autograd history (no copy when it already is)."""
+
     def fix(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu").contiguous()
 

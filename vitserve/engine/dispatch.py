@@ -155,8 +155,9 @@ class Dispatcher:
             rate = batch.tokens / seconds
             self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * rate if self.tokens_per_s else rate
         if len(msg.outputs) != len(batch.jobs):
-            self.fail_group(group, f"group {group.index} returned {len(msg.outputs)} outputs for "
-                                   f"{len(batch.jobs)} images")
+            self.fail_group(
+                group, f"group {group.index} returned {len(msg.outputs)} outputs for {len(batch.jobs)} images"
+            )
             return
         for job, out in zip(batch.jobs, msg.outputs, strict=True):
             job.encode_s = seconds
@@ -186,8 +187,9 @@ class Dispatcher:
                 job.settle(exc=error)
         self._update_ready_gauge()
         if not any(g.alive for g in self.groups):
-            self._fail_queue(EncoderFailed(f"no encoder group is left; encoder group {group.index} failed: "
-                                           f"{reason}"))
+            self._fail_queue(
+                EncoderFailed(f"no encoder group is left; encoder group {group.index} failed: {reason}")
+            )
             self.all_failed.set()
         else:
             self.dispatch()  # the surviving groups take the queue

@@ -71,8 +71,17 @@ class WorkerGroup:
     """`tp` rank processes of one DP group. Subclasses (tests/fakes.py ThreadGroup) replace only the
     process-facing methods: spawn, send, kill, join, pids and _exited."""
 
-    def __init__(self, index: int, config: Config, encoder_factory: Callable[[Config], Encoder], *,
-                 ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str, status_endpoint: str, rendezvous: Rendezvous):
+    def __init__(
+        self,
+        index: int,
+        config: Config,
+        encoder_factory: Callable[[Config], Encoder],
+        *,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        ipc_dir: str,
+        status_endpoint: str,
+        rendezvous: Rendezvous,
+    ):
         self.index = index
         self.config = config
         self.state = GroupState.STARTING
@@ -107,11 +116,19 @@ class WorkerGroup:
     def spawn(self) -> None:
         ctx = mp.get_context("spawn")
         for rank in range(self.config.tp):
-            args = WorkerArgs(config=self.config, encoder_factory=self._factory, group=self.index, rank=rank,
-                              rendezvous=self._rendezvous,
-                              batch_endpoint=self.batch_endpoint, status_endpoint=self._status_endpoint,
-                              parent_pid=os.getpid())
-            proc = ctx.Process(target=run_worker, args=(args,), name=f"vitserve-g{self.index}r{rank}", daemon=True)
+            args = WorkerArgs(
+                config=self.config,
+                encoder_factory=self._factory,
+                group=self.index,
+                rank=rank,
+                rendezvous=self._rendezvous,
+                batch_endpoint=self.batch_endpoint,
+                status_endpoint=self._status_endpoint,
+                parent_pid=os.getpid(),
+            )
+            proc = ctx.Process(
+                target=run_worker, args=(args,), name=f"vitserve-g{self.index}r{rank}", daemon=True
+            )
             proc.start()
             self.processes.append(proc)
 
@@ -228,8 +245,10 @@ class WorkerGroup:
         limit = 2 * self.config.heartbeat_s
         for rank, seen in enumerate(self.last_seen):
             if now - seen > limit:
-                return (f"rank {rank} (pid {self.pids[rank]}) of group {self.index} missed heartbeats "
-                        f"for {now - seen:.1f}s (> 2 x --heartbeat_s = {limit:g}s); it is hung or stopped")
+                return (
+                    f"rank {rank} (pid {self.pids[rank]}) of group {self.index} missed heartbeats "
+                    f"for {now - seen:.1f}s (> 2 x --heartbeat_s = {limit:g}s); it is hung or stopped"
+                )
         return None
 
 
@@ -243,8 +262,9 @@ class Watchdog:
     does not kill healthy ranks.
     """
 
-    def __init__(self, groups: Sequence[WorkerGroup], heartbeat_s: float,
-                 on_fault: Callable[[WorkerGroup, str], None]):
+    def __init__(
+        self, groups: Sequence[WorkerGroup], heartbeat_s: float, on_fault: Callable[[WorkerGroup, str], None]
+    ):
         self.groups = groups
         self.period = min(heartbeat_s / 4, 0.5)
         self._stall_limit = self.period + heartbeat_s / 2

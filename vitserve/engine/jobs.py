@@ -91,10 +91,17 @@ class JobTable:
         self._jobs: dict[str, Job] = {}  # key -> the Job queued or encoding for it
         self._ids = itertools.count()
 
-    def set_fingerprint(self, config: Config, processor_clamp: Mapping[str, Any] | None, info: EngineInfo,
-                        device: str | None) -> None:
-        self.fingerprint = cache_fingerprint(config, processor_clamp, model_name=info.model,
-                                             family=info.family, dtype=info.dtype, device=device)
+    def set_fingerprint(
+        self, config: Config, processor_clamp: Mapping[str, Any] | None, info: EngineInfo, device: str | None
+    ) -> None:
+        self.fingerprint = cache_fingerprint(
+            config,
+            processor_clamp,
+            model_name=info.model,
+            family=info.family,
+            dtype=info.dtype,
+            device=device,
+        )
 
     def __len__(self) -> int:
         """Unique images queued or encoding."""
@@ -127,12 +134,20 @@ class JobTable:
             job.future.add_done_callback(functools.partial(self._on_done, job))
         else:
             job.claims += 1
-            job.deadline = max(job.deadline, deadline)  # the queued job lives as long as its most patient claim
+            job.deadline = max(
+                job.deadline, deadline
+            )  # the queued job lives as long as its most patient claim
         return Claim(image, job=job, fresh=fresh)
 
     def _new_job(self, key: str, item: ProcessedImage, deadline: float) -> Job:
-        return Job(id=next(self._ids), key=key, item=item, deadline=deadline, claims=1,
-                   future=asyncio.get_running_loop().create_future())
+        return Job(
+            id=next(self._ids),
+            key=key,
+            item=item,
+            deadline=deadline,
+            claims=1,
+            future=asyncio.get_running_loop().create_future(),
+        )
 
     @staticmethod
     def new_jobs(claims: list[Claim]) -> list[Job]:

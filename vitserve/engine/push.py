@@ -29,10 +29,17 @@ class LLMPush:
         """Hand one image to ZMQ; returns the seconds it took. Raises Timeout past the deadline."""
         image = request.images[image_index]
         call = functools.partial(
-            self._sender.send_embedding, request_id=request.request_id, image_index=image_index,
-            num_images=len(request.images), image_id=image.image_id, model=self.model,
-            grid_thw=tuple(image.item.grid_thw), embedding=encoded.embedding, deepstack=list(encoded.deepstack),
-            deadline=request.deadline)
+            self._sender.send_embedding,
+            request_id=request.request_id,
+            image_index=image_index,
+            num_images=len(request.images),
+            image_id=image.image_id,
+            model=self.model,
+            grid_thw=tuple(image.item.grid_thw),
+            embedding=encoded.embedding,
+            deepstack=list(encoded.deepstack),
+            deadline=request.deadline,
+        )
         start = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(self._thread, call)
         seconds = time.monotonic() - start

@@ -46,9 +46,16 @@ GroupFactory = Callable[..., WorkerGroup]  # WorkerGroup's constructor, or a tes
 
 
 class Engine:
-    def __init__(self, config: Config, metrics: Metrics, *, encoder_factory: Callable[[Config], Encoder] | None = None,
-                 environ: Mapping[str, str] | None = None, processor_clamp: Mapping[str, Any] | None = None,
-                 group_factory: GroupFactory = WorkerGroup):
+    def __init__(
+        self,
+        config: Config,
+        metrics: Metrics,
+        *,
+        encoder_factory: Callable[[Config], Encoder] | None = None,
+        environ: Mapping[str, str] | None = None,
+        processor_clamp: Mapping[str, Any] | None = None,
+        group_factory: GroupFactory = WorkerGroup,
+    ):
         self.config = config
         self.metrics = metrics
         self.encoder_factory = encoder_factory or load_configured_encoder
@@ -85,12 +92,22 @@ class Engine:
         self._open_sockets()
         groups = self._dispatch.groups
         for g in range(self.config.dp):
-            groups.append(self._group_factory(g, self.config, self.encoder_factory, ctx=self._sync_zmq,
-                                              ipc_dir=self._ipc_dir, status_endpoint=self._status_endpoint,
-                                              rendezvous=self._rendezvous(g)))
+            groups.append(
+                self._group_factory(
+                    g,
+                    self.config,
+                    self.encoder_factory,
+                    ctx=self._sync_zmq,
+                    ipc_dir=self._ipc_dir,
+                    status_endpoint=self._status_endpoint,
+                    rendezvous=self._rendezvous(g),
+                )
+            )
         self._watchdog = Watchdog(groups, self.config.heartbeat_s, self._dispatch.fail_group)
-        self._tasks = [asyncio.create_task(self._dispatch.read_status(self._status), name="vitserve-status"),
-                       asyncio.create_task(self._watchdog.run(), name="vitserve-watchdog")]
+        self._tasks = [
+            asyncio.create_task(self._dispatch.read_status(self._status), name="vitserve-status"),
+            asyncio.create_task(self._watchdog.run(), name="vitserve-watchdog"),
+        ]
         for group in groups:
             group.spawn()
         try:
@@ -125,10 +142,14 @@ class Engine:
         while not all(g.state is GroupState.READY for g in groups):
             failed = [g for g in groups if g.state is GroupState.FAILED]
             if failed:
-                raise ConfigError(f"encoder start-up failed: {failed[0].failure}{_startup_hint(failed[0].failure)}")
+                raise ConfigError(
+                    f"encoder start-up failed: {failed[0].failure}{_startup_hint(failed[0].failure)}"
+                )
             if time.monotonic() > end:
-                raise ConfigError(f"encoder ranks did not finish start-up within {limit:g}s "
-                                  "(--dist_timeout_s, at least 120 s)")
+                raise ConfigError(
+                    f"encoder ranks did not finish start-up within {limit:g}s "
+                    "(--dist_timeout_s, at least 120 s)"
+                )
             await asyncio.sleep(0.05)
 
     async def shutdown(self) -> None:
@@ -197,10 +218,16 @@ class Engine:
             raise NotReady("encoder ranks are still starting")
         readies = sorted((g.global_rank(r), msg) for g in groups for r, msg in g.ready.items())
         first = readies[0][1]
-        return EngineInfo(model=first.model_name, family=first.family, embed_dim=first.embed_dim, dtype=first.dtype,
-                          tp=self.config.tp, dp=self.config.dp,
-                          reserved_memory_bytes={rank: msg.reserved_bytes for rank, msg in readies},
-                          reserved_source=first.reserved_source)  # type: ignore[arg-type]
+        return EngineInfo(
+            model=first.model_name,
+            family=first.family,
+            embed_dim=first.embed_dim,
+            dtype=first.dtype,
+            tp=self.config.tp,
+            dp=self.config.dp,
+            reserved_memory_bytes={rank: msg.reserved_bytes for rank, msg in readies},
+            reserved_source=first.reserved_source,
+        )  # type: ignore[arg-type]
 
     # -------------------------------------------------------------------- views for the CLI and tests
 
@@ -219,8 +246,10 @@ class Engine:
 
     def groups(self) -> list[dict[str, Any]]:
         """Per encoder group: {"group", "state" (starting|ready|failed|stopped), "failure", "pids"}."""
-        return [{"group": g.index, "state": g.state.value, "failure": g.failure, "pids": g.pids}
-                for g in self._dispatch.groups]
+        return [
+            {"group": g.index, "state": g.state.value, "failure": g.failure, "pids": g.pids}
+            for g in self._dispatch.groups
+        ]
 
     def worker_pids(self) -> dict[int, list[int]]:
         """Group index -> pids of its ranks (for the CLI's logs and for fault tests)."""
@@ -244,8 +273,10 @@ class Engine:
         adding = 1 if tokens is None else tokens
         if limit is not None and queued and adding and queued + adding > limit:
             more = "" if tokens is None else f" and this request adds {tokens}"
-            raise QueueFull(f"{queued} tokens are queued{more}, above --max_queue_tokens {limit}",
-                            retry_after_s=self._retry_after_s(queued))
+            raise QueueFull(
+                f"{queued} tokens are queued{more}, above --max_queue_tokens {limit}",
+                retry_after_s=self._retry_after_s(queued),
+            )
 
     def _retry_after_s(self, queued: int) -> float:
         rate = self._dispatch.tokens_per_s
@@ -285,15 +316,20 @@ class Engine:
 def _result(claim: Claim, encoded: EncodedImage, send_s: float, return_embeddings: bool) -> ImageResult:
     queue_s, encode_s = claim.timing
     return ImageResult(
-        num_tokens=claim.image.item.num_tokens, embedding=encoded.embedding if return_embeddings else None,
-        deepstack=tuple(encoded.deepstack) if return_embeddings else (), cached=claim.reused,
-        timing=StageTimes(queue_ms=queue_s * 1e3, encode_ms=encode_s * 1e3, send_ms=send_s * 1e3))
+        num_tokens=claim.image.item.num_tokens,
+        embedding=encoded.embedding if return_embeddings else None,
+        deepstack=tuple(encoded.deepstack) if return_embeddings else (),
+        cached=claim.reused,
+        timing=StageTimes(queue_ms=queue_s * 1e3, encode_ms=encode_s * 1e3, send_ms=send_s * 1e3),
+    )
 
 
 def _startup_hint(failure: str | None) -> str:
     if failure and "out of memory" in failure.lower():
-        return ("; the worst-case reservation did not fit: lower --visual_batch_max_tokens, raise --tp, "
-                "or set --visual_reserved_mem_gb")
+        return (
+            "; the worst-case reservation did not fit: lower --visual_batch_max_tokens, raise --tp, "
+            "or set --visual_reserved_mem_gb"
+        )
     return ""
 
 
@@ -304,4 +340,6 @@ async def _wait(future: asyncio.Future[EncodedImage], deadline: float, request_i
             raise TimeoutError
         return await asyncio.wait_for(future, remaining)
     except (TimeoutError, asyncio.TimeoutError):
-        raise Timeout(f"request {request_id} did not finish within its deadline (--request_timeout_s)") from None
+        raise Timeout(
+            f"request {request_id} did not finish within its deadline (--request_timeout_s)"
+        ) from None

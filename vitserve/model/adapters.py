@@ -66,7 +66,9 @@ def _deepstack(vision_config: PreTrainedConfig) -> int:
 class FamilyAdapter:
     family: str  # the vitserve family name
     config_class: str  # transformers top-level config class of the full model
-    build: Callable[[PreTrainedConfig], nn.Module]  # (full config) -> the vision module, on the current default device
+    build: Callable[
+        [PreTrainedConfig], nn.Module
+    ]  # (full config) -> the vision module, on the current default device
     key_prefixes: tuple[tuple[str, str], ...]  # (checkpoint prefix, module prefix)
     forward: ForwardFn
     embed_dim: Callable[[PreTrainedConfig], int]  # (full config) -> output columns

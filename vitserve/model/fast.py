@@ -32,7 +32,9 @@ from vitserve.model.fast_mlp import inplace_activation, is_rms_norm, mlp_kind, r
 def optimize(visual: nn.Module, family: str) -> nn.Module:
     """Patch the slow forwards of `visual` (a vision tower of `family`) in place; returns `visual`."""
     if family not in FAMILIES:
-        raise ConfigError(f"vitserve.model.fast.optimize: unknown family {family!r}; known: {', '.join(FAMILIES)}")
+        raise ConfigError(
+            f"vitserve.model.fast.optimize: unknown family {family!r}; known: {', '.join(FAMILIES)}"
+        )
     if _on_cpu(visual):
         tune_cpu_allocator()
     if FAMILIES[family].layout == "tiles":

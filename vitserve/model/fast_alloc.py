@@ -46,7 +46,10 @@ def tune_cpu_allocator() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc
         return _tuned
-    _tuned = (bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
-              and bool(mallopt(_M_ARENA_MAX, 1)))
+    _tuned = (
+        bool(mallopt(_M_MMAP_MAX, 0))
+        and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+        and bool(mallopt(_M_ARENA_MAX, 1))
+    )
     log.info("glibc large-block mmap %s for the CPU encoder", "disabled" if _tuned else "left as is")
     return _tuned

@@ -40,7 +40,9 @@ def build_plan(cu_seqlens: torch.Tensor) -> AttentionPlan:
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         if end > start:  # HF drops nothing, but an empty segment contributes nothing either
             starts_by_length.setdefault(end - start, []).append(start)
-    groups = tuple(_make_group(length, starts, cu_seqlens.device) for length, starts in starts_by_length.items())
+    groups = tuple(
+        _make_group(length, starts, cu_seqlens.device) for length, starts in starts_by_length.items()
+    )
     return AttentionPlan(total=bounds[-1] - bounds[0], groups=groups)
 
 

@@ -101,7 +101,9 @@ def apply_tp(visual: nn.Module, family: str, group: ProcessGroup | None = None) 
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if getattr(visual, "_vitserve_tp", None) is not None:
-        raise ConfigError(f"apply_tp was already applied to this tower ({visual._vitserve_tp}); shard it once")
+        raise ConfigError(
+            f"apply_tp was already applied to this tower ({visual._vitserve_tp}); shard it once"
+        )
     blocks = find_blocks(visual)
     check_shardable(visual, family, world)
     if world == 1:
@@ -203,7 +205,9 @@ def _shard_qk_norms(attn: Any, lo: int, hi: int, heads: int, group: ProcessGroup
         if norm is None or getattr(norm, "weight", None) is None:
             continue  # nn.Identity when use_qk_norm is off
         if getattr(norm, "bias", None) is not None:
-            raise ConfigError(f"{name} of {type(attn).__name__} is not an RMSNorm; only RMS q/k norms shard; use --tp 1")
+            raise ConfigError(
+                f"{name} of {type(attn).__name__} is not an RMSNorm; only RMS q/k norms shard; use --tp 1"
+            )
         full = norm.weight.shape[0]
         per_head = full // heads
         weight = _own(norm.weight.detach()[lo * per_head : hi * per_head])  # (local_heads * head_dim,)

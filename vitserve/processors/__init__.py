@@ -47,8 +47,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def load_image_processor(name_or_path: str, budget_tokens: int = 0, *, family: str = "auto",
-                         max_tokens: int | None = None) -> VisionProcessor:
+def load_image_processor(
+    name_or_path: str, budget_tokens: int = 0, *, family: str = "auto", max_tokens: int | None = None
+) -> VisionProcessor:
     """A family processor clamped to ``budget_tokens`` image tokens per image (0 = exactly as HF ships it).
 
     ``name_or_path``: a checkpoint directory (read offline), a family name, or "demo" (= qwen2_5_vl).
@@ -56,8 +57,11 @@ def load_image_processor(name_or_path: str, budget_tokens: int = 0, *, family: s
     ``max_tokens``: the old name of ``budget_tokens``; deprecated, kept for one release.
     """
     if max_tokens is not None:
-        warnings.warn("load_image_processor(max_tokens=) is deprecated; pass budget_tokens=",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "load_image_processor(max_tokens=) is deprecated; pass budget_tokens=",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         budget_tokens = max_tokens
     if budget_tokens < 0:
         raise ConfigError(f"--visual_batch_max_tokens must be >= 0, got {budget_tokens}")

@@ -20,11 +20,20 @@ def defaults(family: Family) -> dict[str, Any]:
     common = {"image_mean": list(family.image_mean), "image_std": list(family.image_std)}
     if family.layout == "tiles":
         side = family.tile_size
-        return {"size": {"height": side, "width": side}, "min_patches": family.min_tiles,
-                "max_patches": family.max_tiles, "resample": _BICUBIC, **common}
-    return {"size": {"shortest_edge": family.min_pixels, "longest_edge": family.max_pixels},
-            "patch_size": family.patch_size, "temporal_patch_size": family.temporal_patch_size,
-            "merge_size": family.merge_size, **common}
+        return {
+            "size": {"height": side, "width": side},
+            "min_patches": family.min_tiles,
+            "max_patches": family.max_tiles,
+            "resample": _BICUBIC,
+            **common,
+        }
+    return {
+        "size": {"shortest_edge": family.min_pixels, "longest_edge": family.max_pixels},
+        "patch_size": family.patch_size,
+        "temporal_patch_size": family.temporal_patch_size,
+        "merge_size": family.merge_size,
+        **common,
+    }
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -123,5 +132,7 @@ def internvl_hf_processor(family: str, checkpoint: Path | None) -> tuple[GotOcr2
         hf = GotOcr2ImageProcessorPil.from_dict(params)
     tile_h, tile_w = int(hf.size["height"]), int(hf.size["width"])
     if tile_h != tile_w:
-        raise ConfigError(f"InternVL tile {tile_w}x{tile_h} is not square; fix the checkpoint given by --model")
+        raise ConfigError(
+            f"InternVL tile {tile_w}x{tile_h} is not square; fix the checkpoint given by --model"
+        )
     return hf, patch, tokens_per_tile(tile_h, patch, ratio)

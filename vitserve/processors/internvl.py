@@ -20,7 +20,15 @@ from vitserve.processors.budget import Plan, TileGeometry, plan_tiles
 
 
 class InternVLProcessor(VisionProcessor):
-    def __init__(self, family: str, hf: GotOcr2ImageProcessorPil, budget_tokens: int, *, patch_size: int, tokens_per_tile: int):
+    def __init__(
+        self,
+        family: str,
+        hf: GotOcr2ImageProcessorPil,
+        budget_tokens: int,
+        *,
+        patch_size: int,
+        tokens_per_tile: int,
+    ):
         self.family = family
         self.hf = hf
         self.budget_tokens = budget_tokens

@@ -142,17 +142,31 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m vitserve.rpc.receiver", description=main.__doc__)
     parser.add_argument("--bind", required=True, help="endpoint to bind, e.g. ipc:///run/vitserve/llm.sock")
-    parser.add_argument("--count", type=int, default=0, help="exit after this many messages (0 = run forever)")
+    parser.add_argument(
+        "--count", type=int, default=0, help="exit after this many messages (0 = run forever)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with EmbeddingReceiver(args.bind, bind=True) as rx:
         print(json.dumps({"listening": rx.endpoint}), flush=True)
         while args.count <= 0 or rx.received < args.count:
             emb = rx.recv()
-            print(json.dumps({"request_id": emb.request_id, "image_index": emb.image_index,
-                              "num_images": emb.num_images, "image_id": emb.image_id, "model": emb.model,
-                              "grid_thw": list(emb.grid_thw), "shape": list(emb.embedding.shape),
-                              "dtype": emb.dtype, "deepstack": len(emb.deepstack)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "request_id": emb.request_id,
+                        "image_index": emb.image_index,
+                        "num_images": emb.num_images,
+                        "image_id": emb.image_id,
+                        "model": emb.model,
+                        "grid_thw": list(emb.grid_thw),
+                        "shape": list(emb.embedding.shape),
+                        "dtype": emb.dtype,
+                        "deepstack": len(emb.deepstack),
+                    }
+                ),
+                flush=True,
+            )
     return 0
 
 

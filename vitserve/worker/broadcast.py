@@ -17,7 +17,12 @@ from vitserve.worker.messages import BatchMsg, Kind
 
 _KIND_CODES = {Kind.HEARTBEAT: 0, Kind.BATCH: 1, Kind.STOP: 2}
 _KINDS = {v: k for k, v in _KIND_CODES.items()}
-_PIXEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.uint8]  # index = the dtype code broadcast to the peers
+_PIXEL_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+]  # index = the dtype code broadcast to the peers
 _META_LEN = 6
 _FIXED_COLS = 7  # t, h, w, num_tokens, width, height, clamped
 
@@ -34,7 +39,10 @@ def send_step(kind: Kind, batch: BatchMsg | None, device: torch.device) -> None:
     dist.broadcast(meta.to(device), src=0)
     if kind is not Kind.BATCH:
         return
-    rows = [[*it.grid_thw, it.num_tokens, *it.resized_size, int(it.clamped), *it.pixel_values.shape] for it in items]
+    rows = [
+        [*it.grid_thw, it.num_tokens, *it.resized_size, int(it.clamped), *it.pixel_values.shape]
+        for it in items
+    ]
     dist.broadcast(torch.tensor(rows, dtype=torch.int64).to(device), src=0)  # (n_items, 7 + ndim)
     flat = torch.cat([t.reshape(-1) for t in pv]).to(device)  # (total_numel,)
     dist.broadcast(flat, src=0)
@@ -52,7 +60,9 @@ def recv_step(device: torch.device) -> tuple[Kind, BatchMsg | None]:
     dist.broadcast(table, src=0)
     flat = torch.empty(total, dtype=_PIXEL_DTYPES[dtype_code], device=device)
     dist.broadcast(flat, src=0)
-    return kind, BatchMsg(batch_id=batch_id, items=_rebuild(table.cpu().tolist(), flat))  # pixels stay on device
+    return kind, BatchMsg(
+        batch_id=batch_id, items=_rebuild(table.cpu().tolist(), flat)
+    )  # pixels stay on device
 
 
 def _rebuild(rows: list[list[int]], flat: torch.Tensor) -> list[ProcessedImage]:
@@ -61,7 +71,14 @@ def _rebuild(rows: list[list[int]], flat: torch.Tensor) -> list[ProcessedImage]:
         n = 1
         for d in shape:
             n *= d
-        items.append(ProcessedImage(pixel_values=flat[pos: pos + n].reshape(shape), grid_thw=(t, h, w),
-                                    num_tokens=num_tokens, resized_size=(width, height), clamped=bool(clamped)))
+        items.append(
+            ProcessedImage(
+                pixel_values=flat[pos : pos + n].reshape(shape),
+                grid_thw=(t, h, w),
+                num_tokens=num_tokens,
+                resized_size=(width, height),
+                clamped=bool(clamped),
+            )
+        )
         pos += n
     return items

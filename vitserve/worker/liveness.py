@@ -47,8 +47,17 @@ class LoopCounters:
 
 
 class LivenessThread(threading.Thread):
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], status_endpoint: str, *, group: int, rank: int, parent_pid: int,
-                 heartbeat_s: float, counters: LoopCounters):
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        status_endpoint: str,
+        *,
+        group: int,
+        rank: int,
+        parent_pid: int,
+        heartbeat_s: float,
+        counters: LoopCounters,
+    ):
         super().__init__(name=f"vitserve-liveness-g{group}r{rank}", daemon=True)
         self._sock = ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -63,8 +72,12 @@ class LivenessThread(threading.Thread):
         next_report = 0.0
         while not self._halt.is_set():
             if os.getppid() != self._parent_pid:
-                log.error("vitserve worker g%d r%d: parent %d is gone; exiting", self._group, self._rank,
-                          self._parent_pid)
+                log.error(
+                    "vitserve worker g%d r%d: parent %d is gone; exiting",
+                    self._group,
+                    self._rank,
+                    self._parent_pid,
+                )
                 os._exit(1)
             now = time.monotonic()
             if now >= next_report:
@@ -74,8 +87,12 @@ class LivenessThread(threading.Thread):
         self._sock.close()
 
     def _report(self) -> None:
-        msg = m.AliveMsg(group=self._group, rank=self._rank, heartbeats=self._counters.heartbeats,
-                         batches=self._counters.batches)
+        msg = m.AliveMsg(
+            group=self._group,
+            rank=self._rank,
+            heartbeats=self._counters.heartbeats,
+            batches=self._counters.batches,
+        )
         with contextlib.suppress(zmq.Again):  # engine busy: the next report will do
             self._sock.send_multipart(m.encode(msg), flags=zmq.NOBLOCK)
 

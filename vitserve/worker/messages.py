@@ -97,7 +97,12 @@ class ErrorMsg:
 
 
 Message = BatchMsg | StopMsg | ReadyMsg | AliveMsg | ResultMsg | ErrorMsg
-_PLAIN: dict[Kind, type[StopMsg | ReadyMsg | AliveMsg | ErrorMsg]] = {Kind.STOP: StopMsg, Kind.READY: ReadyMsg, Kind.ALIVE: AliveMsg, Kind.ERROR: ErrorMsg}
+_PLAIN: dict[Kind, type[StopMsg | ReadyMsg | AliveMsg | ErrorMsg]] = {
+    Kind.STOP: StopMsg,
+    Kind.READY: ReadyMsg,
+    Kind.ALIVE: AliveMsg,
+    Kind.ERROR: ErrorMsg,
+}
 
 
 # ---------------------------------------------------------------------------------------------- encode
@@ -112,17 +117,30 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     """The ZMQ frames of one message."""
     if isinstance(msg, BatchMsg):
         items = [
-            {"grid_thw": list(it.grid_thw), "num_tokens": it.num_tokens,
-             "resized_size": list(it.resized_size), "clamped": it.clamped}
+            {
+                "grid_thw": list(it.grid_thw),
+                "num_tokens": it.num_tokens,
+                "resized_size": list(it.resized_size),
+                "clamped": it.clamped,
+            }
             for it in msg.items
         ]
-        return _pack({"kind": msg.kind.value, "batch_id": msg.batch_id, "items": items},
-                     [it.pixel_values for it in msg.items])
+        return _pack(
+            {"kind": msg.kind.value, "batch_id": msg.batch_id, "items": items},
+            [it.pixel_values for it in msg.items],
+        )
     if isinstance(msg, ResultMsg):
         tensors = [t for out in msg.outputs for t in (out.embedding, *out.deepstack)]
         counts = [len(out.deepstack) for out in msg.outputs]
-        return _pack({"kind": msg.kind.value, "group": msg.group, "batch_id": msg.batch_id,
-                      "deepstack_counts": counts}, tensors)
+        return _pack(
+            {
+                "kind": msg.kind.value,
+                "group": msg.group,
+                "batch_id": msg.batch_id,
+                "deepstack_counts": counts,
+            },
+            tensors,
+        )
     fields = {k: (v.value if isinstance(v, Kind) else v) for k, v in vars(msg).items()}
     return _pack(fields, [])
 
@@ -141,10 +159,14 @@ def _unpack(frames: Sequence[bytes | memoryview]) -> tuple[dict[str, Any], list[
         raise MessageError(f"not a version-{VERSION} vitserve message")
     specs = header.pop("tensors", [])
     if not isinstance(specs, list) or len(specs) != len(frames) - 1:
-        raise MessageError(f"header describes {len(specs) if isinstance(specs, list) else '?'} tensors "
-                           f"but {len(frames) - 1} frames follow")
+        raise MessageError(
+            f"header describes {len(specs) if isinstance(specs, list) else '?'} tensors "
+            f"but {len(frames) - 1} frames follow"
+        )
     try:
-        tensors = [tensor_from_buffer(buf, dt, shape) for buf, (dt, shape) in zip(frames[1:], specs, strict=False)]
+        tensors = [
+            tensor_from_buffer(buf, dt, shape) for buf, (dt, shape) in zip(frames[1:], specs, strict=False)
+        ]
     except (ValueError, TypeError) as exc:
         raise MessageError(f"bad tensor frame: {exc}") from exc
     return header, tensors
@@ -172,8 +194,13 @@ def _decode_batch(header: dict[str, Any], tensors: list[torch.Tensor]) -> BatchM
     if len(metas) != len(tensors):
         raise MessageError(f"batch lists {len(metas)} items but carries {len(tensors)} tensors")
     items = [
-        ProcessedImage(pixel_values=pv, grid_thw=tuple(m["grid_thw"]), num_tokens=int(m["num_tokens"]),
-                       resized_size=tuple(m["resized_size"]), clamped=bool(m["clamped"]))
+        ProcessedImage(
+            pixel_values=pv,
+            grid_thw=tuple(m["grid_thw"]),
+            num_tokens=int(m["num_tokens"]),
+            resized_size=tuple(m["resized_size"]),
+            clamped=bool(m["clamped"]),
+        )
         for m, pv in zip(metas, tensors, strict=False)
     ]
     return BatchMsg(batch_id=int(header["batch_id"]), items=items)
@@ -185,6 +212,6 @@ def _decode_result(header: dict[str, Any], tensors: list[torch.Tensor]) -> Resul
         raise MessageError("result frame count does not match its deepstack counts")
     outputs, pos = [], 0
     for c in counts:
-        outputs.append(EncodedImage(embedding=tensors[pos], deepstack=tensors[pos + 1: pos + 1 + c]))
+        outputs.append(EncodedImage(embedding=tensors[pos], deepstack=tensors[pos + 1 : pos + 1 + c]))
         pos += 1 + c
     return ResultMsg(group=int(header["group"]), batch_id=int(header["batch_id"]), outputs=outputs)

@@ -81,8 +81,10 @@ def load_configured_encoder(config: Config) -> Encoder:
 
 def run_worker(args: WorkerArgs) -> None:
     """Process entry point (top level so the spawn context can import it)."""
-    logging.basicConfig(level=args.config.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s [g{args.group}r{args.rank}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.config.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [g{args.group}r{args.rank}] %(name)s: %(message)s",
+    )
     # Ctrl-C signals the whole process group; the engine drains and then sends STOP, so ranks ignore it.
     # SIGTERM keeps its default: multiprocessing's exit handler terminates daemon children with it and
     # then joins them without a timeout.
@@ -128,9 +130,15 @@ class RankWorker:
         self._send_ready()
 
     def _init_liveness(self) -> None:
-        self.liveness = LivenessThread(self.ctx, self.args.status_endpoint, group=self.args.group,
-                                       rank=self.args.rank, parent_pid=self.args.parent_pid,
-                                       heartbeat_s=self.cfg.heartbeat_s, counters=self.counters)
+        self.liveness = LivenessThread(
+            self.ctx,
+            self.args.status_endpoint,
+            group=self.args.group,
+            rank=self.args.rank,
+            parent_pid=self.args.parent_pid,
+            heartbeat_s=self.cfg.heartbeat_s,
+            counters=self.counters,
+        )
         self.liveness.start()
 
     def _init_device(self) -> None:
@@ -139,10 +147,14 @@ class RankWorker:
             want = "cuda" if torch.cuda.is_available() else "cpu"
         if want.startswith("cuda"):
             if not torch.cuda.is_available():
-                raise ConfigError(f"--device {want} was requested but CUDA is not available; use --device cpu")
+                raise ConfigError(
+                    f"--device {want} was requested but CUDA is not available; use --device cpu"
+                )
             if self.distributed and torch.cuda.device_count() < self.cfg.tp:  # NCCL: one rank per GPU
-                raise ConfigError(f"--tp {self.cfg.tp} on CUDA needs {self.cfg.tp} GPUs, found "
-                                  f"{torch.cuda.device_count()}; lower --tp")
+                raise ConfigError(
+                    f"--tp {self.cfg.tp} on CUDA needs {self.cfg.tp} GPUs, found "
+                    f"{torch.cuda.device_count()}; lower --tp"
+                )
             # one rank per GPU when there are enough (--tp x --dp <= GPUs); else groups share round-robin
             index = self.args.global_rank % torch.cuda.device_count()
             torch.cuda.set_device(index)
@@ -169,8 +181,13 @@ class RankWorker:
             os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = "lo"
         else:
             store = dist.TCPStore(rv.addr, rv.port, self.cfg.tp, self.args.rank == 0, timeout=wait)
-        dist.init_process_group(backend, store=store, world_size=self.cfg.tp, rank=self.args.rank,
-                                timeout=timedelta(seconds=self.cfg.dist_timeout_s))
+        dist.init_process_group(
+            backend,
+            store=store,
+            world_size=self.cfg.tp,
+            rank=self.args.rank,
+            timeout=timedelta(seconds=self.cfg.dist_timeout_s),
+        )
 
     def _init_encoder(self) -> None:
         self.encoder = enc = self.args.encoder_factory(self.cfg)
@@ -186,9 +203,15 @@ class RankWorker:
 
         override = self.cfg.visual_reserved_mem_gb
         assert self.encoder is not None
-        res = reserve(self.encoder, budget_tokens=self.cfg.budget_tokens,
-                      max_batch_images=self.cfg.max_batch_images, override_gb=override)
-        publish_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source)
+        res = reserve(
+            self.encoder,
+            budget_tokens=self.cfg.budget_tokens,
+            max_batch_images=self.cfg.max_batch_images,
+            override_gb=override,
+        )
+        publish_reservation(
+            self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source
+        )
         self.reservation = res
 
     def _init_inbox(self) -> None:
@@ -201,11 +224,23 @@ class RankWorker:
     def _send_ready(self) -> None:
         enc = self.encoder
         assert enc is not None
-        self.status.send_multipart(m.encode(m.ReadyMsg(
-            group=self.args.group, rank=self.args.rank, pid=os.getpid(), model_name=enc.model_name,
-            family=enc.family, embed_dim=enc.embed_dim, num_deepstack=enc.num_deepstack,
-            dtype=dtype_name(enc.dtype), device=str(self.device), reserved_bytes=int(self.reservation.bytes),
-            reserved_source=self.reservation.source)))
+        self.status.send_multipart(
+            m.encode(
+                m.ReadyMsg(
+                    group=self.args.group,
+                    rank=self.args.rank,
+                    pid=os.getpid(),
+                    model_name=enc.model_name,
+                    family=enc.family,
+                    embed_dim=enc.embed_dim,
+                    num_deepstack=enc.num_deepstack,
+                    dtype=dtype_name(enc.dtype),
+                    device=str(self.device),
+                    reserved_bytes=int(self.reservation.bytes),
+                    reserved_source=self.reservation.source,
+                )
+            )
+        )
 
     # ------------------------------------------------------------------------------------ the loop
 
@@ -273,9 +308,12 @@ class RankWorker:
         return item
 
     def _reply(self, batch_id: int, outputs: list[EncodedImage]) -> None:
-        cpu = [type(o)(embedding=o.embedding.cpu(), deepstack=[d.cpu() for d in o.deepstack]) for o in outputs]
-        self.status.send_multipart(m.encode(m.ResultMsg(group=self.args.group, batch_id=batch_id, outputs=cpu)),
-                                   copy=False)
+        cpu = [
+            type(o)(embedding=o.embedding.cpu(), deepstack=[d.cpu() for d in o.deepstack]) for o in outputs
+        ]
+        self.status.send_multipart(
+            m.encode(m.ResultMsg(group=self.args.group, batch_id=batch_id, outputs=cpu)), copy=False
+        )
 
     # ------------------------------------------------------------------------------------ exit paths
 
@@ -283,8 +321,17 @@ class RankWorker:
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         log.error("rank failed during %s: %s\n%s", stage, text, traceback.format_exc())
         with contextlib.suppress(zmq.ZMQError):
-            self.status.send_multipart(m.encode(m.ErrorMsg(group=self.args.group, rank=self.args.rank,
-                                                           stage=stage, message=text, batch_id=batch_id)))
+            self.status.send_multipart(
+                m.encode(
+                    m.ErrorMsg(
+                        group=self.args.group,
+                        rank=self.args.rank,
+                        stage=stage,
+                        message=text,
+                        batch_id=batch_id,
+                    )
+                )
+            )
 
     def exit(self, code: int) -> None:
         """Leave without running collective teardown: a peer may be dead, and barriers would hang."""

@@ -79,7 +79,9 @@ def reserve(
     def run() -> None:
         # Batches are built inside the measured window: at runtime a batch's pixel tensors are live in the
         # worker during its forward too, so on CPU they belong to the peak.
-        for items in stress_batches(encoder, budget_tokens, max_batch_images, max_tiles_per_image=max_tiles_per_image):
+        for items in stress_batches(
+            encoder, budget_tokens, max_batch_images, max_tiles_per_image=max_tiles_per_image
+        ):
             if not shape:
                 shape[:] = [sum(i.num_tokens for i in items), len(items)]
             encoder.encode(items)
@@ -114,7 +116,9 @@ def _stress_cuda(dev: torch.device, run: Callable[[], None]) -> int:
     torch.cuda.synchronize(dev)
     peak_alloc = torch.cuda.max_memory_allocated(dev) - allocated_before
     held = torch.cuda.max_memory_reserved(dev) - reserved_before
-    log.info("stress peak: allocated +%d bytes, allocator pool +%d bytes (kept, no empty_cache)", peak_alloc, held)
+    log.info(
+        "stress peak: allocated +%d bytes, allocator pool +%d bytes (kept, no empty_cache)", peak_alloc, held
+    )
     return max(held, peak_alloc)
 
 
@@ -130,7 +134,9 @@ def _stress_cpu(run: Callable[[], None]) -> int:
         log.info("CPU stress: VmRSS %d KiB before, VmHWM %d KiB after", rss_before, hwm)
         return _with_heap_margin(max(hwm - rss_before, 0) * 1024)
     log.warning("could not reset the RSS high-water mark; the CPU reservation may read low")
-    return _with_heap_margin(max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - maxrss_before, 0) * 1024)
+    return _with_heap_margin(
+        max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - maxrss_before, 0) * 1024
+    )
 
 
 def _with_heap_margin(growth: int) -> int:

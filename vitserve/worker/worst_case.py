@@ -184,7 +184,9 @@ def _vision_config(encoder: Encoder) -> Any:
     tower = getattr(visual, "vision_tower", None)
     cfg = getattr(visual, "config", None) or getattr(tower, "config", None)
     if cfg is None:
-        raise ConfigError("the encoder's visual module has no config; set --visual_reserved_mem_gb to skip the stress")
+        raise ConfigError(
+            "the encoder's visual module has no config; set --visual_reserved_mem_gb to skip the stress"
+        )
     return getattr(cfg, "vision_config", None) or cfg
 
 
