@@ -226,8 +226,8 @@ class Engine:
             tp=self.config.tp,
             dp=self.config.dp,
             reserved_memory_bytes={rank: msg.reserved_bytes for rank, msg in readies},
-            reserved_source=first.reserved_source,
-        )  # type: ignore[arg-type]
+            reserved_source=first.reserved_source,  # type: ignore[arg-type]  # a rank sends only these two
+        )
 
     # -------------------------------------------------------------------- views for the CLI and tests
 
