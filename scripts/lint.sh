@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Installs vitserve with its test extra into ./.venv (CPU torch) and runs the static checks CI runs:
+# ruff (lint and format), mypy (strict on vitserve/) and import-linter (the layer contracts in pyproject.toml).
+. "$(dirname "$0")/venv.sh"
+python -m pip install -q -e ".[test]"
+ruff check .
+ruff format --check .
+mypy
+lint-imports
