@@ -27,6 +27,7 @@ from vitserve.cli import FLAGS, parse_bool
 # Flags the docs mention that belong to another program; each says whose it is.
 NON_VITSERVE_FLAGS = {
     "bind": "python -m vitserve.rpc.receiver --bind ENDPOINT (the stand-in LLM side)",
+    "check": "ruff format --check (scripts/lint.sh)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
 DOCS = doc_files()
