@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
+# --dtype values and the aliases load_encoder also takes (not the wire's dtype names: rpc/tensors.py)
+_DTYPE_ARGS = {
     "float32": torch.float32,
     "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -143,9 +144,9 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype
     if isinstance(dtype, str):
         if dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        if dtype not in _DTYPES:
-            raise ConfigError(f"--dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
-        dtype = _DTYPES[dtype]
+        if dtype not in _DTYPE_ARGS:
+            raise ConfigError(f"--dtype {dtype!r} is not one of auto, {', '.join(_DTYPE_ARGS)}")
+        dtype = _DTYPE_ARGS[dtype]
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ConfigError(f"--dtype {dtype} is not supported; use float32, bfloat16 or float16")
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
