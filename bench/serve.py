@@ -219,9 +219,8 @@ def encoder_only(
         batches = []
         while (batch := sched.next_batch()) is not None:
             batches.append([items[i] for i in batch])
-        for (
-            batch
-        ) in batches:  # warm-up pass: every batch shape once (first-shape costs, as the server's warm-up)
+        # warm-up pass: every batch shape once (first-shape costs, as the server's warm-up)
+        for batch in batches:
             encoder.encode(batch)
         t0 = time.perf_counter()
         for _ in range(reps):
