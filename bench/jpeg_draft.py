@@ -10,7 +10,8 @@ noise; quality 90, 4:2:0), for several token budgets:
   image (and the worst single token). Models: the demo tower, and a tiny real Qwen2.5-VL checkpoint
   (tests/checkpoints.py make_checkpoint), each with its own processor.
 - speed: decode + preprocess time (median over --reps) full vs draft, one thread.
-The flag is on by default only if mean and worst fidelity >= 0.999 for every model and budget.
+Target: mean and worst fidelity >= 0.999 for every model and budget. The flag stays off by default
+either way: its embeddings are not exact (docs/jpeg_draft.md).
 Each run appends its record (commit, machine, load, arguments, results) to bench/out/jpeg_draft.jsonl
 (bench/record.py).
 """

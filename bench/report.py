@@ -107,7 +107,7 @@ def jpeg_draft_table(res: dict) -> list[str]:
             "speed-up"]  # fmt: skip
     note = (
         f"{res['photos']} photos of {res['size'][0]}x{res['size'][1]}; decode+preprocess medians (one "
-        f"thread) on the demo rows. Default on (all cosines >= {res['threshold']}): {res['default_on']}."
+        f"thread) on the demo rows. All cosines >= {res['threshold']}: {res['default_on']} (the flag stays opt-in either way: not exact)."
     )
     return _table(head, body) + ["", note]
 
