@@ -13,10 +13,10 @@ import re
 import subprocess
 import sys
 import threading
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 import yaml
 from fastapi.testclient import TestClient
@@ -62,7 +62,9 @@ def test_dockerfiles_take_every_version_from_versions_env(dockerfile):
     text = dockerfile.read_text()
     args = re.findall(r"^ARG\s+(\S+)", text, re.MULTILINE)
     assert args, "the versions come in as build arguments"
-    assert all("=" not in a for a in args), f"an ARG with a default pins a version outside versions.env: {args}"
+    assert all("=" not in a for a in args), (
+        f"an ARG with a default pins a version outside versions.env: {args}"
+    )
     assert set(args) <= set(pins()), f"{set(args) - set(pins())} are not in docker/versions.env"
     for line in re.findall(r"^FROM\s+(\S+)", text, re.MULTILINE):
         assert line == "python:${PYTHON_VERSION}-slim", f"{dockerfile.name}: FROM {line} pins its own version"
@@ -93,10 +95,12 @@ def test_pins_are_what_the_suite_runs_and_what_transformers_accepts():
     meta = importlib.metadata.metadata("transformers")
     assert Version(v["PYTHON_VERSION"]) in SpecifierSet(meta["Requires-Python"])
     torch_reqs = [Requirement(r) for r in meta.get_all("Requires-Dist") or [] if r.startswith("torch")]
-    torch_bound = next(r for r in torch_reqs if r.name == "torch" and "extra == \"torch\"" in str(r.marker))
+    torch_bound = next(r for r in torch_reqs if r.name == "torch" and 'extra == "torch"' in str(r.marker))
     assert Version(v["TORCH_VERSION"]) in torch_bound.specifier
     # pyproject's own bounds are never looser than transformers' (it would claim what cannot install)
-    assert all(Version(s.version) >= Version("2.6") for s in dependency("torch").specifier if ">" in s.operator)
+    assert all(
+        Version(s.version) >= Version("2.6") for s in dependency("torch").specifier if ">" in s.operator
+    )
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -117,9 +121,7 @@ def test_images_run_as_uid_1000_and_check_ready(dockerfile):
 
 
 def test_dockerignore_keeps_venv_git_outputs_and_caches_out():
-    ignored = {
-        line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip()
-    }
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip()}
     for entry in (".git", ".venv", "bench", "**/__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"):
         assert entry in ignored
     assert not ignored & {"vitserve", "pyproject.toml", "README.md", "docker"}, "the build needs these"
