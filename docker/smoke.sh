@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The container smoke test, for a machine with Docker (Compose v2) and curl: build the CPU image with the
 # pinned versions, start vitserve beside the stand-in receiver (docker/compose.yaml), wait until both are
-# healthy, encode one image over HTTP, check the response and that the receiver got its embedding, then
-# stop and check that vitserve drained and exited 0. Everything is removed at the end, pass or fail.
+# healthy, encode one image over HTTP, check the response (and its traceparent header) and that the
+# receiver got its embedding, then stop and check that vitserve drained and exited 0. Everything is
+# removed at the end, pass or fail.
 #   bash docker/smoke.sh              (SMOKE_TIMEOUT_S=600 bounds the wait for readiness)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +11,7 @@ project=vitserve-smoke
 compose=(docker compose --env-file docker/versions.env -f docker/compose.yaml -p "$project")
 url=http://127.0.0.1:8100
 timeout_s=${SMOKE_TIMEOUT_S:-600}
+trace_id=0af7651916cd43dd8448eb211c80319c
 
 fail() {
   echo "smoke: FAIL: $*" >&2
@@ -37,11 +39,14 @@ echo "smoke: encoding one image"
 # A 64x48 red PNG made inside the image (it has Pillow), so the host needs nothing but Docker and curl.
 png_b64=$("${compose[@]}" exec -T vitserve python -c \
   "import base64, io; from PIL import Image; b = io.BytesIO(); Image.new('RGB', (64, 48), 'red').save(b, 'PNG'); print(base64.b64encode(b.getvalue()).decode())")
-response=$(curl -fsS -X POST "$url/encode" -H 'Content-Type: application/json' \
-  -H 'traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01' \
+headers=$(mktemp)
+response=$(curl -fsS -D "$headers" -X POST "$url/encode" -H 'Content-Type: application/json' \
+  -H "traceparent: 00-$trace_id-b7ad6b7169203331-01" \
   -d "{\"images\": [{\"b64\": \"$png_b64\"}]}") || fail "POST /encode did not answer 200"
+grep -qi "^traceparent: 00-$trace_id-" "$headers" || fail "the response does not continue trace $trace_id"
+rm -f "$headers"
 echo "smoke: $response" | cut -c1-300
-request_id=$(printf '%s' "$response" | python3 -c 'import json, sys; r = json.load(sys.stdin); assert r["images"][0]["num_tokens"] > 0, r; print(r["request_id"])') \
+request_id=$(printf '%s' "$response" | "${compose[@]}" exec -T vitserve python -c 'import json, sys; r = json.load(sys.stdin); assert r["images"][0]["num_tokens"] > 0, r; print(r["request_id"])') \
   || fail "the /encode response has no image with tokens"
 sleep 1
 "${compose[@]}" logs --no-color receiver | grep -q "\"request_id\": \"$request_id\"" \
