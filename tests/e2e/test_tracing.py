@@ -169,6 +169,7 @@ def test_spans_arrive_with_the_callers_trace_and_parent(traced, collector):
     (root,) = [s for s in spans if s.name == "POST /encode"]
     assert (root.span_id, root.parent_id) == (span_id, PARENT_ID)
     assert root.attributes["http.response.status_code"] == 200
+    assert root.attributes["vitserve.request_id"] == r.json()["request_id"]
     children = [s for s in spans if s is not root]
     assert sorted(s.name for s in children) == sorted(["decode"] + ["queue", "encode", "handoff"] * 2)
     for s in children:

@@ -92,7 +92,7 @@ class EncodeHandler:
                 "request %s: client disconnected while queued; its images were withdrawn", parsed.request_id
             )
             return Response(status_code=499)
-        trace.record(prepared, results)
+        trace.record(parsed.request_id, prepared, results)
         body = await self.pre.run(self._response_body, parsed, prepared, results)
         return JSONResponse(body)
 

@@ -120,8 +120,10 @@ class RequestTrace:
     def mark(self, stage: str) -> None:
         """Record that `stage` ("decode", "engine") starts now."""
 
-    def record(self, prepared: Sequence[PreparedImage], results: Sequence[ImageResult]) -> None:
-        """The request's images and the engine's results, once it answered."""
+    def record(
+        self, request_id: str, prepared: Sequence[PreparedImage], results: Sequence[ImageResult]
+    ) -> None:
+        """The request's id, its images and the engine's results, once it answered."""
 
     def finish(self, status: int) -> None:
         """The request ended with this HTTP status."""
@@ -204,7 +206,10 @@ class _OtlpRequestTrace(RequestTrace):
     def mark(self, stage: str) -> None:
         self.marks[stage] = time.time_ns()
 
-    def record(self, prepared: Sequence[PreparedImage], results: Sequence[ImageResult]) -> None:
+    def record(
+        self, request_id: str, prepared: Sequence[PreparedImage], results: Sequence[ImageResult]
+    ) -> None:
+        self.span.set_attribute("vitserve.request_id", request_id)
         self.prepared, self.results = prepared, results
         self.marks["done"] = time.time_ns()
 
