@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import http.server
 import re
+import signal
 import threading
+import time
 from dataclasses import dataclass
 
+import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -19,10 +22,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from tests.e2e.live import live_server, noise_png, wait_until
+from tests.e2e.test_cli_process import BASE_ARGS, CliServer
 from tests.fakes import thread_engine
 from vitserve.rpc import EmbeddingReceiver
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
@@ -218,3 +222,27 @@ def test_an_error_response_carries_the_traceparent_and_a_span(traced, collector)
     (root,) = [s for s in collector.of_trace(TRACE_ID) if s.span_id == span_id]
     assert root.attributes["http.response.status_code"] == 400
     assert not [s for s in collector.of_trace(TRACE_ID) if s.parent_id == span_id], "no stage ran"
+
+
+def test_the_cli_exports_what_is_buffered_when_it_drains_on_sigterm(collector, tmp_path, monkeypatch):
+    """The real `vitserve --otlp_endpoint ...` process; the batch delay is longer than the test, so the
+    spans can only arrive through the flush at exit, after the SIGTERM drain."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
+    srv = CliServer([*BASE_ARGS, "--otlp_endpoint", collector.url], tmp_path)
+    try:
+        srv.wait_started()
+        r = httpx.post(
+            f"{srv.url}/encode",
+            files=[("images", ("a.png", noise_png(48, 48, seed=4), "image/png"))],
+            headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        time.sleep(0.5)
+        assert collector.of_trace(TRACE_ID) == [], "nothing is exported before the batch delay or exit"
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0, srv.text[-3000:]
+    finally:
+        srv.stop()
+    names = sorted(s.name for s in collector.of_trace(TRACE_ID))
+    assert names == ["POST /encode", "decode", "encode", "queue"], names  # no --llm_endpoint: no handoff
