@@ -133,6 +133,11 @@ FLAGS: dict[str, Flag] = {
         parse_domains, "security", "comma-separated domains URL images may come from"
     ),
     "log_level": Flag(str, "logging", "debug | info | warning | error"),
+    "otlp_endpoint": Flag(
+        _optional(str),
+        "logging",
+        "OTLP/HTTP collector for /encode spans, e.g. http://127.0.0.1:4318 (docs/tracing.md); none: off",
+    ),
     "device": Flag(str, "runtime", "auto | cpu | cuda | cuda:N"),
     "runtime_dir": Flag(str, "runtime", "private runtime directory (ipc sockets, reservation files)"),
 }
@@ -279,6 +284,10 @@ def validate(config: Config) -> None:
         raise ConfigError(f"--log_level {config.log_level!r} is not one of debug, info, warning, error")
     if config.llm_endpoint is not None and not re.match(r"^(tcp|ipc)://.+", config.llm_endpoint):
         raise ConfigError(f"--llm_endpoint {config.llm_endpoint!r} must be tcp://host:port or ipc:///path")
+    if config.otlp_endpoint is not None and not re.match(r"^https?://[^/]+", config.otlp_endpoint):
+        raise ConfigError(
+            f"--otlp_endpoint {config.otlp_endpoint!r} must be an http(s) URL, e.g. http://127.0.0.1:4318"
+        )
 
 
 def _mib(n: int | None) -> str:

@@ -40,6 +40,7 @@ class Config:
     # off by default: faster, but the embeddings no longer match transformers' (not exact)
     jpeg_draft: bool = False
     log_level: str = "info"
+    otlp_endpoint: str | None = None  # OTLP/HTTP collector for /encode spans; None = tracing off
     runtime_dir: str = "/dev/shm/vitserve"  # VITSERVE_RUNTIME_DIR (docs/engine.md)
     master_addr: str | None = None  # torch.distributed store; None -> 127.0.0.1 on a free port
     master_port: int | None = None

@@ -54,6 +54,7 @@ class EncodeRequest:
     images: tuple[PreparedImage, ...]
     deadline: float  # time.monotonic() based
     return_embeddings: bool
+    traceparent: str | None = None  # W3C trace context: the caller's trace id, vitserve's span id
 
     @property
     def tokens(self) -> int:

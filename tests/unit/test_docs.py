@@ -28,6 +28,8 @@ from vitserve.cli import FLAGS, parse_bool
 NON_VITSERVE_FLAGS = {
     "bind": "python -m vitserve.rpc.receiver --bind ENDPOINT (the stand-in LLM side)",
     "check": "ruff format --check (scripts/lint.sh)",
+    "env-file": "docker compose --env-file docker/versions.env (docs/deploy.md)",
+    "build": "docker compose up --build (docs/deploy.md)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
 DOCS = doc_files()

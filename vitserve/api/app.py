@@ -18,6 +18,7 @@ from vitserve.api.edge import Edge, ServerState
 from vitserve.api.encode import EncodeHandler
 from vitserve.api.openapi import DOCS_ASSETS_URL, ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
 from vitserve.api.pipeline import Preprocessor
+from vitserve.api.tracing import make_tracing
 from vitserve.config import Config
 from vitserve.contract import Engine
 from vitserve.errors import InvalidRequest, NotReady, VitserveError, http_error
@@ -49,8 +50,12 @@ def _as_vitserve_error(exc: Exception) -> VitserveError:
     return VitserveError("internal error; see the server log")
 
 
-async def _handle(_request: Request, exc: Exception) -> Response:
-    return error_response(_as_vitserve_error(exc))
+async def _handle(request: Request, exc: Exception) -> Response:
+    response = error_response(_as_vitserve_error(exc))
+    traceparent = getattr(request.state, "traceparent", None)  # set by /encode (api/tracing.py)
+    if traceparent is not None:
+        response.headers["traceparent"] = traceparent
+    return response
 
 
 def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dict[str, Any]:
@@ -103,7 +108,8 @@ def create_app(
     app.state.preprocessor = pre = Preprocessor(
         processor, max_image_pixels=config.max_image_pixels, metrics=metrics, jpeg_draft=config.jpeg_draft
     )
-    encode = EncodeHandler(config, engine, pre, metrics)
+    app.state.tracing = tracing = make_tracing(config.otlp_endpoint, handoff=config.llm_endpoint is not None)
+    encode = EncodeHandler(config, engine, pre, metrics, tracing)
     for exc_type in (VitserveError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _handle)
 

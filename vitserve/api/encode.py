@@ -26,6 +26,7 @@ from vitserve.api.inputs import (
     parse_multipart_body,
 )
 from vitserve.api.pipeline import Preprocessor
+from vitserve.api.tracing import RequestTrace, Tracing
 from vitserve.config import Config
 from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage
 from vitserve.errors import InvalidRequest, Timeout, VitserveError
@@ -45,22 +46,41 @@ def tensor_json(t: torch.Tensor) -> dict[str, Any]:
 
 
 class EncodeHandler:
-    def __init__(self, config: Config, engine: Engine, preprocessor: Preprocessor, metrics: Metrics):
+    def __init__(
+        self, config: Config, engine: Engine, preprocessor: Preprocessor, metrics: Metrics, tracing: Tracing
+    ):
         self.config = config
         self.engine = engine
         self.pre = preprocessor
         self.metrics = metrics
+        self.tracing = tracing
 
     async def __call__(self, request: Request) -> Response:
+        """The request under its trace context: the `traceparent` response header (error responses get it
+        from request.state in app.py) and, with --otlp_endpoint, its spans (api/tracing.py)."""
+        trace = self.tracing.start(request.headers.get("traceparent"))
+        request.state.traceparent = trace.traceparent
+        try:
+            response = await self._handle(request, trace)
+        except Exception as exc:
+            trace.finish(exc.status if isinstance(exc, VitserveError) else 500)
+            raise
+        trace.finish(response.status_code)
+        response.headers["traceparent"] = trace.traceparent
+        return response
+
+    async def _handle(self, request: Request, trace: RequestTrace) -> Response:
         deadline = time.monotonic() + self.config.request_timeout_s
         parsed: ParsedRequest | None = None
         try:
             parsed = await self._parse_within(request, deadline)
             self.engine.admit(None)  # a full queue refuses before any decoding is spent
+            trace.mark("decode")
             blobs = await fetch_sources(parsed.sources, self.config, deadline)
             prepared = await self.pre.prepare(blobs, deadline)
             self._count_accepted(prepared)
-            results = await self._encode(request, parsed, prepared, deadline)
+            trace.mark("engine")
+            results = await self._encode(request, parsed, prepared, deadline, trace.traceparent)
         except VitserveError:
             n = len(parsed.sources) if parsed else 0
             self.metrics.images_total.labels(outcome="rejected").inc(n)
@@ -72,6 +92,7 @@ class EncodeHandler:
                 "request %s: client disconnected while queued; its images were withdrawn", parsed.request_id
             )
             return Response(status_code=499)
+        trace.record(parsed.request_id, prepared, results)
         body = await self.pre.run(self._response_body, parsed, prepared, results)
         return JSONResponse(body)
 
@@ -105,7 +126,12 @@ class EncodeHandler:
         return await self.pre.run(parse_json_body, body, self.config)
 
     async def _encode(
-        self, request: Request, parsed: ParsedRequest, prepared: list[PreparedImage], deadline: float
+        self,
+        request: Request,
+        parsed: ParsedRequest,
+        prepared: list[PreparedImage],
+        deadline: float,
+        traceparent: str,
     ) -> list[ImageResult] | None:
         """The engine's results, or None when the client went away first (its queued work is cancelled)."""
         if await request.is_disconnected():  # left while we decoded: enqueue nothing at all
@@ -117,6 +143,7 @@ class EncodeHandler:
                     images=tuple(prepared),
                     deadline=deadline,
                     return_embeddings=parsed.return_embeddings,
+                    traceparent=traceparent,
                 )
             )
         )
