@@ -52,6 +52,12 @@ class Metrics:
         self.embedding_bytes_sent_total = Counter(
             p + "embedding_bytes_sent", "Embedding bytes pushed to the LLM endpoint", registry=r
         )
+        self.llm_messages_total = Counter(
+            p + "llm_messages",
+            "Embedding messages to the LLM endpoint by outcome: delivered (acknowledged), llm_timeout, not_ready",
+            ["outcome"],
+            registry=r,
+        )
         self.reserved_memory_bytes = Gauge(
             p + "reserved_memory_bytes", "Reserved activation memory per rank", ["rank"], registry=r
         )
