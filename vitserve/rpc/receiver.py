@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RCVHWM = 8  # messages ZMQ buffers here before the sender's queue fills (8 x 59 MB at most)
 _POLL_SLICE_S = 0.2  # longest single wait in recv(); bounds how long close() waits for a blocked recv()
+_ACK_LINGER_MS = 1000  # close() waits at most this long for queued acknowledgements to leave
 MAX_REMEMBERED_IDS = 100_000  # message ids kept for duplicate detection (each only until it expires)
 
 
@@ -72,7 +73,6 @@ class EmbeddingReceiver:
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
-        self._sock.setsockopt(zmq.LINGER, 0)
         if max_frame_bytes is not None:
             self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         try:
@@ -163,7 +163,7 @@ class EmbeddingReceiver:
         self._closing = True
         with self._lock:
             if not self._sock.closed:
-                self._sock.close(linger=0)
+                self._sock.close(linger=_ACK_LINGER_MS)  # acks of returned messages still go out
                 self._ctx.term()
 
     def __enter__(self) -> EmbeddingReceiver:
