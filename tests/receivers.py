@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -69,11 +70,13 @@ class ReceiverProcess:
 
 
 class ReceiverThread:
-    """An EmbeddingReceiver in this process whose thread recv()s (and so acknowledges) everything."""
+    """An EmbeddingReceiver in this process whose thread recv()s (and so acknowledges) everything:
+    `got` lists every message, `take(n)` hands out the next n in arrival order."""
 
     def __init__(self, endpoint: str):
         self.rx = EmbeddingReceiver(endpoint)
         self.got: list[ImageEmbedding] = []
+        self._queue: queue.SimpleQueue[ImageEmbedding] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -81,7 +84,13 @@ class ReceiverThread:
     def _run(self) -> None:
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
-                self.got.append(self.rx.recv(timeout_s=0.1))
+                msg = self.rx.recv(timeout_s=0.1)
+                self.got.append(msg)
+                self._queue.put(msg)
+
+    def take(self, n: int, timeout_s: float = 60.0) -> list[ImageEmbedding]:
+        """The next n messages; raises queue.Empty when one does not come within timeout_s."""
+        return [self._queue.get(timeout=timeout_s) for _ in range(n)]
 
     def close(self) -> None:
         self._stop.set()
