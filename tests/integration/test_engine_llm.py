@@ -120,3 +120,21 @@ async def test_bad_llm_endpoint_fails_start_before_spawning(tmp_path):
         await engine.start()
     assert engine.worker_pids() == {}
     await engine.shutdown()
+
+
+async def test_traceparent_travels_in_the_wire_header(tmp_path):
+    from vitserve.contract import EncodeRequest, PreparedImage
+
+    endpoint = f"ipc://{tmp_path}/llm"
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    item = fake_item(4, 4, seed=7)
+    with ReceiverThread(endpoint) as rx:
+        async with running_engine(make_config(tmp_path, llm_endpoint=endpoint)) as engine:
+            for rid, parent in (("traced", tp), ("plain", None)):
+                image = PreparedImage(item, f"{rid}-0", item.resized_size, 0.0, 0.0)
+                request = EncodeRequest(rid, (image,), deadline(), False, traceparent=parent)
+                assert (await engine.encode(request))[0].delivered
+            end = time.monotonic() + 10
+            while len(rx.got) < 2 and time.monotonic() < end:
+                await asyncio.sleep(0.01)
+    assert [(m.request_id, m.traceparent) for m in rx.got] == [("traced", tp), ("plain", None)]
