@@ -155,7 +155,8 @@ def decode_embedding_message(frames: Sequence[Any]) -> ImageEmbedding:
 
 def encode_ack(message_id: str) -> bytes:
     """The one-frame acknowledgement of a message the receiver handed to its application."""
-    return msgpack.packb({"v": WIRE_VERSION, "ack": message_id}, use_bin_type=True)
+    ack: bytes = msgpack.packb({"v": WIRE_VERSION, "ack": message_id}, use_bin_type=True)
+    return ack
 
 
 def decode_ack(frame: Any) -> str:
