@@ -54,7 +54,8 @@ class Metrics:
         )
         self.llm_messages_total = Counter(
             p + "llm_messages",
-            "Embedding messages to the LLM endpoint by outcome: delivered (acknowledged), llm_timeout, not_ready",
+            "Embedding messages to the LLM endpoint by outcome: delivered (acknowledged), llm_timeout, "
+            "not_ready (shut down first), withdrawn (the client went away first)",
             ["outcome"],
             registry=r,
         )

@@ -78,14 +78,28 @@ async def test_slow_receiver_that_acknowledges_in_time_gets_200_delivered(tmp_pa
 
 async def test_hung_receiver_gives_llm_timeout_and_drops_the_expired_message_when_it_reads_again(tmp_path):
     endpoint = f"ipc://{tmp_path}/llm"
-    with ReceiverProcess(endpoint, read_after_s=6.0) as rx:  # connected, but reads nothing for 6 s
-        async with running_engine(make_config(tmp_path, llm_endpoint=endpoint)) as engine:
+    async with running_engine(make_config(tmp_path, llm_endpoint=endpoint)) as engine:
+        with ReceiverProcess(endpoint, read_after_s=8.0) as rx:  # connected, but reads nothing for 8 s
+            while not engine.readiness().ready:  # the receiver is reachable although it does not read
+                await asyncio.sleep(0.01)
             with pytest.raises(LLMTimeout) as info:
                 await _encode(engine, "hung", 2, 2.0)
             assert (info.value.status, info.value.code) == (504, "llm_timeout")
-            assert engine.metrics.llm_messages_total.labels(outcome="llm_timeout")._value.get() == 1
+            outcomes = engine.metrics.llm_messages_total
+            assert outcomes.labels(outcome="llm_timeout")._value.get() == 1
+            sender = engine._push._sender
+            gone = asyncio.create_task(_encode(engine, "gone", 1, 60.0))  # its client then disconnects
+            while sender.messages_sent < 2:  # "hung" image 0, then this one: waiting for its ack
+                await asyncio.sleep(0.01)
+            gone.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            assert outcomes.labels(outcome="withdrawn")._value.get() == 1
             rx.wait_for(lambda: rx.stats.get("expired") == 1, "dropped the expired message")
-            assert rx.messages == []  # never handed to the application
+            # "hung" was never handed to the application; "gone" had left for the receiver already and
+            # had not expired, so it arrives although nobody waits for it (docs/wire.md)
+            rx.wait_for(lambda: len(rx.messages) == 1, "returned the withdrawn message")
+            assert [m["request_id"] for m in rx.messages] == ["gone"]
             results = await _encode(engine, "later", 1, 20.0)  # it reads now: a new request goes through
             assert results[0].delivered
 

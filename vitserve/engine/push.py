@@ -52,6 +52,9 @@ class LLMPush:
         except VitserveError as exc:
             self._metrics.llm_messages_total.labels(outcome=exc.code).inc()
             raise
+        except asyncio.CancelledError:  # the client went away: the message is withdrawn if still unsent
+            self._metrics.llm_messages_total.labels(outcome="withdrawn").inc()
+            raise
         seconds = time.monotonic() - start
         self.sent += 1
         self._metrics.llm_messages_total.labels(outcome="delivered").inc()
