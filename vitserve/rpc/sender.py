@@ -174,6 +174,7 @@ class LLMSender:
         self._closing = True
         self._wake()
         self._thread.join()
+        self._fail_pending()  # a submit() that raced with closing
         os.close(self._wake_r)
         os.close(self._wake_w)
         self._ctx.term()
@@ -208,13 +209,19 @@ class LLMSender:
                     self._read_acks()
                 if events.get(self._sock, 0) & zmq.POLLOUT:
                     self._send_queued()
+        except Exception:
+            log.exception("the sender to --llm_endpoint %s failed; it sends nothing more", self.endpoint)
         finally:
-            self._take_inbox()
-            closed = NotReady("the server shut down before the LLM receiver acknowledged this image")
-            for delivery in [*self._outbox, *self._unacked.values()]:
-                _settle(delivery, closed)
+            self._closing = True  # submit() refuses from now on
+            self._fail_pending()
             self._monitor.close(linger=0)
             self._sock.close(linger=0)
+
+    def _fail_pending(self) -> None:
+        self._take_inbox()
+        closed = NotReady("the server shut down before the LLM receiver acknowledged this image")
+        for delivery in [*self._outbox, *self._unacked.values()]:
+            _settle(delivery, closed)
 
     def _take_inbox(self) -> None:
         while True:
