@@ -82,17 +82,21 @@ def _sender_main(
     fields = {"request_id": "bench", "num_images": n, "image_id": "0" * 64, "model": "bench",
               "grid_thw": (1, 2 * tokens // 64, 128), "embedding": emb}  # fmt: skip
     if zero_copy:  # the production path
-        with LLMSender(endpoint, linger_s=30.0) as tx:
-            for i in range(n):
-                tx.send_embedding(image_index=i, deadline=time.monotonic() + 60, **fields)
-            done.wait(120)  # close only once all arrived (see LLMSender.close on libzmq's hang-up)
+        with LLMSender(endpoint) as tx:
+            sent = [
+                tx.send_embedding(image_index=i, deadline=time.monotonic() + 120, **fields) for i in range(n)
+            ]
+            for delivery in sent:
+                delivery.wait(120)  # acknowledged (docs/wire.md)
+            done.wait(120)
         return
     # The naive path, for comparison: pyzmq copies each frame into a ZMQ message first.
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
+    sock = ctx.socket(zmq.DEALER)  # the receiver is a ROUTER (wire v2); its acks are left unread here
     sock.connect(endpoint)
     for i in range(n):
-        sock.send_multipart(encode_embedding_message(image_index=i, **fields), copy=True)
+        frames = encode_embedding_message(image_index=i, expires_at=time.time() + 120, **fields)
+        sock.send_multipart(frames, copy=True)
     done.wait(120)
     sock.close(linger=30_000)
     ctx.term()
@@ -102,7 +106,7 @@ def _recv_copying(sock: zmq.Socket, timeout_s: float):
     """The naive receive: frames copied to bytes, then to a writable buffer by the decoder."""
     if not sock.poll(timeout=int(timeout_s * 1000)):
         raise TimeoutError("no message")
-    return decode_embedding_message(sock.recv_multipart(copy=True))
+    return decode_embedding_message(sock.recv_multipart(copy=True)[1:])  # [0]: the ROUTER's peer id
 
 
 def bench_zmq(endpoint: str, tokens: int, dim: int, dtype_name: str, messages: int, zero_copy: bool) -> float:

@@ -54,7 +54,7 @@ class EncodeRequest:
     images: tuple[PreparedImage, ...]
     deadline: float  # time.monotonic() based
     return_embeddings: bool
-    traceparent: str | None = None  # W3C trace context: the caller's trace id, vitserve's span id
+    traceparent: str | None = None  # W3C trace context: the caller's trace id, vitserve's span id; travels in the wire header
 
     @property
     def tokens(self) -> int:
@@ -78,6 +78,7 @@ class ImageResult:
     embedding: torch.Tensor | None  # (num_tokens, dim); None unless return_embeddings was asked
     deepstack: tuple[torch.Tensor, ...] = ()  # each (num_tokens, dim)
     cached: bool = False  # a cache hit, or another request's encode of the same image
+    delivered: bool = False  # the LLM receiver acknowledged it (always False without --llm_endpoint)
     timing: StageTimes = StageTimes()
 
 

@@ -105,5 +105,11 @@ class Timeout(VitserveError):
     status, code = 504, "timeout"
 
 
+class LLMTimeout(Timeout):
+    """The LLM receiver (--llm_endpoint) did not acknowledge an image before the request deadline."""
+
+    status, code = 504, "llm_timeout"
+
+
 class ConfigError(Exception):
     """A start-up setting that cannot work; the message names the flag to change."""

@@ -52,6 +52,13 @@ class Metrics:
         self.embedding_bytes_sent_total = Counter(
             p + "embedding_bytes_sent", "Embedding bytes pushed to the LLM endpoint", registry=r
         )
+        self.llm_messages_total = Counter(
+            p + "llm_messages",
+            "Embedding messages to the LLM endpoint by outcome: delivered (acknowledged), llm_timeout, "
+            "not_ready (shut down first), withdrawn (the client went away first)",
+            ["outcome"],
+            registry=r,
+        )
         self.reserved_memory_bytes = Gauge(
             p + "reserved_memory_bytes", "Reserved activation memory per rank", ["rank"], registry=r
         )

@@ -90,8 +90,10 @@ def test_normal_request_succeeds(client):
         "resized_size",
         "clamped",
         "cached",
+        "delivered",
     }
     assert img["original_size"] == [64, 48]
+    assert img["delivered"] is False  # no --llm_endpoint: nothing was sent
 
 
 # -- B3 and invalid_request ---------------------------------------------------------------------------------

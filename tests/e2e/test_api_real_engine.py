@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.e2e.live import live_server, noise_png, wait_until
+from tests.receivers import ReceiverThread
 from vitserve.client import AsyncVitserveClient, VitserveClient
 
 engine_mod = pytest.importorskip("vitserve.engine")
@@ -32,11 +33,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def real(checkpoint, tmp_path_factory):
-    from vitserve.rpc import EmbeddingReceiver
-
     tmp = tmp_path_factory.mktemp("rt")
     endpoint = f"ipc://{tmp}/llm.sock"
-    receiver = EmbeddingReceiver(endpoint, bind=True)
+    receiver = ReceiverThread(endpoint)  # reads (and acknowledges) while the requests wait
     # the tiny checkpoint's own processor allows 64 tokens; a 32-token budget makes the clamp do real work
     with live_server(
         model=str(checkpoint),
@@ -55,7 +54,7 @@ def real(checkpoint, tmp_path_factory):
 
 
 def drain(receiver, n: int) -> list:
-    return [receiver.recv(timeout_s=60) for _ in range(n)]
+    return receiver.take(n, timeout_s=60)
 
 
 def test_l1_real_engine_concurrent_clients_match_single_runs_and_reach_the_llm_once(real):
@@ -149,11 +148,9 @@ def test_ready_and_metrics_with_real_workers(real):
 def demo(tmp_path_factory):
     """The demo tower behind real HTTP; the tests hold its rank with SIGSTOP so work queues behind it
     deterministically, however fast the machine is."""
-    from vitserve.rpc import EmbeddingReceiver
-
     tmp = tmp_path_factory.mktemp("demo")
     endpoint = f"ipc://{tmp}/llm.sock"
-    receiver = EmbeddingReceiver(endpoint, bind=True)
+    receiver = ReceiverThread(endpoint)
     # heartbeat 10 s: the tests below hold the rank (SIGSTOP) for a few seconds; 2 x 10 s is far from "hung".
     with live_server(
         model="demo",
@@ -185,13 +182,13 @@ def held(srv):
 
 
 def drain_in_background(receiver, count: int) -> tuple[threading.Thread, list]:
-    """Receive `count` messages in the background, as an LLM server would: a receiver that stops reading makes
-    sends block (docs/integration.md), and the HTTP answers wait for the sends."""
+    """Take `count` messages in the background, as an LLM server would: the HTTP answers wait for the
+    receiver's acknowledgements (docs/wire.md)."""
     got: list = []
 
     def run():
         for _ in range(count):
-            got.append(receiver.recv(timeout_s=120).request_id)
+            got.append(receiver.take(1, timeout_s=120)[0].request_id)
 
     t = threading.Thread(target=run, daemon=True)
     t.start()

@@ -28,7 +28,10 @@ How blocks run:
   HTTP errors.
 - Environment for every block: `VITSERVE_MODEL` = that checkpoint's directory and `VITSERVE_LLM_ENDPOINT` =
   `ipc://<tmp>/ipc/llm.sock` (the directory does not exist: the docs must create it), the same values the
-  server was started with; `VITSERVE_RUNTIME_DIR` = a temp directory.
+  server was started with; `VITSERVE_RUNTIME_DIR` = a temp directory. The server gets `--llm_endpoint` only
+  for a document whose blocks bind an `EmbeddingReceiver` (else every /encode would wait for an
+  acknowledgement nobody sends: docs/wire.md); such a server counts as up once `/v1/info` answers 200, as
+  `/ready` waits for the receiver the document binds later.
 """
 
 from __future__ import annotations
@@ -113,15 +116,15 @@ class Served:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, limit_s: float) -> float:
-        """Seconds from start to /ready 200."""
+    def wait_ready(self, limit_s: float, route: str = "/ready") -> float:
+        """Seconds from start to `route` 200."""
         start, end = time.monotonic(), time.monotonic() + limit_s
         while True:
             if self.proc.poll() is not None or time.monotonic() > end:
                 raise AssertionError("vitserve never became ready:\n" + "".join(self.lines[-60:]))
             if self.port is not None:
                 try:
-                    if httpx.get(self.url + "/ready", timeout=5, trust_env=False).status_code == 200:
+                    if httpx.get(self.url + route, timeout=5, trust_env=False).status_code == 200:
                         return time.monotonic() - start
                 except httpx.HTTPError:
                     pass
@@ -158,15 +161,17 @@ class DocSession:
 
     def server(self) -> Served:
         if self._server is None:
-            args = [
-                "--model",
-                self.env["VITSERVE_MODEL"],
-                "--llm_endpoint",
-                self.env["VITSERVE_LLM_ENDPOINT"],
-            ]
+            args = ["--model", self.env["VITSERVE_MODEL"]]
+            binds = any(
+                "EmbeddingReceiver(" in b.commands()
+                for b in blocks(self.doc)
+                if b.is_python and "no-run" not in b.tags
+            )
+            if binds:
+                args += ["--llm_endpoint", self.env["VITSERVE_LLM_ENDPOINT"]]
             env = {**_clean_env(self.tmp / "rt"), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
             self._server = Served([sys.executable, "-m", "vitserve.cli", *args, *SERVER_ARGS], env, ROOT)
-            self._server.wait_ready(240)
+            self._server.wait_ready(240, "/v1/info" if binds else "/ready")
         return self._server
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ def test_receiver_cli_prints_one_line_per_image(tmp_path):
     try:
         assert json.loads(proc.stdout.readline()) == {"listening": endpoint}
         sender = LLMSender(endpoint)
-        for k in range(2):
+        deliveries = [
             sender.send_embedding(
                 request_id="r-7",
                 image_index=k,
@@ -34,11 +34,16 @@ def test_receiver_cli_prints_one_line_per_image(tmp_path):
                 embedding=torch.ones(6, 8) * k,
                 deadline=time.monotonic() + 30,
             )
+            for k in range(2)
+        ]
         lines = [json.loads(proc.stdout.readline()) for _ in range(2)]
         assert proc.wait(timeout=30) == 0
+        for d in deliveries:
+            d.wait(10)  # both acknowledged, the last one too although the receiver exited after it
         sender.close()
     finally:
         proc.kill()
+    assert [d["message_id"] for d in lines] == [d.message_id for d in deliveries]
     assert [(d["request_id"], d["image_index"], d["shape"], d["dtype"]) for d in lines] == [
         ("r-7", 0, [6, 8], "float32"),
         ("r-7", 1, [6, 8], "float32"),

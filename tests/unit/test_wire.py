@@ -1,4 +1,4 @@
-"""Wire-format v1 codec (docs/integration.md): exact frames, byte-identical round trips, and strict rejection of anything else."""
+"""Wire-format v2 codec (docs/wire.md): exact frames, byte-identical round trips, and strict rejection of anything else."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ from hypothesis import strategies as st
 from vitserve.rpc.wire import (
     ImageEmbedding,
     WireError,
+    decode_ack,
     decode_embedding_message,
+    encode_ack,
     encode_embedding_message,
 )
 
 SPEC_KEYS = {
-    "v", "request_id", "image_index", "num_images", "image_id", "model", "grid_thw",
+    "v", "message_id", "expires_at", "request_id", "image_index", "num_images", "image_id", "model", "grid_thw",
     "num_tokens", "dtype", "shape", "deepstack_shapes",
 }  # fmt: skip
 
@@ -35,6 +37,8 @@ def make_frames(dtype=torch.float32, tokens=6, dim=8, n_deepstack=2, **over):
         "image_id": "ab" * 32,
         "model": "tiny",
         "grid_thw": (1, 4, 6),
+        "message_id": "m-1",
+        "expires_at": 1.9e9,
         "embedding": torch.randn(tokens, dim, generator=g).to(dtype),
         "deepstack": [torch.randn(tokens, dim, generator=g).to(dtype) for _ in range(n_deepstack)],
     }
@@ -76,7 +80,7 @@ def test_frames_follow_the_spec_exactly():
     header = msgpack.unpackb(frames[0], raw=False)
     assert set(header) == SPEC_KEYS
     assert header == {
-        "v": 1, "request_id": "r-1", "image_index": 1, "num_images": 3, "image_id": "ab" * 32,
+        "v": 2, "message_id": "m-1", "expires_at": 1.9e9, "request_id": "r-1", "image_index": 1, "num_images": 3, "image_id": "ab" * 32,
         "model": "tiny", "grid_thw": [1, 4, 6], "num_tokens": 6, "dtype": "float16", "shape": [6, 8],
         "deepstack_shapes": [[6, 8]],
     }  # fmt: skip
@@ -141,8 +145,19 @@ _DELETE = object()
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"v": 2}, "unknown wire version 2"),
-        ({"v": "1"}, "unknown wire version"),
+        ({"v": 1}, "unknown wire version 1; this receiver speaks v2"),
+        ({"v": 3}, "unknown wire version 3"),
+        ({"v": "2"}, "unknown wire version"),
+        ({"message_id": _DELETE}, "message_id"),
+        ({"message_id": ""}, "message_id"),
+        ({"message_id": 5}, "message_id"),
+        ({"message_id": "x" * 257}, "message_id"),
+        ({"expires_at": _DELETE}, "expires_at"),
+        ({"expires_at": 1900000000}, "expires_at"),  # an int, not a float
+        ({"expires_at": float("nan")}, "expires_at"),
+        ({"expires_at": float("inf")}, "expires_at"),
+        ({"traceparent": None}, "traceparent"),
+        ({"traceparent": ""}, "traceparent"),
         ({"v": True}, "unknown wire version"),
         ({"v": _DELETE}, "unknown wire version"),
         ({"request_id": _DELETE}, "request_id"),
@@ -243,3 +258,31 @@ def test_arbitrary_headers_raise_only_wire_error(header, rest):
     base.update(header)
     with contextlib.suppress(WireError):
         decode_embedding_message([msgpack.packb(base), *rest])
+
+
+def test_delivery_fields_round_trip():
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    _, frames = make_frames(traceparent=tp)
+    msg = decode_embedding_message(frames)
+    assert (msg.message_id, msg.expires_at, msg.traceparent) == ("m-1", 1.9e9, tp)
+    _, frames = make_frames()
+    assert "traceparent" not in msgpack.unpackb(frames[0], raw=False)  # optional: absent, not null
+    assert decode_embedding_message(frames).traceparent is None
+
+
+def test_fresh_message_ids_are_unique():
+    ids = {msgpack.unpackb(make_frames(message_id=None)[1][0], raw=False)["message_id"] for _ in range(100)}
+    assert len(ids) == 100
+
+
+def test_ack_round_trip_and_rejects():
+    assert decode_ack(encode_ack("m-7")) == "m-7"
+    assert msgpack.unpackb(encode_ack("m-7"), raw=False) == {"v": 2, "ack": "m-7"}
+    for bad in (
+        msgpack.packb({"v": 1, "ack": "m"}),
+        msgpack.packb({"v": 2}),
+        msgpack.packb({"v": 2, "ack": 3}),
+        b"\xc1",
+    ):
+        with pytest.raises(WireError):
+            decode_ack(bad)

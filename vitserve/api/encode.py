@@ -178,6 +178,7 @@ class EncodeHandler:
                 "resized_size": list(p.item.resized_size),
                 "clamped": p.item.clamped,
                 "cached": r.cached,
+                "delivered": r.delivered,
             }
             if parsed.return_embeddings and r.embedding is not None:
                 out["embedding"] = tensor_json(r.embedding)

@@ -57,6 +57,10 @@ class ImageOut(BaseModel):
     resized_size: list[int] = Field(..., description="[width, height] fed to the encoder")
     clamped: bool
     cached: bool
+    delivered: bool = Field(
+        ...,
+        description="the LLM receiver acknowledged this image (docs/wire.md); always false without --llm_endpoint",
+    )
     embedding: TensorB64 | None = Field(None, description="only with return_embeddings")
     deepstack: list[TensorB64] | None = Field(
         None, description="only with return_embeddings, for models that have it"

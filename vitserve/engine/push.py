@@ -1,18 +1,18 @@
-"""Pushing embeddings to the LLM server (docs/integration.md) from the engine, without blocking the event loop.
+"""Pushing embeddings to the LLM server (docs/wire.md) from the engine, without blocking the event loop.
 
-One sender thread owns the ordering: the engine awaits image k's push before it submits image k+1 of
-the same request, and the single thread hands messages to ZMQ in submission order. A slow receiver
-blocks the send (nothing is dropped); LLMSender raises Timeout past the request's deadline.
+push() sends one image and returns once the receiver acknowledged it: the engine awaits image k's push
+before it sends image k+1 of the same request, so a request's images arrive in order, and /encode can
+answer 200 only when every image was delivered. No acknowledgement by the request's deadline raises
+LLMTimeout (504 llm_timeout). LLMSender's own I/O thread does the socket work; here we only await.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from vitserve.contract import EncodedImage, EncodeRequest
+from vitserve.errors import VitserveError
 from vitserve.metrics import Metrics
 from vitserve.rpc.sender import LLMSender
 
@@ -20,16 +20,22 @@ from vitserve.rpc.sender import LLMSender
 class LLMPush:
     def __init__(self, endpoint: str, metrics: Metrics):
         self._sender = LLMSender(endpoint)
+        self.endpoint = endpoint
         self.model = ""  # the served model's name, set once the ranks reported it
         self._metrics = metrics
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitserve-llm-send")
-        self.sent = 0  # messages handed to ZMQ (the receiver must see exactly this many)
+        self.sent = 0  # messages the receiver acknowledged in time
+
+    @property
+    def reachable(self) -> bool:
+        """A wire-v2 receiver is connected now (ZMTP handshake done, heartbeats answered)."""
+        return self._sender.reachable
 
     async def push(self, *, request: EncodeRequest, image_index: int, encoded: EncodedImage) -> float:
-        """Hand one image to ZMQ; returns the seconds it took. Raises Timeout past the deadline."""
+        """Send one image and wait for its acknowledgement; returns the seconds that took.
+        Raises LLMTimeout past the request's deadline (the message expires with it)."""
         image = request.images[image_index]
-        call = functools.partial(
-            self._sender.send_embedding,
+        start = time.monotonic()
+        delivery = self._sender.send_embedding(
             request_id=request.request_id,
             image_index=image_index,
             num_images=len(request.images),
@@ -39,16 +45,22 @@ class LLMPush:
             embedding=encoded.embedding,
             deepstack=list(encoded.deepstack),
             deadline=request.deadline,
+            traceparent=request.traceparent,
         )
-        start = time.monotonic()
-        await asyncio.get_running_loop().run_in_executor(self._thread, call)
+        try:
+            await asyncio.wrap_future(delivery.acked)  # cancelling this withdraws the message
+        except VitserveError as exc:
+            self._metrics.llm_messages_total.labels(outcome=exc.code).inc()
+            raise
+        except asyncio.CancelledError:  # the client went away: the message is withdrawn if still unsent
+            self._metrics.llm_messages_total.labels(outcome="withdrawn").inc()
+            raise
         seconds = time.monotonic() - start
         self.sent += 1
-        nbytes = sum(t.numel() * t.element_size() for t in (encoded.embedding, *encoded.deepstack))
-        self._metrics.embedding_bytes_sent_total.inc(nbytes)
+        self._metrics.llm_messages_total.labels(outcome="delivered").inc()
+        self._metrics.embedding_bytes_sent_total.inc(delivery.nbytes)
         self._metrics.stage_seconds.labels(stage="send").observe(seconds)
         return seconds
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
         self._sender.close()

@@ -210,6 +210,8 @@ class Engine:
             reason = self._watchdog.health(group, now)  # the watchdog's own verdict, before it acts on it
             if reason is not None:
                 return Readiness(False, reason)
+        if self._push is not None and not self._push.reachable:  # wire v2 (docs/wire.md)
+            return Readiness(False, f"no LLM receiver is connected at --llm_endpoint {self._push.endpoint}")
         return Readiness(True, "ok")
 
     def info(self) -> EngineInfo:
@@ -309,17 +311,21 @@ class Engine:
                 send_s = await self._push.push(request=request, image_index=k, encoded=encoded)
             if claim.reused:  # a cache hit, or another request's encode of the same image
                 self.metrics.images_total.labels(outcome="cached").inc()
-            results.append(_result(claim, encoded, send_s, request.return_embeddings))
+            delivered = self._push is not None  # push() returned: the receiver acknowledged it
+            results.append(_result(claim, encoded, send_s, request.return_embeddings, delivered))
         return results
 
 
-def _result(claim: Claim, encoded: EncodedImage, send_s: float, return_embeddings: bool) -> ImageResult:
+def _result(
+    claim: Claim, encoded: EncodedImage, send_s: float, return_embeddings: bool, delivered: bool
+) -> ImageResult:
     queue_s, encode_s = claim.timing
     return ImageResult(
         num_tokens=claim.image.item.num_tokens,
         embedding=encoded.embedding if return_embeddings else None,
         deepstack=tuple(encoded.deepstack) if return_embeddings else (),
         cached=claim.reused,
+        delivered=delivered,
         timing=StageTimes(queue_ms=queue_s * 1e3, encode_ms=encode_s * 1e3, send_ms=send_s * 1e3),
     )
 

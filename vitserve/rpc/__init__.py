@@ -1,10 +1,11 @@
-"""Wire messages, their codec, the ZMQ sender and the LLM-side EmbeddingReceiver (docs/integration.md)."""
+"""Wire messages (version 2, docs/wire.md), their codec, the ZMQ sender and the LLM-side EmbeddingReceiver."""
 
 from vitserve.rpc.receiver import EmbeddingReceiver
-from vitserve.rpc.sender import LLMSender
+from vitserve.rpc.sender import Delivery, LLMSender
 from vitserve.rpc.wire import ImageEmbedding, WireError, decode_embedding_message, encode_embedding_message
 
 __all__ = [
+    "Delivery",
     "EmbeddingReceiver",
     "ImageEmbedding",
     "LLMSender",

@@ -1,13 +1,17 @@
-"""EmbeddingReceiver: the LLM server's end of the wire (docs/integration.md), shipped with vitserve for LLM-server authors.
+"""EmbeddingReceiver: the LLM server's end of the wire (docs/wire.md), shipped with vitserve for LLM-server authors.
 
     from vitserve.rpc import EmbeddingReceiver
-    with EmbeddingReceiver("ipc:///tmp/llm.sock") as rx:     # binds a PULL socket; vitserve connects
+    with EmbeddingReceiver("ipc:///tmp/llm.sock") as rx:     # binds a ROUTER socket; vitserve connects
         emb = rx.recv(timeout_s=1.0)                          # ImageEmbedding, or TimeoutError
         emb.embedding                                         # (num_tokens, dim) torch.Tensor
 
-Messages that are not wire-format v1 (garbage, a pickle, an unknown version, sizes that do not match the
-header) are rejected with one logged error line — the reason, never payload bytes — and recv() goes
-on to the next message. Nothing received is ever unpickled or executed.
+recv() acknowledges each message as it hands it over; vitserve answers /encode 200 only once every image
+of the request was acknowledged. A message past its expires_at is dropped (counted in `.expired`, one
+log line), never returned: its request has already failed. A second copy of a message already returned
+(same message_id; vitserve sends one again after a reconnect) is acknowledged again and dropped
+(`.duplicates`). Messages that are not wire-format v2 (garbage, a pickle, an unknown version, sizes that
+do not match the header) are rejected with one logged error line — the reason, never payload bytes — and
+recv() goes on to the next message. Nothing received is ever unpickled or executed.
 
 Tensors share memory with the received ZMQ frames (no copy after the kernel's): each message owns its
 frames, so the tensors are the receiver's to keep or modify.
@@ -21,22 +25,25 @@ It is process-wide, so vitserve does not set it for you.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
 
 import zmq
 
-from vitserve.rpc.wire import ImageEmbedding, WireError, decode_embedding_message
+from vitserve.rpc.wire import ImageEmbedding, WireError, decode_embedding_message, encode_ack
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RCVHWM = 8  # messages ZMQ buffers here before the sender's queue fills (8 x 59 MB at most)
 _POLL_SLICE_S = 0.2  # longest single wait in recv(); bounds how long close() waits for a blocked recv()
+_ACK_LINGER_MS = 1000  # close() waits at most this long for queued acknowledgements to leave
+MAX_REMEMBERED_IDS = 100_000  # message ids kept for duplicate detection (each only until it expires)
 
 
 class EmbeddingReceiver:
-    """A PULL socket that yields ImageEmbedding messages.
+    """A ROUTER socket that yields ImageEmbedding messages and acknowledges each one it returns.
 
     endpoint: tcp://host:port or ipc:///path; with bind=True "tcp://127.0.0.1:*" picks a free port,
     and `.endpoint` is the address actually bound.
@@ -55,16 +62,17 @@ class EmbeddingReceiver:
         rcvhwm: int = DEFAULT_RCVHWM,
         max_frame_bytes: int | None = None,
     ) -> None:
-        self.received = 0  # good messages returned by recv()
+        self.received = 0  # good messages returned (and acknowledged) by recv()
         self.rejected = 0  # bad messages logged and skipped
+        self.expired = 0  # messages past their expires_at, logged and dropped
+        self.duplicates = 0  # second copies of a returned message, acknowledged again and dropped
+        self._seen: dict[str, float] = {}  # message_id -> expires_at, of messages returned
+        self._seen_order: list[tuple[float, str]] = []  # heap by expiry, to forget ids once expired
         self._lock = threading.Lock()
         self._closing = False
         self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
-        # Non-zero linger: when a sender disconnects, the messages of its pipe that recv() has not
-        # taken yet are kept rather than dropped. close() still closes with linger 0 (nothing to flush).
-        self._sock.setsockopt(zmq.LINGER, -1)
         if max_frame_bytes is not None:
             self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         try:
@@ -82,27 +90,60 @@ class EmbeddingReceiver:
         self.endpoint = endpoint
 
     def recv(self, timeout_s: float | None = None) -> ImageEmbedding:
-        """The next well-formed message. Raises TimeoutError if none arrives within timeout_s
-        (None waits forever); bad messages in between are logged, counted in `.rejected` and skipped.
-        Raises RuntimeError once the receiver is closed."""
+        """The next well-formed, unexpired, new message, acknowledged to its sender. Raises TimeoutError
+        if none arrives within timeout_s (None waits forever); bad, expired and duplicate messages in
+        between are logged, counted and skipped. Raises RuntimeError once the receiver is closed."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             while True:
-                frames = self._recv_frames(deadline, timeout_s)
-                try:
-                    msg = decode_embedding_message(frames)
-                except WireError as exc:
-                    self.rejected += 1
-                    log.error(
-                        "rejected a message on %s (%d frames, %d bytes): %s",
-                        self.endpoint,
-                        len(frames),
-                        sum(len(f) for f in frames),
-                        exc,
-                    )
-                    continue
-                self.received += 1
-                return msg
+                peer, *frames = self._recv_frames(deadline, timeout_s)
+                msg = self._accept(peer, frames)
+                if msg is not None:
+                    self._ack(peer, msg.message_id)
+                    self.received += 1
+                    return msg
+
+    def _accept(self, peer: zmq.Frame, frames: list[zmq.Frame]) -> ImageEmbedding | None:
+        """The message if the application should get it; None (logged and counted) if not."""
+        try:
+            msg = decode_embedding_message(frames)
+        except WireError as exc:
+            self.rejected += 1
+            nbytes = sum(len(f) for f in frames)
+            log.error(
+                "rejected a message on %s (%d frames, %d bytes): %s", self.endpoint, len(frames), nbytes, exc
+            )
+            return None
+        now = time.time()
+        if msg.expires_at <= now:
+            self.expired += 1
+            log.warning(
+                "dropped an expired message on %s: request %s image %d expired %.3f s ago",
+                self.endpoint,
+                msg.request_id,
+                msg.image_index,
+                now - msg.expires_at,
+            )
+            return None
+        self._forget_expired(now)
+        if msg.message_id in self._seen:
+            self.duplicates += 1
+            self._ack(peer, msg.message_id)  # its sender missed the first acknowledgement
+            log.info("dropped a duplicate of message %s (request %s)", msg.message_id, msg.request_id)
+            return None
+        self._seen[msg.message_id] = msg.expires_at
+        heapq.heappush(self._seen_order, (msg.expires_at, msg.message_id))
+        return msg
+
+    def _forget_expired(self, now: float) -> None:
+        """An id is remembered until its message expires: a later copy is dropped as expired anyway."""
+        order = self._seen_order
+        while order and (order[0][0] <= now or len(order) > MAX_REMEMBERED_IDS):
+            self._seen.pop(heapq.heappop(order)[1], None)
+
+    def _ack(self, peer: zmq.Frame, message_id: str) -> None:
+        """ROUTER sends never block: to a sender that is gone, the acknowledgement is discarded."""
+        self._sock.send_multipart([peer, encode_ack(message_id)], flags=zmq.NOBLOCK)
 
     def _recv_frames(self, deadline: float | None, timeout_s: float | None) -> list[zmq.Frame]:
         while True:
@@ -122,7 +163,7 @@ class EmbeddingReceiver:
         self._closing = True
         with self._lock:
             if not self._sock.closed:
-                self._sock.close(linger=0)
+                self._sock.close(linger=_ACK_LINGER_MS)  # acks of returned messages still go out
                 self._ctx.term()
 
     def __enter__(self) -> EmbeddingReceiver:
@@ -133,7 +174,8 @@ class EmbeddingReceiver:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m vitserve.rpc.receiver --bind ENDPOINT`: a stand-in LLM side that prints one line per image.
+    """`python -m vitserve.rpc.receiver --bind ENDPOINT`: a stand-in LLM side that prints one line per image
+    (and acknowledges it).
 
     Used by docker/compose.yaml to show the sidecar wiring; stops after --count messages (0 = never).
     """
@@ -155,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dumps(
                     {
                         "request_id": emb.request_id,
+                        "message_id": emb.message_id,
                         "image_index": emb.image_index,
                         "num_images": emb.num_images,
                         "image_id": emb.image_id,

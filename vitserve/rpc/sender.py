@@ -1,65 +1,129 @@
-"""LLMSender: vitserve's end of the wire (docs/integration.md) — a ZMQ PUSH socket connected to the LLM server's PULL.
+"""LLMSender: vitserve's end of the wire (docs/wire.md), a ZMQ DEALER connected to the receiver's ROUTER.
 
-Back-pressure, never loss: when the LLM server reads slowly, ZMQ queues up to the high-water mark and
-then a send *blocks* (we poll for POLLOUT; we never send with DONTWAIT-and-drop). A send that is still
-blocked at the request's deadline raises vitserve.errors.Timeout (the API answers 504) and nothing of
-that message was handed to ZMQ: multipart messages are atomic, so the receiver never sees half of one.
-Every message `send_embedding` returned for is delivered while the sender is open; at close, see
-`close` for the linger bound and a libzmq limitation.
+Delivery is acknowledged: a message is delivered only when the receiver's acknowledgement naming its
+message_id comes back, and every message ends in exactly one outcome (`Delivery.acked`): delivered, or
+LLMTimeout at its deadline, or NotReady when the sender closes first. Nothing is dropped silently.
+
+One I/O thread owns the socket (ZMQ sockets are not thread-safe): it sends what callers submitted when
+the receiver has room, reads acknowledgements, and fails each wait whose deadline passed.
+
+- ZMQ_IMMEDIATE: messages queue only on a connection whose handshake completed. While no receiver is
+  connected, a message waits in this sender's outbox, never in a ZMQ pipe, so a receiver that binds
+  later gets only what is still wanted.
+- When a connection drops, libzmq discards what its pipe held. Messages sent but not acknowledged yet go
+  out again on the next connection while their deadline lasts (the receiver drops a copy it already
+  returned: same message_id), so a receiver restarting mid-request does not cost the request.
+- ZMTP heartbeats notice a receiver that vanished without closing its connection (a dead host).
+- A peer that is not a wire-v2 receiver (a v1 PULL socket) drops the connection during the ZMTP
+  handshake (socket types must match): logged once, and the message waits for a real receiver.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import queue
 import threading
 import time
+import uuid
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from vitserve.errors import ConfigError, Timeout
-from vitserve.rpc.wire import encode_embedding_message
+from vitserve.errors import ConfigError, LLMTimeout, NotReady
+from vitserve.rpc.wire import WireError, decode_ack, encode_embedding_message
 
-# Messages queued in ZMQ before sends block. Sends are zero-copy, so each queued message keeps its
+log = logging.getLogger(__name__)
+
+# Messages queued in ZMQ before sends wait. Sends are zero-copy, so each queued message keeps its
 # embedding alive: 8 x 59 MB (4096 x 3584 float32) = 470 MB at most in the API process.
 DEFAULT_SNDHWM = 8
-DEFAULT_LINGER_S = 5.0  # how long close() keeps flushing queued messages to a slow/absent receiver
+DEFAULT_HEARTBEAT_S = 1.0  # ZMTP ping interval; a receiver silent for 3 intervals is disconnected
+EXPIRY_MARGIN_S = 0.25  # a message expires this long before its request's deadline (docs/wire.md)
+_MAX_WAIT_S = 0.1  # longest single poll of the I/O thread
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+@dataclass(eq=False)
+class Delivery:
+    """One message on its way. `acked` resolves when the receiver acknowledged it, or raises LLMTimeout
+    (deadline passed) or NotReady (sender closed); cancelling it withdraws the message."""
+
+    message_id: str
+    frames: list[bytes | memoryview]
+    deadline: float  # time.monotonic() based
+    nbytes: int
+    acked: Future[None] = field(default_factory=Future)
+    sent_at: float | None = None  # monotonic time ZMQ took it (last time, when sent again)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until acknowledged; raises as `acked` does (or TimeoutError after timeout_s)."""
+        self.acked.result(timeout_s)
+
+
+def expires_at(deadline: float) -> float:
+    """The Unix time a message for a request with this (monotonic) deadline expires: shortly before the
+    deadline, so an acknowledgement sent just before expiry still reaches the sender in time."""
+    remaining = deadline - time.monotonic()
+    return time.time() + remaining - min(EXPIRY_MARGIN_S, max(remaining, 0.0) / 2)
 
 
 class LLMSender:
-    """Pushes wire-format messages (docs/integration.md) to `endpoint` (tcp://host:port or ipc:///path). Thread-safe.
+    """Sends wire-v2 messages to `endpoint` (tcp://host:port or ipc:///path) and tracks their acks.
 
-    One lock guards the socket (ZMQ sockets are not thread-safe); the engine calls it from a dedicated
-    thread or via asyncio.to_thread. Messages from one thread keep their order; the engine sends a
-    request's images one after another, so each request's images arrive in image_index order.
+    Thread-safe: send_embedding/submit may be called from any thread. `delivered`, `timed_out`,
+    `late_acks` and `resent` count outcomes; `reachable` says whether a v2 receiver is connected now.
     """
 
     def __init__(
-        self, endpoint: str, *, sndhwm: int = DEFAULT_SNDHWM, linger_s: float = DEFAULT_LINGER_S
+        self, endpoint: str, *, sndhwm: int = DEFAULT_SNDHWM, heartbeat_s: float = DEFAULT_HEARTBEAT_S
     ) -> None:
         self.endpoint = endpoint
-        self.linger_s = linger_s
-        self.bytes_sent = 0  # header + tensor bytes of every message handed to ZMQ (for the metric)
+        self.bytes_sent = 0  # header + tensor bytes handed to ZMQ (first sends only)
         self.messages_sent = 0
-        self._lock = threading.Lock()
-        self._closed = False
-        self._init_socket(sndhwm)
+        self.delivered = 0  # acknowledged in time
+        self.timed_out = 0  # not acknowledged by the deadline
+        self.late_acks = 0  # acknowledgements that came after their message's deadline
+        self.resent = 0  # sent again on a new connection
+        self.reachable = False  # a v2 receiver completed the handshake and has not disconnected
+        self._closing = False
+        self._inbox: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
+        self._outbox: deque[Delivery] = deque()  # submitted, not yet taken by ZMQ
+        self._unacked: dict[str, Delivery] = {}  # taken by ZMQ, no ack yet
+        self._handshaking = False  # connected, ZMTP handshake not done yet
+        self._refused_logged = False
+        self._init_socket(sndhwm, heartbeat_s)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._thread = threading.Thread(target=self._run, name="vitserve-llm-io", daemon=True)
+        self._thread.start()
 
-    def _init_socket(self, sndhwm: int) -> None:
+    def _init_socket(self, sndhwm: int, heartbeat_s: float) -> None:
         if not self.endpoint.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"--llm_endpoint must be tcp://host:port or ipc:///path, got {self.endpoint!r}")
-        # A private context: close() can then flush and terminate without touching anyone else's sockets.
-        self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.PUSH)
+        self._ctx = zmq.Context(io_threads=1)  # private: close() terminates it without touching others
+        self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.SNDHWM, sndhwm)
-        self._sock.setsockopt(zmq.LINGER, int(self.linger_s * 1000))
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)  # what is unacknowledged at close has failed already
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * heartbeat_s * 1000))
+        self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
         try:
-            # connect() is asynchronous: messages queue (up to SNDHWM) until the LLM server binds.
-            self._sock.connect(self.endpoint)
+            self._sock.connect(self.endpoint)  # asynchronous: the receiver may bind later
         except zmq.ZMQError as exc:
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
             self._ctx.term()
             raise ConfigError(f"--llm_endpoint {self.endpoint!r} cannot be connected: {exc}") from exc
+
+    # ------------------------------------------------------------------------------------ callers
 
     def send_embedding(
         self,
@@ -73,12 +137,13 @@ class LLMSender:
         embedding: torch.Tensor,
         deepstack: Sequence[torch.Tensor] = (),
         deadline: float,
-    ) -> int:
-        """Hand one image's message to ZMQ, blocking while the receiver is slow; returns bytes sent.
-
-        deadline: time.monotonic() value; raises Timeout if ZMQ has not accepted the message by then.
-        """
+        traceparent: str | None = None,
+    ) -> Delivery:
+        """Queue one image's message; returns at once. deadline: time.monotonic() value by which the
+        receiver must acknowledge it (the message's expires_at is derived from it)."""
+        message_id = uuid.uuid4().hex
         frames = encode_embedding_message(
+            message_id=message_id,
             request_id=request_id,
             image_index=image_index,
             num_images=num_images,
@@ -87,72 +152,182 @@ class LLMSender:
             grid_thw=grid_thw,
             embedding=embedding,
             deepstack=deepstack,
+            expires_at=expires_at(deadline),
+            traceparent=traceparent,
         )
-        return self.send_frames(frames, deadline=deadline)
+        return self.submit(frames, message_id=message_id, deadline=deadline)
 
-    def send_frames(self, frames: list[bytes | memoryview], *, deadline: float) -> int:
-        """Send pre-encoded frames as one multipart message; see send_embedding."""
+    def submit(self, frames: list[bytes | memoryview], *, message_id: str, deadline: float) -> Delivery:
+        """Queue pre-encoded frames as one message (see send_embedding)."""
+        if self._closing:
+            raise NotReady(f"the sender to --llm_endpoint {self.endpoint} is closed")
         nbytes = sum(memoryview(f).nbytes for f in frames)
-        wait_s = min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
-        if not self._lock.acquire(timeout=wait_s):
-            raise self._timeout("another send held the socket")
-        try:
-            if self._closed:
-                raise RuntimeError("LLMSender is closed")
-            self._send_before(frames, deadline)
-            self.bytes_sent += nbytes
-            self.messages_sent += 1
-        finally:
-            self._lock.release()
-        return nbytes
-
-    def _send_before(self, frames: list[bytes | memoryview], deadline: float) -> None:
-        """Wait for room (POLLOUT) until the deadline, then send without blocking.
-
-        POLLOUT means ZMQ accepts a whole message now: the high-water mark is only checked at the
-        first frame, never mid-message, so NOBLOCK fails (zmq.Again) on the first frame or not at all,
-        and a refused message left nothing behind. copy=False: ZMQ's I/O thread reads the tensor
-        memory directly instead of copying ~60 MB into its own buffer first.
-        """
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise self._timeout("the LLM server did not take the message (it is slow or gone)")
-            # poll() takes milliseconds: round up so we never spin on a sub-millisecond remainder, and
-            # wake at least every second so a far (or infinite) deadline needs no special case.
-            wait_ms = max(1, int(min(remaining, 1.0) * 1000 + 0.999))
-            if not self._sock.poll(timeout=wait_ms, flags=zmq.POLLOUT):
-                continue
-            try:
-                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                continue  # lost a race for the room; nothing was queued, wait again
-
-    def _timeout(self, why: str) -> Timeout:
-        return Timeout(
-            f"sending an embedding to --llm_endpoint {self.endpoint} did not complete before the request "
-            f"deadline (--request_timeout_s): {why}; {self.messages_sent} messages sent so far"
-        )
+        delivery = Delivery(message_id, frames, deadline, nbytes)
+        self._inbox.put(delivery)
+        self._wake()
+        return delivery
 
     def close(self) -> None:
-        """Close the socket. Queued messages keep flushing for up to linger_s (the LINGER option) —
-        bounded, so shutdown cannot hang on a receiver that is gone; what is left after that is lost.
-
-        Known libzmq limitation (libzmq #4660, #3774, #1922; reproduced here on ipc:// with small HWMs):
-        if the receiver sits at its RCVHWM when this socket hangs up, the receiving engine can drop
-        the tail still in the kernel buffer, even within the linger period. vitserve therefore keeps
-        one sender for the life of the service and closes it only at shutdown, after the drain.
-        """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._sock.close(linger=int(self.linger_s * 1000))
-            self._ctx.term()
+        """Stop the I/O thread; every message not acknowledged yet fails with NotReady."""
+        if self._closing:
+            return
+        self._closing = True
+        self._wake()
+        self._thread.join()
+        self._fail_pending()  # a submit() that raced with closing
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._ctx.term()
 
     def __enter__(self) -> LLMSender:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # the pipe is full (the thread wakes anyway) or closed
+            os.write(self._wake_w, b"x")
+
+    # ------------------------------------------------------------------------------------ I/O thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._closing:
+                self._take_inbox()
+                wait_s = self._expire(time.monotonic())
+                poller.register(self._sock, zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0))
+                events = dict(poller.poll(max(1, int(wait_s * 1000))))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 4096)
+                if self._monitor in events:
+                    self._on_monitor()
+                if events.get(self._sock, 0) & zmq.POLLIN:
+                    self._read_acks()
+                if events.get(self._sock, 0) & zmq.POLLOUT:
+                    self._send_queued()
+        except Exception:
+            log.exception("the sender to --llm_endpoint %s failed; it sends nothing more", self.endpoint)
+        finally:
+            self._closing = True  # submit() refuses from now on
+            self._fail_pending()
+            self._monitor.close(linger=0)
+            self._sock.close(linger=0)
+
+    def _fail_pending(self) -> None:
+        self._take_inbox()
+        closed = NotReady("the server shut down before the LLM receiver acknowledged this image")
+        for delivery in [*self._outbox, *self._unacked.values()]:
+            _settle(delivery, closed)
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                self._outbox.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _expire(self, now: float) -> float:
+        """Fail what passed its deadline, forget what callers cancelled; returns how long to poll."""
+        wait_s = _MAX_WAIT_S
+        for box in (self._outbox, self._unacked.values()):
+            for d in list(box):
+                if d.acked.cancelled():
+                    self._forget(d)
+                elif d.deadline <= now:
+                    self._forget(d)
+                    self.timed_out += 1
+                    _settle(d, self._timeout(d))
+                else:
+                    wait_s = min(wait_s, d.deadline - now)
+        return wait_s
+
+    def _forget(self, d: Delivery) -> None:
+        if self._unacked.get(d.message_id) is d:
+            del self._unacked[d.message_id]
+        else:
+            self._outbox.remove(d)
+
+    def _timeout(self, d: Delivery) -> LLMTimeout:
+        if d.sent_at is None:
+            why = "it could not be sent: no receiver is connected, or it is full"
+        else:
+            why = "it was sent but the receiver did not acknowledge it (it is slow, hung or gone)"
+        return LLMTimeout(
+            f"the LLM receiver at --llm_endpoint {self.endpoint} did not acknowledge an embedding before "
+            f"the request deadline (--request_timeout_s): {why}"
+        )
+
+    def _send_queued(self) -> None:
+        while self._outbox:
+            d = self._outbox[0]
+            try:
+                # copy=False: ZMQ's I/O thread reads the tensor memory directly. POLLOUT means the
+                # whole multipart message fits: the high-water mark is checked at the first frame only.
+                self._sock.send_multipart(d.frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._outbox.popleft()
+            if d.sent_at is None:
+                self.messages_sent += 1
+                self.bytes_sent += d.nbytes
+            d.sent_at = time.monotonic()
+            self._unacked[d.message_id] = d
+
+    def _read_acks(self) -> None:
+        while True:
+            try:
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message_id = decode_ack(frames[0])
+            except WireError as exc:
+                log.error("ignored a reply from the LLM receiver at %s: %s", self.endpoint, exc)
+                continue
+            d = self._unacked.pop(message_id, None)
+            if d is None:
+                self.late_acks += 1  # timed out (or sent twice and acknowledged already)
+            elif _settle(d, None):
+                self.delivered += 1
+
+    def _on_monitor(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._handshaking = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.reachable, self._handshaking, self._refused_logged = True, False, False
+                self._resend_unacked()
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.reachable = False
+                if self._handshaking and not self._refused_logged:  # libzmq retries: log once
+                    self._refused_logged = True
+                    log.error(
+                        "the peer at --llm_endpoint %s dropped the connection during the ZMTP handshake: "
+                        "it is not a wire-v2 EmbeddingReceiver (a v1 PULL receiver?); see docs/wire.md",
+                        self.endpoint,
+                    )
+                self._handshaking = False
+
+    def _resend_unacked(self) -> None:
+        """A new connection: what the old one may have lost goes out again, in its original order."""
+        if self._unacked:
+            self.resent += len(self._unacked)
+            self._outbox.extendleft(reversed(self._unacked.values()))
+            self._unacked.clear()
+
+
+def _settle(d: Delivery, exc: Exception | None) -> bool:
+    """Complete a delivery's future once; False when it was done already (e.g. cancelled)."""
+    try:
+        if exc is None:
+            d.acked.set_result(None)
+        else:
+            d.acked.set_exception(exc)
+    except InvalidStateError:
+        return False
+    return True

@@ -1,10 +1,13 @@
-"""The embedding message to the LLM server, version 1 (docs/integration.md).
+"""The embedding message to the LLM server and its acknowledgement, wire version 2 (docs/wire.md).
 
-One ZMQ multipart message per image:
+One ZMQ multipart message per image (vitserve's DEALER -> the receiver's ROUTER):
 
     frame 0   msgpack map (the header below)
     frame 1   the embedding's raw bytes, little-endian, C-contiguous, (num_tokens, dim) in `dtype`
     frame 2.. one per deepstack tensor, same dtype, shapes in `deepstack_shapes`
+
+and one single-frame acknowledgement back per message the receiver handed to its application:
+msgpack {"v": 2, "ack": message_id}.
 
 Decoding trusts nothing: the header is parsed by msgpack only (never pickle; no ext hooks, string map
 keys only, size-capped), every field is type-checked, and every frame size must equal dtype x shape
@@ -13,6 +16,8 @@ before a tensor is built over it. Anything else raises WireError, which the rece
 
 from __future__ import annotations
 
+import math
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,13 +27,14 @@ import torch
 
 from vitserve.rpc.tensors import dtype_name, tensor_from_buffer, tensor_to_buffer
 
-WIRE_VERSION = 1  # also `vitserve.WIRE_VERSION` (loaded lazily from here)
+WIRE_VERSION = 2  # also `vitserve.WIRE_VERSION` (loaded lazily from here)
 EMBEDDING_DTYPES = ("float32", "float16", "bfloat16")
 MAX_HEADER_BYTES = 64 * 1024  # a real header is ~300 bytes; refuse to msgpack-parse anything huge
+MAX_ID_CHARS = 256  # message_id and traceparent (a W3C traceparent is 55 characters)
 
 
 class WireError(ValueError):
-    """A message that does not follow wire-format v1. The message says what is wrong, never the payload."""
+    """A message that does not follow wire-format v2. The message says what is wrong, never the payload."""
 
 
 @dataclass
@@ -45,6 +51,9 @@ class ImageEmbedding:
     deepstack: list[torch.Tensor] = field(default_factory=list)  # each (n, d), Qwen3-VL / Qwen3.5 only
     model: str = ""  # the served model's name
     dtype: str = "float32"  # "float32" | "float16" | "bfloat16", of embedding and deepstack
+    message_id: str = ""  # unique per message; the acknowledgement names it, duplicates are dropped
+    expires_at: float = 0.0  # Unix time (seconds); past it the message is dropped, never returned
+    traceparent: str | None = None  # W3C trace context of the /encode request, when it had one
 
 
 # -- encode -----------------------------------------------------------------------------------------
@@ -58,12 +67,20 @@ def encode_embedding_message(
     grid_thw: Sequence[int],
     embedding: torch.Tensor,
     deepstack: Sequence[torch.Tensor] = (),
+    expires_at: float,
+    message_id: str | None = None,
+    traceparent: str | None = None,
 ) -> list[bytes | memoryview]:
     """The frames of one wire-format message. Tensor frames are zero-copy views of contiguous CPU tensors:
-    the caller must not modify `embedding`/`deepstack` in place until ZMQ has sent them."""
+    the caller must not modify `embedding`/`deepstack` in place until ZMQ has sent them.
+
+    expires_at: Unix time after which a receiver drops the message; message_id: a fresh uuid4 hex if None.
+    """
     dtype = _embedding_dtype(embedding, deepstack)
-    header = {
+    header: dict[str, Any] = {
         "v": WIRE_VERSION,
+        "message_id": uuid.uuid4().hex if message_id is None else message_id,
+        "expires_at": float(expires_at),
         "request_id": request_id,
         "image_index": image_index,
         "num_images": num_images,
@@ -75,6 +92,8 @@ def encode_embedding_message(
         "shape": list(embedding.shape),
         "deepstack_shapes": [list(d.shape) for d in deepstack],
     }
+    if traceparent is not None:
+        header["traceparent"] = traceparent
     _check_header(header)  # the sender refuses what a receiver would reject
     frames: list[bytes | memoryview] = [msgpack.packb(header, use_bin_type=True)]
     frames.append(tensor_to_buffer(embedding))
@@ -99,7 +118,7 @@ def decode_embedding_message(frames: Sequence[Any]) -> ImageEmbedding:
     """Parse and check one message (frames as bytes, memoryviews or zmq.Frame objects).
 
     Tensors share memory with writable frames (zmq.Frame from recv(copy=False)) and copy read-only
-    ones (bytes). Raises WireError for anything that is not a well-formed wire-format v1 message.
+    ones (bytes). Raises WireError for anything that is not a well-formed wire-format v2 message.
     """
     if len(frames) < 2:
         raise WireError(f"a v{WIRE_VERSION} message has at least 2 frames, got {len(frames)}")
@@ -128,7 +147,26 @@ def decode_embedding_message(frames: Sequence[Any]) -> ImageEmbedding:
         deepstack=deepstack,
         model=header["model"],
         dtype=dtype,
+        message_id=header["message_id"],
+        expires_at=header["expires_at"],
+        traceparent=header.get("traceparent"),
     )
+
+
+def encode_ack(message_id: str) -> bytes:
+    """The one-frame acknowledgement of a message the receiver handed to its application."""
+    ack: bytes = msgpack.packb({"v": WIRE_VERSION, "ack": message_id}, use_bin_type=True)
+    return ack
+
+
+def decode_ack(frame: Any) -> str:
+    """The message id an acknowledgement names; WireError for anything else."""
+    ack = _parse_header(_buffer(frame))
+    if ack.get("v") != WIRE_VERSION or type(ack.get("v")) is not int:
+        raise WireError(f"acknowledgement of unknown wire version {_kind(ack.get('v'))}")
+    if not _is_id(ack.get("ack")):
+        raise WireError(f"acknowledgement names no message id: {_kind(ack.get('ack'))}")
+    return str(ack["ack"])
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -147,7 +185,7 @@ def _tensor(frame: Any, dtype: str, shape: list[int], what: str) -> torch.Tensor
         raise WireError(f"{what}: {exc}") from None
 
 
-def _parse_header(raw: memoryview) -> dict[str, Any]:
+def _parse_header(raw: memoryview) -> dict[str, Any]:  # also parses acknowledgements
     if raw.nbytes > MAX_HEADER_BYTES:
         raise WireError(f"header frame is {raw.nbytes} bytes, over the {MAX_HEADER_BYTES}-byte limit")
     try:
@@ -166,12 +204,28 @@ _INT_FIELDS = ("image_index", "num_images", "num_tokens")
 
 
 def _check_header(h: dict[str, Any]) -> None:
-    """Every wire-format v1 field present, typed, and consistent with the others."""
+    """Every wire-format v2 field present, typed, and consistent with the others."""
     version = h.get("v")
     if version != WIRE_VERSION or type(version) is not int:
         raise WireError(f"unknown wire version {_kind(version)}; this receiver speaks v{WIRE_VERSION}")
+    _check_delivery(h)
     _check_scalars(h)
     _check_shapes(h)
+
+
+def _check_delivery(h: dict[str, Any]) -> None:
+    """The v2 fields: message_id, expires_at, and the optional traceparent."""
+    if not _is_id(h.get("message_id")):
+        raise WireError(f"message_id must be a non-empty string, got {_kind(h.get('message_id'))}")
+    expires_at = h.get("expires_at")
+    if type(expires_at) is not float or not math.isfinite(expires_at):
+        raise WireError(f"expires_at must be a finite float (Unix time), got {_kind(expires_at)}")
+    if "traceparent" in h and not _is_id(h["traceparent"]):
+        raise WireError(f"traceparent must be a non-empty string, got {_kind(h['traceparent'])}")
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= MAX_ID_CHARS
 
 
 def _check_scalars(h: dict[str, Any]) -> None:
