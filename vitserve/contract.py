@@ -54,7 +54,9 @@ class EncodeRequest:
     images: tuple[PreparedImage, ...]
     deadline: float  # time.monotonic() based
     return_embeddings: bool
-    traceparent: str | None = None  # W3C trace context: the caller's trace id, vitserve's span id; travels in the wire header
+    traceparent: str | None = (
+        None  # W3C trace context: the caller's trace id, vitserve's span id; travels in the wire header
+    )
 
     @property
     def tokens(self) -> int:
