@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -337,7 +338,38 @@ def _build_service(config: Config) -> Service:
     return Service(config, engine, processor, metrics, sock=sock, banner=render_banner)
 
 
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT before the service's event loop took the signals over (a BaseException, so no
+    `except Exception` on the way swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise Interrupted(signum)
+
+
+def install_stop_handlers() -> None:
+    """First thing in main: a stop request ends start-up at any moment (imports, reading the checkpoint),
+    not only once the event loop runs; as PID 1 in a container a signal without a handler is ignored."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes (docs/api.md): 0 stopped after serving; 1 start-up failed in the ranks or no encoder group
+    is left; 2 a setting that can never work; 128 + N stopped by signal N before serving (130, 143)."""
+    install_stop_handlers()
+    try:
+        return _main(argv)
+    except Interrupted as stop:
+        print(f"vitserve: stopped by {signal.Signals(stop.signum).name} during start-up", file=sys.stderr)
+        return 128 + stop.signum
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         config = build_config(argv, os.environ)
         # Encoder ranks inherit this. With the default (spinning) policy their idle OpenMP threads burn the

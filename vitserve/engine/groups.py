@@ -148,15 +148,24 @@ class WorkerGroup:
             raise TimeoutError(f"rank 0 of group {self.index} took no message for {SEND_WAIT_MS} ms")
         self._sock.send_multipart(m.encode(msg), flags=zmq.NOBLOCK, copy=False)
 
-    def kill(self) -> None:
-        """SIGKILL every rank (also a SIGSTOPped one) and reap them: no orphans, no zombies."""
-        for proc in self.processes:
-            if proc.is_alive() and proc.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
+    def kill(self, grace_s: float = 0.0) -> None:
+        """End every rank and reap them: no orphans, no zombies. With `grace_s`, SIGTERM first and SIGKILL
+        whatever still runs after it; SIGKILL at once otherwise (also ends a SIGSTOPped rank)."""
+        if grace_s > 0:
+            self._signal_alive(signal.SIGTERM)
+            end = time.monotonic() + grace_s
+            for proc in self.processes:
+                proc.join(timeout=max(0.0, end - time.monotonic()))
+        self._signal_alive(signal.SIGKILL)
         for proc in self.processes:
             proc.join(timeout=5)
         self._sock.close(linger=0)
+
+    def _signal_alive(self, sig: signal.Signals) -> None:
+        for proc in self.processes:
+            if proc.is_alive() and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, sig)
 
     def join(self, timeout_s: float) -> bool:
         """Wait for a clean exit after STOP; True when every rank exited with code 0."""

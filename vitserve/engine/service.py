@@ -38,10 +38,11 @@ from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
 from vitserve.metrics import Metrics
 from vitserve.model.base import Encoder
-from vitserve.reservation_file import remove_reservation
+from vitserve.reservation_file import read_reservation, remove_reservation
 from vitserve.worker.rank import Rendezvous, load_configured_encoder, startup_timeout_s
 
 log = logging.getLogger(__name__)
+TERM_GRACE_S = 1.0  # teardown: SIGTERM the ranks, SIGKILL those still running after this
 GroupFactory = Callable[..., WorkerGroup]  # WorkerGroup's constructor, or a test's in-process group
 
 
@@ -174,7 +175,7 @@ class Engine:
         self._closed = True
         self._dispatch.fail_all(NotReady("the server shut down before this image was encoded"))
         for group in self._dispatch.groups:
-            group.kill()
+            group.kill(grace_s=TERM_GRACE_S)
             self._remove_reservations(group)
         for task in self._tasks:
             task.cancel()
@@ -191,9 +192,16 @@ class Engine:
         self.metrics.workers_ready.set(0)
 
     def _remove_reservations(self, group: WorkerGroup) -> None:
-        """Ranks remove their own file on a clean exit; this covers ranks that were killed."""
-        for rank, ready in group.ready.items():
-            remove_reservation(self.config.runtime_dir, ready.device.split(":")[0], group.global_rank(rank))
+        """Ranks remove their own file on a clean exit; this covers ranks that were killed, also those
+        stopped during start-up between publishing their file and their READY (only files they wrote)."""
+        pids = set(group.pids)
+        for rank in range(self.config.tp):
+            ready = group.ready.get(rank)
+            devices = (ready.device.split(":")[0],) if ready is not None else ("cpu", "cuda")
+            for device in devices:
+                body = read_reservation(self.config.runtime_dir, device, group.global_rank(rank))
+                if body is not None and (ready is not None or body["pid"] in pids):
+                    remove_reservation(self.config.runtime_dir, device, group.global_rank(rank))
 
     # ------------------------------------------------------------------------------------ state
 
