@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import vitserve
+from vitserve import preflight
 from vitserve.config import Config
 from vitserve.errors import ConfigError, VitserveError
 from vitserve.families import FAMILY_CHOICES
@@ -330,6 +331,7 @@ def _build_service(config: Config) -> Service:
     processor = load_image_processor(
         config.model, budget_tokens=config.budget_tokens, family=config.model_family
     )
+    preflight.check_processor_budget(config.budget_tokens, processor.clamp_info())
     sock = bind_socket(config.host, config.port)
     from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed
 
@@ -381,6 +383,7 @@ def _main(argv: list[str] | None) -> int:
             stream=sys.stderr,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
+        preflight.check(config)  # settings that can never serve exit 2 before anything slow
         service = _build_service(config)
     except (ConfigError, VitserveError, OSError) as exc:
         print(f"vitserve: start-up failed: {exc}", file=sys.stderr)
