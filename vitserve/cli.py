@@ -325,7 +325,7 @@ def render_banner(service: Service) -> str:
 
 
 def _build_service(config: Config) -> Service:
-    from vitserve.api.server import Service, bind_socket
+    from vitserve.api.server import Service, bind_socket, warmup_image
     from vitserve.processors import load_image_processor
 
     processor = load_image_processor(
@@ -336,7 +336,12 @@ def _build_service(config: Config) -> Service:
     from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed
 
     metrics = Metrics()
-    engine = Engine(config, metrics, processor_clamp=processor.clamp_info())  # the clamp keys the cache
+    engine = Engine(
+        config,
+        metrics,
+        processor_clamp=processor.clamp_info(),  # the clamp keys the cache
+        warmup_image=warmup_image(processor),
+    )
     return Service(config, engine, processor, metrics, sock=sock, banner=render_banner)
 
 

@@ -30,7 +30,7 @@ import uvicorn
 from vitserve.api.app import create_app
 from vitserve.api.edge import ServerState
 from vitserve.config import Config
-from vitserve.contract import Engine
+from vitserve.contract import Engine, ProcessedImage
 from vitserve.errors import ConfigError
 from vitserve.metrics import Metrics
 from vitserve.processors.base import VisionProcessor
@@ -62,6 +62,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.setblocking(False)
     return sock
+
+
+def warmup_image(processor: VisionProcessor) -> ProcessedImage:
+    """What every encoder group encodes once before /ready says ready (Engine's warmup_image): a 64x64
+    gradient, the family's smallest image (Qwen grows it to min_pixels, InternVL makes one tile),
+    preprocessed like a request's image."""
+    from PIL import Image
+
+    return processor.preprocess(Image.linear_gradient("L").resize((64, 64)).convert("RGB"))
 
 
 class Service:

@@ -1,7 +1,7 @@
 """The engine: what the HTTP front end calls (contract.Engine). Owns admission, Jobs, groups and the LLM push.
 
-    engine = Engine(config, metrics)            # encoder_factory=None -> load_configured_encoder
-    await engine.start()                         # spawn dp x tp ranks, wait for every READY
+    engine = Engine(config, metrics, warmup_image=item)  # item: a small ProcessedImage (cli.warmup_image)
+    await engine.start()                         # spawn dp x tp ranks, wait for every READY + warm-up encode
     engine.admit(None)                           # the one queue rule; raises QueueFull with Retry-After
     results = await engine.encode(EncodeRequest(...))
     await engine.shutdown()                      # STOP, join, clean files
@@ -29,7 +29,15 @@ import zmq
 import zmq.asyncio
 
 from vitserve.config import Config
-from vitserve.contract import EncodedImage, EncodeRequest, EngineInfo, ImageResult, Readiness, StageTimes
+from vitserve.contract import (
+    EncodedImage,
+    EncodeRequest,
+    EngineInfo,
+    ImageResult,
+    ProcessedImage,
+    Readiness,
+    StageTimes,
+)
 from vitserve.engine.cache import make_cache
 from vitserve.engine.dispatch import Dispatcher
 from vitserve.engine.groups import GroupState, Watchdog, WorkerGroup, free_port
@@ -56,9 +64,16 @@ class Engine:
         environ: Mapping[str, str] | None = None,
         processor_clamp: Mapping[str, Any] | None = None,
         group_factory: GroupFactory = WorkerGroup,
+        warmup_image: ProcessedImage | None = None,
     ):
+        """warmup_image: encoded once by every group before the group counts as ready (the CLI always gives
+        one, so /ready means "every rank passed a real encode"); None: a group is ready at its READYs."""
         self.config = config
         self.metrics = metrics
+        self.warmup_image = warmup_image
+        # More conditions of readiness, each a callable returning None when fine or the reason it is not
+        # (e.g. "the LLM receiver at ... is not reachable"); readiness() reports the first failing one.
+        self.readiness_checks: list[Callable[[], str | None]] = []
         self.encoder_factory = encoder_factory or load_configured_encoder
         self.processor_clamp = processor_clamp  # the processor's clamp_info(); part of the cache fingerprint
         self._group_factory = group_factory
@@ -73,7 +88,7 @@ class Engine:
         self._master_port = int(port) if port else None
 
     def _init_state(self) -> None:
-        self._dispatch = Dispatcher(self.config, self.metrics)
+        self._dispatch = Dispatcher(self.config, self.metrics, self.warmup_image)
         self.failed = self._dispatch.all_failed  # set when no encoder group is left
         self._jobs = JobTable(make_cache(self.config, self.metrics))  # cache + dedup
         self._started = False
@@ -206,9 +221,14 @@ class Engine:
     # ------------------------------------------------------------------------------------ state
 
     def readiness(self) -> Readiness:
+        """Ready when every group passed its warm-up encode, no group failed or went silent, and every
+        readiness check passes."""
         if self._stopping:
             return Readiness(False, "shutting down")
         if not self._started:
+            warming = any(g.state is GroupState.WARMING for g in self._dispatch.groups)
+            if warming and not any(g.state is GroupState.STARTING for g in self._dispatch.groups):
+                return Readiness(False, "encoder ranks are up; running the warm-up encode")
             return Readiness(False, "encoder ranks are starting (loading weights, reserving memory)")
         failed = [g.failure for g in self._dispatch.groups if g.state is GroupState.FAILED]
         if failed:
@@ -216,6 +236,10 @@ class Engine:
         now = time.monotonic()
         for group in self._dispatch.groups:
             reason = self._watchdog.health(group, now)  # the watchdog's own verdict, before it acts on it
+            if reason is not None:
+                return Readiness(False, reason)
+        for check in self.readiness_checks:
+            reason = check()
             if reason is not None:
                 return Readiness(False, reason)
         return Readiness(True, "ok")
@@ -253,7 +277,7 @@ class Engine:
         return self._push.sent if self._push is not None else 0
 
     def groups(self) -> list[dict[str, Any]]:
-        """Per encoder group: {"group", "state" (starting|ready|failed|stopped), "failure", "pids"}."""
+        """Per encoder group: {"group", "state" (starting|warming|ready|failed|stopped), "failure", "pids"}."""
         return [
             {"group": g.index, "state": g.state.value, "failure": g.failure, "pids": g.pids}
             for g in self._dispatch.groups
