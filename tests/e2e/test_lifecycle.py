@@ -10,15 +10,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.e2e.netcheck import children_of
-from tests.e2e.test_cli_process import ROOT, cli_env
+from tests.e2e.test_cli_process import BASE_ARGS, ROOT, CliServer, cli_env
 
 pytestmark = pytest.mark.timeout(300)
 STOP_LIMIT_S = 5.0
@@ -126,3 +128,39 @@ def test_sigterm_before_any_rank_exits_at_once(tmp_path):
         kill_everything(proc, left)
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "Traceback" not in out, out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_polling_ready_while_starting_is_quiet_and_kept_out_of_request_metrics(tmp_path):
+    port = _free_port()
+    srv = CliServer([*BASE_ARGS[:2], "--port", str(port), *BASE_ARGS[4:]], tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    codes: list[int] = []
+    try:
+        with httpx.Client(base_url=url, timeout=10) as c:
+            end = time.monotonic() + 240
+            while not codes or codes[-1] != 200:
+                assert srv.proc.poll() is None, srv.text[-3000:]
+                assert time.monotonic() < end, "never ready"
+                with contextlib.suppress(httpx.TransportError):  # before the socket is bound
+                    codes.append(c.get("/ready").status_code)
+                time.sleep(0.1)
+            metrics = c.get("/metrics").text
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0
+    finally:
+        srv.stop()
+    assert codes.count(503) >= 1, "never polled before ready"
+    assert set(codes) == {503, 200}
+    assert "vitserve_requests_total{" not in metrics  # only probes were sent
+    assert f'vitserve_probes_total{{code="503",path="/ready"}} {float(codes.count(503))}' in metrics
+    text = srv.text
+    assert "not_ready" not in text  # the 503 answers are logged at DEBUG, below the default INFO
+    assert "Traceback" not in text
+    warmed = text.index("encoder group 0 passed its warm-up encode")
+    assert warmed < text.index("serving on http://")

@@ -40,9 +40,8 @@ async def test_every_rank_encodes_the_warmup_image_before_ready(tmp_path, tp):
     logs = tmp_path / "hashes"
     logs.mkdir()
     config = make_config(tmp_path, tp=tp)
-    factory = FakeEncoderFactory(
-        hash_log_dir=str(logs), sleep_s=1.0
-    )  # logs and slows each batch after the stress
+    # logs (and slows) each batch after the stress: the first is the warm-up
+    factory = FakeEncoderFactory(hash_log_dir=str(logs), sleep_s=1.0)
     metrics = Metrics()
     engine = Engine(config, metrics, encoder_factory=factory, environ={}, warmup_image=WARMUP)
     try:
