@@ -185,18 +185,25 @@ def smallest_image(
     vision = top.get("vision_config") or {}
     if family.layout == "tiles":
         return _smallest_tile(family, top, vision, processor)
+    found: tuple[Any, Any, Any]  # min_pixels, patch, merge
     if processor is None:
-        patch = _first(vision.get("patch_size", family.patch_size))
-        merge = _first(vision.get("spatial_merge_size", family.merge_size))
-        min_pixels = family.min_pixels
+        spatial = (
+            vision.get("patch_size", family.patch_size),
+            vision.get("spatial_merge_size", family.merge_size),
+        )
+        found = (family.min_pixels, _first(spatial[0]), _first(spatial[1]))
     else:
-        size = processor.get("size") if isinstance(processor.get("size"), dict) else {}
-        min_pixels = processor.get("min_pixels", size.get("shortest_edge"))
-        patch, merge = processor.get("patch_size"), processor.get("merge_size")
-        if min_pixels is None or patch is None or merge is None:
+        size = processor.get("size")
+        shortest = size.get("shortest_edge") if isinstance(size, dict) else None
+        found = (
+            processor.get("min_pixels", shortest),
+            processor.get("patch_size"),
+            processor.get("merge_size"),
+        )
+        if None in found:
             return None
-    factor = int(patch) * int(merge)
-    return max(1, -(-int(min_pixels) // (factor * factor))), f"min_pixels {int(min_pixels)}"
+    min_pixels, factor = int(found[0]), int(found[1]) * int(found[2])
+    return max(1, -(-min_pixels // (factor * factor))), f"min_pixels {min_pixels}"
 
 
 def _smallest_tile(
