@@ -346,12 +346,8 @@ def _build_service(config: Config) -> Service:
 
 
 class Interrupted(BaseException):
-    """SIGTERM or SIGINT before the service's event loop took the signals over (a BaseException, so no
-    `except Exception` on the way swallows it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
+    """SIGTERM or SIGINT (args[0]) before the service's event loop took the signals over (a BaseException,
+    so no `except Exception` on the way swallows it)."""
 
 
 def _interrupt(signum: int, _frame: object) -> None:
@@ -372,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except Interrupted as stop:
-        print(f"vitserve: stopped by {signal.Signals(stop.signum).name} during start-up", file=sys.stderr)
-        return 128 + stop.signum
+        signum: int = stop.args[0]
+        print(f"vitserve: stopped by {signal.Signals(signum).name} during start-up", file=sys.stderr)
+        return 128 + signum
 
 
 def _main(argv: list[str] | None) -> int:
