@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import uvicorn
+from PIL import Image
 
 from vitserve.api.app import create_app
 from vitserve.api.edge import ServerState
@@ -68,8 +69,6 @@ def warmup_image(processor: VisionProcessor) -> ProcessedImage:
     """What every encoder group encodes once before /ready says ready (Engine's warmup_image): a 64x64
     gradient, the family's smallest image (Qwen grows it to min_pixels, InternVL makes one tile),
     preprocessed like a request's image."""
-    from PIL import Image
-
     return processor.preprocess(Image.linear_gradient("L").resize((64, 64)).convert("RGB"))
 
 

@@ -1,6 +1,6 @@
 """The engine: what the HTTP front end calls (contract.Engine). Owns admission, Jobs, groups and the LLM push.
 
-    engine = Engine(config, metrics, warmup_image=item)  # item: a small ProcessedImage (cli.warmup_image)
+    engine = Engine(config, metrics, warmup_image=item)  # a small ProcessedImage (api/server.py warmup_image)
     await engine.start()                         # spawn dp x tp ranks, wait for every READY + warm-up encode
     engine.admit(None)                           # the one queue rule; raises QueueFull with Retry-After
     results = await engine.encode(EncodeRequest(...))
