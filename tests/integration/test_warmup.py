@@ -1,10 +1,12 @@
 """The warm-up encode: a group is ready only after one real image went through the production path
-(batch socket -> rank loop -> forward -> RESULT) and came back well formed; it stays out of the metrics."""
+(batch socket -> rank loop -> forward -> RESULT) and came back well formed; it stays out of the metrics.
+And a start cancelled before that (SIGTERM during start-up) cleans up after itself."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import threading
 
 import pytest
@@ -16,6 +18,7 @@ from vitserve.contract import EncodedImage, Readiness
 from vitserve.engine import Engine
 from vitserve.errors import ConfigError
 from vitserve.metrics import Metrics
+from vitserve.reservation_file import publish_reservation
 
 pytestmark = pytest.mark.timeout(240)
 WARMUP = fake_item(2, 2, seed=9)
@@ -130,3 +133,35 @@ async def test_a_readiness_check_can_hold_ready(tmp_path):
         assert engine.readiness() == Readiness(True, "ok")
     finally:
         await engine.shutdown()
+
+
+async def test_a_cancelled_start_removes_only_its_own_reservation_files(tmp_path):
+    """A rank publishes its file just before its READY: a start cancelled in between (SIGTERM during
+    start-up) must still remove it, and must leave another process's file alone."""
+    gate, loading = threading.Event(), threading.Event()
+    gate.set()
+    config = make_config(tmp_path)
+
+    def slow_factory(_config):  # the rank is still loading: no READY yet
+        loading.wait(30)
+        return TinyEncoder()
+
+    engine = Engine(
+        config,
+        Metrics(),
+        encoder_factory=slow_factory,
+        environ={},
+        group_factory=functools.partial(ThreadGroup, gate=gate),
+    )
+    ours = publish_reservation(config.runtime_dir, "cpu", 0, 123, "stress")  # this process = the thread rank
+    theirs = publish_reservation(config.runtime_dir, "cuda", 0, 456, "stress")
+    theirs.write_text(theirs.read_text().replace(f'"pid": {os.getpid()}', '"pid": 1'))
+    starting = asyncio.create_task(engine.start())
+    await asyncio.sleep(0.2)
+    assert not starting.done()
+    starting.cancel()
+    loading.set()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert not ours.exists()
+    assert theirs.exists()
