@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -357,8 +358,9 @@ def _interrupt(signum: int, _frame: object) -> None:
 def install_stop_handlers() -> None:
     """First thing in main: a stop request ends start-up at any moment (imports, reading the checkpoint),
     not only once the event loop runs; as PID 1 in a container a signal without a handler is ignored."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _interrupt)
+    if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _interrupt)
 
 
 def main(argv: list[str] | None = None) -> int:
