@@ -346,13 +346,13 @@ def _build_service(config: Config) -> Service:
     return Service(config, engine, processor, metrics, sock=sock, banner=render_banner)
 
 
-class Interrupted(BaseException):
-    """SIGTERM or SIGINT (args[0]) before the service's event loop took the signals over (a BaseException,
-    so no `except Exception` on the way swallows it)."""
-
-
-def _interrupt(signum: int, _frame: object) -> None:
-    raise Interrupted(signum)
+def _exit_now(signum: int, _frame: object) -> None:
+    """SIGTERM/SIGINT before the service's event loop takes the signals over: no rank exists yet and the
+    listening socket closes with the process, so leave at once. Raising instead would unwind through
+    whatever import is running, and libraries that catch broad exceptions around their imports then carry
+    on (seen: start-up continuing after SIGTERM, numpy imported twice)."""
+    os.write(2, f"vitserve: stopped by {signal.Signals(signum).name} during start-up\n".encode())
+    os._exit(128 + signum)
 
 
 def install_stop_handlers() -> None:
@@ -360,22 +360,13 @@ def install_stop_handlers() -> None:
     not only once the event loop runs; as PID 1 in a container a signal without a handler is ignored."""
     if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _interrupt)
+            signal.signal(sig, _exit_now)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes (docs/api.md): 0 stopped after serving; 1 start-up failed in the ranks or no encoder group
     is left; 2 a setting that can never work; 128 + N stopped by signal N before serving (130, 143)."""
     install_stop_handlers()
-    try:
-        return _main(argv)
-    except Interrupted as stop:
-        signum: int = stop.args[0]
-        print(f"vitserve: stopped by {signal.Signals(signum).name} during start-up", file=sys.stderr)
-        return 128 + signum
-
-
-def _main(argv: list[str] | None) -> int:
     try:
         config = build_config(argv, os.environ)
         # Encoder ranks inherit this. With the default (spinning) policy their idle OpenMP threads burn the

@@ -117,9 +117,13 @@ def test_signal_during_startup_ends_every_process_within_5s(tmp_path, sig):
         assert "Traceback" not in out, out[-3000:]
 
 
-def test_sigterm_before_any_rank_exits_at_once(tmp_path):
+@pytest.mark.parametrize("delay_s", [0.5, 1.0, 1.5, 2.0, 3.0])
+def test_sigterm_before_any_rank_exits_at_once(tmp_path, delay_s):
+    # Importing torch and transformers, reading the checkpoint: the handler is installed first thing. A
+    # handler that raised into those imports was caught by library code at some moments, and start-up
+    # went on (or failed with a traceback); each delay lands in a different import.
     proc = start_cli(tmp_path, "--model", "demo", "--device", "cpu", "--port", "0")
-    time.sleep(1.0)  # importing: the handler is installed first thing
+    time.sleep(delay_s)
     left = stop_and_watch(proc, signal.SIGTERM, group=False)
     try:
         assert not left
