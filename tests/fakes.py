@@ -210,7 +210,7 @@ class ThreadGroup(WorkerGroup):
     def pids(self) -> list[int]:
         return [os.getpid()]
 
-    def kill(self) -> None:
+    def kill(self, grace_s: float = 0.0) -> None:
         self._stopped.set()
         self.join(5)
         self._sock.close(linger=0)

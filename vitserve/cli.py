@@ -13,11 +13,14 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import vitserve
+from vitserve import preflight
 from vitserve.config import Config
 from vitserve.errors import ConfigError, VitserveError
 from vitserve.families import FAMILY_CHOICES
@@ -332,21 +335,47 @@ def render_banner(service: Service) -> str:
 
 
 def _build_service(config: Config) -> Service:
-    from vitserve.api.server import Service, bind_socket
+    from vitserve.api.server import Service, bind_socket, warmup_image
     from vitserve.processors import load_image_processor
 
     processor = load_image_processor(
         config.model, budget_tokens=config.budget_tokens, family=config.model_family
     )
+    preflight.check_processor_budget(config.budget_tokens, processor.clamp_info())
     sock = bind_socket(config.host, config.port)
     from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed
 
     metrics = Metrics()
-    engine = Engine(config, metrics, processor_clamp=processor.clamp_info())  # the clamp keys the cache
+    engine = Engine(
+        config,
+        metrics,
+        processor_clamp=processor.clamp_info(),  # the clamp keys the cache
+        warmup_image=warmup_image(processor),
+    )
     return Service(config, engine, processor, metrics, sock=sock, banner=render_banner)
 
 
+def _exit_now(signum: int, _frame: object) -> None:
+    """SIGTERM/SIGINT before the service's event loop takes the signals over: no rank exists yet and the
+    listening socket closes with the process, so leave at once. Raising instead would unwind through
+    whatever import is running, and libraries that catch broad exceptions around their imports then carry
+    on (seen: start-up continuing after SIGTERM, numpy imported twice)."""
+    os.write(2, f"vitserve: stopped by {signal.Signals(signum).name} during start-up\n".encode())
+    os._exit(128 + signum)
+
+
+def install_stop_handlers() -> None:
+    """First thing in main: a stop request ends start-up at any moment (imports, reading the checkpoint),
+    not only once the event loop runs; as PID 1 in a container a signal without a handler is ignored."""
+    if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _exit_now)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes (docs/api.md): 0 stopped after serving; 1 start-up failed in the ranks or no encoder group
+    is left; 2 a setting that can never work; 128 + N stopped by signal N before serving (130, 143)."""
+    install_stop_handlers()
     try:
         config = build_config(argv, os.environ)
         # Encoder ranks inherit this. With the default (spinning) policy their idle OpenMP threads burn the
@@ -358,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             stream=sys.stderr,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
+        preflight.check(config)  # settings that can never serve exit 2 before anything slow
         service = _build_service(config)
     except (ConfigError, VitserveError, OSError) as exc:
         print(f"vitserve: start-up failed: {exc}", file=sys.stderr)

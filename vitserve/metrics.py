@@ -29,7 +29,15 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "vitserve_"
-        self.requests_total = Counter(p + "requests", "HTTP requests by status code", ["code"], registry=r)
+        self.requests_total = Counter(
+            p + "requests", "HTTP requests by status code, probes excepted", ["code"], registry=r
+        )
+        self.probes_total = Counter(
+            p + "probes",
+            "Probe requests (/health, /ready, /metrics) by path and code",
+            ["path", "code"],
+            registry=r,
+        )
         self.images_total = Counter(p + "images", "Images by outcome", ["outcome"], registry=r)
         self.images_clamped_total = Counter(p + "images_clamped", "Images shrunk by the budget", registry=r)
         self.image_tokens = Histogram(

@@ -3,14 +3,22 @@ exit codes, banner."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import threading
+from dataclasses import replace
 
 import httpx
 import pytest
 
-from tests.e2e.live import live_server, noise_png, wait_until
+from tests.e2e.live import TEST_CONFIG, live_server, noise_png, wait_until
+from tests.fakes import ThreadGroup, TinyEncoder
+from vitserve.api.server import Service, bind_socket, warmup_image
 from vitserve.cli import render_banner
+from vitserve.engine import Engine
+from vitserve.metrics import Metrics
+from vitserve.processors import load_image_processor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,3 +97,32 @@ def test_budget_off_is_said_in_the_banner(caplog):
     with live_server(visual_batch_max_tokens=0) as srv:
         assert "OFF (no clamp)" in render_banner(srv.service)
         assert "max_queue_tokens=unlimited" in render_banner(srv.service)
+
+
+def test_stop_during_startup_cancels_the_start_and_exits_0():
+    config = replace(TEST_CONFIG, heartbeat_s=1.0)
+    metrics = Metrics()
+    processor = load_image_processor("qwen2_5_vl", budget_tokens=config.budget_tokens)
+    gate = threading.Event()  # cleared: the rank holds the warm-up batch, so start-up cannot finish
+    engine = Engine(
+        config,
+        metrics,
+        encoder_factory=lambda _config: TinyEncoder(),
+        environ={},
+        group_factory=functools.partial(ThreadGroup, gate=gate),
+        warmup_image=warmup_image(processor),
+    )
+    service = Service(config, engine, processor, metrics, sock=bind_socket("127.0.0.1", 0))
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(code=asyncio.run(service.run())), daemon=True)
+    thread.start()
+    with httpx.Client(base_url=f"http://127.0.0.1:{service.port}", timeout=10) as c:
+        warming = "not ready: encoder ranks are up; running the warm-up encode"
+        wait_until(lambda: c.get("/ready").json()["error"]["message"] == warming, "the warm-up in flight")
+        assert c.get("/health").status_code == 200  # liveness answers during start-up
+    service.request_stop()  # what SIGTERM does; a signal would make the exit code 128 + N
+    thread.join(30)
+    assert result == {"code": 0}
+    assert not service.started.is_set()  # the start was cancelled, not finished
+    assert engine.readiness().reason == "shutting down"
+    assert metrics.value("vitserve_requests_total", code="503") is None  # the /ready polls are probes

@@ -29,10 +29,11 @@ log = logging.getLogger(__name__)
 _HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 
 
-def error_response(err: VitserveError) -> Response:
-    """A typed error as the route's answer, rendered by errors.http_error like the edge's refusals."""
+def error_response(err: VitserveError, *, level: int = logging.WARNING) -> Response:
+    """A typed error as the route's answer, rendered by errors.http_error like the edge's refusals; a
+    5xx is logged at `level`."""
     if err.status >= 500:
-        log.warning("%s: %s", err.code, err.message)
+        log.log(level, "%s: %s", err.code, err.message)
     status, headers, body = http_error(err)
     return Response(body, status_code=status, headers=headers)
 
@@ -125,8 +126,8 @@ def create_app(
     @app.get("/ready")
     async def ready() -> Response:  # while draining, the edge answers instead
         readiness = engine.readiness()
-        if not readiness.ready:
-            return error_response(NotReady(f"not ready: {readiness.reason}"))
+        if not readiness.ready:  # polled every few seconds while starting: debug, not a warning
+            return error_response(NotReady(f"not ready: {readiness.reason}"), level=logging.DEBUG)
         return JSONResponse({"status": "ready"})
 
     @app.get("/v1/info")

@@ -1,5 +1,8 @@
 """The outermost ASGI layer: bearer-key check, the draining refusal, active_requests, requests_total{code}.
 
+Probes (/health, /ready, /metrics: what orchestrators and scrapers poll) count in probes_total{path,code},
+never in requests_total, so a Kubernetes probe every few seconds does not drown the request metrics.
+
 A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware, so the request's `receive` stays the
 server's own: the /encode handler needs it to notice a client that disconnects while its images queue.
 While the Service drains, this is the one place that refuses: /encode gets 503 not_ready (and the
@@ -16,6 +19,7 @@ from vitserve.errors import NotReady, Unauthorized, VitserveError, http_error
 from vitserve.metrics import Metrics
 
 OPEN_PATHS = frozenset({"/health"})
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 WORK_PATHS = frozenset({"/encode"})
 READY_PATH = "/ready"
 
@@ -66,7 +70,10 @@ class Edge:
             await self._dispatch(scope, receive, counting_send)
         finally:
             code = str(status_seen[0]) if status_seen else "499"  # 499: client left before an answer
-            self.metrics.requests_total.labels(code=code).inc()
+            if scope["path"] in PROBE_PATHS:
+                self.metrics.probes_total.labels(path=scope["path"], code=code).inc()
+            else:
+                self.metrics.requests_total.labels(code=code).inc()
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self._authorized(scope):

@@ -1,4 +1,11 @@
-"""Running the app: uvicorn on a socket we bound, the engine started beside it, SIGTERM -> drain.
+"""Running the app: uvicorn on a socket we bound, the engine started beside it, SIGTERM -> stop or drain.
+
+A stop request (SIGTERM, SIGINT or `request_stop`) is watched from the first line of `run()`:
+- while the engine starts, it cancels the start (Engine.start tears down what it spawned: the ranks get
+  SIGTERM, then SIGKILL after a short grace; their reservation files and the ipc dir are removed) and
+  `run()` returns 128 + the signal number (143 for SIGTERM, 130 for SIGINT; 0 for `request_stop`);
+- while serving, it drains (below) and `run()` returns 0. A second signal during the drain stops waiting
+  for the active requests.
 
 Drain order (Service._drain, the only drain): the edge refuses /encode and /ready (503 not_ready), every
 active request finishes, the engine stops its groups, then the HTTP server closes. uvicorn's own signal capture is disabled: it
@@ -19,11 +26,12 @@ import time
 from collections.abc import Callable, Iterator
 
 import uvicorn
+from PIL import Image
 
 from vitserve.api.app import create_app
 from vitserve.api.edge import ServerState
 from vitserve.config import Config
-from vitserve.contract import Engine
+from vitserve.contract import Engine, ProcessedImage
 from vitserve.errors import ConfigError
 from vitserve.metrics import Metrics
 from vitserve.processors.base import VisionProcessor
@@ -57,6 +65,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def warmup_image(processor: VisionProcessor) -> ProcessedImage:
+    """What every encoder group encodes once before /ready says ready (Engine's warmup_image): a 64x64
+    gradient, the family's smallest image (Qwen grows it to min_pixels, InternVL makes one tile),
+    preprocessed like a request's image."""
+    return processor.preprocess(Image.linear_gradient("L").resize((64, 64)).convert("RGB"))
+
+
 class Service:
     """One vitserve process: HTTP front door + engine. `run()` returns the process exit code."""
 
@@ -80,6 +95,8 @@ class Service:
         self.port: int = self.sock.getsockname()[1]  # the real one when --port 0
         self.banner = banner
         self._stop: asyncio.Event | None = None
+        self._signum: int | None = None  # the signal that asked to stop, if one did
+        self._hurry = False  # a second stop request: the drain no longer waits for active requests
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started = threading.Event()
 
@@ -102,17 +119,41 @@ class Service:
         )
         server = _Server(ucfg)
         serving = asyncio.create_task(server.serve(sockets=[self.sock]))
-        try:
-            await self.engine.start()
-        except Exception as exc:  # start-up failed: the engine's message names the knob
-            log.error("start-up failed: %s", exc)
+        code = await self._start_engine()
+        if code is not None:
             server.should_exit = True
-            await serving
-            return 1
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await serving
+            return code
         if self.banner is not None:  # printed whatever --log_level says: it is the record of every guard
             print(self.banner(self), file=sys.stderr, flush=True)
         self.started.set()
         return await self._serve_until_stopped(server, serving)
+
+    async def _start_engine(self) -> int | None:
+        """Start the engine unless a stop request comes first. None once it is ready, else the exit code:
+        1 when start-up failed, 128 + the signal number when a signal stopped it (0 for request_stop)."""
+        assert self._stop is not None
+        starting = asyncio.create_task(self.engine.start(), name="vitserve-engine-start")
+        stop = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not starting.done():  # Engine.start tears down what it spawned when cancelled
+            starting.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await starting
+            await self.engine.shutdown()  # marks the engine stopping; nothing is left to stop
+            self.app.state.preprocessor.close()
+            by = signal.Signals(self._signum).name if self._signum is not None else "request"
+            log.info("stopped by %s during start-up; the encoder ranks are gone", by)
+            return 128 + self._signum if self._signum is not None else 0
+        try:
+            starting.result()
+        except Exception as exc:  # start-up failed: the engine's message names the knob
+            log.error("start-up failed: %s", exc)
+            self.app.state.preprocessor.close()
+            return 1
+        return None  # a stop that came with READY is seen by _serve_until_stopped: it drains at once
 
     async def _serve_until_stopped(self, server: _Server, serving: asyncio.Task[None]) -> int:
         assert self._stop is not None
@@ -136,7 +177,7 @@ class Service:
         self.state.draining = True
         log.info("draining: refusing new requests, finishing %d active", self.state.active_requests)
         give_up = time.monotonic() + self.config.request_timeout_s + 5
-        while graceful and self.state.active_requests and time.monotonic() < give_up:
+        while graceful and not self._hurry and self.state.active_requests and time.monotonic() < give_up:
             await asyncio.sleep(0.05)
         try:
             await self.engine.shutdown()
@@ -156,6 +197,11 @@ class Service:
             self._loop.add_signal_handler(sig, self._on_signal, sig)
 
     def _on_signal(self, sig: int) -> None:
-        log.info("received %s: shutting down cleanly", signal.Signals(sig).name)
         assert self._stop is not None
+        if self._stop.is_set():
+            log.info("received %s again: not waiting for the active requests", signal.Signals(sig).name)
+            self._hurry = True
+            return
+        log.info("received %s: shutting down cleanly", signal.Signals(sig).name)
+        self._signum = sig
         self._stop.set()

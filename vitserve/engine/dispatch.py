@@ -4,6 +4,11 @@ Runs entirely on the API process's event loop (one thread), so the scheduler and
 no locks. Groups PULL: whenever a group is idle, it gets the next batch from the head of the one shared
 FIFO queue, so the least busy group takes the work and at most one batch is in flight per group. The
 group itself (engine/groups.py) holds that batch and changes its own state; this module only decides.
+
+The warm-up encode: once every rank of a group reported READY, the group gets one small real image (the
+`warmup` item the API's processor made) as a batch of its own, through the same batch socket, rank loop,
+forward and RESULT as any request; only a result of the right shape, all finite, makes the group READY.
+It bypasses the shared queue (each group must get its own) and every metric (no request asked for it).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from vitserve.config import Config
+from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.engine.groups import Batch, GroupState, WorkerGroup
 from vitserve.engine.jobs import Job
 from vitserve.engine.scheduler import Scheduler
@@ -28,9 +34,10 @@ ERROR_GRACE_S = 0.2  # collect the other ranks' errors before failing a group (r
 
 
 class Dispatcher:
-    def __init__(self, config: Config, metrics: Metrics):
+    def __init__(self, config: Config, metrics: Metrics, warmup: ProcessedImage | None = None):
         self.config = config
         self.metrics = metrics
+        self.warmup = warmup  # each group encodes it once before it counts as READY; None: no warm-up
         self.scheduler = Scheduler(config.budget_tokens, config.max_batch_images)
         self.groups: list[WorkerGroup] = []
         self.queued: dict[int, Job] = {}  # job id -> Job, for the ids the scheduler hands back
@@ -140,14 +147,53 @@ class Dispatcher:
     def _on_ready(self, group: WorkerGroup, msg: m.ReadyMsg) -> None:
         rank = str(group.global_rank(msg.rank))
         self.metrics.reserved_memory_bytes.labels(rank=rank).set(msg.reserved_bytes)
-        if group.on_ready(msg):
-            self._update_ready_gauge()
-            self.dispatch()
+        if not group.on_ready(msg):
+            return
+        batch = None
+        if self.warmup is not None:
+            self._batch_ids += 1
+            batch = Batch(self._batch_ids, [], time.monotonic(), warmup=self.warmup)
+        try:
+            group.warm_up(batch)
+        except Exception as exc:  # zmq refused the batch: the group cannot take work
+            self.fail_group(group, f"could not hand the warm-up encode to group {group.index}: {exc}")
+            return
+        if group.state is GroupState.READY:
+            self._group_ready()
+
+    def _group_ready(self) -> None:
+        self._update_ready_gauge()
+        self.dispatch()
+
+    def _on_warmup(self, group: WorkerGroup, batch: Batch, outputs: list[EncodedImage]) -> None:
+        assert batch.warmup is not None
+        want = (batch.warmup.num_tokens, group.ready[0].embed_dim)
+        got = tuple(outputs[0].embedding.shape) if len(outputs) == 1 else f"{len(outputs)} outputs"
+        if got != want:
+            self.fail_group(
+                group, f"the warm-up encode of group {group.index} returned {got}, expected {want}"
+            )
+        elif not bool(outputs[0].embedding.isfinite().all()):
+            self.fail_group(
+                group, f"the warm-up encode of group {group.index} returned NaN or infinite values"
+            )
+        else:
+            log.info(
+                "encoder group %d passed its warm-up encode (%d tokens in %.2f s)",
+                group.index,
+                want[0],
+                time.monotonic() - batch.started,
+            )
+            group.warmed()
+            self._group_ready()
 
     def _on_result(self, group: WorkerGroup, msg: m.ResultMsg) -> None:
         batch = group.finish_batch(msg.batch_id)
         if batch is None:
             log.warning("dropped a result for unknown batch %d from group %d", msg.batch_id, group.index)
+            return
+        if batch.warmup is not None:
+            self._on_warmup(group, batch, msg.outputs)
             return
         seconds = time.monotonic() - batch.started
         self.metrics.stage_seconds.labels(stage="encode").observe(seconds)

@@ -6,8 +6,12 @@ Every rank PUSHes to the engine's one status socket. At most one batch is in fli
 
 Only WorkerGroup's own methods change its `state`:
 
-    STARTING --ready() of every rank--> READY --stop()--> STOPPED
-        \\__________________fail()____________/--> FAILED
+    STARTING --READY of every rank, warm_up()--> WARMING --warmed()--> READY --stop()--> STOPPED
+        \\_____________________________fail()__________________________/--> FAILED
+
+WARMING: the group's ranks are up and one small real image is being encoded through the production path
+(engine/dispatch.py); only its result makes the group READY, so /ready never reports ranks that cannot
+encode. warm_up(None) goes straight to READY (an engine built without a warm-up image).
 
 `health(now)` is the one judgement of whether a group can serve: the Watchdog below fails the groups it
 condemns, and Engine.readiness() (so /ready) reports the same verdict.
@@ -31,6 +35,7 @@ import torch.multiprocessing as mp
 import zmq
 
 from vitserve.config import Config
+from vitserve.contract import ProcessedImage
 from vitserve.engine.jobs import Job
 from vitserve.model.base import Encoder
 from vitserve.worker import messages as m
@@ -42,6 +47,7 @@ SEND_WAIT_MS = 2000  # the most the event loop waits for rank 0's batch socket t
 
 class GroupState(Enum):
     STARTING = "starting"
+    WARMING = "warming"
     READY = "ready"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -54,10 +60,15 @@ class Batch:
     id: int
     jobs: list[Job]
     started: float  # time.monotonic() at send
+    warmup: ProcessedImage | None = None  # the warm-up encode: one image, no Jobs, kept out of the metrics
 
     @property
     def tokens(self) -> int:
         return sum(j.item.num_tokens for j in self.jobs)
+
+    @property
+    def items(self) -> list[ProcessedImage]:
+        return [self.warmup] if self.warmup is not None else [j.item for j in self.jobs]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -148,15 +159,24 @@ class WorkerGroup:
             raise TimeoutError(f"rank 0 of group {self.index} took no message for {SEND_WAIT_MS} ms")
         self._sock.send_multipart(m.encode(msg), flags=zmq.NOBLOCK, copy=False)
 
-    def kill(self) -> None:
-        """SIGKILL every rank (also a SIGSTOPped one) and reap them: no orphans, no zombies."""
-        for proc in self.processes:
-            if proc.is_alive() and proc.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
+    def kill(self, grace_s: float = 0.0) -> None:
+        """End every rank and reap them: no orphans, no zombies. With `grace_s`, SIGTERM first and SIGKILL
+        whatever still runs after it; SIGKILL at once otherwise (also ends a SIGSTOPped rank)."""
+        if grace_s > 0:
+            self._signal_alive(signal.SIGTERM)
+            end = time.monotonic() + grace_s
+            for proc in self.processes:
+                proc.join(timeout=max(0.0, end - time.monotonic()))
+        self._signal_alive(signal.SIGKILL)
         for proc in self.processes:
             proc.join(timeout=5)
         self._sock.close(linger=0)
+
+    def _signal_alive(self, sig: signal.Signals) -> None:
+        for proc in self.processes:
+            if proc.is_alive() and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, sig)
 
     def join(self, timeout_s: float) -> bool:
         """Wait for a clean exit after STOP; True when every rank exited with code 0."""
@@ -176,7 +196,7 @@ class WorkerGroup:
 
     @property
     def alive(self) -> bool:
-        return self.state in (GroupState.STARTING, GroupState.READY)
+        return self.state in (GroupState.STARTING, GroupState.WARMING, GroupState.READY)
 
     @property
     def idle(self) -> bool:
@@ -187,14 +207,24 @@ class WorkerGroup:
             self.last_seen[rank] = time.monotonic()
 
     def on_ready(self, msg: m.ReadyMsg) -> bool:
-        """Record a rank's READY; True when it completed the group (STARTING -> READY)."""
+        """Record a rank's READY; True when it was the last rank of a STARTING group (now due to warm_up)."""
         self.ready[msg.rank] = msg
         self.heard_from(msg.rank)
-        if len(self.ready) == self.config.tp and self.state is GroupState.STARTING:
-            self.state = GroupState.READY
-            log.info("encoder group %d ready (pids %s)", self.index, self.pids)
-            return True
-        return False
+        return len(self.ready) == self.config.tp and self.state is GroupState.STARTING
+
+    def warm_up(self, batch: Batch | None) -> None:
+        """STARTING -> WARMING with the warm-up batch sent to rank 0; with None straight to READY."""
+        assert self.state is GroupState.STARTING, f"group {self.index} is {self.state.value}"
+        if batch is None:
+            self.warmed()
+            return
+        self.state, self.batch = GroupState.WARMING, batch
+        self.send(m.BatchMsg(batch_id=batch.id, items=batch.items))
+
+    def warmed(self) -> None:
+        """The group passed its warm-up encode (or has none): it takes work from now on."""
+        self.state = GroupState.READY
+        log.info("encoder group %d ready (pids %s)", self.index, self.pids)
 
     def on_alive(self, msg: m.AliveMsg) -> int:
         """Record a rank's liveness report; returns how many heartbeats rank 0 sent since the last one."""
@@ -208,7 +238,7 @@ class WorkerGroup:
         """Send a batch to rank 0 and hold it as in flight (an idle group only)."""
         assert self.idle, f"group {self.index} is not idle"
         self.batch = batch
-        self.send(m.BatchMsg(batch_id=batch.id, items=[j.item for j in batch.jobs]))
+        self.send(m.BatchMsg(batch_id=batch.id, items=batch.items))
 
     def finish_batch(self, batch_id: int) -> Batch | None:
         """The in-flight batch a RESULT answers, which is no longer in flight; None when it is not ours."""

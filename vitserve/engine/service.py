@@ -1,7 +1,7 @@
 """The engine: what the HTTP front end calls (contract.Engine). Owns admission, Jobs, groups and the LLM push.
 
-    engine = Engine(config, metrics)            # encoder_factory=None -> load_configured_encoder
-    await engine.start()                         # spawn dp x tp ranks, wait for every READY
+    engine = Engine(config, metrics, warmup_image=item)  # a small ProcessedImage (api/server.py warmup_image)
+    await engine.start()                         # spawn dp x tp ranks, wait for every READY + warm-up encode
     engine.admit(None)                           # the one queue rule; raises QueueFull with Retry-After
     results = await engine.encode(EncodeRequest(...))
     await engine.shutdown()                      # STOP, join, clean files
@@ -29,7 +29,15 @@ import zmq
 import zmq.asyncio
 
 from vitserve.config import Config
-from vitserve.contract import EncodedImage, EncodeRequest, EngineInfo, ImageResult, Readiness, StageTimes
+from vitserve.contract import (
+    EncodedImage,
+    EncodeRequest,
+    EngineInfo,
+    ImageResult,
+    ProcessedImage,
+    Readiness,
+    StageTimes,
+)
 from vitserve.engine.cache import make_cache
 from vitserve.engine.dispatch import Dispatcher
 from vitserve.engine.groups import GroupState, Watchdog, WorkerGroup, free_port
@@ -38,10 +46,11 @@ from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
 from vitserve.metrics import Metrics
 from vitserve.model.base import Encoder
-from vitserve.reservation_file import remove_reservation
+from vitserve.reservation_file import read_reservation, remove_reservation
 from vitserve.worker.rank import Rendezvous, load_configured_encoder, startup_timeout_s
 
 log = logging.getLogger(__name__)
+TERM_GRACE_S = 1.0  # teardown: SIGTERM the ranks, SIGKILL those still running after this
 GroupFactory = Callable[..., WorkerGroup]  # WorkerGroup's constructor, or a test's in-process group
 
 
@@ -55,9 +64,16 @@ class Engine:
         environ: Mapping[str, str] | None = None,
         processor_clamp: Mapping[str, Any] | None = None,
         group_factory: GroupFactory = WorkerGroup,
+        warmup_image: ProcessedImage | None = None,
     ):
+        """warmup_image: encoded once by every group before the group counts as ready (the CLI always gives
+        one, so /ready means "every rank passed a real encode"); None: a group is ready at its READYs."""
         self.config = config
         self.metrics = metrics
+        self.warmup_image = warmup_image
+        # More conditions of readiness, each a callable returning None when fine or the reason it is not
+        # (e.g. "the LLM receiver at ... is not reachable"); readiness() reports the first failing one.
+        self.readiness_checks: list[Callable[[], str | None]] = []
         self.encoder_factory = encoder_factory or load_configured_encoder
         self.processor_clamp = processor_clamp  # the processor's clamp_info(); part of the cache fingerprint
         self._group_factory = group_factory
@@ -72,7 +88,7 @@ class Engine:
         self._master_port = int(port) if port else None
 
     def _init_state(self) -> None:
-        self._dispatch = Dispatcher(self.config, self.metrics)
+        self._dispatch = Dispatcher(self.config, self.metrics, self.warmup_image)
         self.failed = self._dispatch.all_failed  # set when no encoder group is left
         self._jobs = JobTable(make_cache(self.config, self.metrics))  # cache + dedup
         self._started = False
@@ -88,6 +104,7 @@ class Engine:
         """Spawn dp x tp ranks and return once every rank reported READY (after its reservation)."""
         if self.config.llm_endpoint:  # first: a bad --llm_endpoint fails before any rank is spawned
             self._push = LLMPush(self.config.llm_endpoint, self.metrics)
+            self.readiness_checks.append(self._llm_receiver_check)
         self._ipc_dir = tempfile.mkdtemp(prefix="vitserve-")  # 0700: only this user reaches the sockets
         self._open_sockets()
         groups = self._dispatch.groups
@@ -174,7 +191,7 @@ class Engine:
         self._closed = True
         self._dispatch.fail_all(NotReady("the server shut down before this image was encoded"))
         for group in self._dispatch.groups:
-            group.kill()
+            group.kill(grace_s=TERM_GRACE_S)
             self._remove_reservations(group)
         for task in self._tasks:
             task.cancel()
@@ -191,16 +208,28 @@ class Engine:
         self.metrics.workers_ready.set(0)
 
     def _remove_reservations(self, group: WorkerGroup) -> None:
-        """Ranks remove their own file on a clean exit; this covers ranks that were killed."""
-        for rank, ready in group.ready.items():
-            remove_reservation(self.config.runtime_dir, ready.device.split(":")[0], group.global_rank(rank))
+        """Ranks remove their own file on a clean exit; this covers ranks that were killed, also those
+        stopped during start-up between publishing their file and their READY (only files they wrote)."""
+        pids = set(group.pids)
+        for rank in range(self.config.tp):
+            ready = group.ready.get(rank)
+            devices = (ready.device.split(":")[0],) if ready is not None else ("cpu", "cuda")
+            for device in devices:
+                body = read_reservation(self.config.runtime_dir, device, group.global_rank(rank))
+                if body is not None and (ready is not None or body["pid"] in pids):
+                    remove_reservation(self.config.runtime_dir, device, group.global_rank(rank))
 
     # ------------------------------------------------------------------------------------ state
 
     def readiness(self) -> Readiness:
+        """Ready when every group passed its warm-up encode, no group failed or went silent, and every
+        readiness check passes."""
         if self._stopping:
             return Readiness(False, "shutting down")
         if not self._started:
+            warming = any(g.state is GroupState.WARMING for g in self._dispatch.groups)
+            if warming and not any(g.state is GroupState.STARTING for g in self._dispatch.groups):
+                return Readiness(False, "encoder ranks are up; running the warm-up encode")
             return Readiness(False, "encoder ranks are starting (loading weights, reserving memory)")
         failed = [g.failure for g in self._dispatch.groups if g.state is GroupState.FAILED]
         if failed:
@@ -210,9 +239,17 @@ class Engine:
             reason = self._watchdog.health(group, now)  # the watchdog's own verdict, before it acts on it
             if reason is not None:
                 return Readiness(False, reason)
-        if self._push is not None and not self._push.reachable:  # wire v2 (docs/wire.md)
-            return Readiness(False, f"no LLM receiver is connected at --llm_endpoint {self._push.endpoint}")
+        for check in self.readiness_checks:
+            reason = check()
+            if reason is not None:
+                return Readiness(False, reason)
         return Readiness(True, "ok")
+
+    def _llm_receiver_check(self) -> str | None:
+        """Wire v2 (docs/wire.md): not ready while no LLM receiver is connected to --llm_endpoint."""
+        if self._push is not None and not self._push.reachable:
+            return f"no LLM receiver is connected at --llm_endpoint {self._push.endpoint}"
+        return None
 
     def info(self) -> EngineInfo:
         groups = self._dispatch.groups
@@ -247,7 +284,7 @@ class Engine:
         return self._push.sent if self._push is not None else 0
 
     def groups(self) -> list[dict[str, Any]]:
-        """Per encoder group: {"group", "state" (starting|ready|failed|stopped), "failure", "pids"}."""
+        """Per encoder group: {"group", "state" (starting|warming|ready|failed|stopped), "failure", "pids"}."""
         return [
             {"group": g.index, "state": g.state.value, "failure": g.failure, "pids": g.pids}
             for g in self._dispatch.groups

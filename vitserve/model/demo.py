@@ -12,22 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from vitserve.families import DEMO_VISION_CONFIG
+
 if TYPE_CHECKING:  # transformers is imported lazily: the demo config is built only for --model demo
     from transformers import Qwen2_5_VLConfig
 
 DEMO_SEED = 0
-DEMO_VISION_CONFIG = {
-    "depth": 8,
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_heads": 8,
-    "patch_size": 14,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "window_size": 112,  # Qwen2.5-VL's: 4x4 merged units per window
-    "fullatt_block_indexes": [3, 7],
-    "out_hidden_size": 1024,
-}
 
 log = logging.getLogger(__name__)
 

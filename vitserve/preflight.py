@@ -1,0 +1,267 @@
+"""Refuse, before any rank is spawned, a configuration that can never serve (docs/api.md, exit code 2).
+
+`check(config)` reads only the flags and the checkpoint's config.json (json, no torch, no transformers), so
+it answers in well under a second. `check_budget` takes the image processor's clamp_info, the one place
+that knows a family's smallest image. Each refusal is one ConfigError that names the flag and a value that
+would work. The ranks and the processor keep their own checks; these move the failures that are certain
+in front of every slow step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from functools import reduce
+from pathlib import Path
+from typing import Any
+
+from vitserve.config import Config
+from vitserve.errors import ConfigError
+from vitserve.families import (
+    DEMO_FAMILY,
+    DEMO_VISION_CONFIG,
+    FAMILIES,
+    MODEL_TYPES,
+    Family,
+    family_of_model_type,
+    tokens_per_tile,
+)
+
+log = logging.getLogger(__name__)
+IPC_PATH_MAX = 107  # bytes in a Unix socket path (sun_path is 108 with the terminating NUL)
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+# Where each family's vision config keeps the sizes that vitserve/model/tp.py splits across --tp ranks:
+# attention heads (q, k and v are split by head), the width (the attention output projection's input),
+# and the MLP width (column- then row-parallel). Mergers and projectors are replicated, not split.
+_HEADS_KEY = {"internvl": "num_attention_heads"}  # every other family: "num_heads"
+_WIDTH_KEY = {"qwen2_vl": "embed_dim"}  # every other family: "hidden_size"
+
+
+def check(config: Config) -> None:
+    """Every refusal that needs only the flags and the checkpoint's JSON files."""
+    if config.llm_endpoint is not None:
+        check_llm_endpoint(config.llm_endpoint)
+    family, top = _checkpoint(config.model, config.model_family)
+    check_tp(config.tp, family, top["vision_config"])
+    path = None if config.model == "demo" else Path(config.model)
+    smallest = smallest_image(family, top, _processor_config(path))
+    if smallest is not None:
+        check_budget(config.budget_tokens, family, *smallest)
+
+
+def _checkpoint(model: str, family_flag: str) -> tuple[Family, Mapping[str, Any]]:
+    """The family and config.json of --model; refuses a directory vitserve cannot load."""
+    if model == "demo":
+        demo = FAMILIES[DEMO_FAMILY]
+        _check_family_flag(family_flag, demo, "--model demo is")
+        return demo, {"vision_config": DEMO_VISION_CONFIG}
+    path = Path(model)
+    if not path.is_dir():
+        raise ConfigError(
+            f"--model {model!r} is not a directory; give a local Hugging Face checkpoint directory, or demo"
+        )
+    top = _read_config(path)
+    model_type = str(top.get("model_type", ""))
+    if family_flag != "auto" and model_type in MODEL_TYPES:
+        _check_family_flag(
+            family_flag, family_of_model_type(model_type), f"config.json's model_type {model_type!r} is"
+        )
+    family = family_of_model_type(model_type, family_flag)  # refuses unknown and unloadable model types
+    vision = top.get("vision_config")
+    if not isinstance(vision, dict):
+        raise ConfigError(
+            f"--model {model!r}: config.json has no vision_config; give the full {family.display} checkpoint "
+            "(vision tower and language model), not a language-model-only one"
+        )
+    _check_weights(path)
+    return family, top
+
+
+def _read_config(path: Path, name: str = "config.json") -> dict[str, Any]:
+    file = path / name
+    if not file.is_file():
+        raise ConfigError(f"--model {str(path)!r} has no {name}; give a Hugging Face checkpoint directory")
+    try:
+        parsed = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"--model: cannot read {file} ({exc}); give a Hugging Face checkpoint directory"
+        ) from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"--model: {file} is not a JSON object; give a Hugging Face checkpoint directory")
+    return parsed
+
+
+def _check_family_flag(flag: str, found: Family, what: str) -> None:
+    if flag not in ("auto", found.name):
+        raise ConfigError(
+            f"--model_family {flag} does not match the checkpoint: {what} a {found.display} tower; "
+            f"use --model_family {found.name} (or auto)"
+        )
+
+
+def _check_weights(path: Path) -> None:
+    """vitserve reads safetensors only (vitserve/model/weights.py): one file, or shards with their index."""
+    if (path / SAFETENSORS_INDEX).is_file() or any(path.glob("*.safetensors")):
+        return
+    found = sorted(p.name for p in path.glob("*.bin"))
+    what = (
+        f"only PyTorch .bin files ({', '.join(found[:3])}), which vitserve does not read"
+        if found
+        else "no weights"
+    )
+    raise ConfigError(
+        f"--model {str(path)!r} has {what}; give a checkpoint with *.safetensors weights "
+        "(transformers' save_pretrained writes them by default)"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ --tp
+
+
+def shard_sizes(family: Family, vision: Mapping[str, Any]) -> dict[str, int]:
+    """What --tp must divide, by name, from the vision config (keys it lacks are left to the ranks)."""
+    heads, width = (
+        vision.get(_HEADS_KEY.get(family.name, "num_heads")),
+        vision.get(_WIDTH_KEY.get(family.name, "hidden_size")),
+    )
+    mlp = vision.get("intermediate_size")
+    if family.name == "qwen2_vl" and width is not None:
+        mlp = int(width * vision.get("mlp_ratio", 4))  # Qwen2-VL's MLP: int(embed_dim * mlp_ratio)
+    named = {"vision attention heads": heads, "vision width": width, "MLP width": mlp}
+    return {what: int(v) for what, v in named.items() if isinstance(v, (int, float)) and v > 0}
+
+
+def allowed_tp(sizes: Mapping[str, int]) -> list[int]:
+    """Every --tp that divides all of `sizes`."""
+    common = reduce(math.gcd, sizes.values(), 0)
+    return [d for d in range(1, common + 1) if common % d == 0] if common else []
+
+
+def check_tp(tp: int, family: Family, vision: Mapping[str, Any]) -> None:
+    sizes = shard_sizes(family, vision)
+    for what, value in sizes.items():
+        if value % tp:
+            raise ConfigError(
+                f"--tp {tp} does not divide the {family.display} {what} ({value}); "
+                f"use --tp {_or_list(allowed_tp(sizes))}"
+            )
+
+
+def _or_list(values: list[int]) -> str:
+    text = [str(v) for v in values]
+    return text[0] if len(text) == 1 else f"{', '.join(text[:-1])} or {text[-1]}"
+
+
+# ------------------------------------------------------------------------------------------------ budget
+
+
+def _processor_config(path: Path | None) -> dict[str, Any] | None:
+    """The image processor's parameters as HF's from_pretrained reads them, None when the checkpoint has none."""
+    if path is None:
+        return None
+    if (path / "preprocessor_config.json").is_file():
+        return _read_config(path, "preprocessor_config.json")
+    if (path / "processor_config.json").is_file():
+        section = _read_config(path, "processor_config.json").get("image_processor")
+        return section if isinstance(section, dict) else None
+    return None
+
+
+def _first(value: Any) -> int:
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
+
+
+def smallest_image(
+    family: Family, top: Mapping[str, Any], processor: Mapping[str, Any] | None
+) -> tuple[int, str] | None:
+    """(tokens, what) of the smallest image the family's processor produces: Qwen grows every image to at
+    least min_pixels, InternVL's smallest image is one tile. The same sources, in the same order, as
+    vitserve/processors/hf_config.py; None when a value only HF's class defaults would give is missing
+    (the loaded processor's clamp_info is then checked by check_processor_budget)."""
+    vision = top.get("vision_config") or {}
+    if family.layout == "tiles":
+        return _smallest_tile(family, top, vision, processor)
+    found: tuple[Any, Any, Any]  # min_pixels, patch, merge
+    if processor is None:
+        spatial = (
+            vision.get("patch_size", family.patch_size),
+            vision.get("spatial_merge_size", family.merge_size),
+        )
+        found = (family.min_pixels, _first(spatial[0]), _first(spatial[1]))
+    else:
+        size = processor.get("size")
+        shortest = size.get("shortest_edge") if isinstance(size, dict) else None
+        found = (
+            processor.get("min_pixels", shortest),
+            processor.get("patch_size"),
+            processor.get("merge_size"),
+        )
+        if None in found:
+            return None
+    min_pixels, factor = int(found[0]), int(found[1]) * int(found[2])
+    return max(1, -(-min_pixels // (factor * factor))), f"min_pixels {min_pixels}"
+
+
+def _smallest_tile(
+    family: Family, top: Mapping[str, Any], vision: Mapping[str, Any], processor: Mapping[str, Any] | None
+) -> tuple[int, str] | None:
+    if processor is None:
+        tile = _first(vision.get("image_size", family.tile_size))
+    else:
+        size = processor.get("size")
+        if not isinstance(size, dict) or "height" not in size:
+            return None
+        tile = int(size["height"])
+    patch = _first(vision.get("patch_size", family.patch_size))
+    ratio = float(top.get("downsample_ratio", family.downsample_ratio))
+    return tokens_per_tile(tile, patch, ratio), f"one {tile}-pixel tile"
+
+
+def check_budget(budget_tokens: int, family: Family, minimum: int, what: str) -> None:
+    """A budget below the family's smallest image would refuse images with 413 (every image, for tiles)."""
+    if 0 < budget_tokens < minimum:
+        raise ConfigError(
+            f"--visual_batch_max_tokens {budget_tokens} is below the smallest {family.display} image "
+            f"({what}: {minimum} tokens); use --visual_batch_max_tokens {minimum} or more"
+        )
+
+
+def check_processor_budget(budget_tokens: int, clamp_info: Mapping[str, Any]) -> None:
+    """check_budget from a loaded image processor's clamp_info: the backstop for what smallest_image could
+    not tell from the JSON files."""
+    tiles = "tokens_per_tile" in clamp_info
+    minimum = int(clamp_info["tokens_per_tile"] if tiles else clamp_info.get("min_tokens") or 0)
+    what = "one tile" if tiles else f"min_pixels {clamp_info.get('min_pixels')}"
+    check_budget(budget_tokens, FAMILIES[clamp_info["family"]], minimum, what)
+
+
+# ------------------------------------------------------------------------------------------------ ipc
+
+
+def check_llm_endpoint(endpoint: str) -> None:
+    """An ipc:// endpoint's directory is created (0700) when missing: the LLM server binds the socket there,
+    and in a pod the two containers may start in either order. Refused: a path too long for a Unix socket,
+    or a directory that cannot be made."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = Path(endpoint.removeprefix("ipc://"))
+    if len(str(path).encode()) > IPC_PATH_MAX:
+        raise ConfigError(
+            f"--llm_endpoint {endpoint!r}: the socket path is {len(str(path).encode())} bytes, above the "
+            f"{IPC_PATH_MAX}-byte limit of Unix sockets; use a shorter path such as ipc:///run/vitserve/llm.sock"
+        )
+    directory = path.parent
+    if directory.is_dir():
+        return
+    try:
+        directory.mkdir(mode=0o700, parents=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"--llm_endpoint {endpoint!r}: cannot create its directory {directory} ({exc.strerror or exc}); "
+            "create it, or use a path in a writable directory"
+        ) from None
+    log.info("created %s (mode 0700) for --llm_endpoint %s", directory, endpoint)
