@@ -249,3 +249,19 @@ def test_k8s_runs_non_root_with_capabilities_dropped():
     for c in pod["containers"]:
         assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_api_docs_give_the_manifests_probe_settings():
+    """docs/api.md's probe block is what deploy/k8s/vitserve-pod.yaml ships (numbers that drift apart confuse)."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    block = re.search(r"```yaml\n(startupProbe:.*?)```", text, re.S)
+    assert block, "docs/api.md has no probe block"
+    documented = yaml.safe_load(block.group(1))
+    pod = _pod()
+    shipped = _container(pod, "vitserve")
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        want = {k: v for k, v in shipped[kind].items() if k != "httpGet"}
+        got = {k: v for k, v in documented[kind].items() if k != "httpGet"}
+        assert got == want, kind
+        assert documented[kind]["httpGet"]["path"] == shipped[kind]["httpGet"]["path"]
+    assert documented["terminationGracePeriodSeconds"] == pod["terminationGracePeriodSeconds"]
