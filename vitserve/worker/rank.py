@@ -11,11 +11,14 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,6 +120,7 @@ class RankWorker:
         self.inbox: zmq.Socket[bytes] | None = None
         self.encoder: Encoder | None = None
         self.distributed = self.cfg.tp > 1
+        self.peak_watch: Any = None  # reservation_cache.PeakWatch once the reservation is measured
 
     # ------------------------------------------------------------------------------------ start-up
 
@@ -190,7 +194,10 @@ class RankWorker:
         )
 
     def _init_encoder(self) -> None:
+        self._say(f"loading weights: --model {self.cfg.model} on {self.device}")
+        start = time.monotonic()
         self.encoder = enc = self.args.encoder_factory(self.cfg)
+        self._say(f"loading weights: done in {time.monotonic() - start:.1f} s")
         # Encoders that shard themselves (test fakes) say so; real towers get the TP pass.
         if self.distributed and not getattr(enc, "handles_tp", False):
             from vitserve.model.tp import apply_tp  # only needed for tp > 1
@@ -198,21 +205,64 @@ class RankWorker:
             apply_tp(enc.visual, enc.family)
 
     def _init_reservation(self) -> None:
+        """The stored reservation when nothing changed since it was measured, else the stress; then publish."""
         from vitserve.reservation_file import publish_reservation
-        from vitserve.worker.stress import reserve
+        from vitserve.worker import reservation_cache as cache
+        from vitserve.worker import stress
 
-        override = self.cfg.visual_reserved_mem_gb
-        assert self.encoder is not None
-        res = reserve(
-            self.encoder,
-            budget_tokens=self.cfg.budget_tokens,
-            max_batch_images=self.cfg.max_batch_images,
-            override_gb=override,
-        )
-        publish_reservation(
-            self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source
-        )
+        enc, cfg = self.encoder, self.cfg
+        assert enc is not None
+        cache_file: Path | None = None
+        if cfg.visual_reserved_mem_gb is not None:
+            res = stress.reserve(
+                enc, budget_tokens=0, max_batch_images=1, override_gb=cfg.visual_reserved_mem_gb
+            )
+        else:
+            shape = stress.stress_shape(cfg, enc.family)
+            key = cache.cache_key(
+                model=cfg.model, family=enc.family, dtype=enc.dtype, device=self.device, tp=cfg.tp,
+                rank=self.args.rank, shape=shape,
+            )  # fmt: skip
+            cache_file = cache.cache_path(cfg.runtime_dir, self.device.type, self.args.global_rank)
+            res = self._reserve(shape, key, cache_file)
+        self._say(f"publishing: {res.bytes / 2**20:.0f} MiB reserved ({_how(res)})")
+        publish_reservation(cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source)
         self.reservation = res
+        self.peak_watch = (
+            cache.PeakWatch(self.device, res.baseline, res.bytes, cache_file)
+            if res.source == "stress"
+            else None
+        )
+
+    def _reserve(self, shape: Any, key: dict[str, Any], cache_file: Path) -> Any:
+        from vitserve.worker import reservation_cache as cache
+        from vitserve.worker import stress
+
+        assert self.encoder is not None
+        entry = cache.load(cache_file, key)
+        if entry is not None:
+            self._say(f"stress: skipped, the reservation stored in {cache_file} matches this setup")
+            stored = stress.Reservation(
+                entry.bytes, "stress", entry.tokens, entry.images, entry.method, entry.detail
+            )
+            return stress.adopt(self.encoder, stored)
+        self._say(f"stress: measuring the worst case at --visual_batch_max_tokens {shape.budget_tokens}")
+        res = stress.reserve(
+            self.encoder,
+            budget_tokens=shape.budget_tokens,
+            max_batch_images=shape.max_batch_images,
+            override_gb=None,
+            max_tiles_per_image=shape.max_tiles_per_image,
+            max_image_tokens=shape.max_image_tokens,
+            progress=self._say,
+        )
+        cache.store(cache_file, key, cache.Entry(res.bytes, res.method, res.detail, res.tokens, res.images))
+        return res
+
+    def _say(self, line: str) -> None:
+        """A progress line on stderr whatever --log_level says (like the banner), from rank 0 of each group."""
+        if self.args.rank == 0:
+            print(f"vitserve [group {self.args.group}] {line}", file=sys.stderr, flush=True)
 
     def _init_inbox(self) -> None:
         if self.args.rank != 0:
@@ -256,6 +306,8 @@ class RankWorker:
             assert batch is not None
             outputs = self._forward(batch)  # 2) the same forward on every rank, on its shard
             self.counters.batches += 1
+            if self.peak_watch is not None:
+                self.peak_watch.check()  # a live peak above the reservation: warn, re-measure next start
             if self.args.rank == 0:
                 self._reply(batch.batch_id, outputs)  # 3) embeddings back to the engine
             # Drop this batch's frames before waiting for the next: otherwise two batches' pixels are live in
@@ -354,3 +406,10 @@ class RankWorker:
         from vitserve.reservation_file import remove_reservation
 
         remove_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank)
+
+
+def _how(res: Any) -> str:
+    """How a reservation was found, for the progress line."""
+    if res.source == "override":
+        return "--visual_reserved_mem_gb"
+    return f"{res.method}, stored" if res.cached else res.method

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import logging
 import resource
 import time
@@ -36,9 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vitserve.config import GIB
+from vitserve.config import GIB, Config
 from vitserve.errors import ConfigError
-from vitserve.families import DISABLED_BUDGET_TOKENS
+from vitserve.families import DISABLED_BUDGET_TOKENS, FAMILIES
 from vitserve.model.base import Encoder
 from vitserve.worker import memory_model
 from vitserve.worker.worst_case import (
@@ -66,8 +67,10 @@ class Reservation:
     source: str  # "stress" | "override"
     tokens: int = 0  # image tokens in the stressed batch (0 for an override)
     images: int = 0  # images in the stressed batch
-    method: str = "override"  # "full" (the full-budget stress ran) | "extrapolated" (memory_model) | "override"
+    method: str = "override"  # "full" (the full-budget stress) | "extrapolated" (memory_model) | "override"
     detail: str = ""  # which shapes were measured, for the log
+    baseline: int = 0  # what the bytes are counted from: CPU RSS / CUDA pool before the stress (PeakWatch)
+    cached: bool = False  # taken from the reservation cache, no stress ran
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,27 @@ class StressShape:
 
     def bounds(self) -> dict[str, int | None]:
         return {"max_tiles_per_image": self.max_tiles_per_image, "max_image_tokens": self.max_image_tokens}
+
+
+def stress_shape(config: Config, family: str) -> StressShape:
+    """The flags' bounds, plus the processor's per-image limits where the worst case needs them: budget 0
+    (the largest image the processor emits) and InternVL (max tiles per image). Loading the processor here
+    costs an import of the HF image processors, so only those cases do it."""
+    shape = StressShape(config.budget_tokens, config.max_batch_images)
+    layout = getattr(FAMILIES.get(family), "layout", None)
+    if config.budget_tokens > 0 and layout != "tiles":
+        return shape
+    from vitserve.processors import load_image_processor
+
+    name = family if config.model == "demo" else config.model
+    info = load_image_processor(name, config.budget_tokens, family=config.model_family).clamp_info()
+    if layout == "tiles":
+        tiles = int(info["max_patches"]) + (1 if int(info["max_patches"]) > 1 else 0)  # + the thumbnail
+        return dataclasses.replace(
+            shape, max_tiles_per_image=tiles, max_image_tokens=tiles * int(info["tokens_per_tile"])
+        )
+    factor = int(info["patch_size"]) * int(info["merge_size"])
+    return dataclasses.replace(shape, max_image_tokens=int(info["max_pixels"]) // factor**2)
 
 
 Progress = Callable[[str], None]  # one line per step of the stress, for the operator (stderr)
@@ -125,8 +149,18 @@ def reserve(
         nbytes = meter.hold(est.reserved_bytes)
         method, detail = "extrapolated", memory_model.describe(est)
     nbytes = meter.finish(nbytes)
-    log.info("reserved %d bytes for the worst case (%d tokens in %d images): %s", nbytes, tokens, images, detail)
-    return Reservation(nbytes, "stress", tokens, images, method, detail)
+    log.info(
+        "reserved %d bytes for the worst case (%d tokens in %d images): %s", nbytes, tokens, images, detail
+    )
+    return Reservation(nbytes, "stress", tokens, images, method, detail, meter.baseline)
+
+
+def adopt(encoder: Encoder, stored: Reservation) -> Reservation:
+    """A reservation measured by an earlier start under the same key (reservation_cache): hold it (CUDA) and
+    count the live peak from now."""
+    meter = _meter(encoder)
+    meter.hold(stored.bytes)
+    return dataclasses.replace(stored, baseline=meter.baseline, cached=True)
 
 
 def _probe_scale(shape: StressShape) -> int:
@@ -194,6 +228,8 @@ def hold_in_cuda_pool(device: torch.device | str, nbytes: int) -> None:
 class _Meter:
     """Measures the activation memory of a few runs against one baseline taken before the first."""
 
+    baseline = 0  # bytes: CPU RSS / CUDA pool when the meter was made
+
     def measure(self, run: Callable[[], None]) -> int:
         raise NotImplementedError
 
@@ -218,7 +254,7 @@ class _CudaMeter(_Meter):
     def __init__(self, dev: torch.device) -> None:
         self.dev = dev
         torch.cuda.synchronize(dev)
-        self.reserved_before = torch.cuda.memory_reserved(dev)
+        self.reserved_before = self.baseline = torch.cuda.memory_reserved(dev)
         self.allocated_before = torch.cuda.memory_allocated(dev)
 
     def measure(self, run: Callable[[], None]) -> int:
@@ -241,14 +277,15 @@ class _CpuMeter(_Meter):
 
     def __init__(self) -> None:
         _release_free_heap()
-        self.rss_before = _proc_status_kib("VmRSS")
+        self.rss_before = proc_status_kib("VmRSS")
+        self.baseline = (self.rss_before or 0) * 1024
         self.maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
     def measure(self, run: Callable[[], None]) -> int:
         _release_free_heap()
         reset = _reset_rss_peak()
         run()
-        hwm = _proc_status_kib("VmHWM")
+        hwm = proc_status_kib("VmHWM")
         if reset and hwm is not None and self.rss_before is not None:
             # The baseline is logged so that a test (or an operator) can check runtime peaks against it.
             log.info("CPU stress: VmRSS %d KiB before, VmHWM %d KiB after", self.rss_before, hwm)
@@ -287,7 +324,7 @@ def _reset_rss_peak() -> bool:
     return True
 
 
-def _proc_status_kib(key: str) -> int | None:
+def proc_status_kib(key: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:

@@ -1,0 +1,181 @@
+"""The reservation cache: a rank's measured reservation, kept in --runtime_dir so that a restart with nothing
+changed skips the start-up stress (docs/engine.md, "Start-up").
+
+One file per rank, reservation_cache_<device>_<global rank>.json, written atomically
+(vitserve/reservation_file.write_json_atomic). It holds the key the reservation was measured under and the
+result. The key is everything that can change the bytes: the weights, dtype, device model, TP degree and
+rank, budget, batch-image cap, family, the processor's per-image limits, thread count, and the vitserve,
+torch and transformers versions. A different key means re-measure, with a warning that names what changed.
+
+The weights fingerprint is sha256 over config.json and preprocessor_config.json (their bytes) and, for every
+weight file, its name, size and mtime_ns. Not a hash of the weights' content: that reads every byte of the
+checkpoint (15 GB for a 7B model: tens of seconds), which is the start-up time this cache exists to save;
+and activation memory depends on the shapes in the configs, not on the values of the weights. Rewriting a
+weight file changes its mtime_ns, so a replaced checkpoint is re-measured anyway.
+
+PeakWatch checks after every batch that the live peak stays within the published bytes (CPU: VmHWM growth
+over the baseline; CUDA: max_memory_reserved growth); above it, it warns once and deletes the cache entry,
+so the next start measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import vitserve
+from vitserve.reservation_file import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when the stress or the model changes what a stored number means
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+_CONFIG_FILES = ("config.json", "preprocessor_config.json")
+
+
+def cache_path(runtime_dir: str | os.PathLike[str], device_type: str, global_rank: int) -> Path:
+    return Path(runtime_dir) / f"reservation_cache_{device_type.replace(os.sep, '_')}_{int(global_rank)}.json"
+
+
+def weights_fingerprint(model: str) -> str:
+    """sha256 over the configs' bytes and each weight file's name, size and mtime_ns (see the module doc)."""
+    h = hashlib.sha256()
+    path = Path(model)
+    if model == "demo" or not path.is_dir():  # the demo tower is built from vitserve's own code and seed
+        from vitserve.model.demo import DEMO_SEED, DEMO_VISION_CONFIG
+
+        h.update(json.dumps({"demo": DEMO_VISION_CONFIG, "seed": DEMO_SEED}, sort_keys=True).encode())
+        return h.hexdigest()
+    for name in _CONFIG_FILES:
+        with_config = path / name
+        h.update(name.encode() + b"\0" + (with_config.read_bytes() if with_config.is_file() else b""))
+    for file in sorted(path.iterdir()):
+        if file.name.endswith(_WEIGHT_SUFFIXES):
+            st = file.stat()
+            h.update(f"{file.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()
+
+
+def device_name(device: torch.device) -> str:
+    """CUDA: the GPU's name; CPU: the processor model (its kernels and caches shape the RSS growth)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def cache_key(
+    *, model: str, family: str, dtype: torch.dtype, device: torch.device, tp: int, rank: int, shape: Any
+) -> dict[str, Any]:
+    """Everything the stored bytes depend on. shape: vitserve.worker.stress.StressShape."""
+    import transformers
+
+    return {
+        "format": CACHE_FORMAT,
+        "weights": weights_fingerprint(model),
+        "family": family,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device_name(device),
+        "threads": torch.get_num_threads() if device.type == "cpu" else 0,
+        "tp": tp,
+        "rank": rank,
+        "budget_tokens": shape.budget_tokens,
+        "max_batch_images": shape.max_batch_images,
+        "max_tiles_per_image": shape.max_tiles_per_image,
+        "max_image_tokens": shape.max_image_tokens,
+        "vitserve": vitserve.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A stored reservation: the bytes to publish and how they were found."""
+
+    bytes: int
+    method: str
+    detail: str
+    tokens: int
+    images: int
+
+
+def load(path: Path, key: dict[str, Any]) -> Entry | None:
+    """The stored entry when its key equals `key`; else None, with a warning naming what changed."""
+    try:
+        body = json.loads(path.read_text())
+        stored, entry = body["key"], Entry(**body["entry"])
+    except FileNotFoundError:
+        log.info("no stored reservation at %s: measuring", path)
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("the stored reservation %s is unreadable (%s): measuring again", path, exc)
+        return None
+    if stored != key:
+        changed = sorted(k for k in key.keys() | stored.keys() if stored.get(k) != key.get(k))
+        what = ", ".join(f"{k} {stored.get(k)!r} -> {key.get(k)!r}" for k in changed)
+        log.warning("the stored reservation was measured under another setup (%s): measuring again", what)
+        return None
+    return entry
+
+
+def store(path: Path, key: dict[str, Any], entry: Entry) -> None:
+    try:
+        write_json_atomic(path, {"key": key, "entry": entry.__dict__})
+    except OSError as exc:  # a read-only runtime dir costs the next start a stress, nothing else
+        log.warning("could not store the reservation at %s (%s); the next start measures again", path, exc)
+
+
+def invalidate(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not remove the stored reservation %s: %s", path, exc)
+
+
+class PeakWatch:
+    """After each batch: is the live peak still within the published bytes? Cheap (one /proc read on CPU,
+    one allocator counter on CUDA); warns and invalidates the cache entry once, the first time it is not."""
+
+    def __init__(self, device: torch.device, baseline: int, published: int, cache_file: Path | None):
+        self.device, self.baseline, self.published, self.cache_file = device, baseline, published, cache_file
+        self.exceeded = False
+
+    def check(self) -> None:
+        if self.exceeded:
+            return
+        growth = self._peak() - self.baseline
+        if growth <= self.published:
+            return
+        self.exceeded = True
+        log.warning(
+            "live memory peak %d bytes above the start-up baseline exceeds the %d bytes reserved; the stored "
+            "reservation is dropped so the next start measures again (or set --visual_reserved_mem_gb)",
+            growth,
+            self.published,
+        )
+        if self.cache_file is not None:
+            invalidate(self.cache_file)
+
+    def _peak(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_reserved(self.device))
+        from vitserve.worker.stress import proc_status_kib
+
+        hwm = proc_status_kib("VmHWM")
+        return 0 if hwm is None else hwm * 1024
