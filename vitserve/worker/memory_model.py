@@ -143,20 +143,21 @@ def probe_budgets(budget: int) -> list[int]:
 
 
 def estimate(
-    budget: int,
+    scale: int,
     full: Shape,
     measure: Callable[[int], Probe],
     *,
     fast_enough_s: float = FULL_STRESS_MAX_S,
+    max_probes: int | None = None,
 ) -> Estimate | None:
     """Measure probes smallest first; None when the full-budget stress is cheap enough to run instead.
 
-    budget: the tokens a batch may hold (budget 0: max_batch_images x the largest image). full: the shape
-    of the full budget's worst case. measure(b): the worst case at budget b, measured like the full stress.
-    Stops once MIN_PROBES are in and either the full stress is predicted to take <= fast_enough_s (None:
-    run it) or the last probe took PROBE_TARGET_S.
+    scale: what the probe budgets are fractions of (the budget; with budget 0 the largest image). full: the
+    shape of the full budget's worst case. measure(b): the worst case at budget b, measured like the full
+    stress. Stops once MIN_PROBES are in and either the full stress is predicted to take <= fast_enough_s
+    (None: run it) or the last probe took PROBE_TARGET_S (or max_probes are in).
     """
-    candidates = probe_budgets(budget)
+    candidates = probe_budgets(scale)[:max_probes]
     if len(candidates) < MIN_PROBES:
         return None
     probes: list[Probe] = []

@@ -1,0 +1,73 @@
+"""Validation of the memory model (vitserve/worker/memory_model.py) against full-budget measurements, for every
+family at TP 1 and 2: real spawned gloo ranks, real tiny checkpoints, the production encoder and the
+production measurement (vitserve/worker/stress.py).
+
+This is what MODEL_MARGIN rests on. Each rank measures the production probes (the first MIN_PROBES shapes,
+as on a slow CPU: budget/128, /64, /32, i.e. an extrapolation by 32x), then the whole full-budget stress
+(every composition of worst_case.stress_batches: what the full stress would publish) against the same
+baseline. The full-budget growth must stay within the prediction plus MODEL_MARGIN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.checkpoints import FAMILIES, make_checkpoint
+from tests.dist import run_ranks
+from vitserve.worker import memory_model as mm
+from vitserve.worker.memory_model import MODEL_MARGIN, Shape
+
+BUDGET = 8192  # tokens: probes of 64, 128 and 256 tokens, and a full-budget growth well above RSS noise
+MAX_IMAGES = 8
+
+
+def _probe_then_full(rank: int, world: int, path: str, budget: int) -> tuple[int, int, list]:
+    from vitserve.config import Config
+    from vitserve.model import load_encoder
+    from vitserve.model.fast_alloc import tune_cpu_allocator
+    from vitserve.model.tp import apply_tp
+    from vitserve.worker import stress
+    from vitserve.worker.worst_case import worst_case_units
+
+    tune_cpu_allocator()
+    enc = load_encoder(path)
+    if world > 1:
+        apply_tp(enc.visual, enc.family)
+    shape = stress.stress_shape(
+        Config(model=path, visual_batch_max_tokens=budget, visual_infer_batch_size=MAX_IMAGES), enc.family
+    )
+    units, _ = worst_case_units(enc, budget, MAX_IMAGES, **shape.bounds())
+    meter = stress._meter(enc)
+    with torch.inference_mode():
+        est = mm.estimate(
+            budget,
+            Shape.of_units(units),
+            lambda b: stress._probe(enc, meter, shape, b, lambda line: None),
+            fast_enough_s=0.0,
+            max_probes=mm.MIN_PROBES,
+        )
+        assert est is not None
+        full = meter.measure(lambda: stress._run_full(enc, shape, lambda line: None))
+    return est.predicted_bytes, full, [(p.shape.tokens, p.bytes) for p in est.probes]
+
+
+def _validate(family: str, tp: int, tmp_path) -> None:
+    path = str(make_checkpoint(family, tmp_path / family))
+    for predicted, full, probes in run_ranks(_probe_then_full, tp, path, BUDGET, timeout_s=120):
+        ratio = full / predicted
+        print(f"{family} tp{tp}: probes {probes}, predicted {predicted}, full {full}, ratio {ratio:.3f}")
+        assert full > 20 * 2**20, "the full-budget growth must stand well above RSS noise"
+        assert ratio <= 1 + MODEL_MARGIN, f"{family} tp{tp}: full-budget growth {ratio:.2f}x the prediction"
+
+
+@pytest.mark.parametrize(("family", "tp"), [("qwen2_5_vl", 1), ("internvl", 2)])
+def test_the_model_bounds_the_full_budget_stress(family, tp, tmp_path):
+    _validate(family, tp, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_model_bounds_the_full_budget_stress_for_every_family(family, tp, tmp_path):
+    _validate(family, tp, tmp_path)
