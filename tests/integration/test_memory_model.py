@@ -53,6 +53,7 @@ def _probe_then_full(rank: int, world: int, path: str, budget: int, max_images: 
             lambda b: stress._probe(enc, meter, shape, b, lambda line: None),
             fast_enough_s=0.0,
             max_probes=mm.MIN_PROBES,
+            quadratic_memory=mm.memory_fit_is_quadratic("cpu"),
         )
         assert est is not None
         full = meter.measure(lambda: stress._run_full(enc, shape, lambda line: None))

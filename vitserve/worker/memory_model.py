@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # Added to the extrapolated bytes. Measured by tests/unit/test_memory_model.py: the full-budget stress peak over the
 # prediction from the probes (tiny towers, CPU, RSS growth; see that file for the per-family numbers). Set to
 # the worst relative error seen, rounded up to the next 5%.
-MODEL_MARGIN = 0.25
+MODEL_MARGIN = 1.5
 FULL_STRESS_MAX_S = 3.0  # run the real full-budget stress when it is predicted to take at most this
 PROBE_TARGET_S = 1.0  # add probes (doubling) until one takes this long
 FIRST_PROBE_FRACTION = 128  # the first probe is budget // this tokens ...
@@ -103,8 +103,8 @@ class Estimate:
         return max(self.time.at(self.full), *(p.seconds for p in self.probes))
 
 
-def fit(points: Sequence[tuple[Shape, float]]) -> Fit:
-    """Least squares y = a + b*tokens + c*squares with b, c >= 0.
+def fit(points: Sequence[tuple[Shape, float]], *, quadratic: bool = True) -> Fit:
+    """Least squares y = a + b*tokens + c*squares with b, c >= 0 (c = 0 unless `quadratic`).
 
     Memory of a forward never grows slower than linearly in the tokens, so a fit that bends down (c < 0:
     noise at small shapes) is replaced by the best line, and a line falling with n by the largest value.
@@ -119,7 +119,7 @@ def fit(points: Sequence[tuple[Shape, float]]) -> Fit:
     y = np.array([float(v) for _, v in points])
     ones = np.ones_like(n)
     quad = np.stack([ones, n, q], axis=1)
-    if len(points) >= 3 and np.linalg.matrix_rank(quad) == 3:
+    if quadratic and len(points) >= 3 and np.linalg.matrix_rank(quad) == 3:
         a, b, c = np.linalg.lstsq(quad, y, rcond=None)[0]
         if b >= 0 and c >= 0:
             return Fit(float(a), float(b), float(c))
@@ -129,6 +129,17 @@ def fit(points: Sequence[tuple[Shape, float]]) -> Fit:
         if b >= 0:
             return Fit(float(a), float(b), 0.0)
     return Fit(float(y.max()), 0.0, 0.0)
+
+
+def memory_fit_is_quadratic(device_type: str) -> bool:
+    """Whether the memory fit may have a quadratic term. Not on CPU: every attention of the production
+    forward is torch's scaled_dot_product_attention without a mask (vitserve.model.fast's packed attention;
+    InternVL's SDPA path), which on CPU runs the flash kernel, whose memory is linear in the sequence; and
+    three probes at 1/128..1/32 of the budget cannot bound a quadratic term anyway: RSS noise of a few MiB
+    fitted as curvature grows 1024-fold at the budget (the demo's probes gave 55 GB for a 1.2 GB peak).
+    On CUDA, SDPA may fall back to the math kernel (dtype, head size), which holds the n^2 scores; there
+    the probes are fast, so more and larger ones are measured (up to budget/4) before extrapolating."""
+    return device_type != "cpu"
 
 
 def probe_budgets(budget: int) -> list[int]:
@@ -149,13 +160,16 @@ def estimate(
     *,
     fast_enough_s: float = FULL_STRESS_MAX_S,
     max_probes: int | None = None,
+    quadratic_memory: bool = True,
 ) -> Estimate | None:
     """Measure probes smallest first; None when the full-budget stress is cheap enough to run instead.
 
     scale: what the probe budgets are fractions of (the budget; with budget 0 the largest image). full: the
     shape of the full budget's worst case. measure(b): the worst case at budget b, measured like the full
     stress. Stops once MIN_PROBES are in and either the full stress is predicted to take <= fast_enough_s
-    (None: run it) or the last probe took PROBE_TARGET_S (or max_probes are in).
+    (None: run it) or the last probe took PROBE_TARGET_S (or max_probes are in). quadratic_memory: fit c
+    for the memory (see memory_fit_is_quadratic); the time is always fitted with it (attention's compute is
+    quadratic in each image whatever the kernel).
     """
     candidates = probe_budgets(scale)[:max_probes]
     if len(candidates) < MIN_PROBES:
@@ -165,16 +179,16 @@ def estimate(
         probes.append(measure(b))
         if len(probes) < MIN_PROBES:
             continue
-        est = _estimate(probes, full)
+        est = _estimate(probes, full, quadratic_memory)
         if est.predicted_seconds <= fast_enough_s:
             return None
         if probes[-1].seconds >= PROBE_TARGET_S:
             break
-    return _estimate(probes, full)
+    return _estimate(probes, full, quadratic_memory)
 
 
-def _estimate(probes: Sequence[Probe], full: Shape) -> Estimate:
-    memory = fit([(p.shape, p.bytes) for p in probes])
+def _estimate(probes: Sequence[Probe], full: Shape, quadratic_memory: bool) -> Estimate:
+    memory = fit([(p.shape, p.bytes) for p in probes], quadratic=quadratic_memory)
     time = fit([(p.shape, p.seconds) for p in probes])
     return Estimate(probes=tuple(probes), memory=memory, time=time, full=full)
 

@@ -121,6 +121,7 @@ class RankWorker:
         self.encoder: Encoder | None = None
         self.distributed = self.cfg.tp > 1
         self.peak_watch: Any = None  # reservation_cache.PeakWatch once the reservation is measured
+        self.started = time.monotonic()
 
     # ------------------------------------------------------------------------------------ start-up
 
@@ -262,7 +263,8 @@ class RankWorker:
     def _say(self, line: str) -> None:
         """A progress line on stderr whatever --log_level says (like the banner), from rank 0 of each group."""
         if self.args.rank == 0:
-            print(f"vitserve [group {self.args.group}] {line}", file=sys.stderr, flush=True)
+            elapsed = time.monotonic() - self.started
+            print(f"vitserve [group {self.args.group}] +{elapsed:.1f} s {line}", file=sys.stderr, flush=True)
 
     def _init_inbox(self) -> None:
         if self.args.rank != 0:

@@ -141,6 +141,7 @@ def reserve(
         full,
         lambda b: _probe(encoder, meter, shape, b, say),
         fast_enough_s=fast_enough_s,
+        quadratic_memory=memory_model.memory_fit_is_quadratic(torch.device(encoder.device).type),
     )
     if est is None:
         nbytes = meter.measure(lambda: _run_full(encoder, shape, say))
