@@ -219,13 +219,12 @@ class RankWorker:
                 enc, budget_tokens=0, max_batch_images=1, override_gb=cfg.visual_reserved_mem_gb
             )
         else:
-            shape = stress.stress_shape(cfg, enc.family)
             key = cache.cache_key(
                 model=cfg.model, family=enc.family, dtype=enc.dtype, device=self.device, tp=cfg.tp,
-                rank=self.args.rank, shape=shape,
+                rank=self.args.rank, budget_tokens=cfg.budget_tokens, max_batch_images=cfg.max_batch_images,
             )  # fmt: skip
             cache_file = cache.cache_path(cfg.runtime_dir, self.device.type, self.args.global_rank)
-            res = self._reserve(shape, key, cache_file)
+            res = self._reserve(key, cache_file)
         self._say(f"publishing: {res.bytes / 2**20:.0f} MiB reserved ({_how(res)})")
         publish_reservation(cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source)
         self.reservation = res
@@ -235,7 +234,7 @@ class RankWorker:
             else None
         )
 
-    def _reserve(self, shape: Any, key: dict[str, Any], cache_file: Path) -> Any:
+    def _reserve(self, key: dict[str, Any], cache_file: Path) -> Any:
         from vitserve.worker import reservation_cache as cache
         from vitserve.worker import stress
 
@@ -247,6 +246,7 @@ class RankWorker:
                 entry.bytes, "stress", entry.tokens, entry.images, entry.method, entry.detail
             )
             return stress.adopt(self.encoder, stored)
+        shape = stress.stress_shape(self.cfg, self.encoder.family)  # may load the processor: only on a miss
         self._say(f"stress: measuring the worst case at --visual_batch_max_tokens {shape.budget_tokens}")
         res = stress.reserve(
             self.encoder,

@@ -4,8 +4,7 @@ changed skips the start-up stress (docs/engine.md, "Start-up").
 One file per rank, reservation_cache_<device>_<global rank>.json, written atomically
 (vitserve/reservation_file.write_json_atomic). It holds the key the reservation was measured under and the
 result. The key is everything that can change the bytes: the weights, dtype, device model, TP degree and
-rank, budget, batch-image cap, family, the processor's per-image limits, thread count, and the vitserve,
-torch and transformers versions. A different key means re-measure, with a warning that names what changed.
+rank, budget, batch-image cap, family, thread count, and the vitserve, torch and transformers versions. A different key means re-measure, with a warning that names what changed.
 
 The weights fingerprint is sha256 over config.json and preprocessor_config.json (their bytes) and, for every
 weight file, its name, size and mtime_ns. Not a hash of the weights' content: that reads every byte of the
@@ -80,9 +79,19 @@ def device_name(device: torch.device) -> str:
 
 
 def cache_key(
-    *, model: str, family: str, dtype: torch.dtype, device: torch.device, tp: int, rank: int, shape: Any
+    *,
+    model: str,
+    family: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: int,
+    rank: int,
+    budget_tokens: int,
+    max_batch_images: int,
 ) -> dict[str, Any]:
-    """Everything the stored bytes depend on. shape: vitserve.worker.stress.StressShape."""
+    """Everything the stored bytes depend on. The processor's per-image limits that shape the worst case
+    (vitserve.worker.stress.stress_shape) follow from the fingerprinted preprocessor_config.json, the budget
+    and vitserve's version, so computing them (which loads the processor) is left to a miss."""
     import transformers
 
     return {
@@ -94,10 +103,8 @@ def cache_key(
         "threads": torch.get_num_threads() if device.type == "cpu" else 0,
         "tp": tp,
         "rank": rank,
-        "budget_tokens": shape.budget_tokens,
-        "max_batch_images": shape.max_batch_images,
-        "max_tiles_per_image": shape.max_tiles_per_image,
-        "max_image_tokens": shape.max_image_tokens,
+        "budget_tokens": budget_tokens,
+        "max_batch_images": max_batch_images,
         "vitserve": vitserve.__version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
