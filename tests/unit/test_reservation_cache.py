@@ -19,6 +19,7 @@ CPU = torch.device("cpu")
 def _key(model: str = "demo", **changes):
     base = {
         "model": model,
+        "model_name": "demo",
         "family": "qwen2_5_vl",
         "dtype": torch.float32,
         "device": CPU,

@@ -220,9 +220,16 @@ class RankWorker:
             )
         else:
             key = cache.cache_key(
-                model=cfg.model, family=enc.family, dtype=enc.dtype, device=self.device, tp=cfg.tp,
-                rank=self.args.rank, budget_tokens=cfg.budget_tokens, max_batch_images=cfg.max_batch_images,
-            )  # fmt: skip
+                model=cfg.model,
+                model_name=enc.model_name,
+                family=enc.family,
+                dtype=enc.dtype,
+                device=self.device,
+                tp=cfg.tp,
+                rank=self.args.rank,
+                budget_tokens=cfg.budget_tokens,
+                max_batch_images=cfg.max_batch_images,
+            )
             cache_file = cache.cache_path(cfg.runtime_dir, self.device.type, self.args.global_rank)
             res = self._reserve(key, cache_file)
         self._say(f"publishing: {res.bytes / 2**20:.0f} MiB reserved ({_how(res)})")

@@ -81,6 +81,7 @@ def device_name(device: torch.device) -> str:
 def cache_key(
     *,
     model: str,
+    model_name: str,
     family: str,
     dtype: torch.dtype,
     device: torch.device,
@@ -97,6 +98,7 @@ def cache_key(
     return {
         "format": CACHE_FORMAT,
         "weights": weights_fingerprint(model),
+        "model_name": model_name,  # what the encoder reports: tells apart encoder factories on one --model
         "family": family,
         "dtype": str(dtype).removeprefix("torch."),
         "device": device_name(device),
