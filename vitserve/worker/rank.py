@@ -17,7 +17,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -208,64 +207,17 @@ class RankWorker:
     def _init_reservation(self) -> None:
         """The stored reservation when nothing changed since it was measured, else the stress; then publish."""
         from vitserve.reservation_file import publish_reservation
-        from vitserve.worker import reservation_cache as cache
-        from vitserve.worker import stress
-
-        enc, cfg = self.encoder, self.cfg
-        assert enc is not None
-        cache_file: Path | None = None
-        if cfg.visual_reserved_mem_gb is not None:
-            res = stress.reserve(
-                enc, budget_tokens=0, max_batch_images=1, override_gb=cfg.visual_reserved_mem_gb
-            )
-        else:
-            key = cache.cache_key(
-                model=cfg.model,
-                model_name=enc.model_name,
-                family=enc.family,
-                dtype=enc.dtype,
-                device=self.device,
-                tp=cfg.tp,
-                rank=self.args.rank,
-                budget_tokens=cfg.budget_tokens,
-                max_batch_images=cfg.max_batch_images,
-            )
-            cache_file = cache.cache_path(cfg.runtime_dir, self.device.type, self.args.global_rank)
-            res = self._reserve(key, cache_file)
-        self._say(f"publishing: {res.bytes / 2**20:.0f} MiB reserved ({_how(res)})")
-        publish_reservation(cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source)
-        self.reservation = res
-        self.peak_watch = (
-            cache.PeakWatch(self.device, res.baseline, res.bytes, cache_file)
-            if res.source == "stress"
-            else None
-        )
-
-    def _reserve(self, key: dict[str, Any], cache_file: Path) -> Any:
-        from vitserve.worker import reservation_cache as cache
-        from vitserve.worker import stress
+        from vitserve.worker.reservation_cache import how, reserve_for_rank
 
         assert self.encoder is not None
-        entry = cache.load(cache_file, key)
-        if entry is not None:
-            self._say(f"stress: skipped, the reservation stored in {cache_file} matches this setup")
-            stored = stress.Reservation(
-                entry.bytes, "stress", entry.tokens, entry.images, entry.method, entry.detail
-            )
-            return stress.adopt(self.encoder, stored)
-        shape = stress.stress_shape(self.cfg, self.encoder.family)  # may load the processor: only on a miss
-        self._say(f"stress: measuring the worst case at --visual_batch_max_tokens {shape.budget_tokens}")
-        res = stress.reserve(
-            self.encoder,
-            budget_tokens=shape.budget_tokens,
-            max_batch_images=shape.max_batch_images,
-            override_gb=None,
-            max_tiles_per_image=shape.max_tiles_per_image,
-            max_image_tokens=shape.max_image_tokens,
-            progress=self._say,
+        res, self.peak_watch = reserve_for_rank(
+            self.cfg, self.encoder, self.device, self.args.rank, self.args.global_rank, self._say
         )
-        cache.store(cache_file, key, cache.Entry(res.bytes, res.method, res.detail, res.tokens, res.images))
-        return res
+        self._say(f"publishing: {res.bytes / 2**20:.0f} MiB reserved ({how(res)})")
+        publish_reservation(
+            self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source
+        )
+        self.reservation = res
 
     def _say(self, line: str) -> None:
         """A progress line on stderr whatever --log_level says (like the banner), from rank 0 of each group."""
@@ -415,10 +367,3 @@ class RankWorker:
         from vitserve.reservation_file import remove_reservation
 
         remove_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank)
-
-
-def _how(res: Any) -> str:
-    """How a reservation was found, for the progress line."""
-    if res.source == "override":
-        return "--visual_reserved_mem_gb"
-    return f"{res.method}, stored" if res.cached else res.method

@@ -30,7 +30,10 @@ from typing import Any
 import torch
 
 import vitserve
+from vitserve.config import Config
+from vitserve.model.base import Encoder
 from vitserve.reservation_file import write_json_atomic
+from vitserve.worker import stress
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +187,62 @@ class PeakWatch:
     def _peak(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_reserved(self.device))
-        from vitserve.worker.stress import proc_status_kib
-
-        hwm = proc_status_kib("VmHWM")
+        hwm = stress.proc_status_kib("VmHWM")
         return 0 if hwm is None else hwm * 1024
+
+
+def reserve_for_rank(
+    cfg: Config,
+    encoder: Encoder,
+    device: torch.device,
+    rank: int,
+    global_rank: int,
+    say: stress.Progress,
+) -> tuple[stress.Reservation, PeakWatch | None]:
+    """A rank's reservation: the override, else the stored one when its key matches, else the stress (then
+    stored). Also the PeakWatch the rank loop runs after every batch (None for an override)."""
+    if cfg.visual_reserved_mem_gb is not None:
+        res = stress.reserve(
+            encoder, budget_tokens=0, max_batch_images=1, override_gb=cfg.visual_reserved_mem_gb
+        )
+        return res, None
+    key = cache_key(
+        model=cfg.model,
+        model_name=encoder.model_name,
+        family=encoder.family,
+        dtype=encoder.dtype,
+        device=device,
+        tp=cfg.tp,
+        rank=rank,
+        budget_tokens=cfg.budget_tokens,
+        max_batch_images=cfg.max_batch_images,
+    )
+    path = cache_path(cfg.runtime_dir, device.type, global_rank)
+    entry = load(path, key)
+    if entry is not None:
+        say(f"stress: skipped, the reservation stored in {path} matches this setup")
+        stored = stress.Reservation(
+            entry.bytes, "stress", entry.tokens, entry.images, entry.method, entry.detail
+        )
+        res = stress.adopt(encoder, stored)
+    else:
+        shape = stress.stress_shape(cfg, encoder.family)  # may load the processor: only on a miss
+        say(f"stress: measuring the worst case at --visual_batch_max_tokens {shape.budget_tokens}")
+        res = stress.reserve(
+            encoder,
+            budget_tokens=shape.budget_tokens,
+            max_batch_images=shape.max_batch_images,
+            override_gb=None,
+            max_tiles_per_image=shape.max_tiles_per_image,
+            max_image_tokens=shape.max_image_tokens,
+            progress=say,
+        )
+        store(path, key, Entry(res.bytes, res.method, res.detail, res.tokens, res.images))
+    return res, PeakWatch(device, res.baseline, res.bytes, path)
+
+
+def how(res: stress.Reservation) -> str:
+    """How a reservation was found, for the progress line."""
+    if res.source == "override":
+        return "--visual_reserved_mem_gb"
+    return f"{res.method}, stored" if res.cached else res.method
