@@ -1,29 +1,30 @@
 """Activation memory of the worst case, extrapolated from a few smaller shapes where the full forward is slow.
 
 On a CPU one production forward of the demo at the default budget (8,192 merged tokens, 32,768 patches in
-one image) takes longer than the whole start-up may. So a rank measures the same family of batches at a few
-smaller budgets (the probes: the batches of vitserve/worker/worst_case.py's `stress_batches`, each run
-through the production `encoder.encode` and measured like the full stress, vitserve/worker/stress.py) and
-fits the activation memory as
+one image) takes minutes, longer than the whole start-up may. So a rank measures the worst-case batch of
+vitserve/worker/worst_case.py at a few smaller budgets (the probes, each run through the production
+`encoder.encode` and measured like the full stress, vitserve/worker/stress.py) and fits
 
-    bytes(n) = a + b*n + c*n^2,  c >= 0
+    bytes = a + b*n + c*sum(n_i^2),  b, c >= 0
 
-in n, the image tokens of the probe's worst-case batch. Every layer's activations are linear in the
-patch count (linear layers, norms, the merger, the pixel tensor itself) except attention scores that a
-kernel materialises, which are quadratic per image; InternVL's tiles are independent, so there n counts
-tiles (x tokens per tile) and the fit comes out linear. The prediction at the budget's worst case, plus
-MODEL_MARGIN of it, is the reservation.
+over n, the image tokens of the batch, and n_i, the tokens of each attention unit (an image; an InternVL
+tile). Every layer's activations are linear in the patch count (linear layers, norms, the merger, the pixel
+tensor itself) except attention scores that a kernel materialises, which are quadratic per unit; on CPU
+c is 0 (memory_fit_is_quadratic). The prediction at the budget's worst case, plus MODEL_MARGIN of it, is
+the reservation.
 
-Which shapes: the probe budgets double from PROBE_MIN_FRACTION of the budget until one probe's stress takes
-PROBE_TARGET_S (at least MIN_PROBES of them). Seconds are fitted the same way; when the full-budget stress
-is predicted to take at most FULL_STRESS_MAX_S (a GPU, a small tower, a small budget) the rank runs the
-real full-budget stress instead and nothing is extrapolated.
+Which shapes: the worst case at max(budget/128, MIN_PROBE_TOKENS) tokens, doubling up to budget/4, until
+MIN_PROBES are in and one took PROBE_TARGET_S (budget 0: fractions of the processor's largest image).
+Seconds are fitted the same way; when the full-budget stress is predicted to take at most
+FULL_STRESS_MAX_S (a GPU, a small tower, a small budget) the rank runs the real full-budget stress instead
+and nothing is extrapolated.
 
-Why the result is safe: tests/unit/test_memory_model.py (every family, TP 1 and 2, real spawned ranks)
-measures the full-budget stress and checks it against the prediction; MODEL_MARGIN is the largest relative
-error seen there, rounded up. The fit cannot bend down (c >= 0) and the CPU reservation adds
-vitserve.worker.stress.CPU_HEAP_MARGIN on top, as the full stress does. A live peak above the reservation
-is caught after every batch (vitserve/worker/reservation_cache.py) and makes the next start re-measure.
+Why the result is safe: tests/integration/test_memory_model.py (every family, TP 1 and 2, real spawned
+ranks) measures the whole full-budget stress after the probes and checks it against the prediction;
+MODEL_MARGIN is the largest ratio seen there, rounded up. The fit cannot bend down (b, c >= 0), and the CPU
+reservation adds vitserve.worker.stress.CPU_HEAP_MARGIN on top, as the full stress does, so the published
+bytes are at least what the full stress would have published. A live peak above the reservation is caught
+after every batch (vitserve/worker/reservation_cache.py) and makes the next start measure again.
 """
 
 from __future__ import annotations
@@ -211,5 +212,5 @@ def describe(est: Estimate) -> str:
     return (
         f"extrapolated from {len(est.probes)} shapes ({shapes}) to {est.full.tokens} tokens: "
         f"{est.predicted_bytes / 2**20:.1f} MiB + {MODEL_MARGIN:.0%} margin "
-        f"(the full stress would take ~{est.predicted_seconds:.0f} s)"
+        f"(the full stress was predicted to take ~{est.predicted_seconds:.0f} s)"
     )
