@@ -184,7 +184,7 @@ def _probe(
         encoder.encode(worst_case_items(encoder, budget, shape.max_batch_images, **shape.bounds()))
 
     nbytes = meter.measure(run)
-    seconds = time.monotonic() - start
+    seconds = agree_max(time.monotonic() - start, encoder.device)  # every TP rank decides alike
     planned = memory_model.probe_budgets(_probe_scale(shape))
     k = planned.index(budget) + 1 if budget in planned else len(planned)
     eta = sum(seconds * 2**j for j in range(1, max(memory_model.MIN_PROBES - k, 0) + 1))
@@ -193,6 +193,23 @@ def _probe(
         f"{nbytes / 2**20:.0f} MiB; ETA {eta:.0f} s"
     )
     return memory_model.Probe(budget, probe_shape, nbytes, seconds)
+
+
+def agree_max(value: float, device: torch.device | str) -> float:
+    """The largest `value` over the ranks of this tensor-parallel group (the value itself at TP 1).
+
+    Every rank of a group runs each stress forward together (the TP layers' collectives), so each decision
+    that picks forwards (run the full stress or extrapolate, add a probe, use the stored reservation) must
+    come out the same on every rank: it is taken on values agreed this way, not on one rank's own timing.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return value
+    dev = torch.device(device)
+    t = torch.tensor([value], dtype=torch.float64, device=dev if dev.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def _run_full(encoder: Encoder, shape: StressShape, say: Progress) -> None:
