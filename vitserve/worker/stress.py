@@ -295,6 +295,7 @@ class _CpuMeter(_Meter):
 
     def __init__(self) -> None:
         _release_free_heap()
+        _reset_rss_peak()  # from here on VmHWM is the peak after loading (what PeakWatch compares)
         self.rss_before = proc_status_kib("VmRSS")
         self.baseline = (self.rss_before or 0) * 1024
         self.hwm = 0  # KiB, the highest VmHWM a measured run reached
