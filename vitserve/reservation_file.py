@@ -27,9 +27,8 @@ def reservation_path(runtime_dir: str | os.PathLike[str], device: str, rank: int
 def publish_reservation(
     runtime_dir: str | os.PathLike[str], device: str, rank: int, nbytes: int, source: str
 ) -> Path:
-    """Write the reservation atomically: a temp file in the same directory, fsync, then os.replace."""
+    """Write the reservation atomically (write_json_atomic)."""
     path = reservation_path(runtime_dir, device, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
     body = {
         "device": str(device),
         "rank": int(rank),
@@ -37,17 +36,24 @@ def publish_reservation(
         "source": source,
         "pid": os.getpid(),
     }
+    write_json_atomic(path, body)
+    return path
+
+
+def write_json_atomic(path: Path, body: dict[str, Any]) -> None:
+    """A temp file in the same directory, fsync, then os.replace: readers see the old file or the whole new
+    one, never a partial write. Creates the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(body, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)  # readers see the old file or the whole new one, never a partial write
+        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
 
 
 def read_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> dict[str, Any] | None:

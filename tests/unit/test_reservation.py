@@ -232,3 +232,26 @@ def test_cuda_override_reserves_the_amount_in_the_allocator(checkpoint):
     res = reserve(enc, budget_tokens=256, max_batch_images=4, override_gb=0.25)
     assert (res.bytes, res.source) == (GIB // 4, "override")
     assert torch.cuda.memory_reserved() - before >= GIB // 4
+
+
+def test_budget_off_with_the_processor_limit_is_max_images_of_the_largest_image(qwen25):
+    items = worst_case_items(qwen25, budget_tokens=0, max_batch_images=3, max_image_tokens=64)
+    assert [it.num_tokens for it in items] == [64, 64, 64]
+    assert len({id(it.pixel_values) for it in items}) == 1  # equal images share one pixel tensor
+
+
+def test_stress_shape_reads_the_processor_limit_only_where_the_worst_case_needs_it(checkpoint):
+    from vitserve.config import Config
+    from vitserve.worker.stress import stress_shape
+
+    qwen = str(checkpoint("qwen2_5_vl"))  # its preprocessor allows at most 64 tokens per image
+    assert (
+        stress_shape(Config(model=qwen, visual_batch_max_tokens=256), "qwen2_5_vl").max_image_tokens is None
+    )
+    off = stress_shape(Config(model=qwen, visual_batch_max_tokens=0, visual_infer_batch_size=4), "qwen2_5_vl")
+    assert (off.budget_tokens, off.max_batch_images, off.max_image_tokens) == (0, 4, 64)
+    demo = stress_shape(Config(model="demo", visual_batch_max_tokens=0), "qwen2_5_vl")
+    assert demo.max_image_tokens == 16384  # the published Qwen2.5-VL processor's max_pixels / 28^2
+    tiles = stress_shape(Config(model=str(checkpoint("internvl")), visual_batch_max_tokens=100), "internvl")
+    assert tiles.max_tiles_per_image is not None
+    assert tiles.max_image_tokens == tiles.max_tiles_per_image * 4  # 4 tokens per tiny tile

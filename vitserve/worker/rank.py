@@ -11,11 +11,13 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,6 +119,8 @@ class RankWorker:
         self.inbox: zmq.Socket[bytes] | None = None
         self.encoder: Encoder | None = None
         self.distributed = self.cfg.tp > 1
+        self.peak_watch: Any = None  # reservation_cache.PeakWatch once the reservation is measured
+        self.started = time.monotonic()
 
     # ------------------------------------------------------------------------------------ start-up
 
@@ -190,7 +194,10 @@ class RankWorker:
         )
 
     def _init_encoder(self) -> None:
+        self._say(f"loading weights: --model {self.cfg.model} on {self.device}")
+        start = time.monotonic()
         self.encoder = enc = self.args.encoder_factory(self.cfg)
+        self._say(f"loading weights: done in {time.monotonic() - start:.1f} s")
         # Encoders that shard themselves (test fakes) say so; real towers get the TP pass.
         if self.distributed and not getattr(enc, "handles_tp", False):
             from vitserve.model.tp import apply_tp  # only needed for tp > 1
@@ -198,21 +205,25 @@ class RankWorker:
             apply_tp(enc.visual, enc.family)
 
     def _init_reservation(self) -> None:
+        """The stored reservation when nothing changed since it was measured, else the stress; then publish."""
         from vitserve.reservation_file import publish_reservation
-        from vitserve.worker.stress import reserve
+        from vitserve.worker.reservation_cache import how, reserve_for_rank
 
-        override = self.cfg.visual_reserved_mem_gb
         assert self.encoder is not None
-        res = reserve(
-            self.encoder,
-            budget_tokens=self.cfg.budget_tokens,
-            max_batch_images=self.cfg.max_batch_images,
-            override_gb=override,
+        res, self.peak_watch = reserve_for_rank(
+            self.cfg, self.encoder, self.device, self.args.rank, self.args.global_rank, self._say
         )
+        self._say(f"publishing: {res.bytes / 2**20:.0f} MiB reserved ({how(res)})")
         publish_reservation(
             self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source
         )
         self.reservation = res
+
+    def _say(self, line: str) -> None:
+        """A progress line on stderr whatever --log_level says (like the banner), from rank 0 of each group."""
+        if self.args.rank == 0:
+            elapsed = time.monotonic() - self.started
+            print(f"vitserve [group {self.args.group}] +{elapsed:.1f} s {line}", file=sys.stderr, flush=True)
 
     def _init_inbox(self) -> None:
         if self.args.rank != 0:
@@ -256,6 +267,8 @@ class RankWorker:
             assert batch is not None
             outputs = self._forward(batch)  # 2) the same forward on every rank, on its shard
             self.counters.batches += 1
+            if self.peak_watch is not None:
+                self.peak_watch.check()  # a live peak above the reservation: warn, re-measure next start
             if self.args.rank == 0:
                 self._reply(batch.batch_id, outputs)  # 3) embeddings back to the engine
             # Drop this batch's frames before waiting for the next: otherwise two batches' pixels are live in

@@ -22,9 +22,11 @@ Which batch is the worst case:
   passes it (`max_tiles_per_image`), the tiles are split into images of at most that many, at most
   `max_batch_images` images; without it the budget alone bounds the batch (one image holding every tile —
   the same memory as several images, and never less than a real batch).
-- Budget 0 (disabled): there is no bound on a batch, so no stress can cover it. We stress a documented
-  default (`DISABLED_BUDGET_TOKENS`, the largest image HF's default Qwen2-VL processor yields:
-  max_pixels 12845056 / 28^2) and log that `--visual_reserved_mem_gb` is the way to reserve more.
+- Budget 0 (no vitserve clamp): each image is bounded only by the processor's own maximum
+  (`max_image_tokens`: Qwen max_pixels / (patch x merge)^2, 16,384 tokens for the published defaults;
+  InternVL max_patches tiles + the thumbnail) and a batch by `max_batch_images` images, so the worst case is
+  `max_batch_images` images of that maximum (docs/api.md). Without `max_image_tokens` (an encoder used
+  outside a configured rank) we fall back to one image of `DISABLED_BUDGET_TOKENS` and say so.
 
 """
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,33 +49,101 @@ log = logging.getLogger(__name__)
 
 
 def worst_case_items(
-    encoder: Encoder, budget_tokens: int, max_batch_images: int, *, max_tiles_per_image: int | None = None
+    encoder: Encoder,
+    budget_tokens: int,
+    max_batch_images: int,
+    *,
+    max_tiles_per_image: int | None = None,
+    max_image_tokens: int | None = None,
 ) -> list[ProcessedImage]:
     """The synthetic batch that maximises activation memory under the budget and the batch-size cap.
 
     max_tiles_per_image: InternVL only, the processor's per-image tile limit (max_patches + 1), if known.
+    max_image_tokens: the processor's largest image in tokens; used when the budget is 0 (see above).
     """
+    plan = _worst_case_plan(encoder, budget_tokens, max_batch_images, max_tiles_per_image, max_image_tokens)
+    if isinstance(plan, _Tiles):
+        return _internvl_items(plan)
+    cfg = _vision_config(encoder)
+    made: dict[tuple[int, int], ProcessedImage] = {}  # equal images share one pixel tensor
+    for grid in plan:
+        if grid not in made:
+            made[grid] = _qwen_item(cfg, grid)
+    return [made[grid] for grid in plan]
+
+
+def worst_case_units(
+    encoder: Encoder,
+    budget_tokens: int,
+    max_batch_images: int,
+    *,
+    max_tiles_per_image: int | None = None,
+    max_image_tokens: int | None = None,
+) -> tuple[list[int], int]:
+    """(attention_units, images) of the worst case, without building its pixels."""
+    plan = _worst_case_plan(encoder, budget_tokens, max_batch_images, max_tiles_per_image, max_image_tokens)
+    if isinstance(plan, _Tiles):
+        return [plan.per_tile] * sum(plan.per_image), len(plan.per_image)
+    return [rows * cols for rows, cols in plan], len(plan)
+
+
+def attention_units(encoder: Encoder, items: list[ProcessedImage]) -> list[int]:
+    """Tokens of each segment that attention runs over as a whole, for the memory model's quadratic term:
+    each image (Qwen families; windows are smaller), each tile (InternVL)."""
+    if getattr(FAMILIES.get(encoder.family), "layout", None) == "tiles":
+        return [it.num_tokens // it.grid_thw[0] for it in items for _ in range(it.grid_thw[0])]
+    return [it.num_tokens for it in items]
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """An InternVL worst case: tiles per image, and the tile geometry."""
+
+    per_image: list[int]
+    per_tile: int  # tokens
+    image_size: int  # pixels per tile side
+    side: int  # patches per tile side
+    channels: int
+
+
+def _worst_case_plan(
+    encoder: Encoder,
+    budget_tokens: int,
+    max_batch_images: int,
+    max_tiles_per_image: int | None,
+    max_image_tokens: int | None,
+) -> list[tuple[int, int]] | _Tiles:
+    """Qwen: the (rows, cols) merged-token grid of each image; InternVL: _Tiles."""
     if max_batch_images < 1:
         raise ConfigError(f"--visual_infer_batch_size must be >= 1, got {max_batch_images}")
+    layout = getattr(FAMILIES.get(encoder.family), "layout", None)  # None: a family with no worst case
+    if budget_tokens <= 0 and max_image_tokens:
+        if layout == "patches":  # budget 0: the batch-size cap bounds a batch of the processor's largest
+            return [near_square_grid(max_image_tokens)] * max_batch_images
+        budget_tokens = max_batch_images * max_image_tokens
     if budget_tokens <= 0:
         log.warning(
-            "--visual_batch_max_tokens 0 (budget off): no batch bound exists; stressing a default of %d tokens. "
-            "Set --visual_reserved_mem_gb to reserve for larger batches.",
+            "--visual_batch_max_tokens 0 without the processor's image limit: stressing a default of %d "
+            "tokens. Set --visual_reserved_mem_gb to reserve for larger batches.",
             DISABLED_BUDGET_TOKENS,
         )
         budget_tokens = DISABLED_BUDGET_TOKENS
-    layout = getattr(FAMILIES.get(encoder.family), "layout", None)  # None: a family with no worst case
     if layout == "patches":
-        return [_qwen_item(_vision_config(encoder), near_square_grid(budget_tokens))]
+        return [near_square_grid(budget_tokens)]
     if layout == "tiles":
-        return _internvl_items(encoder, budget_tokens, max_batch_images, max_tiles_per_image)
+        return _internvl_plan(encoder, budget_tokens, max_batch_images, max_tiles_per_image)
     raise ConfigError(
         f"no worst-case shape for family {encoder.family!r}; set --visual_reserved_mem_gb to skip the stress"
     )
 
 
 def stress_batches(
-    encoder: Encoder, budget_tokens: int, max_batch_images: int, *, max_tiles_per_image: int | None = None
+    encoder: Encoder,
+    budget_tokens: int,
+    max_batch_images: int,
+    *,
+    max_tiles_per_image: int | None = None,
+    max_image_tokens: int | None = None,
 ) -> Iterator[list[ProcessedImage]]:
     """The batches the start-up stress runs, one at a time: the worst case, other full-budget compositions,
     then the worst case again.
@@ -83,13 +154,20 @@ def stress_batches(
     batch here is one the scheduler can form at this budget, run through the same production forward, so the
     peak covers that fragmentation without allocating anything production would not.
     """
-    yield worst_case_items(encoder, budget_tokens, max_batch_images, max_tiles_per_image=max_tiles_per_image)
-    if getattr(FAMILIES.get(encoder.family), "layout", None) == "patches":
+    bounds = {"max_tiles_per_image": max_tiles_per_image, "max_image_tokens": max_image_tokens}
+    yield worst_case_items(encoder, budget_tokens, max_batch_images, **bounds)
+    if budget_tokens > 0 and getattr(FAMILIES.get(encoder.family), "layout", None) == "patches":
         cfg = _vision_config(encoder)
-        budget = budget_tokens if budget_tokens > 0 else DISABLED_BUDGET_TOKENS
-        for grids in _full_budget_grids(budget, max_batch_images):
+        for grids in _full_budget_grids(budget_tokens, max_batch_images):
             yield [_qwen_item(cfg, grid) for grid in grids]
-    yield worst_case_items(encoder, budget_tokens, max_batch_images, max_tiles_per_image=max_tiles_per_image)
+    yield worst_case_items(encoder, budget_tokens, max_batch_images, **bounds)
+
+
+def stress_batch_count(encoder: Encoder, budget_tokens: int, max_batch_images: int) -> int:
+    """How many batches stress_batches yields, without building them."""
+    if budget_tokens > 0 and getattr(FAMILIES.get(encoder.family), "layout", None) == "patches":
+        return 2 + len(_full_budget_grids(budget_tokens, max_batch_images))
+    return 2
 
 
 def _full_budget_grids(budget: int, max_images: int) -> list[list[tuple[int, int]]]:
@@ -143,16 +221,14 @@ def _qwen_item(cfg: Any, grid: tuple[int, int]) -> ProcessedImage:
     )
 
 
-def _internvl_items(
+def _internvl_plan(
     encoder: Encoder, budget_tokens: int, max_batch_images: int, max_tiles_per_image: int | None
-) -> list[ProcessedImage]:
+) -> _Tiles:
     cfg = _vision_config(encoder)
     image_size = _first(cfg.image_size)
     patch = _first(cfg.patch_size)
     ratio = float(_find_attr(encoder, "downsample_ratio", 0.5))
-    side = image_size // patch  # patches per tile side
     per_tile = tokens_per_tile(image_size, patch, ratio)
-    channels = int(getattr(cfg, "num_channels", 3))
     if per_tile > budget_tokens:
         raise ConfigError(
             f"one InternVL tile is {per_tile} tokens, above --visual_batch_max_tokens {budget_tokens}"
@@ -160,22 +236,24 @@ def _internvl_items(
     tiles = budget_tokens // per_tile
     per_image = max(1, max_tiles_per_image) if max_tiles_per_image else tiles
     tiles = min(tiles, max_batch_images * per_image)
-    gen = torch.Generator().manual_seed(0)
-    items = []
-    while tiles > 0:
-        n = min(tiles, per_image)
-        pixels = torch.randn(n, channels, image_size, image_size, generator=gen)  # (tiles, C, H, W)
-        items.append(
-            ProcessedImage(
-                pixel_values=pixels,
-                grid_thw=(n, side, side),
-                num_tokens=n * per_tile,
-                resized_size=(image_size, image_size),
-                clamped=False,
-            )
+    counts = [per_image] * (tiles // per_image) + ([tiles % per_image] if tiles % per_image else [])
+    channels = int(getattr(cfg, "num_channels", 3))
+    return _Tiles(counts, per_tile, image_size, image_size // patch, channels)
+
+
+def _internvl_items(plan: _Tiles) -> list[ProcessedImage]:
+    gen = torch.Generator().manual_seed(0)  # same pixels on every TP rank
+    size = plan.image_size
+    return [
+        ProcessedImage(
+            pixel_values=torch.randn(n, plan.channels, size, size, generator=gen),  # (tiles, C, H, W)
+            grid_thw=(n, plan.side, plan.side),
+            num_tokens=n * plan.per_tile,
+            resized_size=(size, size),
+            clamped=False,
         )
-        tiles -= n
-    return items
+        for n in plan.per_image
+    ]
 
 
 def _vision_config(encoder: Encoder) -> Any:

@@ -1,0 +1,48 @@
+"""The reservation cache through the real CLI (docs/engine.md, "Start-up"): a second start on the same runtime
+dir with nothing changed skips the stress; a changed budget measures again and warns naming the change.
+The mechanism, not the time: bench/startup.py measures the seconds."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.test_cli_process import BASE_ARGS, CliServer
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _start(tmp_path, budget: int) -> str:
+    args = [*BASE_ARGS]
+    args[args.index("--visual_batch_max_tokens") + 1] = str(budget)
+    srv = CliServer(args, tmp_path)
+    try:
+        srv.wait_started()  # the banner: every rank reported READY
+        return srv.text
+    finally:
+        srv.stop()
+
+
+def _phases(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("vitserve [group 0]")]
+
+
+def test_a_restart_reuses_the_reservation_and_a_changed_budget_measures_again(tmp_path):
+    cold = _start(tmp_path, 64)
+    assert "CPU stress: VmRSS" in cold  # measured
+    phases = _phases(cold)
+    assert any("loading weights" in line for line in phases)
+    assert any("stress: full-budget batch 1/" in line and "ETA" in line for line in phases)
+    assert any("publishing:" in line and "MiB reserved (full)" in line for line in phases)
+    assert (tmp_path / "rt" / "reservation_cache_cpu_0.json").is_file()
+
+    warm = _start(tmp_path, 64)
+    assert "CPU stress: VmRSS" not in warm  # no stress ran
+    assert any("stress: skipped" in line for line in _phases(warm))
+    assert any("MiB reserved (full, stored)" in line for line in _phases(warm))
+
+    changed = _start(tmp_path, 128)
+    assert "CPU stress: VmRSS" in changed
+    warning = [line for line in changed.splitlines() if "measured under another setup" in line]
+    assert warning, changed[-3000:]
+    assert "WARNING" in warning[0]
+    assert "budget_tokens 64 -> 128" in warning[0]

@@ -1,0 +1,117 @@
+"""The reservation cache (vitserve/worker/reservation_cache.py): its key, the stored file, and the live peak
+check that invalidates it. The CLI round trip (a warm start skips the stress) is
+tests/e2e/test_startup_cache.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from vitserve.worker import reservation_cache as cache
+from vitserve.worker.stress import proc_status_kib
+
+CPU = torch.device("cpu")
+
+
+def _key(model: str = "demo", **changes):
+    base = {
+        "model": model,
+        "model_name": "demo",
+        "family": "qwen2_5_vl",
+        "dtype": torch.float32,
+        "device": CPU,
+        "tp": 1,
+        "rank": 0,
+        "budget_tokens": 8192,
+        "max_batch_images": 64,
+    }
+    return cache.cache_key(**{**base, **changes})
+
+
+ENTRY = cache.Entry(bytes=123_456_789, method="extrapolated", detail="3 shapes", tokens=8192, images=1)
+
+
+def test_a_stored_entry_is_found_under_the_same_key(tmp_path):
+    path = cache.cache_path(tmp_path, "cpu", 3)
+    assert path.name == "reservation_cache_cpu_3.json"
+    cache.store(path, _key(), ENTRY)
+    assert cache.load(path, _key()) == ENTRY
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # atomic: no temp file left behind
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"budget_tokens": 4096}, "budget_tokens 8192 -> 4096"),
+        ({"tp": 2}, "tp 1 -> 2"),
+        ({"dtype": torch.bfloat16}, "dtype 'float32' -> 'bfloat16'"),
+        ({"max_batch_images": 8}, "max_batch_images 64 -> 8"),
+        ({"family": "qwen2_vl"}, "family 'qwen2_5_vl' -> 'qwen2_vl'"),
+    ],
+)
+def test_any_change_measures_again_and_the_warning_names_it(tmp_path, caplog, change, named):
+    path = cache.cache_path(tmp_path, "cpu", 0)
+    cache.store(path, _key(), ENTRY)
+    with caplog.at_level(logging.WARNING, logger=cache.__name__):
+        assert cache.load(path, _key(**change)) is None
+    assert named in caplog.text
+
+
+def test_the_versions_are_part_of_the_key():
+    import transformers
+
+    import vitserve
+
+    key = _key()
+    assert (key["vitserve"], key["torch"], key["transformers"]) == (
+        vitserve.__version__,
+        torch.__version__,
+        transformers.__version__,
+    )
+    assert key["device"]
+    assert key["threads"] == torch.get_num_threads()
+
+
+@pytest.mark.parametrize("content", ["", "{", "[]", '{"key": {}}', '{"key": {}, "entry": {"bytes": 1}}'])
+def test_an_unreadable_file_measures_again(tmp_path, content):
+    path = cache.cache_path(tmp_path, "cpu", 0)
+    path.write_text(content)
+    assert cache.load(path, _key()) is None
+
+
+def test_the_weights_fingerprint_follows_configs_and_weight_files(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x" * 100)
+    (tmp_path / "README.md").write_text("docs")
+    first = cache.weights_fingerprint(str(tmp_path))
+    assert cache.weights_fingerprint(str(tmp_path)) == first
+    (tmp_path / "README.md").write_text("other docs")  # not a weight or config file
+    assert cache.weights_fingerprint(str(tmp_path)) == first
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # rewritten in place: same size, new mtime
+    second = cache.weights_fingerprint(str(tmp_path))
+    assert second != first
+    (tmp_path / "preprocessor_config.json").write_text('{"max_pixels": 1}')
+    assert cache.weights_fingerprint(str(tmp_path)) != second
+    assert cache.weights_fingerprint("demo") != first
+
+
+def test_a_live_peak_above_the_reservation_warns_once_and_drops_the_entry(tmp_path, caplog):
+    path = cache.cache_path(tmp_path, "cpu", 0)
+    cache.store(path, _key(), ENTRY)
+    rss = proc_status_kib("VmRSS") * 1024
+    within = cache.PeakWatch(CPU, baseline=rss, published=1 << 40, cache_file=path)
+    within.check()
+    assert path.exists()
+    above = cache.PeakWatch(CPU, baseline=rss, published=0, cache_file=path)
+    with caplog.at_level(logging.WARNING, logger=cache.__name__):
+        ballast = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB touched: VmHWM grows past the baseline
+        above.check()
+        above.check()
+    del ballast
+    assert not path.exists()
+    assert caplog.text.count("exceeds the 0 bytes reserved") == 1

@@ -1,0 +1,216 @@
+"""Activation memory of the worst case, extrapolated from a few smaller shapes where the full forward is slow.
+
+On a CPU one production forward of the demo at the default budget (8,192 merged tokens, 32,768 patches in
+one image) takes minutes, longer than the whole start-up may. So a rank measures the worst-case batch of
+vitserve/worker/worst_case.py at a few smaller budgets (the probes, each run through the production
+`encoder.encode` and measured like the full stress, vitserve/worker/stress.py) and fits
+
+    bytes = a + b*n + c*sum(n_i^2),  b, c >= 0
+
+over n, the image tokens of the batch, and n_i, the tokens of each attention unit (an image; an InternVL
+tile). Every layer's activations are linear in the patch count (linear layers, norms, the merger, the pixel
+tensor itself) except attention scores that a kernel materialises, which are quadratic per unit; on CPU
+c is 0 (memory_fit_is_quadratic). The prediction at the budget's worst case, plus MODEL_MARGIN of it, is
+the reservation.
+
+Which shapes: the worst case at max(budget/128, MIN_PROBE_TOKENS) tokens, doubling up to budget/4, until
+MIN_PROBES are in and one took PROBE_TARGET_S (budget 0: fractions of the processor's largest image).
+Seconds are fitted the same way; when the full-budget stress is predicted to take at most
+FULL_STRESS_MAX_S (a GPU, a small tower, a small budget) the rank runs the real full-budget stress instead
+and nothing is extrapolated.
+
+Why the result is safe: tests/integration/test_memory_model.py (every family, TP 1 and 2, real spawned
+ranks) measures the whole full-budget stress after the probes and checks it against the prediction;
+MODEL_MARGIN is the largest ratio seen there, rounded up. The fit cannot bend down (b, c >= 0), and the CPU
+reservation adds vitserve.worker.stress.CPU_HEAP_MARGIN on top, as the full stress does, so the published
+bytes are at least what the full stress would have published. A live peak above the reservation is caught
+after every batch (vitserve/worker/reservation_cache.py) and makes the next start measure again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+# Added to the extrapolated bytes: the measured error bound of the model. tests/integration/test_memory_model.py
+# compares, on real ranks (CPU, RSS growth, one baseline), the prediction from the first three probes (64, 128
+# and 256 tokens) with the growth of the WHOLE full-budget stress (five compositions run back to back: what the
+# full stress publishes). Ratios full / predicted over two runs of the matrix, 2026-11-23, 2 cores at load 1-6:
+#   qwen2_vl    tp1 1.33 1.66 1.30   tp2 1.32 1.61 1.58 1.27        (budget 2048)
+#   qwen2_5_vl  tp1 1.54 1.63 1.21   tp2 1.28 1.63 1.24 1.72
+#   qwen3_vl    tp1 1.55 2.02        tp2 1.32 1.36 1.36 1.63
+#   qwen3_5     tp1 1.60 1.33        tp2 1.64 1.73 1.75 1.64
+#   internvl    tp1 1.01 1.06        tp2 0.98 0.99 1.04 1.16 1.14 1.20 (budget 8192, 2048 tiles)
+# The single worst case itself extrapolates to within a few % (tiny Qwen2-VL: 109-118 MiB measured at 2048
+# tokens, 115 MiB predicted; the demo at 8192: 1,190 MiB measured, 1,591 MiB predicted); the rest is the heap
+# that the other compositions fragment (the multi-batch stress, vitserve/worker/worst_case.py), and that varies
+# from run to run (the same case: 1.55 and 2.02). Worst seen 2.02: the bound is 2.5.
+MODEL_MARGIN = 1.5
+FULL_STRESS_MAX_S = 3.0  # run the real full-budget stress when it is predicted to take at most this
+PROBE_TARGET_S = 1.0  # add probes (doubling) until one takes this long
+FIRST_PROBE_FRACTION = 128  # the first probe is budget // this tokens ...
+MIN_PROBE_TOKENS = 64  # ... and at least this many (smaller shapes measure mostly noise)
+LARGEST_PROBE_FRACTION = 4  # no probe above budget // this: beyond it, run the full stress
+MIN_PROBES = 3  # a quadratic needs three points
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A batch as the model sees it: total image tokens and the sum of squares of its attention units."""
+
+    tokens: int  # n: image tokens in the batch
+    squares: int  # sum over attention units (images; InternVL tiles) of their tokens squared
+
+    @classmethod
+    def of_units(cls, units: Sequence[int]) -> Shape:
+        return cls(sum(units), sum(u * u for u in units))
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One measured shape: the worst-case batch at `budget` tokens."""
+
+    budget: int
+    shape: Shape
+    bytes: int  # activation memory measured (CPU: RSS growth; CUDA: allocator growth), before margins
+    seconds: float  # wall time of its forward
+
+
+@dataclass(frozen=True)
+class Fit:
+    """y = a + b*tokens + c*squares with b, c >= 0 (c*squares: attention scores, quadratic per unit)."""
+
+    a: float
+    b: float
+    c: float
+
+    def at(self, shape: Shape) -> float:
+        return self.a + self.b * shape.tokens + self.c * shape.squares
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the probes say about the full budget's worst case."""
+
+    probes: tuple[Probe, ...]
+    memory: Fit
+    time: Fit
+    full: Shape
+
+    @property
+    def predicted_bytes(self) -> int:
+        """The fitted activation bytes at the full budget, never below the largest probe's."""
+        return int(max(self.memory.at(self.full), *(p.bytes for p in self.probes)))
+
+    @property
+    def reserved_bytes(self) -> int:
+        return int(self.predicted_bytes * (1 + MODEL_MARGIN))
+
+    @property
+    def predicted_seconds(self) -> float:
+        return max(self.time.at(self.full), *(p.seconds for p in self.probes))
+
+
+def fit(points: Sequence[tuple[Shape, float]], *, quadratic: bool = True) -> Fit:
+    """Least squares y = a + b*tokens + c*squares with b, c >= 0 (c = 0 unless `quadratic`).
+
+    Memory of a forward never grows slower than linearly in the tokens, so a fit that bends down (c < 0:
+    noise at small shapes) is replaced by the best line, and a line falling with n by the largest value.
+    Probes whose squares are proportional to their tokens (every unit the same size: InternVL tiles, images
+    at the processor's cap) cannot separate c from b; the line then carries both, which is exact for a
+    full-budget batch of the same units.
+    """
+    import numpy as np
+
+    n = np.array([float(s.tokens) for s, _ in points])
+    q = np.array([float(s.squares) for s, _ in points])
+    y = np.array([float(v) for _, v in points])
+    ones = np.ones_like(n)
+    quad = np.stack([ones, n, q], axis=1)
+    if quadratic and len(points) >= 3 and np.linalg.matrix_rank(quad) == 3:
+        a, b, c = np.linalg.lstsq(quad, y, rcond=None)[0]
+        if b >= 0 and c >= 0:
+            return Fit(float(a), float(b), float(c))
+    line = np.stack([ones, n], axis=1)
+    if np.linalg.matrix_rank(line) == 2:
+        a, b = np.linalg.lstsq(line, y, rcond=None)[0]
+        if b >= 0:
+            return Fit(float(a), float(b), 0.0)
+    return Fit(float(y.max()), 0.0, 0.0)
+
+
+def memory_fit_is_quadratic(device_type: str) -> bool:
+    """Whether the memory fit may have a quadratic term. Not on CPU: every attention of the production
+    forward is torch's scaled_dot_product_attention without a mask (vitserve.model.fast's packed attention;
+    InternVL's SDPA path), which on CPU runs the flash kernel, whose memory is linear in the sequence; and
+    three probes at 1/128..1/32 of the budget cannot bound a quadratic term anyway: RSS noise of a few MiB
+    fitted as curvature grows 1024-fold at the budget (the demo's probes gave 55 GB for a 1.2 GB peak).
+    On CUDA, SDPA may fall back to the math kernel (dtype, head size), which holds the n^2 scores; there
+    the probes are fast, so more and larger ones are measured (up to budget/4) before extrapolating."""
+    return device_type != "cpu"
+
+
+def probe_budgets(budget: int) -> list[int]:
+    """The probe budgets, smallest first: from max(budget/128, 64) doubling up to budget/4. Fewer than
+    MIN_PROBES means the budget is too small to extrapolate from anything smaller."""
+    out: list[int] = []
+    b = max(budget // FIRST_PROBE_FRACTION, MIN_PROBE_TOKENS)
+    while b <= budget // LARGEST_PROBE_FRACTION:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def estimate(
+    scale: int,
+    full: Shape,
+    measure: Callable[[int], Probe],
+    *,
+    fast_enough_s: float = FULL_STRESS_MAX_S,
+    max_probes: int | None = None,
+    quadratic_memory: bool = True,
+) -> Estimate | None:
+    """Measure probes smallest first; None when the full-budget stress is cheap enough to run instead.
+
+    scale: what the probe budgets are fractions of (the budget; with budget 0 the largest image). full: the
+    shape of the full budget's worst case. measure(b): the worst case at budget b, measured like the full
+    stress. Stops once MIN_PROBES are in and either the full stress is predicted to take <= fast_enough_s
+    (None: run it) or the last probe took PROBE_TARGET_S (or max_probes are in). quadratic_memory: fit c
+    for the memory (see memory_fit_is_quadratic); the time is always fitted with it (attention's compute is
+    quadratic in each image whatever the kernel).
+    """
+    candidates = probe_budgets(scale)[:max_probes]
+    if len(candidates) < MIN_PROBES:
+        return None
+    probes: list[Probe] = []
+    for b in candidates:
+        probes.append(measure(b))
+        if len(probes) < MIN_PROBES:
+            continue
+        est = _estimate(probes, full, quadratic_memory)
+        if est.predicted_seconds <= fast_enough_s:
+            return None
+        if probes[-1].seconds >= PROBE_TARGET_S:
+            break
+    return _estimate(probes, full, quadratic_memory)
+
+
+def _estimate(probes: Sequence[Probe], full: Shape, quadratic_memory: bool) -> Estimate:
+    memory = fit([(p.shape, p.bytes) for p in probes], quadratic=quadratic_memory)
+    time = fit([(p.shape, p.seconds) for p in probes])
+    return Estimate(probes=tuple(probes), memory=memory, time=time, full=full)
+
+
+def describe(est: Estimate) -> str:
+    """One line for the log: the shapes measured and what they predict."""
+    shapes = ", ".join(
+        f"{p.shape.tokens} tokens: {p.bytes / 2**20:.1f} MiB in {p.seconds:.1f} s" for p in est.probes
+    )
+    return (
+        f"extrapolated from {len(est.probes)} shapes ({shapes}) to {est.full.tokens} tokens: "
+        f"{est.predicted_bytes / 2**20:.1f} MiB + {MODEL_MARGIN:.0%} margin "
+        f"(the full stress was predicted to take ~{est.predicted_seconds:.0f} s)"
+    )
