@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 
-BENCHES = ("encoder", "serve", "transfer", "cache", "jpeg_draft")
+BENCHES = ("encoder", "serve", "transfer", "cache", "jpeg_draft", "startup")
 RESULTS = ROOT / "bench" / "RESULTS.md"
 
 
@@ -112,8 +112,15 @@ def jpeg_draft_table(res: dict) -> list[str]:
     return _table(head, body) + ["", note]
 
 
+def startup_table(res: dict) -> list[str]:
+    body = [[s["kind"], f"**{_f(s['ready_s'], 1)}**", "skipped" if s["stress_skipped"] else "ran",
+             _f(s["loadavg"][0], 1)] for s in res["starts"]]  # fmt: skip
+    targets = "targets: cold <= 30 s, warm <= 5 s"
+    return _table(["start", "to /ready s", "stress", "load"], body) + ["", f"Budget {res['budget']}; {targets}."]
+
+
 TABLES = {"encoder": encoder_table, "serve": serve_table, "transfer": transfer_table, "cache": cache_table,
-          "jpeg_draft": jpeg_draft_table}  # fmt: skip
+          "jpeg_draft": jpeg_draft_table, "startup": startup_table}  # fmt: skip
 
 
 def section(bench: str, out_dir: Path | None) -> str:
