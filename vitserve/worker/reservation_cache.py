@@ -51,7 +51,8 @@ def weights_fingerprint(model: str) -> str:
     h = hashlib.sha256()
     path = Path(model)
     if model == "demo" or not path.is_dir():  # the demo tower is built from vitserve's own code and seed
-        from vitserve.model.demo import DEMO_SEED, DEMO_VISION_CONFIG
+        from vitserve.families import DEMO_VISION_CONFIG
+        from vitserve.model.demo import DEMO_SEED
 
         h.update(json.dumps({"demo": DEMO_VISION_CONFIG, "seed": DEMO_SEED}, sort_keys=True).encode())
         return h.hexdigest()
