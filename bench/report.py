@@ -116,7 +116,10 @@ def startup_table(res: dict) -> list[str]:
     body = [[s["kind"], f"**{_f(s['ready_s'], 1)}**", "skipped" if s["stress_skipped"] else "ran",
              _f(s["loadavg"][0], 1)] for s in res["starts"]]  # fmt: skip
     targets = "targets: cold <= 30 s, warm <= 5 s"
-    return _table(["start", "to /ready s", "stress", "load"], body) + ["", f"Budget {res['budget']}; {targets}."]
+    return _table(["start", "to /ready s", "stress", "load"], body) + [
+        "",
+        f"Budget {res['budget']}; {targets}.",
+    ]
 
 
 TABLES = {"encoder": encoder_table, "serve": serve_table, "transfer": transfer_table, "cache": cache_table,
