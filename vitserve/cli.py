@@ -388,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
         preflight.check(config)  # settings that can never serve exit 2 before anything slow
+        from vitserve.worker import zygote  # light: the forkserver imports the heavy modules, not us
+
+        zygote.start(config.model)  # the ranks' imports run beside ours from here on
         service = _build_service(config)
     except (ConfigError, VitserveError, OSError) as exc:
         print(f"vitserve: start-up failed: {exc}", file=sys.stderr)

@@ -37,15 +37,20 @@ def alive(pid: int) -> bool:
 
 
 def rank_pids(pid: int) -> list[int]:
-    """Descendants started by multiprocessing's spawn (the encoder ranks)."""
+    """Descendants that are encoder ranks: forked from the ranks' forkserver (vitserve/worker/zygote.py; the
+    forkserver is the service's child, a rank is the forkserver's child with the same command line), or
+    started by multiprocessing's spawn."""
     ranks = []
     for child in children_of(pid):
         try:
             with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    ranks.append(child)
-        except OSError:
+                cmdline = f.read()
+            with open(f"/proc/{child}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
+        if b"spawn_main" in cmdline or (b"multiprocessing.forkserver" in cmdline and parent != pid):
+            ranks.append(child)
     return ranks
 
 

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from enum import Enum
 from multiprocessing.process import BaseProcess
 
-import torch.multiprocessing as mp
 import zmq
 
 from vitserve.config import Config
@@ -39,6 +38,7 @@ from vitserve.contract import ProcessedImage
 from vitserve.engine.jobs import Job
 from vitserve.model.base import Encoder
 from vitserve.worker import messages as m
+from vitserve.worker import zygote
 from vitserve.worker.rank import Rendezvous, WorkerArgs, run_worker
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class WorkerGroup:
     # ------------------------------------------------------------------------------------ processes
 
     def spawn(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = zygote.context()  # the warm forkserver when the CLI started one, else spawn
         for rank in range(self.config.tp):
             args = WorkerArgs(
                 config=self.config,

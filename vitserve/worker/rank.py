@@ -8,6 +8,7 @@ failure, reports an ERROR to the engine and exits, so the engine's watchdog can 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -96,6 +97,7 @@ def run_worker(args: WorkerArgs) -> None:
         from vitserve.model.fast_alloc import tune_cpu_allocator
 
         tune_cpu_allocator()
+    args = dataclasses.replace(args, parent_pid=watched_parent(args.parent_pid))
     die_with_parent(args.parent_pid)
     worker = RankWorker(args)
     try:
@@ -105,6 +107,18 @@ def run_worker(args: WorkerArgs) -> None:
         worker.exit(1)
     worker.run()
     worker.exit(0)
+
+
+def watched_parent(service_pid: int) -> int:
+    """The process whose exit ends this rank: the service that spawned it, or the forkserver it was forked
+    from (vitserve/worker/zygote.py), which itself dies with the service. Exits now if the service is gone."""
+    parent = os.getppid()
+    if parent != service_pid:
+        try:
+            os.kill(service_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+    return parent
 
 
 class RankWorker:

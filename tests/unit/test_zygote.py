@@ -1,0 +1,48 @@
+"""vitserve/worker/zygote.py: what the ranks' forkserver preloads (the lifecycle e2e tests cover its death)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+from vitserve.worker import zygote
+
+
+def test_the_guard_comes_first_then_the_rank_and_the_demo_family():
+    modules = zygote.preload_modules("demo")
+    assert modules[0] == "vitserve.worker.forkserver_guard"
+    assert "vitserve.worker.rank" in modules
+    assert modules[-1] == "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
+    for name in modules:
+        assert importlib.util.find_spec(name) is not None, name
+
+
+def test_a_checkpoint_preloads_its_model_types_modeling(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    assert zygote.preload_modules(str(tmp_path))[-1] == "transformers.models.qwen3_vl.modeling_qwen3_vl"
+
+
+def test_an_unreadable_or_odd_model_type_adds_no_module(tmp_path):
+    base = zygote.preload_modules(str(tmp_path / "missing"))
+    assert all(not m.startswith("transformers.") for m in base)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "../../etc"}))
+    assert zygote.preload_modules(str(tmp_path)) == base
+
+
+def test_the_guard_exits_a_forkserver_whose_service_is_already_gone():
+    # The guard reads the service's pid from the environment; a pid that is not the parent means the service
+    # died before the guard could ask for PDEATHSIG, so it must leave at once (exit 0) instead of importing on.
+    code = "import vitserve.worker.forkserver_guard; print('still here')"
+    env = {"VITSERVE_FORKSERVER_PARENT": "1", "PATH": ""}
+    gone = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 0
+    assert "still here" not in gone.stdout
+    env["VITSERVE_FORKSERVER_PARENT"] = "0"  # unset: nothing to compare, carries on
+    here = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "still here" in here.stdout, here.stderr
+
+
+def test_without_start_ranks_are_spawned():
+    assert zygote.context().get_start_method() == "spawn"

@@ -1,0 +1,69 @@
+"""A warm forkserver for the encoder ranks: their imports run beside the API process's, not after them.
+
+A spawned rank starts a new interpreter and imports torch, zmq and transformers' modeling code for its
+family before it can build the tower: ~7 s of CPU on a 2-core machine, and they began only once the API
+process had imported torch and transformers for its image processor (another ~7 s). `start()` launches
+multiprocessing's forkserver first thing in `vitserve` (after the flags and the start-up checks) with
+those modules as its preload, so both import chains run at once; the ranks are then forked from it with
+everything imported (bench/startup.py: the rank's "loading weights" phase for the demo went 4.6 s -> 0.5 s).
+
+The forkserver is a fresh interpreter started before any thread or CUDA context exists in it, so forking
+it is safe. It dies with the service: the first module it imports (`vitserve.worker.forkserver_guard`)
+asks Linux to kill it when its parent exits (it would otherwise finish its preload first), and once
+serving it exits when the service's end of its pipe closes. A rank forked from it watches the forkserver
+as its parent (rank.watched_parent).
+
+Without `start()` (library use, the in-process engine tests) ranks are spawned as before.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import multiprocessing.forkserver as forkserver
+import os
+import re
+from multiprocessing.context import ForkServerContext, SpawnContext
+from pathlib import Path
+
+from vitserve.families import DEMO_FAMILY
+
+_started = False
+SERVICE_PID_ENV = "VITSERVE_FORKSERVER_PARENT"  # the same name in forkserver_guard.py (never imported here)
+
+
+def preload_modules(model: str) -> list[str]:
+    """What the forkserver imports: the guard first, then the rank's modules and the family's HF modeling."""
+    modules = ["vitserve.worker.forkserver_guard", "vitserve.worker.rank", "vitserve.model.loader"]
+    model_type = _model_type(model)
+    if model_type is not None:  # a module that does not exist is skipped by the forkserver (ImportError)
+        modules.append(f"transformers.models.{model_type}.modeling_{model_type}")
+    return modules
+
+
+def _model_type(model: str) -> str | None:
+    if model == "demo":
+        return DEMO_FAMILY
+    try:
+        model_type = json.loads((Path(model) / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return model_type if isinstance(model_type, str) and re.fullmatch(r"[a-z0-9_]+", model_type) else None
+
+
+def start(model: str) -> None:
+    """Launch the forkserver now (it returns at once; the preload runs in the background)."""
+    global _started
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(preload_modules(model))
+    os.environ[SERVICE_PID_ENV] = str(os.getpid())  # read (and dropped) by the guard in the forkserver
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.pop(SERVICE_PID_ENV, None)
+    _started = True
+
+
+def context() -> ForkServerContext | SpawnContext:
+    """Where ranks come from: the warm forkserver once start() ran, else a spawned interpreter."""
+    return mp.get_context("forkserver") if _started else mp.get_context("spawn")
