@@ -13,10 +13,10 @@ import re
 import subprocess
 import sys
 import threading
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 import yaml
 from fastapi.testclient import TestClient

@@ -106,7 +106,7 @@ class EncodeHandler:
         """A body that trickles in (slowloris) is bounded by the request deadline too."""
         try:
             return await asyncio.wait_for(self._parse(request), max(deadline - time.monotonic(), 0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Timeout(
                 f"the request body did not arrive within {self.config.request_timeout_s}s "
                 "(--request_timeout_s)"

@@ -65,7 +65,7 @@ class Preprocessor:
             results = await asyncio.wait_for(
                 asyncio.gather(*futures, return_exceptions=True), max(remaining, 0)
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Timeout("decoding and preprocessing passed the deadline (--request_timeout_s)") from None
         for index, result in enumerate(results):  # the first image at fault, in request order
             if isinstance(result, VitserveError):

@@ -73,7 +73,7 @@ async def resolve_public(host: str, port: int, timeout_s: float) -> IPAddress:
         infos = await asyncio.wait_for(
             loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), max(timeout_s, 0)
         )
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise Timeout(f"resolving {host!r} passed the deadline (--request_timeout_s)") from None
     except OSError:
         raise InvalidRequest(f"host {host!r} of the image URL cannot be resolved") from None

@@ -382,7 +382,7 @@ async def _wait(future: asyncio.Future[EncodedImage], deadline: float, request_i
         if remaining <= 0:
             raise TimeoutError
         return await asyncio.wait_for(future, remaining)
-    except (TimeoutError, asyncio.TimeoutError):
+    except TimeoutError:
         raise Timeout(
             f"request {request_id} did not finish within its deadline (--request_timeout_s)"
         ) from None

@@ -28,7 +28,7 @@ class MessageError(ValueError):
     """A frame that is not a well-formed vitserve internal message (garbage, pickle, wrong version)."""
 
 
-class Kind(str, Enum):
+class Kind(str, Enum):  # noqa: UP042 (str(Kind.X) stays "Kind.X" in logs; the wire uses .value)
     # engine -> rank 0
     BATCH = "batch"  # encode these images
     STOP = "stop"  # finish the loop and exit cleanly
