@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 
-BENCHES = ("encoder", "serve", "transfer", "cache", "jpeg_draft", "startup")
+BENCHES = ("encoder", "serve", "transfer", "cache", "jpeg_draft", "startup", "scaling")
 RESULTS = ROOT / "bench" / "RESULTS.md"
 
 
@@ -122,8 +122,34 @@ def startup_table(res: dict) -> list[str]:
     ]
 
 
+def scaling_table(res: dict) -> list[str]:
+    rows, body = res["rows"], []
+    base = rows.get("tp1", {})
+    for name, workloads in rows.items():
+        for workload, points in workloads.items():
+            for i, r in enumerate(points):
+                ref = base.get(workload, [None] * (i + 1))[i]
+                ratio = r["images_per_s"] / ref["images_per_s"] if ref and ref["images_per_s"] else None
+                body.append([name, " ".join(res["configs"][name]) or "-", workload, r["concurrency"],
+                             _f(r["images_per_s"]), f"**{_f(ratio)}x**", _f(r["p50_s"]),
+                             _f(r["mean_batch_fill_ratio"]), _errors(r), _f(r["loadavg"], 1)])  # fmt: skip
+    head = [
+        "config",
+        "flags",
+        "workload",
+        "clients",
+        "img/s",
+        "x tp1",
+        "p50 s",
+        "batch fill",
+        "errors",
+        "load",
+    ]
+    return _table(head, body) + ["", f"Budget {res['budget']}; `--model demo`; same machine, same run."]
+
+
 TABLES = {"encoder": encoder_table, "serve": serve_table, "transfer": transfer_table, "cache": cache_table,
-          "jpeg_draft": jpeg_draft_table, "startup": startup_table}  # fmt: skip
+          "jpeg_draft": jpeg_draft_table, "startup": startup_table, "scaling": scaling_table}  # fmt: skip
 
 
 def section(bench: str, out_dir: Path | None) -> str:

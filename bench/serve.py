@@ -73,7 +73,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(kind: str, port: int, budget: int, threads: int, runtime_dir: str) -> list[str]:
+def server_command(
+    kind: str, port: int, budget: int, threads: int, runtime_dir: str, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """The argv of one server; ``extra``: more vitserve flags (bench/scaling.py's --dp / --tp)."""
     if kind == "vitserve":
         return [
             sys.executable,
@@ -94,6 +97,7 @@ def server_command(kind: str, port: int, budget: int, threads: int, runtime_dir:
             runtime_dir,
             "--log_level",
             "warning",
+            *extra,
         ]
     return [
         sys.executable,
@@ -108,13 +112,13 @@ def server_command(kind: str, port: int, budget: int, threads: int, runtime_dir:
 
 
 @contextlib.contextmanager
-def launched(kind: str, budget: int, threads: int, log_path: Path):
+def launched(kind: str, budget: int, threads: int, log_path: Path, extra: tuple[str, ...] = ()):
     """Run one server as a subprocess; yield its URL once ready; always stop it."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as runtime_dir, open(log_path, "w") as log:
         proc = subprocess.Popen(
-            server_command(kind, port, budget, threads, runtime_dir),
+            server_command(kind, port, budget, threads, runtime_dir, extra),
             cwd=ROOT,
             env=env,
             stdout=log,
