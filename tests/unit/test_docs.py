@@ -114,12 +114,12 @@ def test_checks_catch_missing_files_and_links(tree):
 def test_flag_check_knows_aliases_and_switches():
     known = vitserve_flags()
     assert {"visual_batch_max_tokens", "visual-batch-max-tokens", "no-jpeg_draft", "help"} <= known
-    assert "master_addr" not in known  # MASTER_ADDR is an environment variable, not a flag
+    assert "master_rank" not in known  # --node_rank is the flag; torchrun has no --master_rank either
     assert "no-port" not in known  # only switches have a --no- form
-    assert flags("run `vitserve --port 1 --no-jpeg_draft`, not --master_addr; a -- b") == [
+    assert flags("run `vitserve --port 1 --no-jpeg_draft`, not --master_rank; a -- b") == [
         "port",
         "no-jpeg_draft",
-        "master_addr",
+        "master_rank",
     ]
 
 

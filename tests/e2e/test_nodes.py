@@ -1,0 +1,158 @@
+"""TP=2 across two vitserve "nodes" on this machine, one rank each, over loopback: real CLI processes.
+
+Node 1 waits for node 0 (it says so); node 0 serves HTTP. Gloo finds its interface from
+GLOO_SOCKET_IFNAME=lo, as a deployment names its NIC (docs/engine.md, Nodes). Each node runs in its own
+session, so that "killing node 1" kills every process of it at once, as when a machine dies.
+
+Network namespaces with veth pairs (`ip netns`) need CAP_NET_ADMIN, which this sandbox does not grant, so
+the nodes share the loopback interface; test_netns_available says so when it skips.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from tests.checkpoints import hf_reference, make_checkpoint
+from tests.e2e.test_cli_process import ROOT, cli_env
+from tests.e2e.test_tp2_exact import ATOL, decode_tensor, hf_rows
+from tests.imagegen import encode, noise
+from vitserve.worker.rendezvous import free_port
+
+pytestmark = pytest.mark.timeout(300)
+FAMILY = "qwen3_vl"
+HEARTBEAT_S = 2.0
+IMAGES = [(700, 500, "JPEG"), (120, 90, "PNG")]  # clamped by the tiny checkpoint's max_pixels, and not
+
+
+class Node:
+    """`python -m vitserve.cli ... --node_rank N` in its own session; output lines kept with arrival times."""
+
+    def __init__(self, rank: int, args: list[str], tmp_path):
+        env = cli_env(tmp_path) | {"GLOO_SOCKET_IFNAME": "lo"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vitserve.cli", *args, "--node_rank", str(rank)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[tuple[float, str]] = []
+        self.port: int | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+            m = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+
+    @property
+    def text(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def wait_for(self, pattern: str, limit_s: float = 240) -> float:
+        """The arrival time of the first line matching `pattern`."""
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            for at, line in list(self.lines):
+                if re.search(pattern, line):
+                    return at
+            if self.proc.poll() is not None:
+                time.sleep(0.2)  # the reader may still hold the last lines
+                if not any(re.search(pattern, line) for _, line in self.lines):
+                    break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r}:\n{self.text[-4000:]}")
+
+    def signal_all(self, sig: int) -> None:
+        """Signal every process of the node (its ranks and forkserver too): a machine that dies or hangs."""
+        os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    """Node 0 (serving) and node 1 (ranks only, waiting for node 0) over a tiny real Qwen3-VL checkpoint."""
+    path = make_checkpoint(FAMILY, tmp_path / "ckpt")
+    store_port = free_port()
+    args = ["--model", str(path), "--tp", "2", "--nnodes", "2", "--master_addr", "127.0.0.1"]
+    args += ["--master_port", str(store_port), "--heartbeat_s", str(HEARTBEAT_S), "--device", "cpu"]
+    args += ["--visual_reserved_mem_gb", "0.5"]  # skips the start-up stress only (see test_tp2_exact.py)
+    nodes = [Node(0, [*args, "--port", "0"], tmp_path / "n0"), Node(1, args, tmp_path / "n1")]
+    try:
+        nodes[1].wait_for(f"waiting for node 0 at 127.0.0.1:{store_port}", 120)
+        nodes[0].wait_for(r"serving on http://")
+        nodes[1].wait_for("every rank here is up")
+        yield path, nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def poll_ready(url: str, limit_s: float) -> list[tuple[float, int]]:
+    """(time, status) of /ready every 20 ms until it answers non-200 or refuses (status 0) twice."""
+    seen: list[tuple[float, int]] = []
+    end = time.monotonic() + limit_s
+    with httpx.Client(base_url=url, timeout=2, trust_env=False) as http:
+        while time.monotonic() < end and sum(code != 200 for _, code in seen) < 2:
+            try:
+                code = http.get("/ready").status_code
+            except httpx.TransportError:
+                code = 0
+            seen.append((time.monotonic(), code))
+            time.sleep(0.02)
+    return seen
+
+
+def test_two_nodes_encode_like_transformers_and_a_dead_node_fails_ready(two_nodes):
+    path, (node0, node1) = two_nodes
+    images = [encode(noise(w, h, seed=i), fmt) for i, (w, h, fmt) in enumerate(IMAGES)]
+    files = [("images", (f"image{i}", data, "application/octet-stream")) for i, data in enumerate(images)]
+    url = f"http://127.0.0.1:{node0.port}"
+    with httpx.Client(base_url=url, timeout=120, trust_env=False) as http:
+        info = http.get("/v1/info").json()
+        resp = http.post("/encode", files=files, data={"return_embeddings": "true"})
+    assert (info["tp"], info["dp"]) == (2, 1)
+    assert resp.status_code == 200, resp.text
+    reference = hf_reference(path, FAMILY)
+    for data, got in zip(images, resp.json()["images"], strict=True):
+        _, grid, want, want_deep = hf_rows(path, reference, data)
+        assert got["grid_thw"] == grid
+        torch.testing.assert_close(decode_tensor(got["embedding"]), want, rtol=0, atol=ATOL)
+        for layer, want_layer in zip(got["deepstack"], want_deep, strict=True):
+            torch.testing.assert_close(decode_tensor(layer), want_layer, rtol=0, atol=ATOL)
+
+    killed = time.monotonic()
+    node1.signal_all(signal.SIGKILL)
+    seen = poll_ready(url, limit_s=4 * HEARTBEAT_S)
+    first_down = next(at for at, code in seen if code != 200)
+    failed_at = node0.wait_for("encoder group 0 failed", 30)
+    print(
+        f"\nnode 1 killed: node 0's /ready not 200 after {first_down - killed:.2f} s, group failure logged "
+        f"after {failed_at - killed:.2f} s (--heartbeat_s {HEARTBEAT_S:g}); statuses seen after 200: "
+        f"{[code for _, code in seen if code != 200]}"
+    )
+    assert first_down - killed <= 2 * HEARTBEAT_S, node0.text[-3000:]
+    # the group is gone and cannot be replaced: node 0 exits 1 (docs/api.md), as with a dead local rank
+    assert node0.proc.wait(30) == 1
+    assert "Connection closed by peer" in node0.text or "missed heartbeats" in node0.text
