@@ -4,15 +4,14 @@ Node 1 waits for node 0 (it says so); node 0 serves HTTP. Gloo finds its interfa
 GLOO_SOCKET_IFNAME=lo, as a deployment names its NIC (docs/engine.md, Nodes). Each node runs in its own
 session, so that "killing node 1" kills every process of it at once, as when a machine dies.
 
-Network namespaces with veth pairs (`ip netns`) need CAP_NET_ADMIN, which this sandbox does not grant, so
-the nodes share the loopback interface; test_netns_available says so when it skips.
+The same over a veth pair between network namespaces: test_nodes_netns.py (where `ip netns` works). A hung
+node, in-flight requests, clean stops and signals: test_nodes_faults.py.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,10 +37,10 @@ IMAGES = [(700, 500, "JPEG"), (120, 90, "PNG")]  # clamped by the tiny checkpoin
 class Node:
     """`python -m vitserve.cli ... --node_rank N` in its own session; output lines kept with arrival times."""
 
-    def __init__(self, rank: int, args: list[str], tmp_path):
-        env = cli_env(tmp_path) | {"GLOO_SOCKET_IFNAME": "lo"}
+    def __init__(self, rank: int, args: list[str], tmp_path, *, ifname: str = "lo", prefix: tuple = ()):
+        env = cli_env(tmp_path) | {"GLOO_SOCKET_IFNAME": ifname}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vitserve.cli", *args, "--node_rank", str(rank)],
+            [*prefix, sys.executable, "-m", "vitserve.cli", *args, "--node_rank", str(rank)],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -90,19 +89,38 @@ class Node:
             self.proc.stdout.close()
 
 
+def node_args(model: str, store_addr: str = "127.0.0.1") -> tuple[list[str], int]:
+    """Flags every node gets (TP=2 over two nodes, one rank each), and the store's port."""
+    store_port = free_port()
+    args = ["--model", model, "--tp", "2", "--nnodes", "2", "--master_addr", store_addr]
+    args += ["--master_port", str(store_port), "--heartbeat_s", str(HEARTBEAT_S), "--device", "cpu"]
+    args += ["--visual_reserved_mem_gb", "0.5"]  # skips the start-up stress only (see test_tp2_exact.py)
+    return args, store_port
+
+
+def start_pair(tmp_path, model: str, store_addr: str = "127.0.0.1", **kwargs: dict) -> list[Node]:
+    """Node 0 (serving on an ephemeral port) and node 1 (ranks only), both up. kwargs `node0` and `node1`:
+    what each Node() gets besides (its interface, a command prefix)."""
+    args, store_port = node_args(model, store_addr)
+    nodes = [Node(0, [*args, "--port", "0"], tmp_path / "n0", **kwargs.get("node0", {}))]
+    try:
+        nodes.append(Node(1, args, tmp_path / "n1", **kwargs.get("node1", {})))
+        nodes[1].wait_for(f"waiting for node 0 at {re.escape(store_addr)}:{store_port}", 120)
+        nodes[0].wait_for(r"serving on http://")
+        nodes[1].wait_for("every rank here is up")
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return nodes
+
+
 @pytest.fixture
 def two_nodes(tmp_path):
     """Node 0 (serving) and node 1 (ranks only, waiting for node 0) over a tiny real Qwen3-VL checkpoint."""
     path = make_checkpoint(FAMILY, tmp_path / "ckpt")
-    store_port = free_port()
-    args = ["--model", str(path), "--tp", "2", "--nnodes", "2", "--master_addr", "127.0.0.1"]
-    args += ["--master_port", str(store_port), "--heartbeat_s", str(HEARTBEAT_S), "--device", "cpu"]
-    args += ["--visual_reserved_mem_gb", "0.5"]  # skips the start-up stress only (see test_tp2_exact.py)
-    nodes = [Node(0, [*args, "--port", "0"], tmp_path / "n0"), Node(1, args, tmp_path / "n1")]
+    nodes = start_pair(tmp_path, str(path))
     try:
-        nodes[1].wait_for(f"waiting for node 0 at 127.0.0.1:{store_port}", 120)
-        nodes[0].wait_for(r"serving on http://")
-        nodes[1].wait_for("every rank here is up")
         yield path, nodes
     finally:
         for node in nodes:
@@ -124,11 +142,10 @@ def poll_ready(url: str, limit_s: float) -> list[tuple[float, int]]:
     return seen
 
 
-def test_two_nodes_encode_like_transformers_and_a_dead_node_fails_ready(two_nodes):
-    path, (node0, node1) = two_nodes
+def assert_encodes_like_transformers(url: str, path) -> None:
+    """/encode on node 0 returns, for a JPEG and a PNG, what transformers' own tower computes (1e-4)."""
     images = [encode(noise(w, h, seed=i), fmt) for i, (w, h, fmt) in enumerate(IMAGES)]
     files = [("images", (f"image{i}", data, "application/octet-stream")) for i, data in enumerate(images)]
-    url = f"http://127.0.0.1:{node0.port}"
     with httpx.Client(base_url=url, timeout=120, trust_env=False) as http:
         info = http.get("/v1/info").json()
         resp = http.post("/encode", files=files, data={"return_embeddings": "true"})
@@ -141,6 +158,12 @@ def test_two_nodes_encode_like_transformers_and_a_dead_node_fails_ready(two_node
         torch.testing.assert_close(decode_tensor(got["embedding"]), want, rtol=0, atol=ATOL)
         for layer, want_layer in zip(got["deepstack"], want_deep, strict=True):
             torch.testing.assert_close(decode_tensor(layer), want_layer, rtol=0, atol=ATOL)
+
+
+def test_two_nodes_encode_like_transformers_and_a_dead_node_fails_ready(two_nodes):
+    path, (node0, node1) = two_nodes
+    url = f"http://127.0.0.1:{node0.port}"
+    assert_encodes_like_transformers(url, path)
 
     killed = time.monotonic()
     node1.signal_all(signal.SIGKILL)

@@ -30,6 +30,8 @@ NON_VITSERVE_FLAGS = {
     "check": "ruff format --check (scripts/lint.sh)",
     "env-file": "docker compose --env-file docker/versions.env (docs/deploy.md)",
     "build": "docker compose up --build (docs/deploy.md)",
+    "nproc_per_node": "torchrun --nproc_per_node 1 (docs/engine.md, Nodes)",
+    "max_restarts": "torchrun --max_restarts (docs/engine.md, Nodes)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
 DOCS = doc_files()
