@@ -114,7 +114,7 @@ class WorkerGroup:
         self._sock.connect(endpoint)
 
     def global_rank(self, rank: int) -> int:
-        """The rank's number across every group (reservation files, metrics labels, CUDA device)."""
+        """The rank's number across every group (reservation files, metrics labels)."""
         return self.index * self.config.tp + rank
 
     # ------------------------------------------------------------------------------------ processes
