@@ -38,9 +38,14 @@ class Node:
     """`python -m vitserve.cli ... --node_rank N` in its own session; output lines kept with arrival times."""
 
     def __init__(self, rank: int, args: list[str], tmp_path, *, ifname: str = "lo", prefix: tuple = ()):
+        """`prefix`: what runs the command (`ip netns exec NS`); a prefix ending in torchrun's own flags
+        runs `-m vitserve.cli` under it, and the node's rank comes from torchrun's environment."""
         env = cli_env(tmp_path) | {"GLOO_SOCKET_IFNAME": ifname}
+        under_torchrun = "torch.distributed.run" in prefix
+        command = [*prefix] if under_torchrun else [*prefix, sys.executable]
+        command += ["-m", "vitserve.cli", *args] + ([] if under_torchrun else ["--node_rank", str(rank)])
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "vitserve.cli", *args, "--node_rank", str(rank)],
+            command,
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

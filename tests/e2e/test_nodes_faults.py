@@ -6,7 +6,10 @@ exact embeddings and a dead node in the default run.
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,6 +18,7 @@ import pytest
 
 from tests.e2e.live import noise_png
 from tests.e2e.test_nodes import HEARTBEAT_S, Node, node_args, poll_ready, start_pair
+from vitserve.worker.rendezvous import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -87,3 +91,46 @@ def test_signals_on_a_node_that_waits_for_node_0(tmp_path):
     finally:
         node.stop()
     assert "stopped by SIGTERM" in node.text
+
+
+def test_two_nodes_under_torchrun_meet_at_its_agent_store(tmp_path):
+    """torchrun --nproc_per_node 1 on each node: vitserve takes the node flags from torchrun's environment
+    and joins the store torchrun's agent hosts (TORCHELASTIC_USE_AGENT_STORE=True)."""
+    store_port = free_port()
+    args = ["--model", "demo", "--tp", "2", "--heartbeat_s", str(HEARTBEAT_S), "--device", "cpu"]
+    args += ["--visual_reserved_mem_gb", "0.5"]
+
+    def torchrun(rank: int) -> tuple:
+        return (
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "1",
+            "--node_rank",
+            str(rank),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(store_port),
+        )
+
+    nodes = [Node(0, [*args, "--port", "0"], tmp_path / "n0", prefix=torchrun(0))]
+    try:
+        nodes.append(Node(1, args, tmp_path / "n1", prefix=torchrun(1)))
+        nodes[1].wait_for(f"node 1 of 2: ranks 1..1 of --tp 2; waiting for node 0 at 127.0.0.1:{store_port}")
+        nodes[0].wait_for(r"serving on http://")
+        nodes[1].wait_for("every rank here is up")
+        with httpx.Client(base_url=f"http://127.0.0.1:{nodes[0].port}", timeout=60, trust_env=False) as http:
+            resp = http.post("/encode", files=[("images", ("a", noise_png(96, 96), "image/png"))])
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["images"][0]["num_tokens"] > 0
+    finally:  # torchrun passes SIGTERM on to its worker (in a session of its own) and waits for it
+        for node in nodes:
+            node.proc.send_signal(signal.SIGTERM)
+        for node in nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.proc.wait(60)
+            node.stop()
