@@ -34,8 +34,6 @@ from vitserve.worker import messages as m
 from vitserve.worker.liveness import LivenessThread, LoopCounters, die_with_parent
 from vitserve.worker.rendezvous import Rendezvous, beat_for, open_store
 
-__all__ = ["Rendezvous", "WorkerArgs", "load_configured_encoder", "run_worker", "startup_timeout_s"]
-
 log = logging.getLogger(__name__)
 
 
