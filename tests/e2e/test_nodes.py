@@ -184,3 +184,29 @@ def test_two_nodes_encode_like_transformers_and_a_dead_node_fails_ready(two_node
     # the group is gone and cannot be replaced: node 0 exits 1 (docs/api.md), as with a dead local rank
     assert node0.proc.wait(30) == 1
     assert "Connection closed by peer" in node0.text or "missed heartbeats" in node0.text
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "names"),
+    [
+        (["--tp", "3", "--nnodes", "2", "--master_addr", "10.0.0.1"], {}, "--tp 3 cannot be split over"),
+        (["--tp", "2", "--nnodes", "2"], {}, "--nnodes 2 needs --master_addr"),
+        (
+            ["--tp", "2"],
+            {"GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"},
+            "--nproc_per_node 1",
+        ),
+    ],
+)
+def test_impossible_node_layouts_exit_2_with_one_line(tmp_path, flags, env, names):
+    done = subprocess.run(
+        [sys.executable, "-m", "vitserve.cli", "--model", "demo", *flags],
+        cwd=ROOT,
+        env=cli_env(tmp_path) | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert names in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -296,7 +296,7 @@ class RankWorker:
         try:
             return self._next_step()
         except Exception as exc:  # torch.distributed's errors name the peer and the cause
-            self.report_error("broadcast", exc)
+            self.report_error("broadcast", exc, trace=False)
             self.exit(1)
             raise  # unreachable; exit() does not return
 
@@ -355,9 +355,10 @@ class RankWorker:
 
     # ------------------------------------------------------------------------------------ exit paths
 
-    def report_error(self, stage: str, exc: BaseException, batch_id: int = -1) -> None:
+    def report_error(self, stage: str, exc: BaseException, batch_id: int = -1, *, trace: bool = True) -> None:
+        """Log and send the error; trace=False for an expected end (a peer's node went away): one line."""
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        log.error("rank failed during %s: %s\n%s", stage, text, traceback.format_exc())
+        log.error("rank failed during %s: %s%s", stage, text, "\n" + traceback.format_exc() if trace else "")
         with contextlib.suppress(zmq.ZMQError):
             self.status.send_multipart(
                 m.encode(
