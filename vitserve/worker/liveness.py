@@ -5,7 +5,8 @@ heartbeat_s / 2. It keeps running during a long forward, so a slow batch is not 
 SIGSTOPped or dead rank goes silent and the engine's watchdog notices within 2 x heartbeat_s.
 The same thread exits the process when the parent is gone (getppid changes), backed by PR_SET_PDEATHSIG.
 Across nodes (--nnodes > 1) it also runs the rank's StoreBeat (rendezvous.py): a rank off node 0 publishes
-its count in the group's store, and rank 0 reports ALIVE on behalf of every remote rank whose count moved.
+its count in the group's store every report, and rank 0 reads the counts every poll (0.25 s at most) and
+reports ALIVE on behalf of every remote rank whose count moved.
 A rank off node 0 whose store is gone (node 0 exited or is cut off) exits 1 (unless it is stopping anyway).
 """
 
@@ -93,6 +94,10 @@ class LivenessThread(threading.Thread):
             if now >= next_report:
                 self._report()
                 next_report = now + self._interval
+            if self.beat is not None and self.beat.rank == 0:
+                # every poll, not every report: the engine hears a remote rank at most one poll after it
+                # published, so a silent one is judged on nearly the same clock as a local one
+                self._beat(self.beat)
             self._halt.wait(min(_PARENT_POLL_S, self._interval))
         self._sock.close()
 
@@ -105,7 +110,7 @@ class LivenessThread(threading.Thread):
         )
         with contextlib.suppress(zmq.Again):  # engine busy: the next report will do
             self._sock.send_multipart(m.encode(msg), flags=zmq.NOBLOCK)
-        if self.beat is not None:
+        if self.beat is not None and self.beat.rank != 0:
             self._beat(self.beat)
 
     def _beat(self, beat: StoreBeat) -> None:
