@@ -1,8 +1,8 @@
 """The `vitserve` entry point: flags + VITSERVE_* environment -> one frozen Config -> Service.run().
 
 This is the only place that reads the environment (docs/api.md): each flag also reads VITSERVE_<FLAG_UPPER>
-(the flag wins), VITSERVE_RUNTIME_DIR sets the runtime directory, and torchrun's MASTER_ADDR/MASTER_PORT
-set the torch.distributed store address.
+(the flag wins), VITSERVE_RUNTIME_DIR sets the runtime directory, and torchrun's environment (MASTER_ADDR,
+MASTER_PORT, GROUP_RANK, WORLD_SIZE, ...: preflight.torchrun_values) fills the node flags no flag set.
 """
 
 from __future__ import annotations
@@ -93,6 +93,14 @@ FLAGS: dict[str, Flag] = {
     "port": Flag(parse_int, "server", "HTTP port"),
     "tp": Flag(parse_int, "parallelism", "tensor-parallel ranks per encoder group"),
     "dp": Flag(parse_int, "parallelism", "independent encoder groups sharing one queue"),
+    "nnodes": Flag(parse_int, "parallelism", "nodes one TP group spans; each runs --tp / --nnodes ranks"),
+    "node_rank": Flag(parse_int, "parallelism", "this node's index; 0 serves HTTP, others run ranks only"),
+    "master_addr": Flag(
+        _optional(str), "parallelism", "node 0's address, where the ranks meet (TCPStore)", "none (one node)"
+    ),
+    "master_port": Flag(
+        _optional(parse_int), "parallelism", "node 0's TCPStore port (+ group index)", "29500 across nodes"
+    ),
     "heartbeat_s": Flag(float, "parallelism", "rank-0 heartbeat interval"),
     "dist_timeout_s": Flag(float, "parallelism", "torch.distributed timeout"),
     "visual_batch_max_tokens": Flag(
@@ -238,10 +246,8 @@ def build_config(argv: list[str] | None, environ: Mapping[str, str]) -> Config:
             values[flag] = _convert(flag, args[flag], f"--{flag}")
         elif env_name(flag) in environ:
             values[flag] = _convert(flag, environ[env_name(flag)], env_name(flag))
-    if environ.get("MASTER_ADDR"):
-        values["master_addr"] = environ["MASTER_ADDR"]
-    if environ.get("MASTER_PORT"):
-        values["master_port"] = _convert("port", environ["MASTER_PORT"], "MASTER_PORT")
+    for flag, value in preflight.torchrun_values(environ).items():
+        values.setdefault(flag, value)
     config = Config(**values)
     validate(config)
     return config
@@ -259,6 +265,7 @@ def validate(config: Config) -> None:
         config,
         "tp",
         "dp",
+        "nnodes",
         "visual_infer_batch_size",
         "max_images_per_request",
         "max_request_bytes",
@@ -273,6 +280,7 @@ def validate(config: Config) -> None:
         "max_queue_tokens",
         "cache_gb",
         "visual_reserved_mem_gb",
+        "node_rank",
         allow_zero=True,
     )
     if not 0 <= config.port <= 65535:
@@ -374,7 +382,8 @@ def install_stop_handlers() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes (docs/api.md): 0 stopped after serving; 1 start-up failed in the ranks or no encoder group
-    is left; 2 a setting that can never work; 128 + N stopped by signal N before serving (130, 143)."""
+    is left (on a node > 0: node 0 went away); 2 a setting that can never work; 128 + N stopped by signal N
+    before serving (130, 143)."""
     install_stop_handlers()
     try:
         config = build_config(argv, os.environ)
@@ -391,10 +400,15 @@ def main(argv: list[str] | None = None) -> int:
         from vitserve.worker import zygote  # light: the forkserver imports the heavy modules, not us
 
         zygote.start(config.model)  # the ranks' imports run beside ours from here on
-        service = _build_service(config)
+        if config.node_rank > 0:  # ranks only: no HTTP, no processor, no queue (docs/engine.md, Nodes)
+            from vitserve.engine.node import run_node
+        else:
+            service = _build_service(config)
     except (ConfigError, VitserveError, OSError) as exc:
         print(f"vitserve: start-up failed: {exc}", file=sys.stderr)
         return 2
+    if config.node_rank > 0:
+        return run_node(config, os.environ)
     return asyncio.run(service.run())
 
 

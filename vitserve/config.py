@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
+TORCHRUN_MASTER_PORT = 29500  # torchrun's default --master_port, ours with --nnodes > 1
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,19 @@ class Config:
     log_level: str = "info"
     otlp_endpoint: str | None = None  # OTLP/HTTP collector for /encode spans; None = tracing off
     runtime_dir: str = "/dev/shm/vitserve"  # VITSERVE_RUNTIME_DIR (docs/engine.md)
-    master_addr: str | None = None  # torch.distributed store; None -> 127.0.0.1 on a free port
-    master_port: int | None = None
+    # TP across nodes, torchrun's meanings (docs/engine.md, "Nodes"): --tp ranks in all, --tp / --nnodes on
+    # each node; node 0 runs HTTP, the queue and rank 0, the other nodes run ranks only.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None  # node 0's torch.distributed store; None (one node) -> a private FileStore
+    master_port: int | None = None  # None -> TORCHRUN_MASTER_PORT with --nnodes > 1, a free port on one node
+
+    @property
+    def node_ranks(self) -> range:
+        """The TP ranks of each group that this node runs: --tp / --nnodes consecutive ranks (node 0 has
+        rank 0). On one node, every rank."""
+        per_node = self.tp // max(1, self.nnodes)
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     @property
     def budget_tokens(self) -> int:

@@ -42,6 +42,7 @@ _WIDTH_KEY = {"qwen2_vl": "embed_dim"}  # every other family: "hidden_size"
 
 def check(config: Config) -> None:
     """Every refusal that needs only the flags and the checkpoint's JSON files."""
+    check_nodes(config)
     if config.llm_endpoint is not None:
         check_llm_endpoint(config.llm_endpoint)
     family, top = _checkpoint(config.model, config.model_family)
@@ -154,6 +155,68 @@ def check_tp(tp: int, family: Family, vision: Mapping[str, Any]) -> None:
 def _or_list(values: list[int]) -> str:
     text = [str(v) for v in values]
     return text[0] if len(text) == 1 else f"{', '.join(text[:-1])} or {text[-1]}"
+
+
+# ------------------------------------------------------------------------------------------------ nodes
+
+
+def torchrun_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Config values from torchrun's environment, for the node flags that no flag or VITSERVE_* variable set:
+    MASTER_ADDR, MASTER_PORT, and under torchrun (GROUP_RANK set) the node count and this node's rank.
+    torchrun starts --nproc_per_node copies of vitserve per node, and vitserve spawns its own ranks, so
+    only --nproc_per_node 1 fits; NODE_RANK (launch scripts' name) stands for GROUP_RANK."""
+
+    def number(name: str) -> int:
+        try:
+            return int(environ[name])
+        except ValueError:
+            raise ConfigError(f"{name}={environ[name]!r} in the environment is not an integer") from None
+
+    values: dict[str, Any] = {}
+    if environ.get("MASTER_ADDR"):
+        values["master_addr"] = environ["MASTER_ADDR"]
+    if environ.get("MASTER_PORT"):
+        values["master_port"] = number("MASTER_PORT")
+    rank_var = next((v for v in ("GROUP_RANK", "NODE_RANK") if environ.get(v)), None)
+    if rank_var is not None:
+        values["node_rank"] = number(rank_var)
+    if environ.get("LOCAL_WORLD_SIZE") and number("LOCAL_WORLD_SIZE") != 1:
+        raise ConfigError(
+            f"torchrun started {environ['LOCAL_WORLD_SIZE']} copies of vitserve on this node "
+            "(--nproc_per_node); vitserve spawns its own --tp / --nnodes ranks: use torchrun --nproc_per_node 1"
+        )
+    if environ.get("GROUP_WORLD_SIZE"):
+        values["nnodes"] = number("GROUP_WORLD_SIZE")
+    elif environ.get("WORLD_SIZE") and rank_var is not None:
+        values["nnodes"] = number("WORLD_SIZE")  # one process per node (LOCAL_WORLD_SIZE 1)
+    return values
+
+
+def check_nodes(config: Config) -> None:
+    """--nnodes / --node_rank / --master_*: one TP group of --tp ranks, --tp / --nnodes on each node."""
+    nnodes, rank, tp = config.nnodes, config.node_rank, config.tp
+    if not 0 <= rank < nnodes:
+        raise ConfigError(f"--node_rank {rank} is not a node of --nnodes {nnodes}; use 0..{nnodes - 1}")
+    port = config.master_port
+    if port is not None and not 0 < port + config.dp - 1 <= 65535:
+        raise ConfigError(f"--master_port {port} (+ --dp - 1) must be 1..65535")
+    if nnodes == 1:
+        return
+    if tp % nnodes:
+        raise ConfigError(
+            f"--tp {tp} cannot be split over --nnodes {nnodes}: each node runs --tp / --nnodes ranks of the "
+            f"group; use --tp {nnodes}, {2 * nnodes} or another multiple of {nnodes}"
+        )
+    if config.dp > 1:
+        raise ConfigError(
+            f"--dp {config.dp} with --nnodes {nnodes}: one TP group spans the nodes; use --dp 1, or run "
+            "one vitserve per node as replicas (docs/engine.md, Nodes)"
+        )
+    if not config.master_addr:
+        raise ConfigError(
+            f"--nnodes {nnodes} needs --master_addr: node 0's address, which every node can reach "
+            "(torchrun's MASTER_ADDR)"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ budget

@@ -102,6 +102,16 @@ def test_runtime_dir_and_torchrun_rendezvous_come_from_the_environment():
     assert build_config([], {}).master_addr is None
 
 
+def test_node_flags_win_over_torchrun_environment():
+    env = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"}
+    c = build_config(["--tp", "2"], env)
+    assert (c.nnodes, c.node_rank, c.master_addr, c.master_port) == (2, 1, "10.1.2.3", 29500)
+    c = build_config(["--tp", "2", "--master_addr", "node0", "--node_rank", "0"], env)
+    assert (c.node_rank, c.master_addr) == (0, "node0")
+    with pytest.raises(ConfigError, match="--nnodes must be > 0"):
+        build_config(["--nnodes", "0"], {})
+
+
 def test_sizes_and_optional_values():
     assert parse_size("64MiB") == 64 * MIB
     assert parse_size("1024") == 1024

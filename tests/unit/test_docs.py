@@ -30,6 +30,8 @@ NON_VITSERVE_FLAGS = {
     "check": "ruff format --check (scripts/lint.sh)",
     "env-file": "docker compose --env-file docker/versions.env (docs/deploy.md)",
     "build": "docker compose up --build (docs/deploy.md)",
+    "nproc_per_node": "torchrun --nproc_per_node 1 (docs/engine.md, Nodes)",
+    "max_restarts": "torchrun --max_restarts (docs/engine.md, Nodes)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
 DOCS = doc_files()
@@ -114,12 +116,12 @@ def test_checks_catch_missing_files_and_links(tree):
 def test_flag_check_knows_aliases_and_switches():
     known = vitserve_flags()
     assert {"visual_batch_max_tokens", "visual-batch-max-tokens", "no-jpeg_draft", "help"} <= known
-    assert "master_addr" not in known  # MASTER_ADDR is an environment variable, not a flag
+    assert "master_rank" not in known  # --node_rank is the flag; torchrun has no --master_rank either
     assert "no-port" not in known  # only switches have a --no- form
-    assert flags("run `vitserve --port 1 --no-jpeg_draft`, not --master_addr; a -- b") == [
+    assert flags("run `vitserve --port 1 --no-jpeg_draft`, not --master_rank; a -- b") == [
         "port",
         "no-jpeg_draft",
-        "master_addr",
+        "master_rank",
     ]
 
 

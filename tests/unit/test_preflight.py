@@ -190,3 +190,50 @@ def test_an_ipc_path_too_long_for_a_unix_socket_is_refused(tmp_path):
     long = os.path.join(str(tmp_path), "d" * 120, "llm.sock")
     with pytest.raises(ConfigError, match=r"above the 107-byte limit of Unix sockets; use a shorter path"):
         preflight.check_llm_endpoint(f"ipc://{long}")
+
+
+# ------------------------------------------------------------------------------------------------ nodes
+
+
+@pytest.mark.parametrize(
+    ("settings", "names"),
+    [
+        ({"tp": 3, "nnodes": 2}, ["--tp 3", "--nnodes 2", "use --tp 2, 4"]),
+        ({"tp": 2, "nnodes": 2, "dp": 2}, ["--dp 2", "use --dp 1"]),
+        ({"tp": 2, "nnodes": 2}, ["--master_addr"]),
+        ({"tp": 2, "nnodes": 2, "node_rank": 2, "master_addr": "10.0.0.1"}, ["--node_rank 2", "0..1"]),
+        ({"master_port": 65535, "dp": 2}, ["--master_port 65535", "1..65535"]),
+    ],
+)
+def test_impossible_node_layouts_are_refused_naming_the_flag(settings, names):
+    with pytest.raises(ConfigError) as err:
+        preflight.check(Config(**settings))
+    assert all(name in str(err.value) for name in names), str(err.value)
+
+
+def test_a_possible_node_layout_passes_and_splits_the_ranks():
+    config = Config(tp=4, nnodes=2, node_rank=1, master_addr="10.0.0.1")
+    preflight.check(config)  # the demo tower's heads and widths divide by 4
+    assert config.node_ranks == range(2, 4)
+    assert Config(tp=4).node_ranks == range(0, 4)
+
+
+def test_torchrun_environment_gives_the_node_flags():
+    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "GROUP_RANK": "1", "WORLD_SIZE": "2"}
+    env |= {"LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0"}
+    assert preflight.torchrun_values(env) == {
+        "master_addr": "10.0.0.1",
+        "master_port": 29400,
+        "node_rank": 1,
+        "nnodes": 2,
+    }
+    # a launch script's NODE_RANK stands for GROUP_RANK; WORLD_SIZE alone (no node rank) is not ours
+    assert preflight.torchrun_values({"NODE_RANK": "3", "WORLD_SIZE": "4"}) == {"node_rank": 3, "nnodes": 4}
+    assert preflight.torchrun_values({"WORLD_SIZE": "4"}) == {}
+
+
+def test_torchrun_with_several_processes_per_node_is_refused():
+    with pytest.raises(ConfigError, match="--nproc_per_node 1"):
+        preflight.torchrun_values({"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "WORLD_SIZE": "4"})
+    with pytest.raises(ConfigError, match="GROUP_RANK='x'"):
+        preflight.torchrun_values({"GROUP_RANK": "x"})

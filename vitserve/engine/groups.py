@@ -3,6 +3,8 @@
 A group is `tp` spawned processes sharing one torch.distributed process group; rank 0 PULLs batches from
 the group's own ZMQ socket (rank 0 binds it in the engine's private runtime dir; the engine connects).
 Every rank PUSHes to the engine's one status socket. At most one batch is in flight per group.
+Across nodes (--nnodes > 1) this process spawns only its node's ranks (Config.node_ranks); rank 0 reports
+the liveness of the other nodes' ranks (worker/rendezvous.py), so `last_seen` still covers all `tp`.
 
 Only WorkerGroup's own methods change its `state`:
 
@@ -24,7 +26,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,8 @@ from vitserve.engine.jobs import Job
 from vitserve.model.base import Encoder
 from vitserve.worker import messages as m
 from vitserve.worker import zygote
-from vitserve.worker.rank import Rendezvous, WorkerArgs, run_worker
+from vitserve.worker.rank import WorkerArgs, run_worker
+from vitserve.worker.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 SEND_WAIT_MS = 2000  # the most the event loop waits for rank 0's batch socket to accept a message
@@ -69,13 +71,6 @@ class Batch:
     @property
     def items(self) -> list[ProcessedImage]:
         return [self.warmup] if self.warmup is not None else [j.item for j in self.jobs]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class WorkerGroup:
@@ -119,14 +114,14 @@ class WorkerGroup:
         self._sock.connect(endpoint)
 
     def global_rank(self, rank: int) -> int:
-        """The rank's number across every group (reservation files, metrics labels, CUDA device)."""
+        """The rank's number across every group (reservation files, metrics labels)."""
         return self.index * self.config.tp + rank
 
     # ------------------------------------------------------------------------------------ processes
 
     def spawn(self) -> None:
         ctx = zygote.context()  # the warm forkserver when the CLI started one, else spawn
-        for rank in range(self.config.tp):
+        for rank in self.config.node_ranks:
             args = WorkerArgs(
                 config=self.config,
                 encoder_factory=self._factory,
@@ -187,10 +182,17 @@ class WorkerGroup:
 
     def _exited(self) -> str | None:
         """Which rank's process is gone, if any."""
-        for rank, proc in enumerate(self.processes):
+        for rank, proc in zip(self.config.node_ranks, self.processes, strict=False):
             if not proc.is_alive():
                 return f"rank {rank} (pid {proc.pid}) of group {self.index} exited with code {proc.exitcode}"
         return None
+
+    def _where(self, rank: int) -> str:
+        """'pid N' for a rank of this node, 'node K' for a rank of another node."""
+        local = self.config.node_ranks
+        if rank in local and rank - local.start < len(self.pids):
+            return f"pid {self.pids[rank - local.start]}"
+        return f"node {rank // len(local)}"
 
     # ------------------------------------------------------------------------------------ state
 
@@ -207,10 +209,11 @@ class WorkerGroup:
             self.last_seen[rank] = time.monotonic()
 
     def on_ready(self, msg: m.ReadyMsg) -> bool:
-        """Record a rank's READY; True when it was the last rank of a STARTING group (now due to warm_up)."""
+        """Record a rank's READY; True when it was the last rank of a STARTING group (now due to warm_up).
+        Across nodes only this node's ranks report READY here; the warm-up encode then needs every node."""
         self.ready[msg.rank] = msg
         self.heard_from(msg.rank)
-        return len(self.ready) == self.config.tp and self.state is GroupState.STARTING
+        return len(self.ready) == len(self.config.node_ranks) and self.state is GroupState.STARTING
 
     def warm_up(self, batch: Batch | None) -> None:
         """STARTING -> WARMING with the warm-up batch sent to rank 0; with None straight to READY."""
@@ -222,8 +225,10 @@ class WorkerGroup:
         self.send(m.BatchMsg(batch_id=batch.id, items=batch.items))
 
     def warmed(self) -> None:
-        """The group passed its warm-up encode (or has none): it takes work from now on."""
+        """The group passed its warm-up encode (or has none): it takes work from now on. Every rank took
+        part in that encode, so every rank was heard from (the other nodes' ones included)."""
         self.state = GroupState.READY
+        self.last_seen = [time.monotonic()] * self.config.tp
         log.info("encoder group %d ready (pids %s)", self.index, self.pids)
 
     def on_alive(self, msg: m.AliveMsg) -> int:
@@ -276,7 +281,7 @@ class WorkerGroup:
         for rank, seen in enumerate(self.last_seen):
             if now - seen > limit:
                 return (
-                    f"rank {rank} (pid {self.pids[rank]}) of group {self.index} missed heartbeats "
+                    f"rank {rank} ({self._where(rank)}) of group {self.index} missed heartbeats "
                     f"for {now - seen:.1f}s (> 2 x --heartbeat_s = {limit:g}s); it is hung or stopped"
                 )
         return None

@@ -40,14 +40,16 @@ from vitserve.contract import (
 )
 from vitserve.engine.cache import make_cache
 from vitserve.engine.dispatch import Dispatcher
-from vitserve.engine.groups import GroupState, Watchdog, WorkerGroup, free_port
+from vitserve.engine.groups import GroupState, Watchdog, WorkerGroup
 from vitserve.engine.jobs import Claim, JobTable
 from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
 from vitserve.metrics import Metrics
 from vitserve.model.base import Encoder
 from vitserve.reservation_file import read_reservation, remove_reservation
-from vitserve.worker.rank import Rendezvous, load_configured_encoder, startup_timeout_s
+from vitserve.worker import rendezvous
+from vitserve.worker.rank import load_configured_encoder, startup_timeout_s
+from vitserve.worker.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 TERM_GRACE_S = 1.0  # teardown: SIGTERM the ranks, SIGKILL those still running after this
@@ -77,15 +79,9 @@ class Engine:
         self.encoder_factory = encoder_factory or load_configured_encoder
         self.processor_clamp = processor_clamp  # the processor's clamp_info(); part of the cache fingerprint
         self._group_factory = group_factory
-        self._init_rendezvous(os.environ if environ is None else environ)
+        # where each group's ranks meet: the config, else torchrun's env (read here, once), else one host
+        self._environ = dict(os.environ if environ is None else environ)
         self._init_state()
-
-    def _init_rendezvous(self, environ: Mapping[str, str]) -> None:
-        """Where each group's torch.distributed store listens: the config, else torchrun's env, else a
-        free port on 127.0.0.1 per group (read here, at construction, and passed down)."""
-        self._master_addr = self.config.master_addr or environ.get("MASTER_ADDR")  # None: one host, FileStore
-        port = self.config.master_port or environ.get("MASTER_PORT")
-        self._master_port = int(port) if port else None
 
     def _init_state(self) -> None:
         self._dispatch = Dispatcher(self.config, self.metrics, self.warmup_image)
@@ -147,10 +143,8 @@ class Engine:
         self._status.bind(self._status_endpoint)
 
     def _rendezvous(self, group: int) -> Rendezvous:
-        if self._master_addr is None:
-            return Rendezvous(file=f"{self._ipc_dir}/store-{group}")
-        port = self._master_port + group if self._master_port else free_port(self._master_addr)
-        return Rendezvous(addr=self._master_addr, port=port)
+        assert self._ipc_dir is not None
+        return rendezvous.resolve(self.config, self._environ, group=group, private_dir=self._ipc_dir)
 
     async def _wait_ready(self) -> None:
         limit = startup_timeout_s(self.config)
@@ -253,7 +247,7 @@ class Engine:
 
     def info(self) -> EngineInfo:
         groups = self._dispatch.groups
-        if not any(len(g.ready) == self.config.tp for g in groups):
+        if not any(len(g.ready) == len(self.config.node_ranks) for g in groups):  # this node's ranks
             raise NotReady("encoder ranks are still starting")
         readies = sorted((g.global_rank(r), msg) for g in groups for r, msg in g.ready.items())
         first = readies[0][1]

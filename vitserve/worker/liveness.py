@@ -4,6 +4,10 @@ A daemon thread with its own ZMQ socket (sockets are not thread-safe) sends an A
 heartbeat_s / 2. It keeps running during a long forward, so a slow batch is not mistaken for a hang; a
 SIGSTOPped or dead rank goes silent and the engine's watchdog notices within 2 x heartbeat_s.
 The same thread exits the process when the parent is gone (getppid changes), backed by PR_SET_PDEATHSIG.
+Across nodes (--nnodes > 1) it also runs the rank's StoreBeat (rendezvous.py): a rank off node 0 publishes
+its count in the group's store every report, and rank 0 reads the counts every poll (0.25 s at most) and
+reports ALIVE on behalf of every remote rank whose count moved.
+A rank off node 0 whose store is gone (node 0 exited or is cut off) exits 1 (unless it is stopping anyway).
 """
 
 from __future__ import annotations
@@ -16,14 +20,19 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import zmq
 
 from vitserve.worker import messages as m
 
+if TYPE_CHECKING:
+    from vitserve.worker.rendezvous import StoreBeat
+
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _PARENT_POLL_S = 0.25
+_STOP_GRACE_S = 2.0  # a rank off node 0 that lost the store waits this long for a clean STOP first
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -67,6 +76,8 @@ class LivenessThread(threading.Thread):
         self._interval = max(heartbeat_s / 2, 0.05)
         self._counters = counters
         self._halt = threading.Event()
+        self.beat: StoreBeat | None = None  # set once the process group is up, across nodes only
+        self.node0 = ""  # node 0's store address, for the log line when it is lost
 
     def run(self) -> None:
         next_report = 0.0
@@ -83,6 +94,10 @@ class LivenessThread(threading.Thread):
             if now >= next_report:
                 self._report()
                 next_report = now + self._interval
+            if self.beat is not None and self.beat.rank == 0:
+                # every poll, not every report: the engine hears a remote rank at most one poll after it
+                # published, so a silent one is judged on nearly the same clock as a local one
+                self._beat(self.beat)
             self._halt.wait(min(_PARENT_POLL_S, self._interval))
         self._sock.close()
 
@@ -95,6 +110,26 @@ class LivenessThread(threading.Thread):
         )
         with contextlib.suppress(zmq.Again):  # engine busy: the next report will do
             self._sock.send_multipart(m.encode(msg), flags=zmq.NOBLOCK)
+        if self.beat is not None and self.beat.rank != 0:
+            self._beat(self.beat)
+
+    def _beat(self, beat: StoreBeat) -> None:
+        try:
+            if beat.rank != 0:
+                beat.publish()
+                return
+            for rank in beat.moved():  # remote ranks that are alive: report them as if they had
+                msg = m.AliveMsg(group=self._group, rank=rank, heartbeats=0, batches=0)
+                with contextlib.suppress(zmq.Again):
+                    self._sock.send_multipart(m.encode(msg), flags=zmq.NOBLOCK)
+        except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError: the store is unreachable
+            if beat.rank == 0:  # rank 0's own store: the watchdog will see the remote ranks go silent
+                log.warning("cannot read the remote ranks' liveness from the store: %s", exc)
+                return
+            if self._halt.wait(_STOP_GRACE_S):
+                return  # node 0 stopped the group cleanly (STOP) and this rank is exiting 0
+            log.error("node 0 at %s went away (%s); exiting", self.node0, str(exc).splitlines()[0])
+            os._exit(1)
 
     def stop(self) -> None:
         self._halt.set()

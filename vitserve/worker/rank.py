@@ -32,22 +32,9 @@ from vitserve.rpc.tensors import dtype_name
 from vitserve.worker import broadcast
 from vitserve.worker import messages as m
 from vitserve.worker.liveness import LivenessThread, LoopCounters, die_with_parent
+from vitserve.worker.rendezvous import Rendezvous, beat_for, open_store
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where a group's ranks meet (resolved at engine construction, passed down).
-
-    Single host (the default): a FileStore in the engine's private runtime dir, because torch's TCPStore
-    server listens on every interface whatever address it is given (the store must listen only on 127.0.0.1 / ipc).
-    A master address from the config or torchrun's MASTER_ADDR/MASTER_PORT: a TCPStore there.
-    """
-
-    file: str | None = None  # FileStore path (single host)
-    addr: str = "127.0.0.1"  # TCPStore host, when file is None
-    port: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +53,11 @@ class WorkerArgs:
     @property
     def global_rank(self) -> int:
         return self.group * self.config.tp + self.rank
+
+    @property
+    def local_index(self) -> int:
+        """The rank's number among the ranks of this node (its CUDA device); the global rank on one node."""
+        return self.global_rank - self.config.node_ranks.start
 
 
 def startup_timeout_s(config: Config) -> float:
@@ -168,19 +160,20 @@ class RankWorker:
                 raise ConfigError(
                     f"--device {want} was requested but CUDA is not available; use --device cpu"
                 )
-            if self.distributed and torch.cuda.device_count() < self.cfg.tp:  # NCCL: one rank per GPU
+            local = len(self.cfg.node_ranks)  # --tp / --nnodes ranks of each group on this node
+            if self.distributed and torch.cuda.device_count() < local:  # NCCL: one rank per GPU
                 raise ConfigError(
-                    f"--tp {self.cfg.tp} on CUDA needs {self.cfg.tp} GPUs, found "
-                    f"{torch.cuda.device_count()}; lower --tp"
+                    f"--tp {self.cfg.tp} over --nnodes {self.cfg.nnodes} on CUDA needs {local} GPUs per node, "
+                    f"found {torch.cuda.device_count()}; lower --tp or add nodes"
                 )
             # one rank per GPU when there are enough (--tp x --dp <= GPUs); else groups share round-robin
-            index = self.args.global_rank % torch.cuda.device_count()
+            index = self.args.local_index % torch.cuda.device_count()
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", index)
         else:
             self.device = torch.device("cpu")
             # ranks share the host's cores: split them instead of oversubscribing
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (self.cfg.tp * self.cfg.dp)))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (len(self.cfg.node_ranks) * self.cfg.dp)))
         # NCCL collectives need device tensors; gloo works on CPU tensors
         self.comm_device = self.device if self.device.type == "cuda" else torch.device("cpu")
 
@@ -191,14 +184,14 @@ class RankWorker:
         # Our own store: ranks may reach the rendezvous far apart (imports, weights) and that wait is bounded
         # by the start-up limit; --dist_timeout_s bounds each collective afterwards.
         rv, wait = self.args.rendezvous, timedelta(seconds=startup_timeout_s(self.cfg))
-        store: dist.Store
-        if rv.file is not None:
-            store = dist.FileStore(rv.file, self.cfg.tp)
-            store.set_timeout(wait)
-            # one host: keep gloo's / NCCL's own listening sockets on loopback too
+        if rv.file is not None:  # one host: keep gloo's / NCCL's own listening sockets on loopback too
             os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = "lo"
-        else:
-            store = dist.TCPStore(rv.addr, rv.port, self.cfg.tp, self.args.rank == 0, timeout=wait)
+        elif self.cfg.nnodes > 1:
+            whom = "node 0" if self.cfg.node_rank else f"the ranks of nodes 1..{self.cfg.nnodes - 1}"
+            self._say(f"waiting for {whom} at {rv.where} (--nnodes {self.cfg.nnodes}, --tp {self.cfg.tp})")
+        store = open_store(
+            rv, world_size=self.cfg.tp, rank=self.args.rank, group=self.args.group, timeout=wait
+        )
         dist.init_process_group(
             backend,
             store=store,
@@ -206,6 +199,15 @@ class RankWorker:
             rank=self.args.rank,
             timeout=timedelta(seconds=self.cfg.dist_timeout_s),
         )
+        beat = beat_for(
+            rv,
+            tp=self.cfg.tp,
+            nnodes=self.cfg.nnodes,
+            group=self.args.group,
+            rank=self.args.rank,
+            heartbeat_s=self.cfg.heartbeat_s,
+        )
+        self.liveness.node0, self.liveness.beat = rv.where, beat
 
     def _init_encoder(self) -> None:
         self._say(f"loading weights: --model {self.cfg.model} on {self.device}")
@@ -234,8 +236,8 @@ class RankWorker:
         self.reservation = res
 
     def _say(self, line: str) -> None:
-        """A progress line on stderr whatever --log_level says (like the banner), from rank 0 of each group."""
-        if self.args.rank == 0:
+        """A progress line on stderr whatever --log_level says (like the banner), from one rank per group and node."""
+        if self.args.rank == self.cfg.node_ranks.start:  # rank 0, or the first rank of another node
             elapsed = time.monotonic() - self.started
             print(f"vitserve [group {self.args.group}] +{elapsed:.1f} s {line}", file=sys.stderr, flush=True)
 
@@ -272,7 +274,7 @@ class RankWorker:
     def run(self) -> None:
         """poll -> broadcast -> forward -> reply, until STOP."""
         while True:
-            kind, batch = self._next_step()  # 1) rank 0 polls the engine; peers hear rank 0
+            kind, batch = self._exchange_step()  # 1) rank 0 polls the engine; peers hear rank 0
             if kind is m.Kind.STOP:
                 return
             if kind is m.Kind.HEARTBEAT:
@@ -288,6 +290,15 @@ class RankWorker:
             # Drop this batch's frames before waiting for the next: otherwise two batches' pixels are live in
             # zmq's receive arena at once, and the runtime peak outgrows the reservation (scenario L3).
             del batch, outputs
+
+    def _exchange_step(self) -> tuple[m.Kind, m.BatchMsg | None]:
+        """_next_step, or report and exit when a peer is gone (its node died: gloo sees the socket close)."""
+        try:
+            return self._next_step()
+        except Exception as exc:  # torch.distributed's errors name the peer and the cause
+            self.report_error("broadcast", exc, trace=False)
+            self.exit(1)
+            raise  # unreachable; exit() does not return
 
     def _next_step(self) -> tuple[m.Kind, m.BatchMsg | None]:
         if self.args.rank != 0:
@@ -344,9 +355,10 @@ class RankWorker:
 
     # ------------------------------------------------------------------------------------ exit paths
 
-    def report_error(self, stage: str, exc: BaseException, batch_id: int = -1) -> None:
+    def report_error(self, stage: str, exc: BaseException, batch_id: int = -1, *, trace: bool = True) -> None:
+        """Log and send the error; trace=False for an expected end (a peer's node went away): one line."""
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        log.error("rank failed during %s: %s\n%s", stage, text, traceback.format_exc())
+        log.error("rank failed during %s: %s%s", stage, text, "\n" + traceback.format_exc() if trace else "")
         with contextlib.suppress(zmq.ZMQError):
             self.status.send_multipart(
                 m.encode(

@@ -1,0 +1,212 @@
+"""TP=2 across two vitserve "nodes" on this machine, one rank each, over loopback: real CLI processes.
+
+Node 1 waits for node 0 (it says so); node 0 serves HTTP. Gloo finds its interface from
+GLOO_SOCKET_IFNAME=lo, as a deployment names its NIC (docs/engine.md, Nodes). Each node runs in its own
+session, so that "killing node 1" kills every process of it at once, as when a machine dies.
+
+The same over a veth pair between network namespaces: test_nodes_netns.py (where `ip netns` works). A hung
+node, in-flight requests, clean stops and signals: test_nodes_faults.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from tests.checkpoints import hf_reference, make_checkpoint
+from tests.e2e.test_cli_process import ROOT, cli_env
+from tests.e2e.test_tp2_exact import ATOL, decode_tensor, hf_rows
+from tests.imagegen import encode, noise
+from vitserve.worker.rendezvous import free_port
+
+pytestmark = pytest.mark.timeout(300)
+FAMILY = "qwen3_vl"
+HEARTBEAT_S = 2.0
+IMAGES = [(700, 500, "JPEG"), (120, 90, "PNG")]  # clamped by the tiny checkpoint's max_pixels, and not
+
+
+class Node:
+    """`python -m vitserve.cli ... --node_rank N` in its own session; output lines kept with arrival times."""
+
+    def __init__(self, rank: int, args: list[str], tmp_path, *, ifname: str = "lo", prefix: tuple = ()):
+        """`prefix`: what runs the command (`ip netns exec NS`); a prefix ending in torchrun's own flags
+        runs `-m vitserve.cli` under it, and the node's rank comes from torchrun's environment."""
+        env = cli_env(tmp_path) | {"GLOO_SOCKET_IFNAME": ifname}
+        under_torchrun = "torch.distributed.run" in prefix
+        command = [*prefix] if under_torchrun else [*prefix, sys.executable]
+        command += ["-m", "vitserve.cli", *args] + ([] if under_torchrun else ["--node_rank", str(rank)])
+        self.proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[tuple[float, str]] = []
+        self.port: int | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+            m = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+
+    @property
+    def text(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def wait_for(self, pattern: str, limit_s: float = 240) -> float:
+        """The arrival time of the first line matching `pattern`."""
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            for at, line in list(self.lines):
+                if re.search(pattern, line):
+                    return at
+            if self.proc.poll() is not None:
+                time.sleep(0.2)  # the reader may still hold the last lines
+                if not any(re.search(pattern, line) for _, line in self.lines):
+                    break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r}:\n{self.text[-4000:]}")
+
+    def signal_all(self, sig: int) -> None:
+        """Signal every process of the node (its ranks and forkserver too): a machine that dies or hangs."""
+        os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def node_args(model: str, store_addr: str = "127.0.0.1") -> tuple[list[str], int]:
+    """Flags every node gets (TP=2 over two nodes, one rank each), and the store's port."""
+    store_port = free_port()
+    args = ["--model", model, "--tp", "2", "--nnodes", "2", "--master_addr", store_addr]
+    args += ["--master_port", str(store_port), "--heartbeat_s", str(HEARTBEAT_S), "--device", "cpu"]
+    args += ["--visual_reserved_mem_gb", "0.5"]  # skips the start-up stress only (see test_tp2_exact.py)
+    return args, store_port
+
+
+def start_pair(tmp_path, model: str, store_addr: str = "127.0.0.1", **kwargs: dict) -> list[Node]:
+    """Node 0 (serving on an ephemeral port) and node 1 (ranks only), both up. kwargs `node0` and `node1`:
+    what each Node() gets besides (its interface, a command prefix)."""
+    args, store_port = node_args(model, store_addr)
+    nodes = [Node(0, [*args, "--port", "0"], tmp_path / "n0", **kwargs.get("node0", {}))]
+    try:
+        nodes.append(Node(1, args, tmp_path / "n1", **kwargs.get("node1", {})))
+        nodes[1].wait_for(f"waiting for node 0 at {re.escape(store_addr)}:{store_port}", 120)
+        nodes[0].wait_for(r"serving on http://")
+        nodes[1].wait_for("every rank here is up")
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return nodes
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    """Node 0 (serving) and node 1 (ranks only, waiting for node 0) over a tiny real Qwen3-VL checkpoint."""
+    path = make_checkpoint(FAMILY, tmp_path / "ckpt")
+    nodes = start_pair(tmp_path, str(path))
+    try:
+        yield path, nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def poll_ready(url: str, limit_s: float) -> list[tuple[float, int]]:
+    """(time, status) of /ready every 20 ms until it answers non-200 or refuses (status 0) twice."""
+    seen: list[tuple[float, int]] = []
+    end = time.monotonic() + limit_s
+    with httpx.Client(base_url=url, timeout=2, trust_env=False) as http:
+        while time.monotonic() < end and sum(code != 200 for _, code in seen) < 2:
+            try:
+                code = http.get("/ready").status_code
+            except httpx.TransportError:
+                code = 0
+            seen.append((time.monotonic(), code))
+            time.sleep(0.02)
+    return seen
+
+
+def assert_encodes_like_transformers(url: str, path) -> None:
+    """/encode on node 0 returns, for a JPEG and a PNG, what transformers' own tower computes (1e-4)."""
+    images = [encode(noise(w, h, seed=i), fmt) for i, (w, h, fmt) in enumerate(IMAGES)]
+    files = [("images", (f"image{i}", data, "application/octet-stream")) for i, data in enumerate(images)]
+    with httpx.Client(base_url=url, timeout=120, trust_env=False) as http:
+        info = http.get("/v1/info").json()
+        resp = http.post("/encode", files=files, data={"return_embeddings": "true"})
+    assert (info["tp"], info["dp"]) == (2, 1)
+    assert resp.status_code == 200, resp.text
+    reference = hf_reference(path, FAMILY)
+    for data, got in zip(images, resp.json()["images"], strict=True):
+        _, grid, want, want_deep = hf_rows(path, reference, data)
+        assert got["grid_thw"] == grid
+        torch.testing.assert_close(decode_tensor(got["embedding"]), want, rtol=0, atol=ATOL)
+        for layer, want_layer in zip(got["deepstack"], want_deep, strict=True):
+            torch.testing.assert_close(decode_tensor(layer), want_layer, rtol=0, atol=ATOL)
+
+
+def test_two_nodes_encode_like_transformers_and_a_dead_node_fails_ready(two_nodes):
+    path, (node0, node1) = two_nodes
+    url = f"http://127.0.0.1:{node0.port}"
+    assert_encodes_like_transformers(url, path)
+
+    killed = time.monotonic()
+    node1.signal_all(signal.SIGKILL)
+    seen = poll_ready(url, limit_s=4 * HEARTBEAT_S)
+    first_down = next(at for at, code in seen if code != 200)
+    failed_at = node0.wait_for("encoder group 0 failed", 30)
+    print(
+        f"\nnode 1 killed: node 0's /ready not 200 after {first_down - killed:.2f} s, group failure logged "
+        f"after {failed_at - killed:.2f} s (--heartbeat_s {HEARTBEAT_S:g}); statuses seen after 200: "
+        f"{[code for _, code in seen if code != 200]}"
+    )
+    assert first_down - killed <= 2 * HEARTBEAT_S, node0.text[-3000:]
+    # the group is gone and cannot be replaced: node 0 exits 1 (docs/api.md), as with a dead local rank
+    assert node0.proc.wait(30) == 1
+    assert "Connection closed by peer" in node0.text or "missed heartbeats" in node0.text
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "names"),
+    [
+        (["--tp", "3", "--nnodes", "2", "--master_addr", "10.0.0.1"], {}, "--tp 3 cannot be split over"),
+        (["--tp", "2", "--nnodes", "2"], {}, "--nnodes 2 needs --master_addr"),
+        (
+            ["--tp", "2"],
+            {"GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"},
+            "--nproc_per_node 1",
+        ),
+    ],
+)
+def test_impossible_node_layouts_exit_2_with_one_line(tmp_path, flags, env, names):
+    done = subprocess.run(
+        [sys.executable, "-m", "vitserve.cli", "--model", "demo", *flags],
+        cwd=ROOT,
+        env=cli_env(tmp_path) | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert names in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
