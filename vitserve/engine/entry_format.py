@@ -5,7 +5,7 @@
 header: UTF-8 JSON, {"tensors": [{"dtype": "bfloat16", "shape": [n, d]}, ...]}: the embedding first, then
 the deepstack tensors in order; dtype names are the wire's (vitserve/rpc/tensors.py). payload: each
 tensor's raw little-endian, C-contiguous bytes, in the same order, nothing between them. The sha256 covers
-header and payload, so a value cut short, a bit flipped, or another program's value under our key is
+everything but itself, so a value cut short, a bit flipped, or another program's value under our key is
 refused (EntryError) instead of decoded: the caller counts it and treats it as a miss.
 """
 
@@ -39,11 +39,11 @@ def encode_entry(encoded: EncodedImage) -> bytes:
         {"tensors": [{"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for t in tensors]},
         separators=(",", ":"),
     ).encode()
-    buffers = [tensor_to_buffer(t) for t in tensors]
-    digest = hashlib.sha256(header)
-    for buf in buffers:
-        digest.update(buf)
+    buffers = [tensor_to_buffer(t) if t.numel() else memoryview(b"") for t in tensors]
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header))
+    digest = hashlib.sha256(prefix)
+    for part in (header, *buffers):
+        digest.update(part)
     return b"".join([prefix, digest.digest(), header, *buffers])
 
 
@@ -57,7 +57,9 @@ def decode_entry(value: bytes) -> EncodedImage:
         raise EntryError(f"not a vitserve cache entry (magic {bytes(magic)!r})")
     if version != FORMAT_VERSION:
         raise EntryError(f"entry format v{version}; this build reads v{FORMAT_VERSION}")
-    if hashlib.sha256(view[_BODY:]).digest() != view[_PREFIX.size : _BODY]:
+    digest = hashlib.sha256(view[: _PREFIX.size])
+    digest.update(view[_BODY:])
+    if digest.digest() != view[_PREFIX.size : _BODY]:
         raise EntryError("entry checksum mismatch (truncated or corrupted value)")
     header_end = _BODY + header_len
     try:
