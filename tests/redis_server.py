@@ -36,8 +36,16 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, *, maxmemory: str | None = None, policy: str = "noeviction"):
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        maxmemory: str | None = None,
+        policy: str = "noeviction",
+        password: str | None = None,
+    ):
         self.workdir = workdir
+        self.password = password
         self.port = free_port()
         self.maxmemory = maxmemory
         self.policy = policy
@@ -46,16 +54,19 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5)
 
     def start(self) -> RedisServer:
         args = [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
         args += ["--appendonly", "no", "--dir", str(self.workdir), "--maxmemory-policy", self.policy]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory]
+        if self.password:
+            args += ["--requirepass", self.password]
         log = (self.workdir / "server.log").open("ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         end = time.monotonic() + 30
@@ -80,7 +91,7 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server(workdir: Path, **kwargs: str) -> Iterator[RedisServer]:
+def redis_server(workdir: Path, **kwargs: str | None) -> Iterator[RedisServer]:
     server = RedisServer(workdir, **kwargs).start()
     try:
         yield server
