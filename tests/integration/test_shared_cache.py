@@ -230,3 +230,23 @@ async def test_jobs_without_a_content_id_and_an_outage_go_to_the_encoder(tmp_pat
         assert cache.metrics.value("vitserve_cache_errors_total", layer="shared", kind="unavailable") >= 1
     finally:
         await cache.close()
+
+
+async def test_closing_ends_the_jobs_still_waiting_on_another_replica(server):
+    from vitserve.errors import NotReady
+
+    server.client().set(LEASE_PREFIX + "fp:held", "another-replica", px=600_000)
+    cache = SharedCache(server.url, 0.0, Metrics())
+    job = Job(
+        4,
+        "fp:held",
+        fake_item(2, 2, seed=4),
+        time.monotonic() + 60,
+        asyncio.get_running_loop().create_future(),
+        1,
+    )
+    cache.submit([job], lambda jobs: None)
+    await until(lambda: cache.metrics.value("vitserve_cache_misses_total", layer="shared"), "looked up")
+    await cache.close()  # engine shutdown: the Job must not wait out the lease
+    with pytest.raises(NotReady):
+        job.future.result()

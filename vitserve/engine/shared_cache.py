@@ -42,6 +42,7 @@ from vitserve.contract import EncodedImage
 from vitserve.engine.cache import entry_nbytes, redacted_url
 from vitserve.engine.entry_format import EntryError, decode_entry, encode_entry
 from vitserve.engine.jobs import Job
+from vitserve.errors import NotReady
 from vitserve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ T = TypeVar("T")
 SHARED = "shared"  # the `layer` label of this layer's metrics
 KEY_PREFIX = "vitserve:"
 LEASE_PREFIX = "vitserve:lease:"
-SOCKET_TIMEOUT_S = 2.0  # one command, a tens-of-MB value included (~20-200 ms on a LAN)
+SOCKET_TIMEOUT_S = 1.0  # one command, a tens-of-MB value included (~30-300 ms on a 1-10 Gb/s LAN)
 CONNECT_TIMEOUT_S = 0.5
 LEASE_S = 10.0  # how long a replica waits for another's encode of the same image before encoding it too
 POLL_S = 0.02  # how often a waiting replica looks for that value
@@ -133,6 +134,10 @@ class SharedCache:
             waiting = [job for job, state in zip(jobs, found, strict=True) if state == "leased_elsewhere"]
             self._dispatch_misses([j for j, s in zip(jobs, found, strict=True) if s == "miss"], dispatch)
             await asyncio.gather(*(self._wait_for(job, dispatch) for job in waiting))
+        except asyncio.CancelledError:  # close() at shutdown: the Jobs held here end like queued ones
+            for job in jobs:
+                job.settle(exc=NotReady("the server shut down before this image was encoded"))
+            raise
         except Exception:  # a bug here must not strand the Jobs: encode them locally
             log.exception("shared cache lookup failed; encoding locally")
             self._dispatch_misses(jobs, dispatch)
@@ -167,6 +172,8 @@ class SharedCache:
                     return
             if holder is None:  # the holder finished without a value (failed) or died
                 break
+        if job.future.done():  # every request waiting for it went away
+            return
         self.metrics.cache_leases_total.labels(outcome="expired").inc()
         self._dispatch_misses([job], dispatch)
 
