@@ -42,9 +42,10 @@ def encode_entry(encoded: EncodedImage) -> bytes:
     buffers = [tensor_to_buffer(t) if t.numel() else memoryview(b"") for t in tensors]
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header))
     digest = hashlib.sha256(prefix)
-    for part in (header, *buffers):
+    parts: list[bytes | memoryview] = [header, *buffers]
+    for part in parts:
         digest.update(part)
-    return b"".join([prefix, digest.digest(), header, *buffers])
+    return b"".join([prefix, digest.digest(), *parts])
 
 
 def decode_entry(value: bytes) -> EncodedImage:

@@ -246,7 +246,9 @@ class SharedCache:
         self._ok(wrote=True)
         self.metrics.cache_written_bytes_total.labels(layer=SHARED).inc(len(value))
 
-    async def _decode(self, key: str, value: bytes) -> EncodedImage | None:
+    async def _decode(self, key: str, value: bytes | str) -> EncodedImage | None:
+        if isinstance(value, str):  # not with decode_responses=False (ours); typed so by redis-py
+            value = value.encode()
         try:
             hit = await _off_loop(decode_entry, value, len(value))
         except EntryError as exc:
