@@ -85,6 +85,15 @@ class RedisServer:
             self.proc.wait(10)
         self.proc = None
 
+    def pause(self) -> None:
+        """SIGSTOP: the server hangs (connections stay open, nothing answers), as a stalled host does."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def restart(self) -> None:
         self.kill()
         self.start()

@@ -250,3 +250,25 @@ async def test_closing_ends_the_jobs_still_waiting_on_another_replica(server):
     await cache.close()  # engine shutdown: the Job must not wait out the lease
     with pytest.raises(NotReady):
         job.future.result()
+
+
+async def test_a_hung_server_costs_a_timeout_not_a_failure(server, caplog):
+    m = Metrics()
+    cache = SharedCache(server.url, 0.0, m)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    try:
+        await cache.put(KEY_PREFIX + "h", encoded(8))
+        server.pause()
+        try:
+            assert await cache.get(KEY_PREFIX + "h") is None  # after the socket timeout: a miss
+            await cache.put(KEY_PREFIX + "h2", encoded(9))  # skipped, or one more timeout: never raises
+        finally:
+            server.resume()
+        assert m.value("vitserve_cache_errors_total", layer="shared", kind="timeout") >= 1
+        end = time.monotonic() + 20
+        while await cache.get(KEY_PREFIX + "h") is None:
+            assert time.monotonic() < end, "never answered again after SIGCONT"
+            await asyncio.sleep(0.05)
+        assert [r for r in caplog.records if "is back" in r.getMessage()]
+    finally:
+        await cache.close()

@@ -51,7 +51,9 @@ T = TypeVar("T")
 SHARED = "shared"  # the `layer` label of this layer's metrics
 KEY_PREFIX = "vitserve:"
 LEASE_PREFIX = "vitserve:lease:"
-SOCKET_TIMEOUT_S = 1.0  # one command, a tens-of-MB value included (~30-300 ms on a 1-10 Gb/s LAN)
+# One command, a tens-of-MB value included: a 40 MiB GET took 0.5 s on loopback on a loaded 2-core host.
+# A timeout is not retried (one slow command per outage; then the backoff skips Redis).
+SOCKET_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 0.5
 LEASE_S = 10.0  # how long a replica waits for another's encode of the same image before encoding it too
 POLL_S = 0.02  # how often a waiting replica looks for that value
@@ -80,7 +82,11 @@ class SharedCache:
             url,
             socket_timeout=SOCKET_TIMEOUT_S,
             socket_connect_timeout=CONNECT_TIMEOUT_S,
-            retry=Retry(ExponentialWithJitterBackoff(cap=0.05, base=0.01), retries=1),
+            retry=Retry(
+                ExponentialWithJitterBackoff(cap=0.05, base=0.01),
+                retries=1,
+                supported_errors=(RedisConnectionError,),  # a dropped connection: reconnect once
+            ),
             health_check_interval=30,
             client_name="vitserve",
         )
