@@ -5,7 +5,8 @@ running server). Across replicas it is not: two hosts may mount different weight
 same weights at different paths. So with --cache_url the fingerprint holds this digest instead: sha256 over
 config.json, preprocessor_config.json and, in every safetensors shard that holds vision weights, the name,
 dtype, shape and raw bytes of each tensor under the family's vision prefixes (the LLM's tensors are not
-read). It reads the vision tower once more at start-up (about 1 s per GB of vision weights on one core).
+read). It reads the vision tower once more at start-up: sha256 ran at about 0.6 GB/s on one core of the
+2-core test machine, about 2 s for a 7B model's 1.3 GB tower.
 """
 
 from __future__ import annotations
