@@ -98,6 +98,7 @@ class SharedCache:
         self._down = False  # a WARNING was logged for this outage
         self._full = False  # a WARNING was logged: the server refuses writes (maxmemory)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     # ------------------------------------------------------------------------------- life cycle
 
@@ -111,6 +112,7 @@ class SharedCache:
         log.info("shared cache at %s is reachable", self.url)
 
     async def close(self) -> None:
+        self._closed = True  # encodes that finish from now on are not stored
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -308,6 +310,9 @@ class SharedCache:
             self._full = False
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        if self._closed:
+            coro.close()
+            return
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
