@@ -272,3 +272,18 @@ async def test_a_hung_server_costs_a_timeout_not_a_failure(server, caplog):
         assert [r for r in caplog.records if "is back" in r.getMessage()]
     finally:
         await cache.close()
+
+
+async def test_a_value_of_tens_of_mb_with_deepstack_round_trips(server, monkeypatch):
+    from vitserve.engine import shared_cache
+
+    monkeypatch.setattr(shared_cache, "SOCKET_TIMEOUT_S", 60.0)  # the size is under test here, not the speed
+    cache = SharedCache(server.url, 0.0, Metrics())
+    big = encoded(10, tokens=2048, dim=2048, deepstack=3)  # 4 x 8 MiB of bf16
+    try:
+        await cache.put(KEY_PREFIX + "big", big)
+        assert server.client().strlen(KEY_PREFIX + "big") > 32 * 2**20
+        back = await cache.get(KEY_PREFIX + "big")
+        assert back is not None and same_bytes(back, big)  # noqa: PT018
+    finally:
+        await cache.close()
