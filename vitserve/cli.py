@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import logging
 import os
 import re
@@ -136,6 +137,12 @@ FLAGS: dict[str, Flag] = {
         "ZMQ endpoint of the LLM server (tcp://host:port or ipc:///path); none: inline only",
     ),
     "cache_gb": Flag(float, "cache", "encoder-output cache size; 0 disables"),
+    "cache_url": Flag(
+        _optional(str),
+        "cache",
+        "shared cache for replicas: redis://[:PASSWORD@]HOST:PORT/DB or rediss:// (TLS); none: off",
+    ),
+    "cache_ttl_s": Flag(float, "cache", "TTL of shared-cache entries; 0: none (Redis's maxmemory evicts)"),
     "api_key": Flag(
         _optional(str), "security", "require 'Authorization: Bearer KEY' on every route but /health"
     ),
@@ -279,6 +286,7 @@ def validate(config: Config) -> None:
         "visual_batch_max_tokens",
         "max_queue_tokens",
         "cache_gb",
+        "cache_ttl_s",
         "visual_reserved_mem_gb",
         "node_rank",
         allow_zero=True,
@@ -295,10 +303,20 @@ def validate(config: Config) -> None:
         raise ConfigError(f"--log_level {config.log_level!r} is not one of debug, info, warning, error")
     if config.llm_endpoint is not None and not re.match(r"^(tcp|ipc)://.+", config.llm_endpoint):
         raise ConfigError(f"--llm_endpoint {config.llm_endpoint!r} must be tcp://host:port or ipc:///path")
+    _check_cache_url(config.cache_url)
     if config.otlp_endpoint is not None and not re.match(r"^https?://[^/]+", config.otlp_endpoint):
         raise ConfigError(
             f"--otlp_endpoint {config.otlp_endpoint!r} must be an http(s) URL, e.g. http://127.0.0.1:4318"
         )
+
+
+def _check_cache_url(url: str | None) -> None:
+    if url is None:
+        return
+    if not re.match(r"^rediss?://[^/]", url):  # the URL may hold a password: never echoed
+        raise ConfigError("--cache_url must be redis://HOST:PORT/DB or rediss://HOST:PORT/DB")
+    if importlib.util.find_spec("redis") is None:
+        raise ConfigError("--cache_url needs the Redis client: pip install 'vitserve[redis]'")
 
 
 def _mib(n: int | None) -> str:
@@ -315,6 +333,8 @@ def _resolved_device(device: str) -> str:
 
 def render_banner(service: Service) -> str:
     """One block with every resolved setting that guards memory or load (docs/api.md)."""
+    from vitserve.engine.cache import redacted_url
+
     c: Config = service.config
     info = service.engine.info()
     reserved = info.reserved_memory_bytes
@@ -334,6 +354,7 @@ def render_banner(service: Service) -> str:
         f"  llm_endpoint: {c.llm_endpoint or 'none (inline only)'}; api_key: {'set' if c.api_key else 'none'}; "
         f"image URLs: {'on for ' + ','.join(c.allowed_url_domains) if c.allow_image_urls else 'off'}",
         f"  cache: {f'{c.cache_gb:g} GiB' if c.cache_gb > 0 else 'off'} (in-flight dedup always on); "
+        f"shared: {redacted_url(c.cache_url) if c.cache_url else 'off'}; "
         f"jpeg_draft: {'on' if c.jpeg_draft else 'off'}",
         "  output: NOT exact: --jpeg_draft is on (docs/jpeg_draft.md)"
         if c.jpeg_draft

@@ -37,6 +37,9 @@ class Config:
     allow_image_urls: bool = False
     allowed_url_domains: tuple[str, ...] = field(default_factory=tuple)
     cache_gb: float = 0.0
+    # the shared cache layer (docs/cache.md): redis:// or rediss:// URL, may hold a password (never shown)
+    cache_url: str | None = field(default=None, repr=False)
+    cache_ttl_s: float = 0.0  # TTL of shared-cache entries; 0 = none (Redis's maxmemory policy evicts)
     # decode a JPEG at 1/2..1/8 scale when the budget clamp shrinks it at least 2x (docs/jpeg_draft.md);
     # off by default: faster, but the embeddings no longer match transformers' (not exact)
     jpeg_draft: bool = False

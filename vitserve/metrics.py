@@ -72,13 +72,40 @@ class Metrics:
         )
         self.workers_ready = Gauge(p + "workers_ready", "Encoder ranks that are ready", registry=r)
         self.heartbeats_total = Counter(p + "heartbeats", "Heartbeats broadcast by rank 0", registry=r)
-        # Encoder-output cache (issue: never encode the same image twice).
-        self.cache_hits_total = Counter(p + "cache_hits", "Encoder-output cache hits", registry=r)
-        self.cache_misses_total = Counter(p + "cache_misses", "Encoder-output cache misses", registry=r)
-        self.cache_evictions_total = Counter(
-            p + "cache_evictions", "Encoder-output cache evictions", registry=r
+        # Encoder-output cache, by layer: "local" (--cache_gb, this process) and "shared" (--cache_url, Redis).
+        self.cache_hits_total = Counter(
+            p + "cache_hits", "Encoder-output cache hits by layer", ["layer"], registry=r
         )
-        self.cache_bytes = Gauge(p + "cache_bytes", "Bytes held by the encoder-output cache", registry=r)
+        self.cache_misses_total = Counter(
+            p + "cache_misses", "Encoder-output cache misses by layer", ["layer"], registry=r
+        )
+        self.cache_errors_total = Counter(
+            p + "cache_errors",
+            "Shared-cache operations that failed, by layer and kind: unavailable (connection refused or "
+            "lost), timeout, full (the server refused a write: maxmemory), corrupt (a value that failed its "
+            "checksum; deleted), other",
+            ["layer", "kind"],
+            registry=r,
+        )
+        self.cache_read_bytes_total = Counter(
+            p + "cache_read_bytes", "Entry bytes served from the cache by layer", ["layer"], registry=r
+        )
+        self.cache_written_bytes_total = Counter(
+            p + "cache_written_bytes", "Entry bytes stored in the cache by layer", ["layer"], registry=r
+        )
+        self.cache_evictions_total = Counter(
+            p + "cache_evictions", "Encoder-output cache evictions by layer", ["layer"], registry=r
+        )
+        self.cache_bytes = Gauge(
+            p + "cache_bytes", "Bytes held by the encoder-output cache by layer", ["layer"], registry=r
+        )
+        self.cache_leases_total = Counter(
+            p + "cache_leases",
+            "Cross-replica dedup of new images by outcome: taken (this replica encodes), joined (another "
+            "replica's encode was used), expired (waited the lease time, then encoded)",
+            ["outcome"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -92,14 +92,19 @@ async def test_hit_miss_eviction_and_fingerprint(tmp_path):
         torch.testing.assert_close(again.embedding, fake_reference(a[0]))
         assert again.timing.encode_ms == 0.0
         assert encoded_images(engine) == 1  # the hit never reached the encoder
-        assert (m.value("vitserve_cache_hits_total"), m.value("vitserve_cache_misses_total")) == (1, 1)
+        assert (
+            m.value("vitserve_cache_hits_total", layer="local"),
+            m.value("vitserve_cache_misses_total", layer="local"),
+        ) == (1, 1)
         assert m.value("vitserve_images_total", outcome="cached") == 1
         assert m.value("vitserve_images_total", outcome="encoded") == 1
-        assert m.value("vitserve_cache_bytes") == ENTRY_BYTES
+        assert m.value("vitserve_cache_bytes", layer="local") == ENTRY_BYTES
 
         await encode(engine, "r3", [b, c])  # a is the oldest: evicted to make room for c
-        assert m.value("vitserve_cache_evictions_total") == 1
-        assert m.value("vitserve_cache_bytes") == 2 * ENTRY_BYTES <= engine._jobs.cache.max_bytes
+        assert m.value("vitserve_cache_evictions_total", layer="local") == 1
+        assert (
+            m.value("vitserve_cache_bytes", layer="local") == 2 * ENTRY_BYTES <= engine._jobs.cache.max_bytes
+        )
         (late,) = await encode(engine, "r4", [a])
         assert late.cached is False
         assert encoded_images(engine) == 4

@@ -41,9 +41,9 @@ def test_miss_then_hit_returns_the_same_tensors_and_counts():
     assert torch.equal(got.embedding, value.embedding)
     assert [torch.equal(x, y) for x, y in zip(got.deepstack, value.deepstack, strict=True)] == [True]
     assert (cache.hits, cache.misses, cache.evictions, cache.bytes) == (1, 1, 0, 4 * ROW)
-    assert metrics.value("vitserve_cache_hits_total") == 1
-    assert metrics.value("vitserve_cache_misses_total") == 1
-    assert metrics.value("vitserve_cache_bytes") == 4 * ROW
+    assert metrics.value("vitserve_cache_hits_total", layer="local") == 1
+    assert metrics.value("vitserve_cache_misses_total", layer="local") == 1
+    assert metrics.value("vitserve_cache_bytes", layer="local") == 4 * ROW
 
 
 def test_entry_bytes_count_embedding_and_deepstack_in_their_dtype():
@@ -65,8 +65,8 @@ def test_evicts_least_recently_used_by_bytes_and_never_exceeds_the_bound():
     assert "d" in cache
     assert cache.bytes == 8 * ROW <= cache.max_bytes
     assert cache.evictions == 2
-    assert metrics.value("vitserve_cache_evictions_total") == 2
-    assert metrics.value("vitserve_cache_bytes") == 8 * ROW
+    assert metrics.value("vitserve_cache_evictions_total", layer="local") == 2
+    assert metrics.value("vitserve_cache_bytes", layer="local") == 8 * ROW
 
 
 def test_bytes_stay_within_the_bound_over_many_puts():

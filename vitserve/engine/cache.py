@@ -4,8 +4,8 @@ An LRU of EncodedImage (embedding + deepstack, CPU tensors) bounded in BYTES: th
 tensors' nbytes never exceeds `max_bytes`; an entry larger than the whole cache is not stored.
 
 Keys are `cache_key(fingerprint, image_id)`: the image bytes' sha256 (`image_id` in docs/api.md) plus a
-fingerprint of everything that changes the encoder's output for the same bytes (model, family, the
-processor's resolved clamp and budget, dtype, device type). The fingerprint is computed once at start-up
+fingerprint of everything that changes the encoder's output for the same bytes (weights, family, the
+processor's resolved clamp and budget, dtype, device type, --jpeg_draft, wire and software versions). The fingerprint is computed once at start-up
 by `cache_fingerprint`, so a cache can never hand out an embedding made under another configuration.
 
 Threading: the engine calls the cache only from its asyncio event loop (one thread) and no method
@@ -14,19 +14,28 @@ awaits, so no lock is needed. Do not share one EmbeddingCache between threads.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from importlib.metadata import version as _version
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import torch
 
+import vitserve
 from vitserve.config import GIB, Config
 from vitserve.contract import EncodedImage
 from vitserve.metrics import Metrics
+from vitserve.rpc.wire import WIRE_VERSION
 
-FINGERPRINT_VERSION = 1  # bump when the meaning of an entry changes (e.g. a new field in EncodedImage)
+if TYPE_CHECKING:  # imported when used: the shared layer needs the `redis` extra
+    from vitserve.engine.shared_cache import SharedCache
+
+FINGERPRINT_VERSION = 2  # bump when the meaning of an entry changes (e.g. a new field in EncodedImage)
+LOCAL = "local"  # the `layer` label of this cache's metrics (the shared layer: engine/shared_cache.py)
 
 
 def cache_fingerprint(
@@ -37,16 +46,20 @@ def cache_fingerprint(
     family: str | None,
     dtype: str | None,
     device: str | None,
+    weights: str | None = None,
 ) -> str:
     """A stable hex digest of everything besides the image bytes that decides the encoder's output.
 
     processor_clamp: the processor's clamp_info() (max_pixels / longest_edge / max_patches), None when the
     caller does not have it (the budget and the checkpoint still pin it). device: "cpu", "cuda:1", ...;
-    only its type counts (two GPUs of one kind give the same embedding).
+    only its type counts (two GPUs of one kind give the same embedding). weights: a digest of the vision
+    weights (engine/weights_digest.py), given with a shared cache: it replaces the checkpoint path, which
+    names the same weights only within one host. The software versions are in too: another vitserve,
+    torch or transformers may preprocess or round differently, and an entry stays exact to its producer.
     """
     doc = {
         "v": FINGERPRINT_VERSION,
-        "model_path": config.model,
+        "weights": weights if weights is not None else f"path:{config.model}",
         "model_family_flag": config.model_family,
         "model_name": model_name,
         "family": family,
@@ -55,6 +68,9 @@ def cache_fingerprint(
         "dtype": dtype,
         "device_type": (device or config.device).split(":")[0],
         "tp": config.tp,  # a TP sum differs from TP1 by round-off; keep entries exact to their producer
+        "jpeg_draft": config.jpeg_draft,  # reduced-scale JPEG decoding changes the pixels
+        "wire": WIRE_VERSION,
+        "versions": [vitserve.__version__, torch.__version__, _version("transformers")],
     }
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -98,11 +114,12 @@ class EmbeddingCache:
         entry = self._entries.get(key)
         if entry is None:
             self.misses += 1
-            self.metrics.cache_misses_total.inc()
+            self.metrics.cache_misses_total.labels(layer=LOCAL).inc()
             return None
         self._entries.move_to_end(key)
         self.hits += 1
-        self.metrics.cache_hits_total.inc()
+        self.metrics.cache_hits_total.labels(layer=LOCAL).inc()
+        self.metrics.cache_read_bytes_total.labels(layer=LOCAL).inc(entry[1])
         return entry[0]
 
     def put(self, key: str, encoded: EncodedImage) -> bool:
@@ -117,14 +134,15 @@ class EmbeddingCache:
             self._evict_oldest()
         self._entries[key] = (_detached(encoded), size)
         self.bytes += size
-        self.metrics.cache_bytes.set(self.bytes)
+        self.metrics.cache_bytes.labels(layer=LOCAL).set(self.bytes)
+        self.metrics.cache_written_bytes_total.labels(layer=LOCAL).inc(size)
         return True
 
     def _evict_oldest(self) -> None:
         _, (_, size) = self._entries.popitem(last=False)
         self.bytes -= size
         self.evictions += 1
-        self.metrics.cache_evictions_total.inc()
+        self.metrics.cache_evictions_total.labels(layer=LOCAL).inc()
 
 
 def _detached(encoded: EncodedImage) -> EncodedImage:
@@ -140,3 +158,31 @@ def make_cache(config: Config, metrics: Metrics) -> EmbeddingCache | None:
     """The configured cache, or None with --cache_gb 0 (no object, no per-request overhead)."""
     max_bytes = cache_bytes_from_gb(config.cache_gb)
     return EmbeddingCache(max_bytes, metrics) if max_bytes else None
+
+
+async def open_shared_cache(config: Config, metrics: Metrics) -> SharedCache | None:
+    """The shared layer (--cache_url, engine/shared_cache.py), or None without it. Logs whether Redis
+    answers; an unreachable one is not fatal (the client connects again by itself)."""
+    if config.cache_url is None:
+        return None
+    from vitserve.engine.shared_cache import SharedCache
+
+    shared = SharedCache(config.cache_url, config.cache_ttl_s, metrics)
+    await shared.check()
+    return shared
+
+
+async def shared_weights_digest(config: Config) -> str | None:
+    """With --cache_url, the vision weights' digest that keys the shared cache (engine/weights_digest.py)."""
+    if config.cache_url is None:
+        return None
+    from vitserve.engine.weights_digest import weights_digest
+
+    return await asyncio.to_thread(weights_digest, config.model, config.model_family)
+
+
+def redacted_url(url: str) -> str:
+    """--cache_url without user or password, for logs and the banner."""
+    parts = urlsplit(url)
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{parts.hostname or ''}{port}{parts.path}"

@@ -45,6 +45,7 @@ class Job:
     enqueued_at: float = field(default_factory=time.monotonic)
     queue_s: float = 0.0  # enqueue -> dispatch
     encode_s: float = 0.0  # dispatch -> result (the whole batch)
+    from_shared: bool = False  # settled from the shared cache (engine/shared_cache.py), not encoded here
 
     def settle(self, *, result: EncodedImage | None = None, exc: Exception | None = None) -> bool:
         """Complete the future once; False when it was already done (e.g. cancelled)."""
@@ -73,8 +74,9 @@ class Claim:
 
     @property
     def reused(self) -> bool:
-        """True when this request did not cause the encode (cache hit or joined another encode)."""
-        return not self.fresh
+        """True when this request did not cause the encode (cache hit, joined another encode, or the
+        shared cache had it)."""
+        return not self.fresh or (self.job is not None and self.job.from_shared)
 
     @property
     def timing(self) -> tuple[float, float]:
@@ -92,7 +94,12 @@ class JobTable:
         self._ids = itertools.count()
 
     def set_fingerprint(
-        self, config: Config, processor_clamp: Mapping[str, Any] | None, info: EngineInfo, device: str | None
+        self,
+        config: Config,
+        processor_clamp: Mapping[str, Any] | None,
+        info: EngineInfo,
+        device: str | None,
+        weights: str | None = None,
     ) -> None:
         self.fingerprint = cache_fingerprint(
             config,
@@ -101,6 +108,7 @@ class JobTable:
             family=info.family,
             dtype=info.dtype,
             device=device,
+            weights=weights,
         )
 
     def __len__(self) -> int:

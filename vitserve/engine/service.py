@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -38,7 +38,7 @@ from vitserve.contract import (
     Readiness,
     StageTimes,
 )
-from vitserve.engine.cache import make_cache
+from vitserve.engine.cache import make_cache, open_shared_cache, shared_weights_digest
 from vitserve.engine.dispatch import Dispatcher
 from vitserve.engine.groups import GroupState, Watchdog, WorkerGroup
 from vitserve.engine.jobs import Claim, JobTable
@@ -50,6 +50,9 @@ from vitserve.reservation_file import read_reservation, remove_reservation
 from vitserve.worker import rendezvous
 from vitserve.worker.rank import load_configured_encoder, startup_timeout_s
 from vitserve.worker.rendezvous import Rendezvous
+
+if TYPE_CHECKING:
+    from vitserve.engine.shared_cache import SharedCache
 
 log = logging.getLogger(__name__)
 TERM_GRACE_S = 1.0  # teardown: SIGTERM the ranks, SIGKILL those still running after this
@@ -93,6 +96,7 @@ class Engine:
         self._tasks: list[asyncio.Task[None]] = []
         self._ipc_dir: str | None = None
         self._push: LLMPush | None = None  # once started with --llm_endpoint
+        self._shared: SharedCache | None = None  # once started with --cache_url
 
     # ------------------------------------------------------------------------------------ start / stop
 
@@ -125,13 +129,15 @@ class Engine:
             group.spawn()
         try:
             await self._wait_ready()
+            digest = await shared_weights_digest(self.config)  # None without --cache_url
         except BaseException:
             await self._teardown()
             raise
         info = self.info()
         if self._push is not None:
             self._push.model = info.model  # known once the ranks loaded it
-        self._jobs.set_fingerprint(self.config, self.processor_clamp, info, groups[0].ready[0].device)
+        self._jobs.set_fingerprint(self.config, self.processor_clamp, info, groups[0].ready[0].device, digest)
+        self._shared = await open_shared_cache(self.config, self.metrics)
         self._started = True
 
     def _open_sockets(self) -> None:
@@ -194,6 +200,8 @@ class Engine:
                 await task
         if self._push is not None:
             await asyncio.to_thread(self._push.close)
+        if self._shared is not None:
+            await self._shared.close()
         self._status.close(linger=0)
         self._zmq.term()
         self._sync_zmq.term()
@@ -323,7 +331,10 @@ class Engine:
         try:
             new = self._jobs.new_jobs(claims)
             self.admit(sum(job.item.num_tokens for job in new))  # only new Jobs count against the limit
-            self._dispatch.add(new)
+            if self._shared is None:
+                self._dispatch.add(new)
+            else:  # local misses: the shared layer serves them or dispatches them
+                self._shared.submit(new, self._dispatch.add)
             return await self._collect(request, claims)
         finally:  # result, error, timeout or disconnect: Jobs nobody else claims leave the queue
             self._dispatch.cancel(self._jobs.release(claims))

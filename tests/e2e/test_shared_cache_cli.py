@@ -1,0 +1,118 @@
+"""issue 15, "done when": two vitserve replicas (real CLI processes, --model demo) with one real
+Redis-protocol server. An image encoded on A is a hit on B: B encodes nothing (its /metrics say so) and
+the embedding's bytes are identical. Killing Redis mid-run fails no request. The password (given to A by
+flag, to B through VITSERVE_CACHE_URL) shows in neither replica's output."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tests.e2e.live import noise_png
+from tests.e2e.test_cli_process import BASE_ARGS, ROOT
+from tests.redis_server import redis_server
+from vitserve.client import VitserveClient
+
+pytestmark = pytest.mark.timeout(300)
+PASSWORD = "s3cret-for-the-test"
+FAST_START = ["--visual_reserved_mem_gb", "0.25"]  # no start-up stress: two replicas start on 2 cores
+
+
+class Replica:
+    """`python -m vitserve.cli` with its output collected; `url` once the banner names the port."""
+
+    def __init__(self, tmp_path, args: list[str], env: dict[str, str]):
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
+        full_env.update(
+            VITSERVE_RUNTIME_DIR=str(tmp_path / "rt"), OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vitserve.cli", *BASE_ARGS, *FAST_START, "--cache_gb", "0.1", *args],
+            cwd=ROOT,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.url: str | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = re.search(r"serving on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                self.url = m.group(1)
+
+    def wait_started(self, limit_s: float = 240) -> None:
+        end = time.monotonic() + limit_s
+        while self.url is None:
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise AssertionError("vitserve did not start:\n" + "".join(self.lines[-40:]))
+            time.sleep(0.1)
+
+    def metric(self, sample: str) -> float:
+        with VitserveClient(self.url) as c:
+            text = c._http.get("/metrics").text
+        m = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.MULTILINE)
+        return float(m.group(1)) if m else 0.0
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+        return "".join(self.lines)
+
+
+def encode(url: str, images: list[bytes], rid: str) -> list[dict]:
+    with VitserveClient(url, timeout=240) as c:
+        return c.encode(images, return_embeddings=True, request_id=rid)["images"]
+
+
+def test_two_replicas_share_one_redis_and_survive_its_death(tmp_path):
+    with redis_server(tmp_path / "redis", password=PASSWORD) as server:
+        a = Replica(tmp_path / "a", ["--cache_url", server.url], {})
+        b = Replica(tmp_path / "b", [], {"VITSERVE_CACHE_URL": server.url})
+        try:
+            a.wait_started()
+            b.wait_started()
+            img = noise_png(96, 64, seed=11)
+            (on_a,) = encode(a.url, [img], "on-a")
+            (on_b,) = encode(b.url, [img], "on-b")
+            assert (on_a["cached"], on_b["cached"]) == (False, True)
+            assert on_b["image_id"] == on_a["image_id"]
+            ea, eb = on_a["embedding"], on_b["embedding"]
+            assert (ea.dtype, ea.shape) == (eb.dtype, eb.shape)
+            assert eb.view(torch.uint8).numpy().tobytes() == ea.view(torch.uint8).numpy().tobytes()
+            assert b.metric('vitserve_images_total{outcome="encoded"}') == 0  # B encoded nothing
+            assert b.metric('vitserve_cache_hits_total{layer="shared"}') == 1
+            assert a.metric('vitserve_images_total{outcome="encoded"}') == 1
+
+            # Redis killed mid-run: requests in flight on both replicas, old and new images, all succeed
+            images = [noise_png(64 + 8 * k, 64, seed=100 + k) for k in range(3)] + [img]
+            jobs = [(url, [images[k]], f"r{k}") for k in range(4) for url in (a.url, b.url)]
+            with ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(encode, *job) for job in jobs]
+                time.sleep(0.5)
+                server.kill()
+                results = [f.result() for f in futures]  # raises on any non-200
+            assert all(len(r) == 1 and r[0]["num_tokens"] > 0 for r in results)
+        finally:
+            out_a, out_b = a.stop(), b.stop()
+    for out in (out_a, out_b):
+        assert PASSWORD not in out
+        assert "shared: redis://127.0.0.1:" in out  # the banner, password-free
+    assert any("is unavailable" in out for out in (out_a, out_b)), out_a[-3000:] + out_b[-3000:]
