@@ -265,3 +265,47 @@ def test_api_docs_give_the_manifests_probe_settings():
         assert got == want, kind
         assert documented[kind]["httpGet"]["path"] == shipped[kind]["httpGet"]["path"]
     assert documented["terminationGracePeriodSeconds"] == pod["terminationGracePeriodSeconds"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# Kubernetes: N replicas sharing one Redis (docs/scaling.md)
+# ------------------------------------------------------------------------------------------------------
+
+REPLICAS = ROOT / "deploy" / "k8s" / "vitserve-replicas.yaml"
+
+
+def _replica_docs() -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(REPLICAS.read_text())}
+
+
+def test_k8s_replicas_read_the_cache_url_from_a_secret_and_pass_real_flags():
+    docs = _replica_docs()
+    pod = docs[("Deployment", "vitserve-replicas")]["spec"]["template"]["spec"]
+    c = _container(pod, "vitserve")
+    env = {e["name"]: e for e in c["env"]}
+    assert "secretKeyRef" in env["VITSERVE_CACHE_URL"]["valueFrom"], "the password stays out of argv"
+    assert not any("cache_url" in a for a in c["args"])
+    config = _config(c, {"VITSERVE_PORT": env["VITSERVE_PORT"]["value"],
+                         "VITSERVE_CACHE_URL": "redis://:pw@vitserve-redis:6379/0"})  # fmt: skip
+    assert config.cache_url == "redis://:pw@vitserve-redis:6379/0"
+    assert config.cache_ttl_s > 0 and config.port == int(env["VITSERVE_PORT"]["value"])
+    assert docs[("Deployment", "vitserve-replicas")]["spec"]["replicas"] >= 2
+
+
+def test_k8s_redis_bounds_its_memory_with_lru_and_services_select_their_pods():
+    docs = _replica_docs()
+    redis = _container(docs[("Deployment", "vitserve-redis")]["spec"]["template"]["spec"], "redis")
+    command = " ".join(redis["args"])
+    assert "--maxmemory-policy allkeys-lru" in command and "--maxmemory " in command
+    assert "--requirepass" in command
+    for name in ("vitserve-redis", "vitserve-replicas"):
+        labels = docs[("Deployment", name)]["spec"]["template"]["metadata"]["labels"]
+        selector = docs[("Service", name)]["spec"]["selector"]
+        assert selector.items() <= labels.items()
+    url = "redis://:pw@vitserve-redis:6379/0"  # the Secret's form in docs/scaling.md
+    assert docs[("Service", "vitserve-redis")]["spec"]["ports"][0]["port"] == int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+def test_scaling_doc_points_at_the_replicas_manifest():
+    text = (ROOT / "docs" / "scaling.md").read_text()
+    assert "deploy/k8s/vitserve-replicas.yaml" in text and "allkeys-lru" in text

@@ -31,6 +31,7 @@ NON_VITSERVE_FLAGS = {
     "env-file": "docker compose --env-file docker/versions.env (docs/deploy.md)",
     "build": "docker compose up --build (docs/deploy.md)",
     "nproc_per_node": "torchrun --nproc_per_node 1 (docs/engine.md, Nodes)",
+    "from-literal": "kubectl create secret generic --from-literal (docs/scaling.md)",
     "max_restarts": "torchrun --max_restarts (docs/engine.md, Nodes)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
