@@ -11,8 +11,8 @@ fast timed alternately in one sitting:
 - hf: the clamped Qwen2VLImageProcessorPil as vitserve called it before the fast path
   (QwenProcessor._preprocess_hf), split by wrapping its own methods into resize (np -> PIL -> resize -> np),
   norm (rescale + normalize), patchify, and the rest (RGB conversion, copies, tensor);
-- fast: QwenProcessor.preprocess (vitserve/processors/pixels.py), split into the PIL resize and norm
-  (lookup straight into the patch layout);
+- fast: QwenProcessor.preprocess (vitserve/processors/pixels.py), split the same way into norm (lookup
+  and patchify) and resize (the rest: PIL resize, to numpy, the plan);
 - ratio: (decode + hf) / (decode + fast); pre ratio: hf / fast, preprocessing alone.
 Every fast output is checked equal to HF's (torch.equal) before it is timed.
 
@@ -66,12 +66,13 @@ def cpu_seconds(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 class StageClock:
-    """Wraps the HF object's own methods so that each call adds its CPU seconds to a stage."""
+    """Wraps an object's own methods so that each call adds its CPU seconds to a stage: the stages are
+    measured inside the timed call itself, so they add up to its total."""
 
-    def __init__(self, hf: Any) -> None:
+    def __init__(self, obj: Any, stages: dict[str, str]) -> None:
         self.spent: dict[str, float] = {}
-        for method, stage in HF_STAGES.items():
-            setattr(hf, method, self._timed(getattr(hf, method), stage))
+        for method, stage in stages.items():
+            setattr(obj, method, self._timed(getattr(obj, method), stage))
 
     def _timed(self, fn: Callable[..., Any], stage: str) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -83,33 +84,37 @@ class StageClock:
         return timed
 
 
-def one_round(blob: bytes, proc: Any, clock: StageClock) -> dict[str, float]:
+def one_round(blob: bytes, proc: Any, hf_clock: StageClock, fast_clock: StageClock) -> dict[str, float]:
     """Decode once, then HF and fast on the same decoded image; CPU seconds per stage."""
     decode_s, decoded = cpu_seconds(lambda: decode_image(blob, max_image_pixels=0))
     image = decoded.image
     plan = proc.plan(*image.size)
-    clock.spent.clear()
+    hf_clock.spent.clear()
+    fast_clock.spent.clear()
     hf_s, want = cpu_seconds(lambda: proc._preprocess_hf(image, plan))
     fast_s, got = cpu_seconds(lambda: proc.preprocess(image))
     if not torch.equal(got.pixel_values, want):
         raise AssertionError("the fast path differs from HF: not a valid measurement")
-    resize_s, resized = cpu_seconds(lambda: image.resize(plan.resized_size, resample=proc.fast.resample))
-    norm_s, _ = cpu_seconds(lambda: proc.fast.patchify(np.asarray(resized)))
-    hf_stages = {f"hf_{k}_s": v for k, v in clock.spent.items()}
-    if not plan.hf_native:  # vitserve resized before calling HF
-        hf_stages["hf_resize_s"] = hf_stages.get("hf_resize_s", 0.0) + resize_s
-    hf_stages["hf_other_s"] = hf_s - sum(hf_stages.values())
+    stages = {f"hf_{k}_s": v for k, v in hf_clock.spent.items()}
+    if not plan.hf_native:  # vitserve resized before calling HF: count it as HF's resize
+        stages["hf_resize_s"] = (
+            stages.get("hf_resize_s", 0.0)
+            + cpu_seconds(lambda: image.resize(plan.resized_size, resample=proc.hf.resample))[0]
+        )
+    stages["hf_other_s"] = hf_s - sum(stages.values())
+    stages["hf_rest_s"] = hf_s - stages.get("hf_resize_s", 0.0)  # all but the resize
+    stages["fast_norm_s"] = fast_clock.spent["norm"]  # lookup + patchify
+    stages["fast_resize_s"] = fast_s - stages["fast_norm_s"]  # PIL resize, to numpy, the plan
     draft_s = 0.0
     if decoded.format == "JPEG":
         draft_s, _ = cpu_seconds(lambda: prepare_image(blob, proc, max_image_pixels=0, draft=JpegDraft(proc)))
-    return {"decode_s": decode_s, "hf_s": hf_s, "fast_s": fast_s, "fast_resize_s": resize_s,
-            "fast_norm_s": norm_s, "draft_total_s": draft_s, **hf_stages}  # fmt: skip
+    return {"decode_s": decode_s, "hf_s": hf_s, "fast_s": fast_s, "draft_total_s": draft_s, **stages}
 
 
 def measure(name: str, blob: bytes, budget: int, reps: int) -> dict[str, Any]:
     proc = load_image_processor("demo", budget)
-    clock = StageClock(proc.hf)
-    rounds = [one_round(blob, proc, clock) for _ in range(reps)]
+    hf_clock, fast_clock = StageClock(proc.hf, HF_STAGES), StageClock(proc.fast, {"patchify": "norm"})
+    rounds = [one_round(blob, proc, hf_clock, fast_clock) for _ in range(reps)]
     row: dict[str, Any] = {"input": name, "budget": budget, "tokens": None}
     for key in rounds[0]:
         row[key] = statistics.median(r.get(key, 0.0) for r in rounds)
