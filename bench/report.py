@@ -134,7 +134,7 @@ def preprocess_table(res: dict) -> list[str]:
                      _f(ms["fast_norm_s"], 1), _f(ms["fast_s"], 1), f"**{_f(r['ratio'])}x**",
                      f"{_f(r['pre_ratio'])}x", f"{_f(ceiling)}x", _f(r["draft_ratio"]) + "x" if r["draft_ratio"] else "-",
                      _f(r["loadavg"][0], 1)])  # fmt: skip
-    head = ["input", "budget", "tokens", "decode ms", "HF resize", "HF rest", "HF ms", "fast resize", "fast rest",
+    head = ["input", "budget", "tokens", "decode ms", "HF resize", "HF rest", "HF ms", "fast resize", "fast norm",
             "fast ms", "ratio", "pre ratio", "ceiling", "draft ratio", "load"]  # fmt: skip
     lines = _table(head, body)
     cv = res.get("opencv")
