@@ -59,7 +59,7 @@ class QwenProcessor(VisionProcessor):
         plan = self.plan(*image.size)
         image = as_rgb(image)
         if self.fast is not None:
-            # equal to HF's output bit for bit, several times faster (vitserve/processors/pixels.py)
+            # equal to HF's output bit for bit, with a fraction of its work (vitserve/processors/pixels.py)
             pixel_values = torch.from_numpy(self.fast(image, plan.resized_size))
         else:
             pixel_values = self._preprocess_hf(image, plan)
