@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 
-BENCHES = ("encoder", "serve", "transfer", "cache", "jpeg_draft", "startup", "scaling")
+BENCHES = ("encoder", "serve", "transfer", "cache", "jpeg_draft", "startup", "scaling", "preprocess")
 RESULTS = ROOT / "bench" / "RESULTS.md"
 
 
@@ -152,8 +152,33 @@ def scaling_table(res: dict) -> list[str]:
     return _table(head, body) + ["", f"Budget {res['budget']}; `--model demo`; same machine, same run."]
 
 
+def preprocess_table(res: dict) -> list[str]:
+    body = []
+    for r in res["rows"]:
+        ms = {k: r[k] * 1e3 for k in ("decode_s", "hf_s", "fast_s", "fast_resize_s", "fast_norm_s", "hf_resize_s",
+                                      "hf_rest_s")}  # fmt: skip
+        # the best any normalisation could do: decode and the same PIL resize are left
+        ceiling = (r["decode_s"] + r["hf_s"]) / (r["decode_s"] + r["fast_resize_s"])
+        body.append([r["input"], r["budget"], r["tokens"], _f(ms["decode_s"], 1), _f(ms["hf_resize_s"], 1),
+                     _f(ms["hf_rest_s"], 1), _f(ms["hf_s"], 1), _f(ms["fast_resize_s"], 1),
+                     _f(ms["fast_norm_s"], 1), _f(ms["fast_s"], 1), f"**{_f(r['ratio'])}x**",
+                     f"{_f(r['pre_ratio'])}x", f"{_f(ceiling)}x", _f(r["draft_ratio"]) + "x" if r["draft_ratio"] else "-",
+                     _f(r["loadavg"][0], 1)])  # fmt: skip
+    head = ["input", "budget", "tokens", "decode ms", "HF resize", "HF rest", "HF ms", "fast resize", "fast norm",
+            "fast ms", "ratio", "pre ratio", "ceiling", "draft ratio", "load"]  # fmt: skip
+    lines = _table(head, body)
+    cv = res.get("opencv")
+    if cv:
+        lines += ["", f"OpenCV instead of PIL's resize ({cv['input']}, budget {cv['budget']}; PIL "
+                  f"{cv['pil_resize_s'] * 1e3:.1f} ms): " + "; ".join(
+                      f"{k} {v['resize_s'] * 1e3:.1f} ms, max uint8 difference {v['max_pixel_diff']}, max embedding "
+                      f"difference {v['max_embedding_diff']:.3g}" for k, v in cv.items() if isinstance(v, dict))]  # fmt: skip
+    return lines
+
+
 TABLES = {"encoder": encoder_table, "serve": serve_table, "transfer": transfer_table, "cache": cache_table,
-          "jpeg_draft": jpeg_draft_table, "startup": startup_table, "scaling": scaling_table}  # fmt: skip
+          "jpeg_draft": jpeg_draft_table, "startup": startup_table, "scaling": scaling_table,
+          "preprocess": preprocess_table}  # fmt: skip
 
 
 def section(bench: str, out_dir: Path | None) -> str:

@@ -17,7 +17,8 @@ class VisionProcessor(ABC):
     """A family adapter over a clamped Hugging Face image processor.
 
     ``count_tokens`` and ``preprocess`` both go through ``plan`` (the one token computation), and
-    ``preprocess`` verifies that HF produced exactly the planned grid.
+    ``preprocess`` verifies that HF produced exactly the planned grid wherever HF's code runs (the Qwen families'
+    exact fast path, vitserve/processors/pixels.py, builds the planned grid itself).
     """
 
     family: str
