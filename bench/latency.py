@@ -1,7 +1,7 @@
 """One client, sequential requests: where a request's time goes in vitserve, against the naive loop.
 
     python bench/latency.py                          # 224-px JPEGs (150 rounds) and 640x480 (20 rounds)
-    python bench/latency.py --rounds 50 --large_rounds 0
+    python bench/latency.py --quick                  # a smoke run (20 and 2 rounds)
     python bench/latency.py --before /tmp/old        # also an older vitserve tree, interleaved
 
 Starts `vitserve --model demo --visual_batch_max_tokens 4096` (the real CLI) and bench/baseline_server.py
@@ -196,9 +196,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=150, help="rounds with 224x224 JPEGs")
     ap.add_argument("--large_rounds", type=int, default=20, help="rounds with 640x480 JPEGs (0: skip)")
     ap.add_argument("--budget", type=int, default=BUDGET, help="--visual_batch_max_tokens (default 4096)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 20 and 2 rounds")
     ap.add_argument("--before", type=Path, help="another checkout of vitserve to run beside this one")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.large_rounds = 20, 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the servers are stopped
     args.out.mkdir(parents=True, exist_ok=True)
     run = record.begin("latency", args)

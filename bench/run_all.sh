@@ -35,7 +35,8 @@ step jpeg_draft "$PY" bench/jpeg_draft.py "${quick[@]}"
 step cache "$PY" bench/cache.py "${quick[@]}"
 step serve "$PY" bench/serve.py "${quick[@]}"
 step startup "$PY" bench/startup.py
+step latency "$PY" bench/latency.py "${quick[@]}"
 step report "$PY" bench/report.py "${write[@]}"
 echo "=== seconds per step:"
-for name in encoder transfer jpeg_draft cache serve startup report; do printf '  %-10s %5d\n' "$name" "${took[$name]}"; done
+for name in encoder transfer jpeg_draft cache serve startup latency report; do printf '  %-10s %5d\n' "$name" "${took[$name]}"; done
 echo "  total      $SECONDS"
