@@ -104,3 +104,13 @@ def test_a_socket_made_with_proto_zero_would_lose_it() -> None:
     sock.listen()
     sock.setblocking(False)
     assert asyncio.run(_nodelay_under_asyncio(sock)) == 0
+
+
+def test_production_server_parses_http_with_httptools() -> None:
+    """httptools is a dependency (pyproject.toml) and uvicorn's "auto" must pick it: h11 costs more per
+    request (bench/RESULTS.md, "One client, stage by stage")."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    server = http_server(_hello, "warning")
+    server.config.load()
+    assert server.config.http_protocol_class is HttpToolsProtocol

@@ -49,11 +49,12 @@ class _Server(uvicorn.Server):
 def http_server(app: ASGIApp, log_level: str) -> _Server:
     """uvicorn as vitserve runs it, on sockets the caller binds (`serve(sockets=[bind_socket(...)])`).
 
-    httptools, uvicorn's C parser, not h11: one client's request spent ~2.5 ms less in HTTP parsing and
-    response framing (bench/latency.py); behaviour is uvicorn's either way."""
+    HTTP parsing by httptools, uvicorn's C parser (a dependency): 0.15-0.5 ms less per request than h11 in
+    bench/latency.py, 2.5 ms less at load 7 in a bare echo test. "auto" is uvicorn's choice of httptools when
+    it is importable, so an environment installed before the dependency still serves, on h11."""
     ucfg = uvicorn.Config(
         app,
-        http="httptools",
+        http="auto",
         log_config=None,
         lifespan="off",
         access_log=False,
