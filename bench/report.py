@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 
-BENCHES = ("encoder", "serve", "transfer", "cache", "jpeg_draft", "startup", "scaling", "preprocess")
+BENCHES = ("encoder", "serve", "transfer", "cache", "jpeg_draft", "startup", "scaling", "preprocess", "latency")
 RESULTS = ROOT / "bench" / "RESULTS.md"
 
 
@@ -176,9 +176,47 @@ def preprocess_table(res: dict) -> list[str]:
     return lines
 
 
+# bench/latency.py's stages, in the order a request meets them: (key, label); derived ones in italics
+LATENCY_STAGES = (("connect", "client: connect"), ("write", "client: request written"),
+                  ("read", "server: body read"), ("parse", "server: JSON/base64 parse"),
+                  ("prepare", "server: prepare (pool hops + decode + preprocess)"), ("decode", "decode"),
+                  ("preprocess", "preprocess"), ("prep", "decode + preprocess (naive)"),
+                  ("pool_hops", "_pool hops_"), ("queue", "server: queue"), ("zmq_rank_hop", "_ZMQ hop to rank 0 and back_"),
+                  ("forward", "**forward**"), ("engine_python", "_engine bookkeeping (engine - queue - encode)_"),
+                  ("respond", "server: response body"), ("request", "server: whole handler"),
+                  ("server", "server: whole handler (naive)"),
+                  ("outside_handler", "_HTTP in/out + kernel (client total - handler)_"),
+                  ("first_byte", "client: written -> first byte"), ("body_gap", "client: headers -> body (Nagle)"),
+                  ("total", "**client total**"), ("outside_forward", "**_outside the forward_**"))  # fmt: skip
+
+
+def latency_table(res: dict) -> list[str]:
+    servers = res["servers"]
+    lines: list[str] = []
+    for size, run in res["sizes"].items():
+        s = run["summary"]
+        rows = []
+        for key, label in LATENCY_STAGES:
+            cells = [
+                f"{_f(s[n][key]['p50'])} / {_f(s[n][key]['p90'])}" if key in s[n] else "-" for n in servers
+            ]
+            if any(c != "-" for c in cells):
+                rows.append([label, *cells])
+        ratios = ", ".join(f"{n} **{r:.3f}x**" for n, r in s["p50_vs_naive"].items())
+        n_req = len(run["rows"][servers[0]])
+        lines += [
+            f"**{size} JPEG**, {n_req} requests per server, load {_f(run['loadavg'][0], 1)} at the end:",
+            "",
+        ]
+        lines += _table(["stage (ms, p50 / p90)", *servers], rows)
+        lines += ["", f"p50 / naive p50: {ratios}.", ""]
+    lines.append(f"Budget {res['budget']}; targets: outside the forward <= 5 ms median, p50 <= 1.0x naive.")
+    return lines
+
+
 TABLES = {"encoder": encoder_table, "serve": serve_table, "transfer": transfer_table, "cache": cache_table,
           "jpeg_draft": jpeg_draft_table, "startup": startup_table, "scaling": scaling_table,
-          "preprocess": preprocess_table}  # fmt: skip
+          "preprocess": preprocess_table, "latency": latency_table}  # fmt: skip
 
 
 def section(bench: str, out_dir: Path | None) -> str:

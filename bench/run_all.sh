@@ -36,7 +36,9 @@ step cache "$PY" bench/cache.py "${quick[@]}"
 step serve "$PY" bench/serve.py "${quick[@]}"
 step startup "$PY" bench/startup.py
 step scaling "$PY" bench/scaling.py "${quick[@]}"
+step latency "$PY" bench/latency.py "${quick[@]}"
+step preprocess "$PY" bench/preprocess.py "${quick[@]}"
 step report "$PY" bench/report.py "${write[@]}"
 echo "=== seconds per step:"
-for name in encoder transfer jpeg_draft cache serve startup scaling report; do printf '  %-10s %5d\n' "$name" "${took[$name]}"; done
+for name in encoder transfer jpeg_draft cache serve startup scaling latency preprocess report; do printf '  %-10s %5d\n' "$name" "${took[$name]}"; done
 echo "  total      $SECONDS"

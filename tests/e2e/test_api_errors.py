@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import logging
 import socket
 import struct
@@ -127,6 +128,20 @@ def test_bad_base64_points_at_the_image(client):
     assert_error(
         client.post("/encode", json={"images": [ok_image(), {"b64": "@@@"}]}), 400, "invalid_request", 1
     )
+
+
+@pytest.mark.parametrize("side", [16, 160], ids=["parsed-on-the-event-loop", "parsed-on-the-pool"])
+def test_json_bodies_either_side_of_the_inline_limit_answer_alike(client, side):
+    """api/encode.py parses a JSON body up to INLINE_BODY_BYTES on the event loop and a larger one on the
+    pool; the answers are the same either way."""
+    from vitserve.api.encode import INLINE_BODY_BYTES
+
+    image = {"b64": b64(noise_png(side, side))}
+    assert (len(json.dumps({"images": [image]})) > INLINE_BODY_BYTES) == (side == 160)
+    ok = client.post("/encode", json={"images": [image], "request_id": f"side-{side}"})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["request_id"] == f"side-{side}"
+    assert_error(client.post("/encode", json={"images": [image, {"b64": "@@@"}]}), 400, "invalid_request", 1)
 
 
 def truncated(data: bytes) -> bytes:

@@ -144,6 +144,26 @@ def test_ready_and_metrics_with_real_workers(real):
     assert "vitserve_workers_ready 1.0" in text
 
 
+def test_stage_metrics_time_each_part_of_one_request(real):
+    """vitserve_stage_seconds gets every stage of a request (docs/api.md): rank 0's own forward lies inside
+    the batch's round trip to the rank (encode), which lies inside the handler's engine stage."""
+    srv, receiver = real
+    stages = ("read", "parse", "prepare", "engine", "respond", "request", "queue", "encode", "forward")
+
+    def sums() -> dict[str, float]:
+        return {s: srv.metrics.value("vitserve_stage_seconds_sum", stage=s) or 0.0 for s in stages}
+
+    before = sums()
+    with VitserveClient(srv.url) as c:
+        c.encode([noise_png(90, 90, seed=99)], request_id="stages")
+    drain(receiver, 1)
+    took = {s: after - before[s] for s, after in sums().items()}
+    assert all(took[s] > 0 for s in stages if s != "queue"), took
+    assert took["forward"] < took["encode"] <= took["engine"] < took["request"]
+    inside = ("read", "parse", "prepare", "engine", "respond")
+    assert sum(took[s] for s in inside) <= took["request"]
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """The demo tower behind real HTTP; the tests hold its rank with SIGSTOP so work queues behind it

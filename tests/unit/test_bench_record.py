@@ -64,3 +64,32 @@ def test_results_md_has_a_marker_pair_for_every_benchmark():
     text = (ROOT / "bench" / "RESULTS.md").read_text()
     for bench in report.BENCHES:
         assert report.write_into(text, bench, "x")
+
+
+def test_latency_stages_are_derived_per_request_and_tabulated(tmp_path):
+    """bench/latency.py's derived stages from made-up measured ones, and its RESULTS.md table."""
+    from bench import latency
+
+    server = {"read": 0.1, "parse": 0.3, "prepare": 6.0, "decode": 1.0, "preprocess": 4.5, "engine": 103.0,
+              "queue": 0.1, "encode": 102.0, "forward": 100.0, "respond": 0.2, "request": 110.0}  # fmt: skip
+    client = {"connect": 0.1, "write": 0.05, "first_byte": 111.0, "headers": 0.01, "body_gap": 0.05}
+    vit = [{**client, **server, "total": 111.5 + k, "num_tokens": 64} for k in range(3)]
+    naive = [{**client, "total": 110.0, "server": 109.0, "prep": 4.0, "forward": 104.0, "num_tokens": 64}] * 3
+    summary = latency.summarize({"vitserve": vit, "naive": naive})
+    v = summary["vitserve"]
+    assert v["pool_hops"]["p50"] == pytest.approx(0.5)  # prepare - decode - preprocess
+    assert v["zmq_rank_hop"]["p50"] == pytest.approx(2.0)  # encode - forward
+    assert v["engine_python"]["p50"] == pytest.approx(0.9)  # engine - queue - encode
+    assert v["outside_handler"]["p50"] == pytest.approx(2.5)  # the median request's total - request
+    assert v["outside_forward"]["p50"] == pytest.approx(7.0)  # total - forward - decode - preprocess
+    assert v["outside_forward"]["p90"] == pytest.approx(8.0)
+    assert summary["naive"]["outside_forward"]["p50"] == pytest.approx(2.0)  # total - forward - prep
+    assert summary["p50_vs_naive"] == {"vitserve": pytest.approx(112.5 / 110.0, abs=1e-3)}
+    sizes = {
+        "224x224": {"loadavg": [1.0, 1.0, 1.0], "summary": summary, "rows": {"vitserve": vit, "naive": naive}}
+    }
+    record.finish(record.begin("latency", {}), {"budget": 4096, "servers": ["vitserve", "naive"], "sizes": sizes},
+                  tmp_path)  # fmt: skip
+    text = report.section("latency", tmp_path)
+    assert "| **_outside the forward_** | 7.00 / 8.00 | 2.00 / 2.00 |" in text
+    assert "vitserve **1.023x**" in text

@@ -35,6 +35,10 @@ from vitserve.rpc.tensors import dtype_name, tensor_to_buffer
 
 log = logging.getLogger(__name__)
 _DEADLINE_GRACE_S = 5.0  # the engine enforces the deadline; this only guards against an engine that does not
+# A JSON body up to this size is parsed (JSON + base64) on the event loop, and a response without
+# embeddings is built there: well under a millisecond of work, less than the hop to the pool and back
+# (~0.25 ms on an idle machine, several ms on a loaded one). Larger bodies and embeddings go to the pool.
+INLINE_BODY_BYTES = 64 * 1024
 
 
 def tensor_json(t: torch.Tensor) -> dict[str, Any]:
@@ -71,16 +75,19 @@ class EncodeHandler:
 
     async def _handle(self, request: Request, trace: RequestTrace) -> Response:
         deadline = time.monotonic() + self.config.request_timeout_s
+        clock = _StageClock(self.metrics)
         parsed: ParsedRequest | None = None
         try:
-            parsed = await self._parse_within(request, deadline)
+            parsed = await self._parse_within(request, deadline, clock)
             self.engine.admit(None)  # a full queue refuses before any decoding is spent
             trace.mark("decode")
             blobs = await fetch_sources(parsed.sources, self.config, deadline)
             prepared = await self.pre.prepare(blobs, deadline)
+            clock.lap("prepare")
             self._count_accepted(prepared)
             trace.mark("engine")
             results = await self._encode(request, parsed, prepared, deadline, trace.traceparent)
+            clock.lap("engine")
         except VitserveError:
             n = len(parsed.sources) if parsed else 0
             self.metrics.images_total.labels(outcome="rejected").inc(n)
@@ -93,8 +100,14 @@ class EncodeHandler:
             )
             return Response(status_code=499)
         trace.record(parsed.request_id, prepared, results)
-        body = await self.pre.run(self._response_body, parsed, prepared, results)
-        return JSONResponse(body)
+        if parsed.return_embeddings:  # base64 of every embedding: CPU work for the pool
+            body = await self.pre.run(self._response_body, parsed, prepared, results)
+        else:
+            body = self._response_body(parsed, prepared, results)
+        response = JSONResponse(body)
+        clock.lap("respond")
+        clock.total("request")
+        return response
 
     def _count_accepted(self, prepared: list[PreparedImage]) -> None:
         for p in prepared:
@@ -102,28 +115,36 @@ class EncodeHandler:
             if p.item.clamped:
                 self.metrics.images_clamped_total.inc()
 
-    async def _parse_within(self, request: Request, deadline: float) -> ParsedRequest:
+    async def _parse_within(self, request: Request, deadline: float, clock: _StageClock) -> ParsedRequest:
         """A body that trickles in (slowloris) is bounded by the request deadline too."""
         try:
-            return await asyncio.wait_for(self._parse(request), max(deadline - time.monotonic(), 0))
+            return await asyncio.wait_for(self._parse(request, clock), max(deadline - time.monotonic(), 0))
         except TimeoutError:
             raise Timeout(
                 f"the request body did not arrive within {self.config.request_timeout_s}s "
                 "(--request_timeout_s)"
             ) from None
 
-    async def _parse(self, request: Request) -> ParsedRequest:
+    async def _parse(self, request: Request, clock: _StageClock) -> ParsedRequest:
         body = await read_body(request, self.config.max_request_bytes)
+        clock.lap("read")
         kind = media_type(request)
         if kind == "multipart/form-data":
-            return await self.pre.run(parse_multipart_body, request.headers, body, self.config)
+            parsed = await self.pre.run(parse_multipart_body, request.headers, body, self.config)
+            clock.lap("parse")
+            return parsed
         if kind not in ("", "application/json") and not kind.endswith("+json"):
             raise InvalidRequest(
                 f"unsupported Content-Type {kind!r}; send application/json or multipart/form-data"
             )
         if not body:
             raise InvalidRequest("empty request body")
-        return await self.pre.run(parse_json_body, body, self.config)
+        if len(body) <= INLINE_BODY_BYTES:
+            parsed = parse_json_body(body, self.config)
+        else:
+            parsed = await self.pre.run(parse_json_body, body, self.config)
+        clock.lap("parse")
+        return parsed
 
     async def _encode(
         self,
@@ -202,6 +223,26 @@ class EncodeHandler:
             "images": images,
             "timing_ms": timing,
         }
+
+
+class _StageClock:
+    """Wall time of the request's stages inside the handler, into vitserve_stage_seconds{stage}: read (the
+    body), parse (JSON/base64 or multipart), prepare (fetch, decode, preprocess: pool hops included),
+    engine (enqueue -> results back in this request), respond (the response body), request (all of it).
+    With one request at a time, the increase of a stage's _sum between two scrapes is that request's time
+    (bench/latency.py reads them so)."""
+
+    def __init__(self, metrics: Metrics):
+        self._stage = metrics.stage_seconds
+        self._start = self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self._stage.labels(stage=stage).observe(now - self._last)
+        self._last = now
+
+    def total(self, stage: str) -> None:
+        self._stage.labels(stage=stage).observe(time.perf_counter() - self._start)
 
 
 async def _wait_disconnect(request: Request) -> None:

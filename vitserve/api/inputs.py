@@ -76,7 +76,8 @@ def check_request_id(request_id: str | None) -> str:
 
 
 def parse_json_body(body: bytes, config: Config) -> ParsedRequest:
-    """CPU-bound (JSON + base64 of up to --max_request_bytes): run it on the preprocessing pool."""
+    """CPU-bound (JSON + base64 of up to --max_request_bytes): the handler runs it on the preprocessing pool,
+    or on the event loop for a body small enough that the hop would cost more (api/encode.py)."""
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError):

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 from PIL import Image
+from starlette.types import ASGIApp
 
 from vitserve.api.app import create_app
 from vitserve.api.edge import ServerState
@@ -43,6 +44,24 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:  # the Service owns SIGTERM/SIGINT
         yield
+
+
+def http_server(app: ASGIApp, log_level: str) -> _Server:
+    """uvicorn as vitserve runs it, on sockets the caller binds (`serve(sockets=[bind_socket(...)])`).
+
+    HTTP parsing by httptools, uvicorn's C parser (a dependency): 0.15-0.5 ms less per request than h11 in
+    bench/latency.py, 2.5 ms less at load 7 in a bare echo test. "auto" is uvicorn's choice of httptools when
+    it is importable, so an environment installed before the dependency still serves, on h11."""
+    ucfg = uvicorn.Config(
+        app,
+        http="auto",
+        log_config=None,
+        lifespan="off",
+        access_log=False,
+        log_level=log_level.lower(),
+        timeout_graceful_shutdown=5,
+    )
+    return _Server(ucfg)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -109,15 +128,7 @@ class Service:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self._install_signals()
-        ucfg = uvicorn.Config(
-            self.app,
-            log_config=None,
-            lifespan="off",
-            access_log=False,
-            log_level=self.config.log_level.lower(),
-            timeout_graceful_shutdown=5,
-        )
-        server = _Server(ucfg)
+        server = http_server(self.app, self.config.log_level)
         serving = asyncio.create_task(server.serve(sockets=[self.sock]))
         code = await self._start_engine()
         if code is not None:

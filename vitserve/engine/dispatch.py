@@ -196,7 +196,8 @@ class Dispatcher:
             self._on_warmup(group, batch, msg.outputs)
             return
         seconds = time.monotonic() - batch.started
-        self.metrics.stage_seconds.labels(stage="encode").observe(seconds)
+        self.metrics.stage_seconds.labels(stage="encode").observe(seconds)  # the ZMQ hops included
+        self.metrics.stage_seconds.labels(stage="forward").observe(msg.forward_s)  # rank 0's own timer
         if seconds > 0:
             rate = batch.tokens / seconds
             self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * rate if self.tokens_per_s else rate

@@ -83,6 +83,7 @@ class ResultMsg:
     group: int
     batch_id: int
     outputs: list[EncodedImage] = field(default_factory=list)  # one per item of the batch, same order
+    forward_s: float = 0.0  # rank 0's wall time in the forward (vitserve_stage_seconds{stage="forward"})
     kind: Kind = Kind.RESULT
 
 
@@ -138,6 +139,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
                 "group": msg.group,
                 "batch_id": msg.batch_id,
                 "deepstack_counts": counts,
+                "forward_s": msg.forward_s,
             },
             tensors,
         )
@@ -214,4 +216,9 @@ def _decode_result(header: dict[str, Any], tensors: list[torch.Tensor]) -> Resul
     for c in counts:
         outputs.append(EncodedImage(embedding=tensors[pos], deepstack=tensors[pos + 1 : pos + 1 + c]))
         pos += 1 + c
-    return ResultMsg(group=int(header["group"]), batch_id=int(header["batch_id"]), outputs=outputs)
+    return ResultMsg(
+        group=int(header["group"]),
+        batch_id=int(header["batch_id"]),
+        outputs=outputs,
+        forward_s=float(header.get("forward_s", 0.0)),
+    )

@@ -281,12 +281,13 @@ class RankWorker:
                 self.counters.heartbeats += 1
                 continue
             assert batch is not None
+            started = time.perf_counter()
             outputs = self._forward(batch)  # 2) the same forward on every rank, on its shard
             self.counters.batches += 1
             if self.peak_watch is not None:
                 self.peak_watch.check()  # a live peak above the reservation: warn, re-measure next start
             if self.args.rank == 0:
-                self._reply(batch.batch_id, outputs)  # 3) embeddings back to the engine
+                self._reply(batch.batch_id, outputs, started)  # 3) embeddings back to the engine
             # Drop this batch's frames before waiting for the next: otherwise two batches' pixels are live in
             # zmq's receive arena at once, and the runtime peak outgrows the reservation (scenario L3).
             del batch, outputs
@@ -345,12 +346,16 @@ class RankWorker:
         item.pixel_values = item.pixel_values.to(self.device, non_blocking=True)
         return item
 
-    def _reply(self, batch_id: int, outputs: list[EncodedImage]) -> None:
+    def _reply(self, batch_id: int, outputs: list[EncodedImage], started: float) -> None:
+        """The embeddings to the engine, with the forward's seconds since `started` (the copy to the host
+        included: on a GPU it waits for the forward's kernels)."""
         cpu = [
             type(o)(embedding=o.embedding.cpu(), deepstack=[d.cpu() for d in o.deepstack]) for o in outputs
         ]
+        forward_s = time.perf_counter() - started
         self.status.send_multipart(
-            m.encode(m.ResultMsg(group=self.args.group, batch_id=batch_id, outputs=cpu)), copy=False
+            m.encode(m.ResultMsg(group=self.args.group, batch_id=batch_id, outputs=cpu, forward_s=forward_s)),
+            copy=False,
         )
 
     # ------------------------------------------------------------------------------------ exit paths
