@@ -21,7 +21,17 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 
-BENCHES = ("encoder", "serve", "transfer", "cache", "jpeg_draft", "startup", "scaling", "preprocess", "latency")
+BENCHES = (
+    "encoder",
+    "serve",
+    "transfer",
+    "cache",
+    "jpeg_draft",
+    "startup",
+    "scaling",
+    "preprocess",
+    "latency",
+)
 RESULTS = ROOT / "bench" / "RESULTS.md"
 
 

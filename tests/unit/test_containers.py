@@ -288,7 +288,8 @@ def test_k8s_replicas_read_the_cache_url_from_a_secret_and_pass_real_flags():
     config = _config(c, {"VITSERVE_PORT": env["VITSERVE_PORT"]["value"],
                          "VITSERVE_CACHE_URL": "redis://:pw@vitserve-redis:6379/0"})  # fmt: skip
     assert config.cache_url == "redis://:pw@vitserve-redis:6379/0"
-    assert config.cache_ttl_s > 0 and config.port == int(env["VITSERVE_PORT"]["value"])
+    assert config.cache_ttl_s > 0
+    assert config.port == int(env["VITSERVE_PORT"]["value"])
     assert docs[("Deployment", "vitserve-replicas")]["spec"]["replicas"] >= 2
 
 
@@ -296,16 +297,20 @@ def test_k8s_redis_bounds_its_memory_with_lru_and_services_select_their_pods():
     docs = _replica_docs()
     redis = _container(docs[("Deployment", "vitserve-redis")]["spec"]["template"]["spec"], "redis")
     command = " ".join(redis["args"])
-    assert "--maxmemory-policy allkeys-lru" in command and "--maxmemory " in command
+    assert "--maxmemory-policy allkeys-lru" in command
+    assert "--maxmemory " in command
     assert "--requirepass" in command
     for name in ("vitserve-redis", "vitserve-replicas"):
         labels = docs[("Deployment", name)]["spec"]["template"]["metadata"]["labels"]
         selector = docs[("Service", name)]["spec"]["selector"]
         assert selector.items() <= labels.items()
     url = "redis://:pw@vitserve-redis:6379/0"  # the Secret's form in docs/scaling.md
-    assert docs[("Service", "vitserve-redis")]["spec"]["ports"][0]["port"] == int(url.rsplit(":", 1)[1].split("/")[0])
+    assert docs[("Service", "vitserve-redis")]["spec"]["ports"][0]["port"] == int(
+        url.rsplit(":", 1)[1].split("/")[0]
+    )
 
 
 def test_scaling_doc_points_at_the_replicas_manifest():
     text = (ROOT / "docs" / "scaling.md").read_text()
-    assert "deploy/k8s/vitserve-replicas.yaml" in text and "allkeys-lru" in text
+    assert "deploy/k8s/vitserve-replicas.yaml" in text
+    assert "allkeys-lru" in text
