@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import vitserve
-from vitserve.cli import FLAGS, GROUPS, build_config, build_parser, default_text, env_name, parse_size
+from vitserve.flags import FLAGS, GROUPS, build_config, build_parser, default_text, env_name, parse_size
 from vitserve.config import MIB, Config
 from vitserve.errors import ConfigError
 

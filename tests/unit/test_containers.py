@@ -25,7 +25,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from vitserve.api.app import create_app
-from vitserve.cli import build_config
+from vitserve.flags import build_config
 from vitserve.config import Config
 from vitserve.engine import Engine
 from vitserve.metrics import Metrics

@@ -6,7 +6,7 @@
   as `test_faults*.py` must match at least one file.
 - No document cites the design notes that live outside the repository (SPEC, DESIGN, INTERFACES,
   RELIABILITY).
-- Every `--flag` is a flag of `vitserve` (vitserve.cli.FLAGS, its dashed alias, `--no-` for a switch, or
+- Every `--flag` is a flag of `vitserve` (vitserve.flags.FLAGS, its dashed alias, `--no-` for a switch, or
   `--help`), or is in NON_VITSERVE_FLAGS below with the program it belongs to.
 - Every doc-test marker before a code block is understood and carries its reason (see
   tests/integration/test_doc_blocks.py for the convention).
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.docblocks import ROOT, blocks, doc_files, flags, links, named_paths
-from vitserve.cli import FLAGS, parse_bool
+from vitserve.flags import FLAGS, parse_bool
 
 # Flags the docs mention that belong to another program; each says whose it is.
 NON_VITSERVE_FLAGS = {

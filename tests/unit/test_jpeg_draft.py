@@ -166,13 +166,13 @@ def test_pixel_limit_is_still_checked_before_any_decode(photo):
     ],
 )
 def test_flag_and_environment_wiring(argv, environ, expected):
-    from vitserve.cli import build_config
+    from vitserve.flags import build_config
 
     assert build_config(argv, environ).jpeg_draft is expected
 
 
 def test_bad_environment_value_names_the_variable():
-    from vitserve.cli import build_config
+    from vitserve.flags import build_config
     from vitserve.errors import ConfigError
 
     with pytest.raises(ConfigError, match="VITSERVE_JPEG_DRAFT"):

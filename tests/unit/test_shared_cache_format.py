@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import make_checkpoint
-from vitserve.cli import build_config
+from vitserve.flags import build_config
 from vitserve.config import Config
 from vitserve.contract import EncodedImage
 from vitserve.engine.cache import cache_fingerprint, redacted_url

@@ -16,7 +16,7 @@ from vitserve.api.tracing import (
     stage_spans,
     traces_url,
 )
-from vitserve.cli import build_config
+from vitserve.flags import build_config
 from vitserve.contract import ImageResult, PreparedImage, StageTimes
 from vitserve.errors import ConfigError
 
