@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import vitserve
-from vitserve.flags import FLAGS, GROUPS, build_config, build_parser, default_text, env_name, parse_size
 from vitserve.config import MIB, Config
 from vitserve.errors import ConfigError
+from vitserve.flags import FLAGS, GROUPS, build_config, build_parser, default_text, env_name, parse_size
 
 
 def test_no_flags_no_env_gives_the_spec_defaults():

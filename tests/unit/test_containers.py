@@ -25,9 +25,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from vitserve.api.app import create_app
-from vitserve.flags import build_config
 from vitserve.config import Config
 from vitserve.engine import Engine
+from vitserve.flags import build_config
 from vitserve.metrics import Metrics
 from vitserve.processors import load_image_processor
 

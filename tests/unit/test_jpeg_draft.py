@@ -172,8 +172,8 @@ def test_flag_and_environment_wiring(argv, environ, expected):
 
 
 def test_bad_environment_value_names_the_variable():
-    from vitserve.flags import build_config
     from vitserve.errors import ConfigError
+    from vitserve.flags import build_config
 
     with pytest.raises(ConfigError, match="VITSERVE_JPEG_DRAFT"):
         build_config([], {"VITSERVE_JPEG_DRAFT": "maybe"})

@@ -12,13 +12,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import make_checkpoint
-from vitserve.flags import build_config
 from vitserve.config import Config
 from vitserve.contract import EncodedImage
 from vitserve.engine.cache import cache_fingerprint, redacted_url
 from vitserve.engine.entry_format import FORMAT_VERSION, EntryError, decode_entry, encode_entry
 from vitserve.engine.weights_digest import weights_digest
 from vitserve.errors import ConfigError
+from vitserve.flags import build_config
 
 
 def entry(dtype: torch.dtype, tokens: int = 7, dim: int = 5, deepstack: int = 2) -> EncodedImage:

@@ -16,9 +16,9 @@ from vitserve.api.tracing import (
     stage_spans,
     traces_url,
 )
-from vitserve.flags import build_config
 from vitserve.contract import ImageResult, PreparedImage, StageTimes
 from vitserve.errors import ConfigError
+from vitserve.flags import build_config
 
 pytestmark = pytest.mark.unit
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
