@@ -109,6 +109,10 @@ def test_two_replicas_share_one_redis_and_survive_its_death(tmp_path):
                 time.sleep(0.5)
                 server.kill()
                 results = [f.result() for f in futures]  # raises on any non-200
+            # and after it: new images on both replicas (the wave above may all finish before the kill on a
+            # quiet machine), each a shared lookup that meets a dead server
+            after = [noise_png(64, 72 + 8 * k, seed=200 + k) for k in range(2)]
+            results += [encode(url, [after[k]], f"after{k}") for k in range(2) for url in (a.url, b.url)]
             assert all(len(r) == 1 and r[0]["num_tokens"] > 0 for r in results)
         finally:
             out_a, out_b = a.stop(), b.stop()
