@@ -32,9 +32,7 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,8 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from bench.loadgen import json_bodies, wait_ready  # noqa: E402
-from bench.serve import READY_TIMEOUT_S, free_port, server_command  # noqa: E402
+from bench.loadgen import json_bodies  # noqa: E402
+from bench.serve import launched as serve_launched  # noqa: E402
 from bench.workloads import jpeg_bytes, photo_like  # noqa: E402
 
 BUDGET = 4096
@@ -57,25 +55,8 @@ _STAGE_SUM = re.compile(r'^vitserve_stage_seconds_sum\{stage="(\w+)"\}\s+(\S+)$'
 @contextlib.contextmanager
 def launched(kind: str, budget: int, log_path: Path, tree: Path = ROOT) -> Iterator[int]:
     """One server as a subprocess, its code from `tree` (this checkout unless --before); yields its port."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    argv = server_command(kind, port, budget, max(1, os.cpu_count() or 1), "")
-    if kind == "vitserve":
-        argv = argv[: argv.index("--runtime_dir")] + argv[argv.index("--runtime_dir") + 2 :]
-    with tempfile.TemporaryDirectory(prefix="vitserve-lat-") as runtime, open(log_path, "w") as log:
-        proc = subprocess.Popen(argv + (["--runtime_dir", runtime] if kind == "vitserve" else []), cwd=tree,
-                                env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-        try:
-            wait_ready(f"http://127.0.0.1:{port}", "/ready" if kind == "vitserve" else "/health",
-                       READY_TIMEOUT_S, proc)  # fmt: skip
-            yield port
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with serve_launched(kind, budget, max(1, os.cpu_count() or 1), log_path, tree=tree) as url:
+        yield int(url.rsplit(":", 1)[1])
 
 
 def raw_post(port: int, path: str, body: bytes) -> tuple[dict[str, float], bytes]:

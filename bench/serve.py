@@ -112,14 +112,19 @@ def server_command(
 
 
 @contextlib.contextmanager
-def launched(kind: str, budget: int, threads: int, log_path: Path, extra: tuple[str, ...] = ()):
-    """Run one server as a subprocess; yield its URL once ready; always stop it."""
+def launched(
+    kind: str, budget: int, threads: int, log_path: Path, extra: tuple[str, ...] = (), tree: Path = ROOT
+):
+    """Run one server as a subprocess; yield its URL once ready; always stop it.
+
+    ``tree``: the checkout whose code it runs (bench/latency.py --before points it at an older tree).
+    """
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(tree)}
     with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as runtime_dir, open(log_path, "w") as log:
         proc = subprocess.Popen(
             server_command(kind, port, budget, threads, runtime_dir, extra),
-            cwd=ROOT,
+            cwd=tree,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
