@@ -47,7 +47,9 @@ def live_server(
     config = replace(config or TEST_CONFIG, **overrides)
     metrics = Metrics()
     processor = processor or load_image_processor(
-        "qwen2_5_vl" if config.model == "demo" else config.model, budget_tokens=config.budget_tokens
+        "qwen2_5_vl" if config.model == "demo" else config.model,
+        budget_tokens=config.budget_tokens,
+        resize=config.image_resize,
     )
     gate = threading.Event()
     gate.set()

@@ -1,4 +1,5 @@
-"""The fast Qwen pixel path (vitserve/processors/pixels.py) against the real HF image processor, bit for bit.
+"""The fast Qwen pixel path (vitserve/processors/pixels.py) with --image_resize pil against the real HF PIL image
+processor, bit for bit (the torch backend: tests/unit/test_pixels_torch.py).
 
 The oracle is a separate HF Qwen2VLImageProcessorPil built from the same config: called directly on the
 image (with the budget's max_pixels) where HF's own resize gives the planned size, and on the image resized
@@ -29,17 +30,18 @@ from vitserve.processors.qwen import QwenProcessor
 QWEN = tuple(name for name, family in FAMILIES.items() if family.layout == "patches")
 
 
-def hf_oracle(ref: Qwen2VLImageProcessorPil, proc: QwenProcessor, image: Image.Image) -> torch.Tensor:
-    """What HF itself makes of `image` under vitserve's plan (module docstring)."""
+def hf_oracle(ref, proc: QwenProcessor, image: Image.Image, resize=None) -> torch.Tensor:
+    """What HF itself makes of `image` under vitserve's plan (module docstring). `ref` is the PIL processor
+    and `resize` PIL's resize by default; tests of the torch backend pass the torchvision processor and
+    torchvision's resize (image, (width, height)) -> what `ref` takes with do_resize=False."""
     plan = proc.plan(*image.size)
     clamp = proc.geometry.clamped_max_pixels(proc.budget_tokens)
     size = {"shortest_edge": proc.geometry.min_pixels, "longest_edge": clamp}
     if plan.hf_native:
         out = ref(image, size=size, return_tensors="pt")
     else:
-        out = ref(
-            image.resize(plan.resized_size, resample=ref.resample), do_resize=False, return_tensors="pt"
-        )
+        resized = (resize or (lambda im, wh: im.resize(wh, resample=ref.resample)))(image, plan.resized_size)
+        out = ref(resized, do_resize=False, return_tensors="pt")
     assert tuple(out["image_grid_thw"][0].tolist()) == plan.grid_thw
     pixels: torch.Tensor = out["pixel_values"]
     return pixels
@@ -76,7 +78,7 @@ CHECKPOINT_CASES = [
 @pytest.mark.parametrize(("budget", "size"), CHECKPOINT_CASES)
 def test_fast_path_equals_hf_on_checkpoint_configs(checkpoints, family, budget, size):
     ckpt = checkpoints[family]
-    proc = load_image_processor(str(ckpt), budget)
+    proc = load_image_processor(str(ckpt), budget, resize="pil")
     ref = AutoImageProcessor.from_pretrained(str(ckpt), backend="pil", local_files_only=True)
     assert_fast_equals_hf(proc, ref, noise(*size, seed=size[0] + budget))
 
@@ -84,7 +86,7 @@ def test_fast_path_equals_hf_on_checkpoint_configs(checkpoints, family, budget, 
 @pytest.mark.parametrize("family", QWEN)
 @pytest.mark.parametrize(("budget", "size"), [(256, (1000, 700)), (1024, (640, 480)), (64, (200, 1900))])
 def test_fast_path_equals_hf_on_published_defaults(family, budget, size):
-    proc = load_image_processor(family, budget)
+    proc = load_image_processor(family, budget, resize="pil")
     assert_fast_equals_hf(proc, qwen_hf_processor(family, None), noise(*size, seed=budget))
 
 
@@ -92,7 +94,7 @@ def test_fast_path_equals_hf_on_published_defaults(family, budget, size):
 def test_every_value_of_every_channel(family):
     # 4 x 256 pixels per channel holding every uint8 value in a different order per channel, at a size the
     # processor keeps as it is: each entry of the lookup table is checked against HF's arithmetic.
-    proc = load_image_processor(family, 0)
+    proc = load_image_processor(family, 0, resize="pil")
     side = proc.geometry.factor * 8
     rng = np.random.default_rng(7)
     pixels = np.stack([rng.permutation(np.resize(np.arange(256), side * side)) for _ in range(3)], axis=-1)
@@ -104,7 +106,7 @@ def test_every_value_of_every_channel(family):
 def test_photo_jpeg_through_prepare_image():
     # the production path: bytes -> decode -> preprocess, a photo-like JPEG clamped to 256 tokens
     data = jpeg_bytes(photo_like(1200, 900, seed=3))
-    proc = load_image_processor("qwen2_5_vl", 256)
+    proc = load_image_processor("qwen2_5_vl", 256, resize="pil")
     prepared = prepare_image(data, proc, max_image_pixels=0)
     with Image.open(io.BytesIO(data)) as image:
         want = hf_oracle(qwen_hf_processor("qwen2_5_vl", None), proc, image.convert("RGB"))
@@ -127,7 +129,7 @@ SETTINGS = [
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(s))
 def test_fast_path_equals_hf_for_other_settings(settings):
     params = {"min_pixels": 4 * 784, "max_pixels": 400 * 784, **settings}
-    proc = QwenProcessor("qwen2_5_vl", Qwen2VLImageProcessorPil.from_dict(params), 100)
+    proc = QwenProcessor("qwen2_5_vl", Qwen2VLImageProcessorPil.from_dict(params), 100, "pil")
     ref = Qwen2VLImageProcessorPil.from_dict(params)
     for seed, size in enumerate([(333, 217), (31, 700), (10, 10)]):
         assert_fast_equals_hf(proc, ref, noise(*size, seed=seed))
@@ -135,7 +137,7 @@ def test_fast_path_equals_hf_for_other_settings(settings):
 
 def test_settings_the_fast_path_does_not_cover_keep_hf():
     params = {"min_pixels": 4 * 784, "max_pixels": 400 * 784, "do_resize": False}
-    proc = QwenProcessor("qwen2_5_vl", Qwen2VLImageProcessorPil.from_dict(params), 0)
+    proc = QwenProcessor("qwen2_5_vl", Qwen2VLImageProcessorPil.from_dict(params), 0, "pil")
     assert proc.fast is None
     image = noise(56, 84, seed=1)  # already a multiple of the merge group: HF needs no resize
     want = Qwen2VLImageProcessorPil.from_dict(params)(image, return_tensors="pt")["pixel_values"]
@@ -144,7 +146,7 @@ def test_settings_the_fast_path_does_not_cover_keep_hf():
 
 def test_chunks_cover_the_whole_image():
     # more rows of merge groups than one chunk holds, and a last chunk that is not full
-    proc = load_image_processor("qwen2_5_vl", 0)
+    proc = load_image_processor("qwen2_5_vl", 0, resize="pil")
     assert isinstance(proc.fast, FastPatches)
     pixels = np.asarray(noise(28 * 3, 28 * 400, seed=9))  # 400 rows of merge groups, 12 patches each
     patches = proc.fast.patchify(pixels)

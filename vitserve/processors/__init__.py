@@ -21,16 +21,19 @@ from vitserve.processors.hf_config import (
     tower_geometry,
 )
 from vitserve.processors.internvl import InternVLProcessor
+from vitserve.processors.pixels import Backend
 from vitserve.processors.qwen import QwenProcessor
 
 
-def _patches(family: str, checkpoint: Path | None, budget_tokens: int) -> VisionProcessor:
-    return QwenProcessor(family, qwen_hf_processor(family, checkpoint), budget_tokens)
+def _patches(family: str, checkpoint: Path | None, budget_tokens: int, resize: Backend) -> VisionProcessor:
+    return QwenProcessor(family, qwen_hf_processor(family, checkpoint), budget_tokens, resize)
 
 
-def _tiles(family: str, checkpoint: Path | None, budget_tokens: int) -> VisionProcessor:
+def _tiles(family: str, checkpoint: Path | None, budget_tokens: int, resize: Backend) -> VisionProcessor:
     hf, patch, tokens_per_tile = internvl_hf_processor(family, checkpoint)
-    return InternVLProcessor(family, hf, budget_tokens, patch_size=patch, tokens_per_tile=tokens_per_tile)
+    return InternVLProcessor(
+        family, hf, budget_tokens, patch_size=patch, tokens_per_tile=tokens_per_tile, resize=resize
+    )
 
 
 # One builder per registry layout; every model_type the registry accepts resolves to one of these.
@@ -47,13 +50,30 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+IMAGE_RESIZE_CHOICES = ("auto", "torch", "pil")
+
+
+def resolved_resize(resize: str) -> Backend:
+    """--image_resize: auto is torch, the processor vLLM and SGLang use (docs/processing.md)."""
+    if resize not in IMAGE_RESIZE_CHOICES:
+        raise ConfigError(f"--image_resize {resize!r} is not one of {', '.join(IMAGE_RESIZE_CHOICES)}")
+    return "pil" if resize == "pil" else "torch"
+
+
 def load_image_processor(
-    name_or_path: str, budget_tokens: int = 0, *, family: str = "auto", max_tokens: int | None = None
+    name_or_path: str,
+    budget_tokens: int = 0,
+    *,
+    family: str = "auto",
+    resize: str = "auto",
+    max_tokens: int | None = None,
 ) -> VisionProcessor:
     """A family processor clamped to ``budget_tokens`` image tokens per image (0 = exactly as HF ships it).
 
     ``name_or_path``: a checkpoint directory (read offline), a family name, or "demo" (= qwen2_5_vl).
     ``family``: "auto" reads it from the checkpoint's config.json (what --model_family auto does).
+    ``resize`` (--image_resize): "torch" (= "auto") gives the pixels of transformers' torchvision ("fast")
+    processor, "pil" those of its PIL processor.
     ``max_tokens``: the old name of ``budget_tokens``; deprecated, kept for one release.
     """
     if max_tokens is not None:
@@ -66,7 +86,7 @@ def load_image_processor(
     if budget_tokens < 0:
         raise ConfigError(f"--visual_batch_max_tokens must be >= 0, got {budget_tokens}")
     checkpoint, family = _resolve(str(name_or_path), family)
-    proc = _BUILDERS[FAMILIES[family].layout](family, checkpoint, budget_tokens)
+    proc = _BUILDERS[FAMILIES[family].layout](family, checkpoint, budget_tokens, resolved_resize(resize))
     check_geometry(proc.clamp_info(), tower_geometry(checkpoint))  # before any rank starts
     _warn_if_minimum_above_budget(proc)
     return proc

@@ -1,6 +1,15 @@
 """Exact fast pixels for the patch-layout (Qwen) families: HF's resize, rescale, normalize and patchify,
 bit for bit, in one pass over uint8 pixels (docs/processing.md "Fast and exact").
 
+Two backends (--image_resize), each equal to one of transformers' image processors:
+- ``torch`` (the default): the torchvision ("fast") processor, ``Qwen2VLImageProcessor``, which vLLM and SGLang
+  use. It resizes uint8 pixels with torchvision's bicubic antialias resize, which on the CPU is torch's own
+  ``F.interpolate(uint8, mode="bicubic", antialias=True)`` (bitwise equal, measured; its float path differs by up
+  to 20 levels), so vitserve needs no torchvision: ``resize_uint8``. Then one fused step: mean and std are
+  scaled by 1/rescale_factor (a float32 multiply) and each pixel becomes ``(float32(v) - mean) / std`` (a
+  float32 subtract and divide): ``torch_value_table``.
+- ``pil``: the PIL processor, ``Qwen2VLImageProcessorPil``, as below.
+
 HF's Qwen2VLImageProcessorPil turns the image into numpy, back into PIL for the resize, back into numpy,
 then rescales in float64, casts to float32, normalizes on a transposed view and patchifies with a copy that
 repeats every patch ``temporal_patch_size`` times: several full-image float copies. Here:
@@ -22,11 +31,15 @@ take as an int) keep HF's own path: ``FastPatches.from_hf`` returns None for the
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+import torch
 from PIL import Image
+
+Backend = Literal["torch", "pil"]
 
 _CHUNK_PIXELS = 1 << 16  # pixels per channel looked up per step: the temporaries stay in cache
 
@@ -45,25 +58,66 @@ def _value_table(hf: Any) -> npt.NDArray[np.float32]:
     return np.asarray(image, dtype=np.float32).reshape(3, 256)  # patchify's own cast
 
 
-class FastPatches:
-    """Resize + rescale + normalize + patchify of one RGB image, equal to HF's Qwen2VLImageProcessorPil."""
+def torch_value_table(hf: Any) -> npt.NDArray[np.float32]:
+    """(C, 256) float32: what transformers' torchvision backend (rescale_and_normalize) makes of each uint8
+    value, per channel, with the same tensor operations in the same order: mean and std times
+    1/rescale_factor when both steps are on (its fused form), then the image in float32, minus mean, divided
+    by std. Each is an elementwise IEEE operation, correctly rounded on every CPU, so the table holds exactly
+    the values that backend computes, pixel by pixel."""
+    values = torch.arange(256, dtype=torch.uint8).reshape(1, 256).expand(3, 256)
+    if hf.do_rescale and hf.do_normalize:
+        mean = torch.tensor(hf.image_mean) * (1.0 / hf.rescale_factor)
+        std = torch.tensor(hf.image_std) * (1.0 / hf.rescale_factor)
+        out = values.to(torch.float32).sub(mean.view(-1, 1)).div(std.view(-1, 1))
+    elif hf.do_normalize:
+        mean, std = torch.tensor(hf.image_mean), torch.tensor(hf.image_std)
+        out = values.to(torch.float32).sub(mean.view(-1, 1)).div(std.view(-1, 1))
+    elif hf.do_rescale:
+        out = values * hf.rescale_factor
+    else:
+        out = values.to(torch.float32)
+    return np.ascontiguousarray(out.to(torch.float32).numpy())
 
-    def __init__(self, hf: Any) -> None:
+
+def resize_uint8(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """(H, W, C) uint8 -> (height, width, C) uint8 for size = (width, height): bicubic with antialias, as
+    torchvision resizes uint8 images on the CPU (bitwise equal to it; vitserve imports no torchvision).
+    The video path resizes frames with this same call."""
+    width, height = size
+    if pixels.shape[0] == height and pixels.shape[1] == width:
+        return pixels
+    with warnings.catch_warnings():  # a PIL image's array is read-only; nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        chw = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)  # (1, C, H, W) uint8, a view
+    out = torch.nn.functional.interpolate(chw, size=(height, width), mode="bicubic", antialias=True)
+    return out[0].permute(1, 2, 0).contiguous().numpy()
+
+
+class FastPatches:
+    """Resize + rescale + normalize + patchify of one RGB image, equal to transformers' Qwen2VLImageProcessor
+    (backend "torch") or Qwen2VLImageProcessorPil (backend "pil")."""
+
+    def __init__(self, hf: Any, backend: Backend = "pil") -> None:
+        self.backend = backend
         self.resample = int(hf.resample)
         self.patch = int(hf.patch_size)
         self.merge = int(hf.merge_size)
         self.temporal = int(hf.temporal_patch_size)
-        self.values = _value_table(hf)  # (C, 256)
+        self.values = torch_value_table(hf) if backend == "torch" else _value_table(hf)  # (C, 256)
 
     @classmethod
-    def from_hf(cls, hf: Any) -> FastPatches | None:
+    def from_hf(cls, hf: Any, backend: Backend = "pil") -> FastPatches | None:
         """The fast path for this HF object, or None where only HF's own code covers its settings."""
         if not getattr(hf, "do_resize", False) or not isinstance(hf.resample, int):
             return None
-        return cls(hf)
+        if backend == "torch" and int(hf.resample) != int(Image.Resampling.BICUBIC):
+            return None  # torch resizes bicubic only; the family processors all use it
+        return cls(hf, backend)
 
     def __call__(self, image: Image.Image, size: tuple[int, int]) -> np.ndarray:
         """(num_patches, C*T*P*P) float32 for an RGB image resized to ``size`` = (width, height)."""
+        if self.backend == "torch":
+            return self.patchify(resize_uint8(np.asarray(image), size))
         resized = image.resize(size, resample=self.resample)  # the PIL call HF's PilBackend.resize makes
         pixels = np.asarray(resized)  # (H, W, C) uint8
         resized.close()

@@ -1,4 +1,4 @@
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (all use HF's Qwen2VLImageProcessorPil)."""
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (HF's Qwen2VLImageProcessor, torchvision or PIL backend)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,26 @@ from transformers import Qwen2VLImageProcessorPil
 from transformers.image_utils import SizeDict
 
 from vitserve.contract import ProcessedImage
+from vitserve.errors import ConfigError
 from vitserve.processors.base import VisionProcessor, as_rgb, call_hf, check_grid
 from vitserve.processors.budget import Plan, QwenGeometry, plan_qwen
-from vitserve.processors.pixels import FastPatches
+from vitserve.processors.pixels import Backend, FastPatches
 
 
 class QwenProcessor(VisionProcessor):
-    """pixel_values: HF's flat patches (num_patches, C*T*P*P); grid_thw = (1, h_patches, w_patches)."""
+    """pixel_values: HF's flat patches (num_patches, C*T*P*P); grid_thw = (1, h_patches, w_patches).
 
-    def __init__(self, family: str, hf: Qwen2VLImageProcessorPil, budget_tokens: int):
+    ``resize`` (--image_resize): "torch" equals transformers' torchvision processor, "pil" its PIL one
+    (vitserve/processors/pixels.py). ``hf`` is the PIL processor object either way: it holds the settings.
+    """
+
+    def __init__(
+        self, family: str, hf: Qwen2VLImageProcessorPil, budget_tokens: int, resize: Backend = "torch"
+    ):
         self.family = family
         self.hf = hf
         self.budget_tokens = budget_tokens
+        self.resize = resize
         self.geometry = QwenGeometry(
             patch_size=int(hf.patch_size),
             merge_size=int(hf.merge_size),
@@ -30,7 +38,13 @@ class QwenProcessor(VisionProcessor):
             max_pixels=int(hf.size["longest_edge"]),
         )
         self._clamp_hf()
-        self.fast = FastPatches.from_hf(hf)  # None: HF's own code for settings the fast path does not cover
+        self.fast = FastPatches.from_hf(hf, resize)  # None: HF's own code for settings it does not cover
+        if self.fast is None and resize == "torch":
+            raise ConfigError(
+                f"--image_resize torch reproduces the bicubic resize of {family}'s processor; this checkpoint's "
+                f"preprocessor_config.json asks for resample={hf.resample!r}, do_resize={hf.do_resize}: "
+                "use --image_resize pil"
+            )
 
     def _clamp_hf(self) -> None:
         """Write the clamp into the HF object so it also holds when HF is called directly.
@@ -97,4 +111,5 @@ class QwenProcessor(VisionProcessor):
             "min_tokens": self.geometry.min_tokens,
             "patch_size": self.geometry.patch_size,
             "merge_size": self.geometry.merge_size,
+            "image_resize": self.resize,  # which transformers processor the pixels equal (keys the cache)
         }

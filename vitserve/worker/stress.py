@@ -97,7 +97,9 @@ def stress_shape(config: Config, family: str) -> StressShape:
     from vitserve.processors import load_image_processor
 
     name = family if config.model == "demo" else config.model
-    info = load_image_processor(name, config.budget_tokens, family=config.model_family).clamp_info()
+    info = load_image_processor(
+        name, config.budget_tokens, family=config.model_family, resize=config.image_resize
+    ).clamp_info()
     if layout == "tiles":
         tiles = int(info["max_patches"]) + (1 if int(info["max_patches"]) > 1 else 0)  # + the thumbnail
         return dataclasses.replace(
