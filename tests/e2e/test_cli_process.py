@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -14,62 +13,11 @@ import time
 import httpx
 import pytest
 
+from tests.cli import ROOT, CliServer, cli_env
 from tests.e2e.live import noise_png
 from tests.e2e.netcheck import children_of, listening_sockets
 
 pytestmark = pytest.mark.timeout(300)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def cli_env(tmp_path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
-    env.update(VITSERVE_RUNTIME_DIR=str(tmp_path / "rt"), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    return env
-
-
-class CliServer:
-    """`python -m vitserve.cli ...` with its stderr collected; `url` once the banner names the port."""
-
-    def __init__(self, args: list[str], tmp_path):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vitserve.cli", *args],
-            cwd=ROOT,
-            env=cli_env(tmp_path),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.port: int | None = None
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_started(self, limit_s: float = 240) -> None:
-        end = time.monotonic() + limit_s
-        while self.port is None:
-            if self.proc.poll() is not None or time.monotonic() > end:
-                raise AssertionError("vitserve did not start:\n" + "".join(self.lines[-40:]))
-            time.sleep(0.1)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.lines)
 
 
 BASE_ARGS = [

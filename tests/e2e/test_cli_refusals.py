@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.checkpoints import make_checkpoint
-from tests.e2e.test_cli_process import ROOT, cli_env
+from tests.cli import ROOT, cli_env
 
 pytestmark = pytest.mark.timeout(120)
 LIMIT_S = 15.0

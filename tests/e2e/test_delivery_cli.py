@@ -11,8 +11,9 @@ import time
 import httpx
 import pytest
 
+from tests.cli import CliServer
 from tests.e2e.live import noise_png
-from tests.e2e.test_cli_process import BASE_ARGS, CliServer, metric
+from tests.e2e.test_cli_process import BASE_ARGS, metric
 from tests.receivers import ReceiverProcess
 
 pytestmark = pytest.mark.timeout(300)

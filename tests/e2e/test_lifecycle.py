@@ -19,8 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.cli import ROOT, CliServer, cli_env
 from tests.e2e.netcheck import children_of
-from tests.e2e.test_cli_process import BASE_ARGS, ROOT, CliServer, cli_env
+from tests.e2e.test_cli_process import BASE_ARGS
 
 pytestmark = pytest.mark.timeout(300)
 STOP_LIMIT_S = 5.0

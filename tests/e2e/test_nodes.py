@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.checkpoints import hf_reference, make_checkpoint
-from tests.e2e.test_cli_process import ROOT, cli_env
+from tests.cli import ROOT, cli_env
 from tests.e2e.test_tp2_exact import ATOL, decode_tensor, hf_rows
 from tests.imagegen import encode, noise
 from vitserve.worker.rendezvous import free_port

@@ -16,8 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from tests.cli import ROOT
 from tests.e2e.live import noise_png
-from tests.e2e.test_cli_process import BASE_ARGS, ROOT
+from tests.e2e.test_cli_process import BASE_ARGS
 from tests.redis_server import redis_server
 from vitserve.client import VitserveClient
 
@@ -32,7 +33,7 @@ class Replica:
     def __init__(self, tmp_path, args: list[str], env: dict[str, str]):
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
         full_env.update(
-            VITSERVE_RUNTIME_DIR=str(tmp_path / "rt"), OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env
+            VITSERVE_RUNTIME_DIR=str(tmp_path / "rt"), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **env
         )
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vitserve.cli", *BASE_ARGS, *FAST_START, "--cache_gb", "0.1", *args],

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.test_cli_process import BASE_ARGS, CliServer
+from tests.cli import CliServer
+from tests.e2e.test_cli_process import BASE_ARGS
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,8 +21,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from tests.cli import CliServer
 from tests.e2e.live import live_server, noise_png, wait_until
-from tests.e2e.test_cli_process import BASE_ARGS, CliServer
+from tests.e2e.test_cli_process import BASE_ARGS
 from tests.fakes import thread_engine
 from vitserve.rpc import EmbeddingReceiver
 

@@ -9,8 +9,8 @@ Markers: an HTML comment on the line right before the opening fence (invisible w
 - `<!-- slow: REASON -->`: run only with `-m slow` (it takes minutes); the reason is required.
 - `<!-- server -->` (may be combined: `<!-- slow server: REASON -->`): the block starts vitserve in the
   foreground and never returns; it must end by exec-ing the server (scripts/serve.sh does, and so does a
-  one-command block). It runs from the repository root with `VITSERVE_PORT=0`, so the server binds a free
-  port, which is read from its "serving on http://127.0.0.1:PORT" line; the test waits for `/ready` 200,
+  one-command block). It runs from the repository root with `VITSERVE_PORT=0` and `VITSERVE_MODEL` = the
+  tiny checkpoint below (a `--model` in the block wins), so the server binds a free port, which is read from its "serving on http://127.0.0.1:PORT" line; the test waits for `/ready` 200,
   sends SIGTERM and expects exit code 0.
 Anything else runs in the default suite and fails the test when it fails.
 
@@ -233,8 +233,8 @@ def run_shell(block: Block, session: DocSession) -> None:
         assert '"error":' not in r.stdout, r.stdout
 
 
-def run_server_block(block: Block, tmp: Path) -> None:
-    env = {**_clean_env(tmp / "rt"), "VITSERVE_PORT": "0"}
+def run_server_block(block: Block, tmp: Path, checkpoint: str) -> None:
+    env = {**_clean_env(tmp / "rt"), "VITSERVE_PORT": "0", "VITSERVE_MODEL": checkpoint}
     served = Served(["bash", "-e", "-o", "pipefail", "-c", block.commands()], env, ROOT)
     try:
         took = served.wait_ready(1500)
@@ -250,7 +250,7 @@ def test_doc_block(block: Block, sessions, monkeypatch, tmp_path):
     if "no-run" in block.tags:
         pytest.skip(f"no-run: {block.reason}")
     if "server" in block.tags:
-        run_server_block(block, tmp_path)
+        run_server_block(block, tmp_path, sessions(block.doc).env["VITSERVE_MODEL"])
     elif block.is_python:
         run_python(block, sessions(block.doc), monkeypatch)
     else:
