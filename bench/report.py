@@ -31,6 +31,7 @@ BENCHES = (
     "scaling",
     "preprocess",
     "latency",
+    "gateway",
 )
 RESULTS = ROOT / "bench" / "RESULTS.md"
 
@@ -224,9 +225,29 @@ def latency_table(res: dict) -> list[str]:
     return lines
 
 
+def gateway_table(res: dict) -> list[str]:
+    def ratio(base, via) -> str:
+        return f"**{via / base:.2f}x**" if base and via else "n/a"
+
+    rows = []
+    for p in res["points"]:
+        a, b = p["vllm"], p["vitserve"]
+        rows.append([p["workload"], p["clients"], f"{_f(a['ttft_p50_s'])} / {_f(a['ttft_p99_s'])}",
+                     f"{_f(b['ttft_p50_s'])} / {_f(b['ttft_p99_s'])}", ratio(a["ttft_p50_s"], b["ttft_p50_s"]),
+                     ratio(a["ttft_p99_s"], b["ttft_p99_s"]), _f(a["req_per_s"]), _f(b["req_per_s"]),
+                     ratio(a["req_per_s"], b["req_per_s"]), f"{a['requests']} / {b['requests']}",
+                     _f(p["load_before"], 1)])  # fmt: skip
+    head = ["workload", "clients", "vLLM ttft p50 / p99 (s)", "via vitserve ttft p50 / p99 (s)",
+            "ttft p50 ratio", "ttft p99 ratio", "vLLM req/s", "via vitserve req/s", "req/s ratio",
+            "requests", "load"]  # fmt: skip
+    return [*_table(head, rows), "",
+            "Ratios are via vitserve / vLLM alone. Targets on CPU: one client's ttft p50 ratio <= 1.1; req/s "
+            "ratio at 8 clients >= 0.9 (unique) and >= 1.5 (repeated)."]  # fmt: skip
+
+
 TABLES = {"encoder": encoder_table, "serve": serve_table, "transfer": transfer_table, "cache": cache_table,
           "jpeg_draft": jpeg_draft_table, "startup": startup_table, "scaling": scaling_table,
-          "preprocess": preprocess_table, "latency": latency_table}  # fmt: skip
+          "preprocess": preprocess_table, "latency": latency_table, "gateway": gateway_table}  # fmt: skip
 
 
 def section(bench: str, out_dir: Path | None) -> str:

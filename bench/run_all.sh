@@ -38,6 +38,7 @@ step startup "$PY" bench/startup.py
 step scaling "$PY" bench/scaling.py "${quick[@]}"
 step latency "$PY" bench/latency.py "${quick[@]}"
 step preprocess "$PY" bench/preprocess.py "${quick[@]}"
+step gateway "$PY" bench/gateway.py "${quick[@]}"
 step report "$PY" bench/report.py "${write[@]}"
 echo "=== seconds per step:"
 for name in encoder transfer jpeg_draft cache serve startup scaling latency preprocess report; do printf '  %-10s %5d\n' "$name" "${took[$name]}"; done
