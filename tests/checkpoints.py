@@ -338,3 +338,117 @@ def hf_reference(
 
     run.model = model  # type: ignore[attr-defined]
     return run
+
+
+# ------------------------------------------------------------------------------------------------------
+# Checkpoints a real vLLM can serve (tests/vllm/, bench/gateway.py)
+# ------------------------------------------------------------------------------------------------------
+# vLLM needs a tokenizer, a chat template and a processor besides the weights, and its CPU attention takes
+# only some head sizes (32 works, 12 does not): hidden 64, 2 heads of 32, M-RoPE sections [4, 6, 6].
+SERVABLE_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+SERVABLE_TEXT_HIDDEN = 64
+_SPECIALS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Qwen's template, cut to what a test prompt uses: text, image and video parts (vLLM names an embedding part
+# "image" or "image_embeds" when it renders the template; both become the image placeholder).
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for c in message['content'] %}"
+    "{% if c['type'] in ['image', 'image_url', 'image_embeds'] %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] in ['video', 'video_url', 'video_embeds'] %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_level_tokenizer(path: Path) -> dict[str, int]:
+    """A byte-level BPE tokenizer (256 byte tokens, no merges: every string encodes) plus Qwen's special
+    tokens, saved with the chat template; returns the special tokens' ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}  # a stable order
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(_SPECIALS))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return {s: tok.token_to_id(s) for s in _SPECIALS}
+
+
+def make_servable_checkpoint(
+    family: str, path, *, vision: dict | None = None, seed: int = 0, max_units: int = 256
+) -> Path:
+    """A tiny full checkpoint of `family` (qwen2_5_vl or qwen3_vl) that vLLM serves and vitserve encodes.
+
+    The vision tower is VISION_CONFIGS[family] (or `vision`, e.g. a realistic width for bench/gateway.py) with
+    its output width set to the language model's (64). lm_head is scaled up 40x so a random model's logprobs
+    are informative rather than flat. The image processor's limits are 4 to `max_units` merge units per
+    image; its video processor config names its class (transformers otherwise builds Qwen2-VL's for Qwen3-VL).
+    """
+    import transformers as tf
+
+    if family not in SERVABLE_FAMILIES:
+        raise ValueError(f"vLLM-servable checkpoints exist for {SERVABLE_FAMILIES}, not {family!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ids = _byte_level_tokenizer(path)
+    vocab = 256 + len(_SPECIALS) + 9  # every id decodes; a multiple of 8
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    text = {
+        "vocab_size": vocab,
+        "hidden_size": SERVABLE_TEXT_HIDDEN,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 4096,
+        "eos_token_id": ids["<|im_end|>"],
+        "bos_token_id": ids["<|endoftext|>"],
+    }
+    token_ids = {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+    vision = {**(vision or VISION_CONFIGS[family]), "out_hidden_size": SERVABLE_TEXT_HIDDEN}
+    torch.manual_seed(seed)
+    if family == "qwen2_5_vl":
+        config = tf.Qwen2_5_VLConfig(
+            text_config={**text, "rope_parameters": rope}, vision_config=vision, **token_ids
+        )
+    else:
+        text["rope_parameters"] = {**rope, "mrope_interleaved": True}
+        config = tf.Qwen3VLConfig(text_config=text, vision_config=vision, **token_ids)
+    config.eos_token_id = ids["<|im_end|>"]
+    model = _model_class(family)(config).eval()
+    _perturb_zero_inits(model, seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    model.save_pretrained(path, safe_serialization=True)
+    image = _preprocessor_config(family)
+    factor = _QWEN_PIX[family][0]
+    image["size"] = {"shortest_edge": factor * factor * 4, "longest_edge": factor * factor * max_units}
+    image["min_pixels"], image["max_pixels"] = image["size"]["shortest_edge"], image["size"]["longest_edge"]
+    processor = "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen3VLProcessor"
+    (path / "preprocessor_config.json").write_text(
+        json.dumps({**image, "processor_class": processor}, indent=2)
+    )
+    video = {k: v for k, v in image.items() if k != "image_processor_type"}
+    video["video_processor_type"] = (
+        "Qwen2VLVideoProcessor" if family == "qwen2_5_vl" else "Qwen3VLVideoProcessor"
+    )
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": processor}))
+    return path

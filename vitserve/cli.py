@@ -27,48 +27,13 @@ if TYPE_CHECKING:  # imported lazily below: the server pulls in uvicorn, torch a
 log = logging.getLogger("vitserve")
 
 
-def _mib(n: int | None) -> str:
-    return "unknown" if n is None else f"{n / 2**20:.1f} MiB"
-
-
-def _resolved_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def render_banner(service: Service) -> str:
-    """One block with every resolved setting that guards memory or load (docs/api.md)."""
-    from vitserve.engine.cache import redacted_url
+    """One block with every resolved setting that guards memory, load or exactness: the /v1/info body
+    (vitserve/api/info.py), so the two always list the same settings."""
+    from vitserve.api.info import banner, info_body
 
-    c: Config = service.config
-    info = service.engine.info()
-    reserved = info.reserved_memory_bytes
-    per_rank = ", ".join(f"rank {r}: {_mib(b)}" for r, b in sorted(reserved.items())) or "unknown"
-    budget = f"{c.budget_tokens} tokens per batch and per image" if c.budget_enabled else "OFF (no clamp)"
-    lines = [
-        f"vitserve {__import__('vitserve').__version__} serving on http://{c.host}:{service.port}",
-        f"  model: {info.model} (family {info.family}, dim {info.embed_dim}, "
-        f"dtype {info.dtype}, device {_resolved_device(c.device)})",
-        f"  budget: {budget}; at most {c.max_batch_images} images per batch",
-        f"  processor clamp: {service.processor.clamp_info()}",
-        f"  layout: tp={info.tp} dp={info.dp}",
-        f"  reserved memory per rank: {per_rank} (source: {info.reserved_source})",
-        f"  queue: max_queue_tokens={c.queue_token_limit or 'unlimited'}; request: "
-        f"max_images_per_request={c.max_images_per_request}, max_request_bytes={c.max_request_bytes}, "
-        f"max_image_pixels={c.max_image_pixels}, request_timeout_s={c.request_timeout_s}",
-        f"  llm_endpoint: {c.llm_endpoint or 'none (inline only)'}; api_key: {'set' if c.api_key else 'none'}; "
-        f"image URLs: {'on for ' + ','.join(c.allowed_url_domains) if c.allow_image_urls else 'off'}",
-        f"  cache: {f'{c.cache_gb:g} GiB' if c.cache_gb > 0 else 'off'} (in-flight dedup always on); "
-        f"shared: {redacted_url(c.cache_url) if c.cache_url else 'off'}; "
-        f"jpeg_draft: {'on' if c.jpeg_draft else 'off'}",
-        "  output: NOT exact: --jpeg_draft is on (docs/jpeg_draft.md)"
-        if c.jpeg_draft
-        else "  output: exact (matches transformers)",
-    ]
-    return "\n".join(lines)
+    info = info_body(service.config, service.engine, service.processor)
+    return banner(info, f"http://{service.config.host}:{service.port}")
 
 
 def _build_service(config: Config) -> Service:
@@ -76,7 +41,10 @@ def _build_service(config: Config) -> Service:
     from vitserve.processors import load_image_processor
 
     processor = load_image_processor(
-        config.model, budget_tokens=config.budget_tokens, family=config.model_family
+        config.model,
+        budget_tokens=config.budget_tokens,
+        family=config.model_family,
+        resize=config.image_resize,
     )
     preflight.check_processor_budget(config.budget_tokens, processor.clamp_info())
     sock = bind_socket(config.host, config.port)

@@ -23,6 +23,10 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8100
     llm_endpoint: str | None = None
+    # the OpenAI-compatible front door (docs/vllm.md): the LLM server's base URL, its key, the completion deadline
+    llm_url: str | None = None
+    llm_api_key: str | None = field(default=None, repr=False)  # never logged, never in the banner
+    llm_timeout_s: float = 600.0
     max_queue_tokens: int | None = None  # None -> 4 x budget (see queue_token_limit)
     max_images_per_request: int = 32
     max_request_bytes: int = 64 * MIB
@@ -43,6 +47,8 @@ class Config:
     # decode a JPEG at 1/2..1/8 scale when the budget clamp shrinks it at least 2x (docs/jpeg_draft.md);
     # off by default: faster, but the embeddings no longer match transformers' (not exact)
     jpeg_draft: bool = False
+    # whose pixels: auto = torch = transformers' torchvision ("fast") processor, as vLLM and SGLang use; pil
+    image_resize: str = "auto"
     log_level: str = "info"
     otlp_endpoint: str | None = None  # OTLP/HTTP collector for /encode spans; None = tracing off
     runtime_dir: str = "/dev/shm/vitserve"  # VITSERVE_RUNTIME_DIR (docs/engine.md)

@@ -106,9 +106,32 @@ class Timeout(VitserveError):
 
 
 class LLMTimeout(Timeout):
-    """The LLM receiver (--llm_endpoint) did not acknowledge an image before the request deadline."""
+    """The LLM receiver (--llm_endpoint) did not acknowledge an image before the request deadline, or the
+    LLM server behind the front door (--llm_url) did not answer within --llm_timeout_s."""
 
     status, code = 504, "llm_timeout"
+
+
+class LLMUnavailable(VitserveError):
+    """The LLM server behind the front door (--llm_url) cannot be reached, or dropped the connection."""
+
+    status, code = 502, "llm_unavailable"
+
+
+# OpenAI's error `type` by status class, for the front door's own errors (docs/vllm.md).
+_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error"}
+
+
+def openai_error(err: VitserveError, param: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    """The front door's rendering of an error, in OpenAI's shape: {"error": {"message", "type", "code",
+    "param"}}, with vitserve's stable code in `code` (the same codes as /encode's) and the JSON path of the
+    part at fault in `param`. Headers as http_error's (Retry-After on queue_full)."""
+    status, headers, _ = http_error(err)
+    kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    if param is None and err.image_index is not None:
+        param = f"image {err.image_index}"
+    body = {"error": {"message": err.message, "type": kind, "code": err.code, "param": param}}
+    return status, headers, json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class ConfigError(Exception):

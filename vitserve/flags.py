@@ -116,6 +116,12 @@ FLAGS: dict[str, Flag] = {
         parse_int, "budget and limits", "decoded width x height above this -> 413 (checked from the header)"
     ),
     "request_timeout_s": Flag(float, "budget and limits", "end-to-end deadline (504 after it)"),
+    "image_resize": Flag(
+        str,
+        "budget and limits",
+        "auto | torch | pil: whose pixels the embeddings equal; torch (= auto) is transformers' torchvision "
+        "processor, which vLLM and SGLang use; pil its PIL processor (docs/processing.md)",
+    ),
     "jpeg_draft": Flag(
         parse_bool,
         "budget and limits",
@@ -127,6 +133,16 @@ FLAGS: dict[str, Flag] = {
         "LLM handoff",
         "ZMQ endpoint of the LLM server (tcp://host:port or ipc:///path); none: inline only",
     ),
+    "llm_url": Flag(
+        _optional(str),
+        "LLM handoff",
+        "OpenAI-compatible LLM server (vLLM with --enable-mm-embeds), http://host:port: serves "
+        "/v1/chat/completions in front of it (docs/vllm.md); none: off",
+    ),
+    "llm_api_key": Flag(
+        _optional(str), "LLM handoff", "sent to --llm_url as 'Authorization: Bearer KEY' (never logged)"
+    ),
+    "llm_timeout_s": Flag(float, "LLM handoff", "deadline for one completion from --llm_url (502/504 after)"),
     "cache_gb": Flag(float, "cache", "encoder-output cache size; 0 disables"),
     "cache_url": Flag(
         _optional(str),
@@ -271,6 +287,7 @@ def validate(config: Config) -> None:
         "request_timeout_s",
         "heartbeat_s",
         "dist_timeout_s",
+        "llm_timeout_s",
     )
     _positive(
         config,
@@ -286,6 +303,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"--port must be 0..65535, got {config.port}")
     if config.model_family not in FAMILY_CHOICES:
         raise ConfigError(f"--model_family {config.model_family!r} is not one of {', '.join(FAMILY_CHOICES)}")
+    if config.image_resize not in ("auto", "torch", "pil"):
+        raise ConfigError(f"--image_resize {config.image_resize!r} is not one of auto, torch, pil")
     if config.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype {config.dtype!r} is not one of auto, float32, bfloat16, float16")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
@@ -295,9 +314,22 @@ def validate(config: Config) -> None:
     if config.llm_endpoint is not None and not re.match(r"^(tcp|ipc)://.+", config.llm_endpoint):
         raise ConfigError(f"--llm_endpoint {config.llm_endpoint!r} must be tcp://host:port or ipc:///path")
     _check_cache_url(config.cache_url)
+    _check_llm_url(config)
     if config.otlp_endpoint is not None and not re.match(r"^https?://[^/]+", config.otlp_endpoint):
         raise ConfigError(
             f"--otlp_endpoint {config.otlp_endpoint!r} must be an http(s) URL, e.g. http://127.0.0.1:4318"
+        )
+
+
+def _check_llm_url(config: Config) -> None:
+    url = config.llm_url
+    if url is None:
+        return
+    if not re.match(r"^https?://[^/?#]+(/[^?#]*)?$", url):  # may hold user:password: never echoed
+        raise ConfigError("--llm_url must be the LLM server's base URL, http(s)://HOST:PORT[/PREFIX]")
+    if config.llm_endpoint is not None:
+        raise ConfigError(
+            "--llm_url and --llm_endpoint are two ways to hand embeddings to an LLM server; set one of them"
         )
 
 

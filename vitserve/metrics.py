@@ -107,6 +107,23 @@ class Metrics:
             registry=r,
         )
 
+        # The front door (--llm_url): calls to the LLM server and their latency.
+        self.upstream_requests_total = Counter(
+            p + "upstream_requests",
+            "Calls to the LLM server behind the front door (--llm_url) by route and code: its HTTP status, "
+            "or llm_unavailable / llm_timeout when it gave none",
+            ["route", "code"],
+            registry=r,
+        )
+        self.upstream_seconds = Histogram(
+            p + "upstream_seconds",
+            "Latency of calls to the LLM server by phase: first_byte (its response headers), total (its "
+            "last byte)",
+            ["phase"],
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -47,6 +47,8 @@ def check(config: Config) -> None:
         check_llm_endpoint(config.llm_endpoint)
     family, top = _checkpoint(config.model, config.model_family)
     check_tp(config.tp, family, top["vision_config"])
+    if config.llm_url is not None:
+        llm_embeds_width(config.model, config.model_family)
     path = None if config.model == "demo" else Path(config.model)
     smallest = smallest_image(family, top, _processor_config(path))
     if smallest is not None:
@@ -79,6 +81,27 @@ def _checkpoint(model: str, family_flag: str) -> tuple[Family, Mapping[str, Any]
         )
     _check_weights(path)
     return family, top
+
+
+def llm_embeds_width(model: str, family_flag: str) -> int:
+    """The width of the embedding rows the LLM server assumes for --model (the front door checks every
+    embedding against it, docs/vllm.md): the language model's hidden size, times 1 + the DeepStack levels
+    for the families that concatenate them (Qwen3-VL)."""
+    if model == "demo":
+        raise ConfigError(
+            "--llm_url needs the checkpoint the LLM server serves: --model demo has no language model; "
+            "give --model /path/to/checkpoint"
+        )
+    family, top = _checkpoint(model, family_flag)
+    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+    hidden = text.get("hidden_size") if isinstance(text, Mapping) else None
+    if not isinstance(hidden, int) or hidden <= 0:
+        raise ConfigError(
+            f"--llm_url: {model}/config.json names no language-model hidden_size (text_config.hidden_size), "
+            "which every embedding sent to the LLM server must match"
+        )
+    levels = len(top["vision_config"].get("deepstack_visual_indexes") or []) if family.deepstack else 0
+    return hidden * (1 + levels)
 
 
 def _read_config(path: Path, name: str = "config.json") -> dict[str, Any]:

@@ -67,16 +67,16 @@ def test_banner_names_every_guard():
         "256 tokens per batch and per image",
         "processor clamp: {",
         "'max_pixels'",
-        "tp=1 dp=1",
+        "tp=1, dp=1",
         "rank 0:",
-        "source: override",
+        "reserved_source=override",
         "max_queue_tokens=999",
         "max_images_per_request=32",
         "max_request_bytes=67108864",
         "max_image_pixels=50000000",
         "request_timeout_s=30",
-        "cache: off",
-        "jpeg_draft: off",
+        "cache_gb=0.0",
+        "jpeg_draft=off",
         "output: exact (matches transformers)",
         f"http://127.0.0.1:{srv.service.port}",
     ):
@@ -84,10 +84,45 @@ def test_banner_names_every_guard():
     assert "NOT exact" not in text
 
 
+def _leaves(body: dict, prefix: str = ""):
+    for key, value in body.items():
+        if isinstance(value, dict) and key not in ("processor_clamp", "reserved_memory_bytes"):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, key, value
+
+
+def test_banner_lists_every_setting_of_v1_info():
+    """The banner is rendered from the /v1/info body: every setting the route gives, the banner shows."""
+    with (
+        live_server(
+            max_queue_tokens=999, visual_reserved_mem_gb=0.5, api_key="sekret-key", cache_gb=0.25
+        ) as srv,
+        srv.client(headers={"authorization": "Bearer sekret-key"}) as c,
+    ):
+        text = render_banner(srv.service)
+        body = c.get("/v1/info").json()
+    leaves = list(_leaves(body))
+    assert len(leaves) >= 25
+    for path, key, value in leaves:
+        if key == "version":
+            assert f"vitserve {value} serving on" in text
+        elif key == "processor_clamp":
+            assert str(value) in text
+        elif key == "reserved_memory_bytes":
+            assert all(f"rank {r}: " in text for r in value), path
+        elif key == "exact":
+            assert "output: exact (matches transformers)" in text
+        else:
+            assert f"{key}=" in text, path
+    assert "api_key=on" in text  # whether a key is set, never the key
+    assert "sekret-key" not in text
+
+
 def test_banner_says_when_output_is_not_exact():
     with live_server(jpeg_draft=True) as srv:
         text = render_banner(srv.service)
-    assert "jpeg_draft: on" in text
+    assert "jpeg_draft=on" in text
     assert "output: NOT exact: --jpeg_draft is on (docs/jpeg_draft.md)" in text
     assert "output: exact" not in text
 

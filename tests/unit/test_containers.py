@@ -177,6 +177,24 @@ def test_compose_receiver_has_its_own_healthcheck_and_build_args_come_from_versi
     assert all(value.startswith(f"${{{key}:?") for key, value in args.items())
 
 
+def test_compose_vllm_pairs_the_flags_both_sides_need():
+    """docker/compose.vllm.yaml (docs/vllm.md): vitserve's command parses with the real flag parser and points
+    --llm_url at the vLLM service, which takes embeddings; both read the same checkpoint."""
+    compose = yaml.safe_load((ROOT / "docker" / "compose.vllm.yaml").read_text())
+    vllm, vitserve = compose["services"]["vllm"], compose["services"]["vitserve"]
+    assert "--enable-mm-embeds" in vllm["command"]
+    assert any(a.startswith("--limit-mm-per-prompt=") and '"image":0' in a for a in vllm["command"])
+    assert vitserve["depends_on"]["vllm"]["condition"] == "service_healthy"
+    command = vitserve["command"]
+    config = build_config(command, {"VITSERVE_VISUAL_BATCH_MAX_TOKENS": "8192"})
+    assert config.llm_url == "http://vllm:8000"
+    assert config.host == "0.0.0.0"
+    assert vllm["volumes"][0].rsplit(":", 2)[1] == config.model == "/model"
+    grace = int(vitserve["stop_grace_period"].removesuffix("s"))
+    assert grace > config.request_timeout_s + config.llm_timeout_s  # the drain can finish a completion
+    assert set(vitserve["build"]["args"]) <= set(pins())
+
+
 # ------------------------------------------------------------------------------------------------------
 # Kubernetes: probes on the real routes and flags
 # ------------------------------------------------------------------------------------------------------

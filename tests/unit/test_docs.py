@@ -33,6 +33,9 @@ NON_VITSERVE_FLAGS = {
     "nproc_per_node": "torchrun --nproc_per_node 1 (docs/engine.md, Nodes)",
     "from-literal": "kubectl create secret generic --from-literal (docs/scaling.md)",
     "max_restarts": "torchrun --max_restarts (docs/engine.md, Nodes)",
+    "enable-mm-embeds": "vllm serve --enable-mm-embeds (docs/vllm.md)",
+    "limit-mm-per-prompt": "vllm serve --limit-mm-per-prompt (docs/vllm.md)",
+    "gpu-memory-utilization": "vllm serve --gpu-memory-utilization (docs/vllm.md)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
 DOCS = doc_files()

@@ -14,11 +14,16 @@ from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vitserve
+from vitserve import preflight
+from vitserve.api.chat import CHAT_ROUTE, MODELS_ROUTE, ChatHandler
 from vitserve.api.edge import Edge, ServerState
+from vitserve.api.embeds import EmbedsLayout
 from vitserve.api.encode import EncodeHandler
+from vitserve.api.info import info_body
 from vitserve.api.openapi import DOCS_ASSETS_URL, ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
 from vitserve.api.pipeline import Preprocessor
-from vitserve.api.tracing import make_tracing
+from vitserve.api.tracing import Tracing, make_tracing
+from vitserve.api.upstream import Upstream
 from vitserve.config import Config
 from vitserve.contract import Engine
 from vitserve.errors import InvalidRequest, NotReady, VitserveError, http_error
@@ -59,32 +64,6 @@ async def _handle(request: Request, exc: Exception) -> Response:
     return response
 
 
-def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dict[str, Any]:
-    info = engine.info()
-    return {
-        "model": info.model,
-        "family": info.family,
-        "tp": info.tp,
-        "dp": info.dp,
-        "embed_dim": info.embed_dim,
-        "dtype": info.dtype,
-        "budget_tokens": config.budget_tokens,
-        "max_batch_images": config.max_batch_images,
-        "processor_clamp": processor.clamp_info(),
-        "reserved_memory_bytes": {str(k): v for k, v in info.reserved_memory_bytes.items()},
-        "reserved_source": info.reserved_source,
-        "limits": {
-            "max_queue_tokens": config.queue_token_limit,
-            "max_images_per_request": config.max_images_per_request,
-            "max_request_bytes": config.max_request_bytes,
-            "max_image_pixels": config.max_image_pixels,
-            "request_timeout_s": config.request_timeout_s,
-        },
-        "llm_endpoint": config.llm_endpoint,
-        "version": vitserve.__version__,
-    }
-
-
 def create_app(
     config: Config,
     engine: Engine,
@@ -119,6 +98,9 @@ def create_app(
         """Encode images; JSON (base64 or URL images) or multipart (`images` file parts)."""
         return await encode(request)
 
+    if config.llm_url is not None:
+        _add_front_door(app, config, engine, processor, metrics, tracing)
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -141,6 +123,46 @@ def create_app(
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(Edge, api_key=config.api_key, state=state, metrics=metrics)
     return app
+
+
+def _add_front_door(
+    app: FastAPI,
+    config: Config,
+    engine: Engine,
+    processor: VisionProcessor,
+    metrics: Metrics,
+    tracing: Tracing,
+) -> None:
+    """POST /v1/chat/completions and GET /v1/models in front of --llm_url (api/chat.py, docs/vllm.md)."""
+    assert config.llm_url is not None
+    upstream = Upstream(
+        config.llm_url, api_key=config.llm_api_key, timeout_s=config.llm_timeout_s, metrics=metrics
+    )
+    app.state.upstream = upstream
+    layout = EmbedsLayout(
+        family=processor.family,
+        merge_size=int(processor.clamp_info().get("merge_size", 1)),
+        width=preflight.llm_embeds_width(config.model, config.model_family),
+    )
+    chat = ChatHandler(config, engine, app.state.preprocessor, metrics, tracing, upstream, layout)
+
+    @app.post(CHAT_ROUTE, responses=ERROR_RESPONSES)
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI chat completions: image parts are encoded here and sent to the LLM server as embeddings."""
+        return await chat(request)
+
+    @app.get(MODELS_ROUTE)
+    async def models(request: Request) -> Response:
+        """The LLM server's model list, passed through."""
+        return await chat.models(request)
+
+
+async def close_app(app: FastAPI) -> None:
+    """Release what create_app made: the preprocessing pool and the upstream connections."""
+    app.state.preprocessor.close()
+    upstream: Upstream | None = getattr(app.state, "upstream", None)
+    if upstream is not None:
+        await upstream.aclose()
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

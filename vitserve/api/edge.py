@@ -15,12 +15,14 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vitserve.errors import NotReady, Unauthorized, VitserveError, http_error
+from vitserve.errors import NotReady, Unauthorized, VitserveError, http_error, openai_error
 from vitserve.metrics import Metrics
 
 OPEN_PATHS = frozenset({"/health"})
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
-WORK_PATHS = frozenset({"/encode"})
+WORK_PATHS = frozenset({"/encode", "/v1/chat/completions"})
+# The front door's routes answer errors in OpenAI's shape (errors.openai_error), the edge's refusals too.
+OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/models"})
 READY_PATH = "/ready"
 
 
@@ -33,9 +35,9 @@ class ServerState:
 
 
 async def send_error(
-    send: Send, err: VitserveError, extra_headers: list[tuple[bytes, bytes]] | None = None
+    send: Send, err: VitserveError, extra_headers: list[tuple[bytes, bytes]] | None = None, *, path: str = ""
 ) -> None:
-    status, headers, body = http_error(err)
+    status, headers, body = openai_error(err) if path in OPENAI_PATHS else http_error(err)
     raw = [(k.encode(), v.encode()) for k, v in headers.items()]
     raw.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": raw + (extra_headers or [])})
@@ -78,7 +80,7 @@ class Edge:
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self._authorized(scope):
             err = Unauthorized("missing or wrong API key; send 'Authorization: Bearer <key>' (--api_key)")
-            await send_error(send, err, [(b"www-authenticate", b"Bearer")])
+            await send_error(send, err, [(b"www-authenticate", b"Bearer")], path=scope["path"])
             return
         if self.state.draining and scope["path"] == READY_PATH:
             await send_error(send, NotReady("not ready: shutting down"))
@@ -91,6 +93,7 @@ class Edge:
                 send,
                 NotReady("vitserve is shutting down and accepts no new work"),
                 [(b"connection", b"close")],
+                path=scope["path"],
             )
             return
         self.state.active_requests += 1

@@ -11,7 +11,8 @@ import base64
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import torch
 from starlette.requests import Request
@@ -34,6 +35,7 @@ from vitserve.metrics import Metrics
 from vitserve.rpc.tensors import dtype_name, tensor_to_buffer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _DEADLINE_GRACE_S = 5.0  # the engine enforces the deadline; this only guards against an engine that does not
 # A JSON body up to this size is parsed (JSON + base64) on the event loop, and a response without
 # embeddings is built there: well under a millisecond of work, less than the hop to the pool and back
@@ -84,7 +86,7 @@ class EncodeHandler:
             blobs = await fetch_sources(parsed.sources, self.config, deadline)
             prepared = await self.pre.prepare(blobs, deadline)
             clock.lap("prepare")
-            self._count_accepted(prepared)
+            count_accepted(self.metrics, prepared)
             trace.mark("engine")
             results = await self._encode(request, parsed, prepared, deadline, trace.traceparent)
             clock.lap("engine")
@@ -108,12 +110,6 @@ class EncodeHandler:
         clock.lap("respond")
         clock.total("request")
         return response
-
-    def _count_accepted(self, prepared: list[PreparedImage]) -> None:
-        for p in prepared:
-            self.metrics.image_tokens.observe(p.item.num_tokens)
-            if p.item.clamped:
-                self.metrics.images_clamped_total.inc()
 
     async def _parse_within(self, request: Request, deadline: float, clock: _StageClock) -> ParsedRequest:
         """A body that trickles in (slowloris) is bounded by the request deadline too."""
@@ -155,35 +151,20 @@ class EncodeHandler:
         traceparent: str,
     ) -> list[ImageResult] | None:
         """The engine's results, or None when the client went away first (its queued work is cancelled)."""
-        if await request.is_disconnected():  # left while we decoded: enqueue nothing at all
-            return None
-        work = asyncio.ensure_future(
-            self.engine.encode(
-                EncodeRequest(
-                    request_id=parsed.request_id,
-                    images=tuple(prepared),
-                    deadline=deadline,
-                    return_embeddings=parsed.return_embeddings,
-                    traceparent=traceparent,
-                )
+        work = self.engine.encode(
+            EncodeRequest(
+                request_id=parsed.request_id,
+                images=tuple(prepared),
+                deadline=deadline,
+                return_embeddings=parsed.return_embeddings,
+                traceparent=traceparent,
             )
         )
-        gone = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            timeout = deadline - time.monotonic() + _DEADLINE_GRACE_S
-            done, _ = await asyncio.wait(
-                {work, gone}, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            gone.cancel()
-        if work in done:
-            return work.result()
-        work.cancel()  # the engine removes the request's queued items when its awaiting task is cancelled
-        with contextlib.suppress(asyncio.CancelledError, VitserveError):
-            await work
-        if gone in done:
-            return None
-        raise Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")
+        timeout_s = deadline - time.monotonic() + _DEADLINE_GRACE_S
+        return await unless_gone(request, work, timeout_s, self._late)
+
+    def _late(self) -> VitserveError:
+        return Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")
 
     def _response_body(
         self, parsed: ParsedRequest, prepared: list[PreparedImage], results: list[ImageResult]
@@ -245,9 +226,45 @@ class _StageClock:
         self._stage.labels(stage=stage).observe(time.perf_counter() - self._start)
 
 
+async def unless_gone(
+    request: Request, work: Coroutine[Any, Any, T], timeout_s: float, late: Callable[[], VitserveError]
+) -> T | None:
+    """`work`'s result, or None when the client closed the connection first. Either way nothing is left
+    running: on a disconnect or after `timeout_s` (then `late()` is raised) the work is cancelled, and
+    cancelling it withdraws what it queued (the engine removes a request's queued images; httpx closes an
+    upstream connection, and the LLM server aborts the request)."""
+    if await request.is_disconnected():  # left already: start nothing at all
+        work.close()
+        return None
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait(
+            {task, gone}, timeout=max(timeout_s, 0), return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, VitserveError):
+        await task
+    if gone in done:
+        return None
+    raise late()
+
+
 async def _wait_disconnect(request: Request) -> None:
     """Returns when the client closes the connection (the body is already consumed, so receive() waits)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def count_accepted(metrics: Metrics, prepared: list[PreparedImage]) -> None:
+    """Token and clamp metrics of images that passed preprocessing, whichever route they came by."""
+    for p in prepared:
+        metrics.image_tokens.observe(p.item.num_tokens)
+        if p.item.clamped:
+            metrics.images_clamped_total.inc()

@@ -29,7 +29,7 @@ import uvicorn
 from PIL import Image
 from starlette.types import ASGIApp
 
-from vitserve.api.app import create_app
+from vitserve.api.app import close_app, create_app
 from vitserve.api.edge import ServerState
 from vitserve.config import Config
 from vitserve.contract import Engine, ProcessedImage
@@ -154,7 +154,7 @@ class Service:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await starting
             await self.engine.shutdown()  # marks the engine stopping; nothing is left to stop
-            self.app.state.preprocessor.close()
+            await close_app(self.app)
             by = signal.Signals(self._signum).name if self._signum is not None else "request"
             log.info("stopped by %s during start-up; the encoder ranks are gone", by)
             return 128 + self._signum if self._signum is not None else 0
@@ -162,7 +162,7 @@ class Service:
             starting.result()
         except Exception as exc:  # start-up failed: the engine's message names the knob
             log.error("start-up failed: %s", exc)
-            self.app.state.preprocessor.close()
+            await close_app(self.app)
             return 1
         return None  # a stop that came with READY is seen by _serve_until_stopped: it drains at once
 
@@ -188,13 +188,17 @@ class Service:
         self.state.draining = True
         log.info("draining: refusing new requests, finishing %d active", self.state.active_requests)
         give_up = time.monotonic() + self.config.request_timeout_s + 5
+        if (
+            self.config.llm_url is not None
+        ):  # a chat completion: its images, then up to --llm_timeout_s upstream
+            give_up += self.config.llm_timeout_s
         while graceful and not self._hurry and self.state.active_requests and time.monotonic() < give_up:
             await asyncio.sleep(0.05)
         try:
             await self.engine.shutdown()
         except Exception as exc:
             log.error("engine shutdown failed: %s", exc)
-        self.app.state.preprocessor.close()
+        await close_app(self.app)
 
     async def _watch_engine(self) -> None:
         """Returns when the engine says no encoder group is left (engine.failed, an asyncio.Event)."""

@@ -1,0 +1,177 @@
+"""The front door's pure parts (docs/vllm.md): finding image parts, the LLM's embedding part per family, the
+check before anything goes upstream, OpenAI's error shape, the width the LLM expects, the flags."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.checkpoints import make_checkpoint
+from vitserve import preflight
+from vitserve.api.chat import image_parts
+from vitserve.api.embeds import EmbeddingMismatch, EmbedsLayout, embeds_part, npy_b64
+from vitserve.api.upstream import api_base, redacted
+from vitserve.contract import ImageResult, PreparedImage, ProcessedImage
+from vitserve.errors import ConfigError, InvalidRequest, LLMUnavailable, QueueFull, openai_error
+from vitserve.flags import build_config
+
+PNG_B64 = base64.b64encode(b"\x89PNG fake bytes").decode()
+
+
+def _prepared(grid, tokens) -> PreparedImage:
+    item = ProcessedImage(torch.zeros(1), grid, tokens, (28, 28), False)
+    return PreparedImage(item, "id", (28, 28), 0.0, 0.0)
+
+
+def _npy(text: str) -> np.ndarray:
+    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+
+
+def _chat(*contents) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": c} for c in contents]}
+
+
+def test_image_parts_in_message_order_with_their_json_paths():
+    payload = _chat(
+        "plain text content",
+        [
+            {"type": "text", "text": "a"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG_B64}"}},
+        ],
+        [{"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}],
+    )
+    parts = image_parts(payload)
+    assert [p.param for p in parts] == ["messages[1].content[1]", "messages[2].content[0]"]
+    assert parts[0].source.data == b"\x89PNG fake bytes"
+    assert parts[1].source.url == "https://example.com/x.png"
+    assert parts[0].part is payload["messages"][1]["content"][1]  # rewritten in place later
+
+
+@pytest.mark.parametrize(
+    ("payload", "needle"),
+    [
+        ({"messages": "not a list"}, "'messages' list"),
+        ([1, 2], "'messages' list"),
+        (_chat([{"type": "image_url", "image_url": {}}]), "messages[0].content[0].image_url"),
+        (_chat([{"type": "image_url", "image_url": {"url": "data:image/png,rawbytes"}}]), "must be base64"),
+        (
+            _chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]),
+            "not valid base64",
+        ),
+        (_chat([{"type": "image_embeds", "image_embeds": "AAAA"}]), "image_embeds parts are not accepted"),
+        (_chat([{"type": "video_embeds", "video_embeds": {}}]), "video_embeds parts are not accepted"),
+    ],
+)
+def test_malformed_parts_are_400_naming_the_part(payload, needle):
+    with pytest.raises(InvalidRequest) as err:
+        image_parts(payload)
+    assert needle in err.value.message
+    assert err.value.status == 400
+
+
+def test_qwen2_5_part_is_a_dict_with_the_flat_grid_and_npy_rows():
+    layout = EmbedsLayout("qwen2_5_vl", merge_size=2, width=48)
+    emb = torch.randn(6, 48)
+    part = embeds_part(layout, _prepared((1, 4, 6), 6), ImageResult(6, emb), 0)
+    assert part["type"] == "image_embeds"
+    assert part["image_embeds"]["image_grid_thw"] == [1, 4, 6]  # flat: [[1, 4, 6]] is a 400 in vLLM
+    arr = _npy(part["image_embeds"]["image_embeds"])
+    assert arr.dtype == np.float32
+    assert torch.equal(torch.from_numpy(arr), emb)
+
+
+def test_qwen3_vl_part_concatenates_deepstack_after_the_main_rows_in_order():
+    layout = EmbedsLayout("qwen3_vl", merge_size=2, width=3 * 48)
+    main, ds0, ds1 = torch.randn(4, 48), torch.randn(4, 48), torch.randn(4, 48)
+    part = embeds_part(layout, _prepared((1, 4, 4), 4), ImageResult(4, main, (ds0, ds1)), 0)
+    arr = torch.from_numpy(_npy(part["image_embeds"]["image_embeds"]))
+    assert torch.equal(arr, torch.cat([main, ds0, ds1], dim=1))
+
+
+def test_internvl_part_is_a_bare_1_n_hidden_tensor():
+    layout = EmbedsLayout("internvl", merge_size=1, width=48)
+    emb = torch.randn(8, 48)  # 2 tiles x 4 tokens
+    part = embeds_part(layout, _prepared((2, 4, 4), 8), ImageResult(8, emb), 0)
+    arr = _npy(part["image_embeds"])
+    assert arr.shape == (1, 8, 48)
+    assert torch.equal(torch.from_numpy(arr[0]), emb)
+
+
+def test_bfloat16_is_widened_to_float32_exactly():
+    t = torch.randn(3, 5).to(torch.bfloat16)
+    arr = _npy(npy_b64(t))
+    assert arr.dtype == np.float32
+    assert torch.equal(torch.from_numpy(arr), t.float())
+
+
+@pytest.mark.parametrize(
+    ("family", "width", "grid", "emb", "deepstack"),
+    [
+        ("qwen2_5_vl", 48, (1, 4, 6), torch.zeros(5, 48), ()),  # a row short: kills vLLM's engine
+        ("qwen2_5_vl", 48, (1, 4, 6), torch.zeros(6, 32), ()),  # the tower's width, not the LLM's
+        ("qwen2_5_vl", 48, (1, 4, 6), torch.zeros(1, 6, 48), ()),  # 3-D for Qwen: kills vLLM's engine
+        ("qwen3_vl", 144, (1, 4, 4), torch.zeros(4, 48), ()),  # DeepStack missing
+        ("qwen3_vl", 144, (1, 4, 4), torch.zeros(4, 48), (torch.zeros(4, 48),)),  # one level short
+    ],
+)
+def test_a_tensor_the_llm_would_misread_is_refused_before_it_leaves(family, width, grid, emb, deepstack):
+    layout = EmbedsLayout(family, merge_size=2, width=width)
+    rows = grid[0] * grid[1] * grid[2] // 4
+    with pytest.raises(EmbeddingMismatch) as err:
+        embeds_part(layout, _prepared(grid, rows), ImageResult(rows, emb, deepstack), 3)
+    assert err.value.status == 500
+    assert "image 3" in err.value.message
+    assert f"({rows}, {width})" in err.value.message
+
+
+def test_openai_error_shape_and_retry_after():
+    status, headers, body = openai_error(
+        QueueFull("queue full (--max_queue_tokens)", retry_after_s=2.2), None
+    )
+    assert status == 503
+    assert headers["retry-after"] == "3"
+    assert json.loads(body) == {
+        "error": {
+            "message": "queue full (--max_queue_tokens)",
+            "type": "server_error",
+            "code": "queue_full",
+            "param": None,
+        }
+    }
+    _, _, body = openai_error(InvalidRequest("bad"), "messages[0].content[1]")
+    assert json.loads(body)["error"] == {
+        "message": "bad",
+        "type": "invalid_request_error",
+        "code": "invalid_request",
+        "param": "messages[0].content[1]",
+    }
+    assert openai_error(LLMUnavailable("down"))[0] == 502
+
+
+@pytest.mark.parametrize(("family", "factor"), [("qwen2_5_vl", 1), ("qwen3_vl", 3), ("internvl", 1)])
+def test_llm_width_is_the_text_hidden_size_times_deepstack_levels(tmp_path, family, factor):
+    ckpt = make_checkpoint(family, tmp_path / family)
+    config = json.loads((ckpt / "config.json").read_text())
+    assert preflight.llm_embeds_width(str(ckpt), "auto") == config["text_config"]["hidden_size"] * factor
+
+
+def test_front_door_flags(tmp_path):
+    with pytest.raises(ConfigError, match="--llm_url must be"):
+        build_config(["--llm_url", "zmq://x"], {})
+    with pytest.raises(ConfigError, match="set one of them"):
+        build_config(["--llm_url", "http://127.0.0.1:8000", "--llm_endpoint", "tcp://127.0.0.1:5"], {})
+    with pytest.raises(ConfigError, match="llm_timeout_s"):
+        build_config(["--llm_timeout_s", "0"], {})
+    config = build_config(["--llm_url", "http://u:pw@127.0.0.1:8000/v1"], {"VITSERVE_LLM_API_KEY": "sekret"})
+    assert config.llm_api_key == "sekret"
+    assert config.llm_timeout_s == 600
+    assert "sekret" not in repr(config)
+    assert redacted(config.llm_url) == "http://127.0.0.1:8000/v1"
+    assert api_base(config.llm_url) == "http://u:pw@127.0.0.1:8000" == api_base("http://u:pw@127.0.0.1:8000/")
+    with pytest.raises(ConfigError, match="demo has no language model"):
+        preflight.check(build_config(["--llm_url", "http://127.0.0.1:8000"], {}))

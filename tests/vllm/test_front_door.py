@@ -1,0 +1,247 @@
+"""vitserve in front of a real vLLM (docs/vllm.md): the same chat request sent straight to vLLM and through
+vitserve gives the same answer.
+
+Per family (Qwen2.5-VL, and Qwen3-VL with DeepStack), one tiny checkpoint vLLM can serve
+(tests/checkpoints.py make_servable_checkpoint), one real vLLM started from scripts/vllm-env.sh's venv
+(tests/vllm_server.py), and the real vitserve CLI in front of it (--llm_url). vLLM is given the raw image
+directly; vitserve sends it the embeddings instead. Greedy decoding, 12 tokens with their logprobs: the
+tokens must be identical and the logprobs within 1e-4 (measured: a few 1e-6, the float round-off of the same
+arithmetic in another order; resizing like the PIL processor instead moves them by ~1e-3).
+
+vitserve's budget (256 tokens) is half the checkpoints' own max_pixels (512 merge units), so an image
+between the two is clamped by vitserve alone, and vLLM's usage.prompt_tokens shows the clamped count.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.checkpoints import SERVABLE_FAMILIES, hf_reference, make_servable_checkpoint
+from tests.cli import CliServer
+from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
+from tests.vllm_server import VllmServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+BUDGET = 256  # vitserve's per-image budget, below the checkpoints' own limit
+CHECKPOINT_MAX_UNITS = 512  # the checkpoints' max_pixels in merge units (what vLLM alone allows)
+SIZES = {"exact": (112, 84), "resized": (301, 203), "clamped": (1500, 1000)}
+
+
+def _png(width: int, height: int, seed: int = 0) -> bytes:
+    """A smooth colour field with noise: resizing it changes pixels (unlike a flat colour)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / width, y * 255 / height, (x + y) * 127 / (width + height)], axis=-1)
+    pixels = np.clip(base + rng.normal(0, 25, base.shape), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@dataclass
+class Stack:
+    family: str
+    ckpt: Path
+    vllm: VllmServer
+    vitserve: CliServer
+    tmp: Path
+
+    @property
+    def model(self) -> str:
+        return str(self.ckpt)
+
+
+def _vitserve(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> CliServer:
+    args = [
+        "--model",
+        str(ckpt),
+        "--port",
+        "0",
+        "--llm_url",
+        llm_url,
+        "--visual_batch_max_tokens",
+        str(BUDGET),
+    ]
+    args += ["--device", "cpu", "--heartbeat_s", "5", "--dist_timeout_s", "120", *extra]
+    server = CliServer(args, tmp)
+    server.wait_ready(300)
+    return server
+
+
+@pytest.fixture(scope="module", params=SERVABLE_FAMILIES)
+def stack(request, tmp_path_factory):
+    family = request.param
+    tmp = tmp_path_factory.mktemp(f"vllm-{family}")
+    ckpt = make_servable_checkpoint(family, tmp / family, max_units=CHECKPOINT_MAX_UNITS)
+    vllm = VllmServer(ckpt, tmp)
+    try:
+        vitserve = _vitserve(ckpt, vllm.url, tmp / "vs", "--cache_gb", "1")
+    except BaseException:
+        vllm.stop()
+        raise
+    print(f"{family}: vLLM ready in {vllm.ready_s:.0f} s")
+    yield Stack(family, ckpt, vllm, vitserve, tmp)
+    code = vitserve.terminate()
+    vllm.stop()
+    assert code == 0, vitserve.text[-2000:]
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _vllm_requests(stack: Stack) -> float:
+    """Requests vLLM finished, by its own counter."""
+    return _metric(stack.vllm.url, "vllm:request_success_total")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("size", ["exact", "resized"])
+def test_the_answer_equals_vllms_own_from_the_raw_image(stack, size, stream):
+    image = image_url_part(_png(*SIZES[size]))
+    body = chat_request(stack.model, image, stream=stream)
+    direct = complete(stack.vllm.url, body)
+    through = complete(stack.vitserve.url, body)
+    assert_same_answer(direct, through)
+
+
+def test_a_repeated_image_is_a_cache_hit_with_the_same_answer(stack):
+    image = image_url_part(_png(160, 120, seed=7))
+    first = complete(stack.vitserve.url, chat_request(stack.model, image))
+    hits = _metric(stack.vitserve.url, "vitserve_cache_hits_total")
+    second = complete(stack.vitserve.url, chat_request(stack.model, image))
+    assert _metric(stack.vitserve.url, "vitserve_cache_hits_total") == hits + 1
+    assert_same_answer(first, second, tol=0.0)
+    # a question placed before the image: vLLM's prefix cache cannot cover it, vitserve's cache still does
+    before = chat_request(stack.model, image, before="first this:")
+    assert_same_answer(complete(stack.vllm.url, before), complete(stack.vitserve.url, before))
+    assert _metric(stack.vitserve.url, "vitserve_cache_hits_total") == hits + 2
+
+
+def test_an_image_above_the_budget_is_clamped_and_vllm_counts_the_clamped_tokens(stack):
+    # /encode reports the token counts of images of the same sizes; the chat then sends new images (seed 4),
+    # so they are encoded, not cache hits, and the clamp counter moves
+    sizes = [_png(*SIZES["clamped"], seed=3), _png(*SIZES["exact"], seed=3)]
+    big, small = _png(*SIZES["clamped"], seed=4), _png(*SIZES["exact"], seed=4)
+    encoded = httpx.post(
+        stack.vitserve.url + "/encode",
+        files=[("images", ("big.png", sizes[0])), ("images", ("small.png", sizes[1]))],
+        timeout=120,
+    ).json()["images"]
+    assert encoded[0]["clamped"]
+    assert encoded[0]["num_tokens"] <= BUDGET
+    clamped_before = _metric(stack.vitserve.url, "vitserve_images_clamped_total")
+    answers = {
+        name: complete(stack.vitserve.url, chat_request(stack.model, image_url_part(image)))
+        for name, image in (("big", big), ("small", small))
+    }
+    extra = answers["big"].prompt_tokens - answers["small"].prompt_tokens
+    assert extra == encoded[0]["num_tokens"] - encoded[1]["num_tokens"]
+    assert _metric(stack.vitserve.url, "vitserve_images_clamped_total") == clamped_before + 1
+    # vLLM alone keeps the checkpoint's larger limit: the clamp is vitserve's doing, not vLLM's
+    direct_big = complete(stack.vllm.url, chat_request(stack.model, image_url_part(big)))
+    assert direct_big.prompt_tokens > answers["big"].prompt_tokens
+    # an image under the budget is untouched: the same answer as vLLM's own
+    body = chat_request(stack.model, image_url_part(small))
+    assert_same_answer(complete(stack.vllm.url, body), answers["small"])
+
+
+def test_a_corrupt_image_is_400_in_openai_shape_and_vllm_never_sees_it(stack):
+    before = (_vllm_requests(stack), _metric(stack.vitserve.url, "vitserve_upstream_requests_total"))
+    good = image_url_part(_png(64, 64))
+    bad = image_url_part(_png(64, 64)[:60])  # a truncated PNG
+    body = chat_request(stack.model, good)
+    body["messages"][0]["content"].append(bad)
+    r = httpx.post(stack.vitserve.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["code"] == "invalid_image"
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == "messages[0].content[2]"
+    after = (_vllm_requests(stack), _metric(stack.vitserve.url, "vitserve_upstream_requests_total"))
+    assert after == before
+
+
+def test_pil_resize_equals_vllm_given_transformers_pil_pixels(stack):
+    """--image_resize pil: the embeddings of transformers' PIL image processor, which vLLM is then given
+    as transformers computed them (vLLM itself would resize the other way)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    image = _png(*SIZES["resized"], seed=5)
+    processed = Qwen2VLImageProcessorPil.from_pretrained(str(stack.ckpt))(
+        images=Image.open(io.BytesIO(image)).convert("RGB"), return_tensors="pt"
+    )
+    reference = hf_reference(stack.ckpt, stack.family)
+    embeds, deepstack = reference(processed["pixel_values"], processed["image_grid_thw"])
+    tensor = torch.cat([embeds, *deepstack], dim=1).numpy()  # DeepStack after the main rows
+    buf = io.BytesIO()
+    np.save(buf, tensor, allow_pickle=False)
+    part = {
+        "type": "image_embeds",
+        "image_embeds": {
+            "image_embeds": base64.b64encode(buf.getvalue()).decode(),
+            "image_grid_thw": processed["image_grid_thw"][0].tolist(),
+        },
+    }
+    pil = _vitserve(stack.ckpt, stack.vllm.url, stack.tmp / "pil", "--image_resize", "pil")
+    try:
+        given = complete(stack.vllm.url, chat_request(stack.model, part))
+        through = complete(pil.url, chat_request(stack.model, image_url_part(image)))
+    finally:
+        assert pil.terminate() == 0
+    assert_same_answer(given, through)
+
+
+@pytest.mark.parametrize("stack", ["qwen2_5_vl"], indirect=True)
+def test_vllm_without_its_vision_tower_gives_the_same_answers(stack):
+    """vLLM with --limit-mm-per-prompt image 0 builds no tower: the memory the sidecar frees. Qwen2.5-VL
+    only: for Qwen3-VL vLLM then turns DeepStack off too (docs/vllm.md), so it keeps its tower there."""
+    bare = VllmServer(stack.ckpt, stack.tmp, limit_mm={"image": 0, "video": 0})
+    try:
+        assert "vision" not in bare.log_tail(400).lower() or bare.alive()
+        vitserve = _vitserve(stack.ckpt, bare.url, stack.tmp / "bare")
+        try:
+            for size in ("exact", "resized"):
+                body = chat_request(stack.model, image_url_part(_png(*SIZES[size], seed=11)))
+                assert_same_answer(complete(stack.vllm.url, body), complete(vitserve.url, body))
+            # above vitserve's budget, vLLM alone would not clamp: compare with vitserve before the full vLLM
+            body = chat_request(stack.model, image_url_part(_png(*SIZES["clamped"], seed=11)))
+            assert_same_answer(complete(stack.vitserve.url, body), complete(vitserve.url, body))
+            refused = httpx.post(
+                bare.url + "/v1/chat/completions",
+                json=chat_request(stack.model, image_url_part(_png(64, 64))),
+                timeout=60,
+            )
+            assert refused.status_code == 400  # raw images: it has no tower to encode them
+            assert bare.alive()
+            # vLLM stopped: 502 llm_unavailable in OpenAI's shape, and /encode keeps serving
+            bare.stop()
+            r = httpx.post(vitserve.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 502
+            assert r.json()["error"]["code"] == "llm_unavailable"
+            ok = httpx.post(vitserve.url + "/encode", files={"images": ("a.png", _png(64, 64))}, timeout=60)
+            assert ok.status_code == 200
+        finally:
+            assert vitserve.terminate() == 0
+    finally:
+        bare.stop()
+
+
+def test_vllm_stayed_alive_through_every_test(stack):
+    assert stack.vllm.alive()
+    assert not re.search(r"EngineDeadError|EngineCore.*died", stack.vllm.log_path.read_text(errors="replace"))

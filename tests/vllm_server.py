@@ -1,0 +1,133 @@
+"""A real vLLM OpenAI server for the tests (docs/vllm.md): `VllmServer(checkpoint)`.
+
+vLLM lives in a venv of its own, made by scripts/vllm-env.sh (`.venv-vllm`; it pins transformers < 5.20,
+vitserve needs >= 5.23), as it would run in its own container. `vllm_python()` finds that venv's interpreter
+(env VITSERVE_TEST_VLLM_PYTHON wins); without it the tests skip, except in CI (CI=true), where a missing vLLM
+fails them: there these tests must run.
+
+The flags are the ones measured to work on a 2-core CPU: float32, a short context, at most 4 sequences,
+`--enable-mm-embeds`, `-O0` (no torch.compile pass: 25-45 s to ready instead of 60-85 s), 1 GiB of KV cache,
+no OpenMP thread binding. The server runs in its own process group (vLLM starts an engine-core process);
+stop() ends the whole group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 300  # measured 25-45 s on an idle 2-core machine; CI's machine may be loaded
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's interpreter; skips (fails in CI) when there is none."""
+    python = Path(os.environ.get("VITSERVE_TEST_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+    if python.is_file():
+        return python
+    message = f"no vLLM venv at {python}: run `bash scripts/vllm-env.sh`"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{message} (in CI the vLLM tests must run, not skip)")
+    pytest.skip(message)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` on a free 127.0.0.1 port, ready when started."""
+
+    def __init__(self, checkpoint: Path, log_dir: Path, *, limit_mm: dict[str, int] | None = None):
+        self.checkpoint = Path(checkpoint)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_dir) / f"vllm-{self.checkpoint.name}-{self.port}.log"
+        limit = limit_mm if limit_mm is not None else {"image": 4, "video": 0}
+        argv = [
+            str(vllm_python()),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.checkpoint),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "2048",
+            "--max-num-seqs",
+            "4",
+            "--enable-mm-embeds",
+            "--limit-mm-per-prompt",
+            json.dumps(limit),
+            "-O0",
+        ]
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        }
+        env.pop("PYTHONPATH", None)  # vitserve's tree is not vLLM's
+        self.started = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.ready_s = self._wait_ready()
+
+    def _wait_ready(self) -> float:
+        deadline = self.started + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(
+                    f"vLLM exited with {self.proc.returncode} while starting:\n{self.log_tail()}"
+                )
+            if self.alive():
+                return time.monotonic() - self.started
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vLLM was not ready within {START_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        """GET /health is 200 (vLLM answers 503 or nothing once its engine died)."""
+        try:
+            return httpx.get(self.url + "/health", timeout=5, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log_tail(self, lines: int = 40) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def stop(self) -> None:
+        """SIGTERM to the process group, SIGKILL after 20 s."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):  # the engine core, should it outlive the server
+            os.killpg(self.proc.pid, signal.SIGKILL)

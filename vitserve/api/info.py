@@ -1,0 +1,135 @@
+"""The resolved settings, once: the /v1/info body, and the start-up banner rendered from that same body.
+
+Every setting that guards memory, load or exactness is a key of `info_body`; `banner` prints each key of it
+in one of the BANNER_LINES (a key no line names is printed on a line of its own), so the two cannot list
+different settings (tests/e2e/test_service.py compares them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import vitserve
+from vitserve.api.upstream import redacted
+from vitserve.config import Config
+from vitserve.contract import Engine
+from vitserve.processors.base import VisionProcessor
+
+# The banner's lines: a label and the info keys it shows, in order.
+BANNER_LINES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("model", ("model", "family", "embed_dim", "dtype", "device")),
+    ("budget", ("budget_tokens", "max_batch_images")),
+    ("processor clamp", ("processor_clamp",)),
+    ("layout", ("tp", "dp", "nnodes")),
+    ("reserved memory per rank", ("reserved_memory_bytes", "reserved_source")),
+    ("limits", ("limits",)),
+    ("LLM", ("llm_endpoint", "llm_url", "llm_timeout_s")),
+    ("security", ("security",)),
+    ("cache", ("cache",)),
+    ("output", ("exact", "jpeg_draft")),
+)
+
+
+def resolved_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _redacted(url: str | None) -> str | None:
+    return redacted(url) if url else None
+
+
+def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dict[str, Any]:
+    """GET /v1/info (docs/api.md): the engine's facts and every resolved guard. No secret is in it."""
+    info = engine.info()
+    return {
+        "model": info.model,
+        "family": info.family,
+        "tp": info.tp,
+        "dp": info.dp,
+        "nnodes": config.nnodes,
+        "embed_dim": info.embed_dim,
+        "dtype": info.dtype,
+        "device": resolved_device(config.device),
+        "budget_tokens": config.budget_tokens,
+        "max_batch_images": config.max_batch_images,
+        "processor_clamp": processor.clamp_info(),
+        "reserved_memory_bytes": {str(k): v for k, v in info.reserved_memory_bytes.items()},
+        "reserved_source": info.reserved_source,
+        "limits": {
+            "max_queue_tokens": config.queue_token_limit,
+            "max_images_per_request": config.max_images_per_request,
+            "max_request_bytes": config.max_request_bytes,
+            "max_image_pixels": config.max_image_pixels,
+            "request_timeout_s": config.request_timeout_s,
+        },
+        "llm_endpoint": config.llm_endpoint,
+        "llm_url": _redacted(config.llm_url),
+        "llm_timeout_s": config.llm_timeout_s,
+        "security": {
+            "api_key": config.api_key is not None,
+            "llm_api_key": config.llm_api_key is not None,
+            "allow_image_urls": config.allow_image_urls,
+            "allowed_url_domains": list(config.allowed_url_domains),
+        },
+        "cache": {
+            "cache_gb": config.cache_gb,
+            "cache_url": _redacted(config.cache_url),
+            "cache_ttl_s": config.cache_ttl_s,
+        },
+        "jpeg_draft": config.jpeg_draft,
+        "exact": not config.jpeg_draft,  # what may make embeddings differ from transformers'
+        "version": vitserve.__version__,
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _value(key: str, value: Any) -> str:
+    if key == "budget_tokens":
+        return f"{value} tokens per batch and per image" if value else "OFF (no clamp)"
+    if key == "max_queue_tokens" and value is None:
+        return "unlimited"
+    if key == "reserved_memory_bytes":
+        return ", ".join(f"rank {r}: {_mib(b)}" for r, b in sorted(value.items(), key=lambda x: int(x[0])))
+    if key == "exact":
+        return (
+            "exact (matches transformers)" if value else "NOT exact: --jpeg_draft is on (docs/jpeg_draft.md)"
+        )
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or value == []:
+        return "none"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def _pairs(info: Mapping[str, Any], keys: tuple[str, ...]) -> str:
+    out = []
+    for key in keys:
+        value = info[key]
+        if isinstance(value, Mapping) and key not in ("processor_clamp", "reserved_memory_bytes"):
+            out.append(_pairs(value, tuple(value)))
+        elif key == "processor_clamp":
+            out.append(str(dict(value)))
+        elif key == "exact":
+            out.append(_value(key, value))
+        else:
+            out.append(f"{key}={_value(key, value)}")
+    return ", ".join(out)
+
+
+def banner(info: Mapping[str, Any], url: str) -> str:
+    """The start-up banner: one line per BANNER_LINES entry, every key of the info body shown once."""
+    shown = {key for _, keys in BANNER_LINES for key in keys} | {"version"}
+    lines = [f"vitserve {info['version']} serving on {url}"]
+    lines += [f"  {label}: {_pairs(info, keys)}" for label, keys in BANNER_LINES]
+    lines += [f"  {key}: {_pairs(info, (key,))}" for key in info if key not in shown]
+    return "\n".join(lines)
