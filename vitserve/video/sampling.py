@@ -11,8 +11,9 @@ The three samplers, as transformers 5.23 writes them (``sample_frames`` of each 
 - ``internvl``: with ``fps`` the count is ``int(total / source_fps * fps)``; indices
   ``torch.arange(shift, total, total / n).int()`` with ``shift = total / n / 2`` (``initial_shift``).
 
-``torch.arange`` with a float step sometimes yields one index more than asked (17 frames, 14 asked: 15
-indices); transformers encodes that extra frame, so the same call is made here rather than a tidier one.
+``torch.arange`` with a float step sometimes yields one index more than asked, and that index is the frame
+count itself (17 frames, 14 asked: ``[0, 1, ..., 15, 17]``): transformers then fails on the missing frame
+(IndexError), so such a request is a 400 here, naming it.
 """
 
 from __future__ import annotations
@@ -94,6 +95,12 @@ def sample(
             f"{total_frames}"
         )
     indices = _INDICES[rules.sampler](rules, total_frames, source_fps, fps, num_frames)
+    if indices[-1] >= total_frames:
+        what = f"num_frames={num_frames}" if num_frames is not None else f"fps={fps}"
+        raise InvalidVideoSampling(
+            f"{what} on a video of {total_frames} frames makes transformers' sampler step past the last frame "
+            f"(index {indices[-1]}); ask for another num_frames or fps"
+        )
     return Sampling(tuple(int(i) for i in indices), total_frames, float(source_fps), fps, num_frames)
 
 
