@@ -20,7 +20,7 @@ from torchvision.transforms.v2 import functional as tvF
 from transformers import AutoVideoProcessor
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
-from tests.checkpoints import FAMILIES, make_checkpoint, write_video_config
+from tests.checkpoints import FAMILIES, hf_reference, make_checkpoint, write_video_config
 from vitserve.errors import OverTokenBudget
 from vitserve.processors.pixels import resize_uint8
 from vitserve.video import ProcessedVideo, Sampling, VideoProcessor, load_video_processor
@@ -222,3 +222,36 @@ def test_groups_cover_the_video_in_order_with_their_times(checkpoints, family):
     ]
     if video.timestamps_s is not None:
         assert list(video.timestamps_s) == [(g.start_s + g.end_s) / 2 for g in groups]
+
+
+@pytest.fixture(scope="module")
+def towers(checkpoints):
+    return {family: hf_reference(checkpoints[family], family) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_groups_encode_to_the_whole_videos_embeddings(checkpoints, towers, family, one_thread):
+    """The real transformers tower on the whole video (grid (T, h, w)) and on its T groups (grid (1, h, w)
+    each) gives the same embeddings (and Qwen3-VL's deepstack features) within 1e-6.
+
+    Why the bound holds: no operation of these towers mixes two temporal groups. The Conv3d patch embedding
+    sees the temporal_patch_size frames of one group; attention runs inside cu_seqlens segments of h*w patches,
+    one per group (Qwen2.5-VL's windows are cut inside each group too); the rotary and learned position
+    embeddings depend on (row, column) only and are repeated per group; norms, MLPs and the 2x2 merger act on
+    one token or one merge block. So each group's output rows are a function of its own pixel rows alone, and
+    what is left is float32 rounding of kernels run on another number of rows (measured: exactly 0).
+    InternVL encodes every frame as its own tile. A failing bound means a group would see another's pixels.
+    """
+    proc = load_video_processor(str(checkpoints[family]))
+    video = proc.preprocess(
+        clip(17, 97, 61), proc.sample(17, 25.0, num_frames=7 if family != "qwen2_vl" else 8)
+    )
+    run = towers[family]
+    whole, whole_deep = run(video.pixel_values_videos, torch.tensor([video.video_grid_thw]))
+    parts = [run(g.pixel_values, torch.tensor([g.grid_thw])) for g in proc.groups(video)]
+    assert len(parts) == video.video_grid_thw[0] > 1
+    assert whole.shape[0] == video.num_tokens
+    torch.testing.assert_close(torch.cat([p[0] for p in parts]), whole, rtol=0, atol=1e-6)
+    for layer, deep in enumerate(whole_deep):
+        torch.testing.assert_close(torch.cat([p[1][layer] for p in parts]), deep, rtol=0, atol=1e-6)
+    assert len(whole_deep) == (2 if family == "qwen3_vl" else 0)

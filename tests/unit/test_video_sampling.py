@@ -158,3 +158,14 @@ def test_max_video_tokens_flag():
     assert build_config([], {"VITSERVE_MAX_VIDEO_TOKENS": "0"}).max_video_tokens == 0
     with pytest.raises(ConfigError, match="--max_video_tokens must be >= 0"):
         build_config(["--max-video-tokens", "-1"], {})
+
+
+def test_fewer_decoded_frames_than_sampled_is_a_400(checkpoints):
+    """A decoder that returns fewer frames than were sampled (a truncated file) must not shorten the video."""
+    proc = load_video_processor(str(checkpoints["qwen2_5_vl"]))
+    sampling = proc.sample(75, 25.0, fps=2)
+    frames = np.zeros((len(sampling.frame_indices) - 1, 56, 56, 3), np.uint8)
+    with pytest.raises(InvalidVideoSampling, match="never encoded short"):
+        proc.preprocess(frames, sampling)
+    with pytest.raises(InvalidVideoSampling, match="uint8"):
+        proc.preprocess(np.zeros((len(sampling.frame_indices), 56, 56, 3), np.float32), sampling)

@@ -197,27 +197,30 @@ class VideoProcessor:
         return tuple((times[g], times[g + tps - 1]) for g in range(0, len(times), tps))
 
 
-def _sampled_frames(frames: np.ndarray | Sequence[np.ndarray], sampling: Sampling) -> Sequence[np.ndarray]:
+def _sampled_frames(frames: np.ndarray | Sequence[np.ndarray], sampling: Sampling) -> list[np.ndarray]:
+    """The sampled frames, checked: all of the video's (then indexed) or exactly the sampled ones."""
     indices = sampling.frame_indices
     count = len(frames)
     if count == sampling.total_frames and count != len(indices):
-        frames = [frames[i] for i in indices]
-    elif count != len(indices):
+        picked = [frames[i] for i in indices]
+    elif count == len(indices):
+        picked = list(frames)
+    else:
         raise InvalidVideoSampling(
             f"{count} frames were decoded for the {len(indices)} sampled of a video of {sampling.total_frames}; "
             "a video shorter than its header says is refused, never encoded short"
         )
-    for frame in frames:
+    for frame in picked:
         if (
             frame.dtype != np.uint8
             or frame.ndim != 3
             or frame.shape[2] != 3
-            or frame.shape != frames[0].shape
+            or frame.shape != picked[0].shape
         ):
             raise InvalidVideoSampling(
                 f"video frames must be (H, W, 3) uint8 RGB of one size; got {frame.dtype} {frame.shape}"
             )
-    return frames
+    return picked
 
 
 def load_video_processor(
