@@ -169,3 +169,40 @@ def test_fewer_decoded_frames_than_sampled_is_a_400(checkpoints):
         proc.preprocess(frames, sampling)
     with pytest.raises(InvalidVideoSampling, match="uint8"):
         proc.preprocess(np.zeros((len(sampling.frame_indices), 56, 56, 3), np.float32), sampling)
+
+
+@pytest.mark.parametrize(
+    ("family", "class_name"),
+    [
+        ("qwen2_vl", "Qwen2VLVideoProcessor"),
+        ("qwen3_vl", "Qwen3VLVideoProcessor"),
+        ("qwen3_5", "Qwen3VLVideoProcessor"),
+    ],
+)
+def test_the_registry_defaults_are_transformers_class_defaults(family, class_name):
+    """Without a checkpoint (or a video config) the limits are transformers' own class defaults, which the
+    registry copies because their module needs torchvision to import."""
+    import transformers
+
+    hf = getattr(transformers, class_name)
+    settings = load_video_processor(family).settings
+    assert (settings.min_pixels, settings.max_pixels) == (hf.size["shortest_edge"], hf.size["longest_edge"])
+    assert (settings.sampling.min_frames, settings.sampling.max_frames) == (hf.min_frames, hf.max_frames)
+    assert settings.sampling.default_fps == (getattr(hf, "fps", None) or VIDEO_DEFAULT_FPS)
+    assert (settings.patch_size, settings.temporal_patch_size) == (hf.patch_size, hf.temporal_patch_size)
+    assert settings.image_mean == pytest.approx(hf.image_mean)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"patch_size": 16}, "differ from the image processor"),
+        ({"resample": 2}, "bicubic"),
+        ({"do_resize": False}, "bicubic"),
+    ],
+)
+def test_video_configs_vitserve_cannot_reproduce_are_refused_at_start_up(tmp_path, overrides, message):
+    ckpt = make_checkpoint("qwen2_vl", tmp_path / "c")
+    write_video_config("qwen2_vl", ckpt, **overrides)
+    with pytest.raises(ConfigError, match=message):
+        load_video_processor(str(ckpt))

@@ -75,6 +75,12 @@ def video_settings(family: str, checkpoint: Path | None, image_proc: VisionProce
         patch = int(config.get("patch_size", image_hf.patch_size))
         merge = int(config.get("merge_size", image_hf.merge_size))
         temporal = int(config.get("temporal_patch_size", image_hf.temporal_patch_size))
+        image_grid = (int(image_hf.patch_size), int(image_hf.merge_size), int(image_hf.temporal_patch_size))
+        if (patch, merge, temporal) != image_grid:  # the image grid was checked against the tower's
+            raise ConfigError(
+                f"{source}: patch_size, merge_size, temporal_patch_size {(patch, merge, temporal)} differ from the "
+                f"image processor's {image_grid}, which match the vision tower; fix the checkpoint (--model)"
+            )
     _check_supported(config, family, source)
     min_pixels, max_pixels = _pixel_limits(
         config, fam.video_sampler, fam.video_min_pixels, fam.video_max_pixels
