@@ -21,6 +21,7 @@ from transformers import AutoVideoProcessor
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
 from tests.checkpoints import FAMILIES, hf_reference, make_checkpoint, write_video_config
+from vitserve.config import Config
 from vitserve.errors import OverTokenBudget
 from vitserve.processors.pixels import resize_uint8
 from vitserve.video import ProcessedVideo, Sampling, VideoProcessor, load_video_processor
@@ -255,3 +256,24 @@ def test_groups_encode_to_the_whole_videos_embeddings(checkpoints, towers, famil
     for layer, deep in enumerate(whole_deep):
         torch.testing.assert_close(torch.cat([p[1][layer] for p in parts]), deep, rtol=0, atol=1e-6)
     assert len(whole_deep) == (2 if family == "qwen3_vl" else 0)
+
+
+@pytest.mark.parametrize(
+    ("family", "class_name"), [("qwen2_5_vl", "Qwen2VLVideoProcessor"), ("qwen3_vl", "Qwen3VLVideoProcessor")]
+)
+def test_published_defaults_equal_transformers_class_defaults(family, class_name):
+    """No checkpoint: the family's defaults (a frame grown to 128 tokens for Qwen2.5-VL, 768 tokens over all
+    frames for Qwen3-VL) under the default budgets give transformers' pixels."""
+    import transformers
+
+    proc = load_video_processor(family, Config().visual_batch_max_tokens, Config().max_video_tokens)
+    ref = getattr(transformers, class_name)()
+    frames = clip(61, 320, 240)
+    video = proc.preprocess(frames, proc.sample(61, NTSC, fps=2))
+    out = ref(videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)], video_metadata=[{"total_num_frames": 61, "fps": NTSC}],
+              do_sample_frames=True, fps=2, num_frames=None, cap_pixels_per_frame=False, return_metadata=True,
+              return_tensors="pt")  # fmt: skip
+    assert list(out["video_metadata"][0].frames_indices) == list(video.frame_indices)
+    assert out["video_grid_thw"].tolist() == [list(video.video_grid_thw)]
+    assert torch.equal(out["pixel_values_videos"], video.pixel_values_videos)
+    assert not video.plan.clamped
