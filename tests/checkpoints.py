@@ -289,6 +289,36 @@ def make_checkpoint(
     model.save_pretrained(path, max_shard_size=shard, safe_serialization=True)
     _rewrite_layout(family, path, layout)
     (path / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(family), indent=2))
+    write_video_config(family, path)
+    return path
+
+
+# transformers' video processor class of each family (AutoVideoProcessor needs it named: without it, it builds
+# Qwen2-VL's for every family) and the tiny pixel limits: Qwen2 bounds each frame, Qwen3 all frames together.
+_VIDEO_CLASSES = {
+    "qwen2": "Qwen2VLVideoProcessor",
+    "qwen3": "Qwen3VLVideoProcessor",
+    "internvl": "InternVLVideoProcessor",
+}
+
+
+def write_video_config(family: str, path, **overrides) -> Path:
+    """Write the checkpoint's video_preprocessor_config.json (the image settings, its class, small limits:
+    4 to 64 merge units per frame for Qwen2, 4 to 256 in all for Qwen3) with ``overrides`` on top."""
+    config = {
+        k: v
+        for k, v in _preprocessor_config(family).items()
+        if k not in ("image_processor_type", "processor_class")
+    }
+    kind = "internvl" if family == "internvl" else family[:5]
+    config = {**config, "video_processor_type": _VIDEO_CLASSES[kind], "do_sample_frames": True}
+    for key in ("crop_to_patches", "min_patches", "max_patches", "min_pixels", "max_pixels"):
+        config.pop(key, None)
+    if kind == "qwen3":
+        factor = _QWEN_PIX[family][0]
+        config["size"] = {"shortest_edge": factor * factor * 4, "longest_edge": factor * factor * 256}
+    path = Path(path) / "video_preprocessor_config.json"
+    path.write_text(json.dumps({**config, **overrides}, indent=2))
     return path
 
 

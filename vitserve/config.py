@@ -20,6 +20,8 @@ class Config:
     dp: int = 1
     visual_batch_max_tokens: int = 8192  # per-step batch budget AND per-image cap; 0 disables both
     visual_infer_batch_size: int = 64
+    # merged tokens one video may cost in all: its frames shrink to fit (docs/processing.md "Video"); 0 = no cap
+    max_video_tokens: int = 16384
     host: str = "127.0.0.1"
     port: int = 8100
     llm_endpoint: str | None = None

@@ -61,6 +61,14 @@ class UnsupportedImage(InvalidImage):
     status, code = 400, "unsupported_image"
 
 
+class InvalidVideoSampling(VitserveError):
+    """A video sampling setting transformers crashes on or leaves ambiguous (fps together with num_frames, no
+    source fps, fewer frames than one temporal group, more frames asked than the video has): the message
+    names the setting (docs/processing.md "Video")."""
+
+    status, code = 400, "invalid_video_sampling"
+
+
 class ImageTooSmall(VitserveError):
     status, code = 400, "image_too_small"
 

@@ -46,6 +46,16 @@ class Family:
     image_mean: tuple[float, float, float] = _CLIP_MEAN
     image_std: tuple[float, float, float] = _CLIP_STD
     deepstack: bool = False  # the tower also returns per-layer deepstack features
+    # Video (vitserve/video/, docs/processing.md "Video"): the rules of the family's transformers video
+    # processor, and its class defaults where a checkpoint ships no video processor config.
+    video_sampler: Literal["qwen2", "qwen3", "internvl"] = "qwen2"  # how frame indices are chosen
+    video_resize: Literal["per_frame", "total", "tile"] = "per_frame"  # what size["longest_edge"] bounds
+    video_time: Literal["none", "second_per_grid", "timestamps"] = "none"  # the time the LLM is given
+    video_min_pixels: int = 0  # patches: size["shortest_edge"] (per frame, or over all frames for "total")
+    video_max_pixels: int = 0  # patches: size["longest_edge"] (per frame, or over all frames for "total")
+    video_min_frames: int = 4  # fps sampling never takes fewer frames (qwen samplers)
+    video_max_frames: int = 768  # ... nor more
+    video_fps: float | None = None  # the class's own fps default (None: vitserve's VIDEO_DEFAULT_FPS)
 
 
 def _qwen2(name: str, display: str) -> Family:
@@ -59,6 +69,9 @@ def _qwen2(name: str, display: str) -> Family:
         temporal_patch_size=2,
         min_pixels=56 * 56,
         max_pixels=28 * 28 * 16384,
+        video_time="second_per_grid" if name == "qwen2_5_vl" else "none",
+        video_min_pixels=128 * 28 * 28,
+        video_max_pixels=768 * 28 * 28,
     )
 
 
@@ -77,6 +90,12 @@ def _qwen3(name: str, display: str, *, deepstack: bool) -> Family:
         image_mean=_HALF,
         image_std=_HALF,
         deepstack=deepstack,
+        video_sampler="qwen3",
+        video_resize="total",
+        video_time="timestamps",
+        video_min_pixels=128 * 32 * 32,
+        video_max_pixels=768 * 32 * 32,
+        video_fps=2.0,
     )
 
 
@@ -100,10 +119,15 @@ FAMILIES: dict[str, Family] = {
             downsample_ratio=0.5,
             image_mean=_IMAGENET_MEAN,
             image_std=_IMAGENET_STD,
+            video_sampler="internvl",
+            video_resize="tile",  # every frame is resized to one tile
         ),
     )
 }
 FAMILY_CHOICES = ("auto", *FAMILIES)  # --model_family
+# fps when neither the request (fps, num_frames) nor the checkpoint's video processor config sets fps: the Qwen
+# reference default (Qwen3-VL's class default); the Qwen2 and InternVL classes would decode every frame.
+VIDEO_DEFAULT_FPS = 2.0
 DEMO_FAMILY = "qwen2_5_vl"  # --model demo: a seeded random tower of this family (vitserve/model/demo.py)
 # Its vision config, here so that flags can be checked against it without torch (vitserve/preflight.py).
 DEMO_VISION_CONFIG: dict[str, Any] = {

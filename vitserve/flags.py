@@ -99,6 +99,11 @@ FLAGS: dict[str, Flag] = {
         parse_int, "budget and limits", "token budget per batch AND per image (after merge); 0 disables"
     ),
     "visual_infer_batch_size": Flag(parse_int, "budget and limits", "at most this many images per batch"),
+    "max_video_tokens": Flag(
+        parse_int,
+        "budget and limits",
+        "tokens one video may cost in all (after merge): its frames shrink to fit; 0 disables",
+    ),
     "visual_reserved_mem_gb": Flag(
         _optional(float),
         "budget and limits",
@@ -292,6 +297,7 @@ def validate(config: Config) -> None:
     _positive(
         config,
         "visual_batch_max_tokens",
+        "max_video_tokens",
         "max_queue_tokens",
         "cache_gb",
         "cache_ttl_s",
