@@ -39,8 +39,6 @@ def seeded_visual(adapter: FamilyAdapter, config: PreTrainedConfig, checkpoint: 
 
 def build_demo_visual() -> nn.Module:
     """The demo's tower as HF builds it (no fast kernels): for the benchmarks' baselines."""
-    from vitserve.model.loader import hf_config
-
     checkpoint = Checkpoint.demo()
     adapter = resolve_adapter(checkpoint.model_type, checkpoint.family.name)
-    return seeded_visual(adapter, hf_config(adapter, checkpoint), checkpoint)
+    return seeded_visual(adapter, adapter.hf_config(checkpoint.config), checkpoint)

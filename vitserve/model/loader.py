@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,7 +47,7 @@ def load_encoder(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     adapter = resolve_adapter(checkpoint.model_type, checkpoint.family.name)
-    config = hf_config(adapter, checkpoint)
+    config = adapter.hf_config(checkpoint.config)
     digest = checkpoint.digest()
     if checkpoint.path is None:  # no weight files: drawn from the checkpoint's seed
         from vitserve.model.demo import seeded_visual
@@ -67,12 +66,6 @@ def load_encoder(
             len(weights.files_read),
         )
     return _finish(visual, adapter, config, checkpoint.model_name, device, dtype, digest.hexdigest())
-
-
-def hf_config(adapter: FamilyAdapter, checkpoint: Checkpoint) -> PreTrainedConfig:
-    """The transformers config of the full model, from the config.json the checkpoint holds (what
-    from_pretrained builds after reading the file)."""
-    return adapter.config_cls().from_dict(copy.deepcopy(dict(checkpoint.config)))
 
 
 def _finish(
