@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from vitserve.errors import ConfigError
-from vitserve.families import FAMILIES, MODEL_TYPES, Family, family_of_model_type, tokens_per_tile
+from vitserve.families import FAMILIES, MODEL_TYPES, Family, family_of_model_type
 
 DEMO = "demo"  # the --model value of the demo (and Config's default)
-DEMO_SEED = 0
+_DEMO_SEED = 0
 # The demo's vision config: 8 blocks of width 512, shaped like the public Qwen2.5-VL processor defaults
 # (patch 14, merge 2, temporal 2) so that the family's default processor fits it; small enough for a CPU.
 _DEMO_VISION_CONFIG: dict[str, Any] = {
@@ -76,10 +76,6 @@ class Geometry:
     tile_size: int  # tiles layout: vision image_size; patches: 0
     downsample_ratio: float  # tiles layout: pixel shuffle; patches: 0.0
 
-    @property
-    def tokens_per_tile(self) -> int:
-        return tokens_per_tile(self.tile_size, self.patch_size, self.downsample_ratio)
-
 
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
@@ -88,9 +84,7 @@ class Checkpoint:
     name: str  # --model as given
     path: Path | None  # the directory; None when the weights come from `seed`
     config: Mapping[str, Any]  # config.json
-    processor_config: (
-        Mapping[str, Any] | None
-    )  # the image processor's parameters, as HF's from_pretrained reads them
+    processor_config: Mapping[str, Any] | None  # the image processor's, found as from_pretrained finds it
     video_processor_config: Mapping[str, Any] | None  # video_preprocessor_config.json, when shipped
     family: Family
     seed: int | None = None  # weights drawn from this seed instead of read from files (the demo)
@@ -128,7 +122,7 @@ class Checkpoint:
         """The demo: a seeded, randomly initialised Qwen2.5-VL-shaped tower. Its embeddings mean nothing."""
         config = {"model_type": _DEMO_MODEL_TYPE, "vision_config": dict(_DEMO_VISION_CONFIG)}
         found = _family(config, family, f"--model {DEMO} is")
-        return cls(DEMO, None, config, None, None, found, seed=DEMO_SEED)
+        return cls(DEMO, None, config, None, None, found, seed=_DEMO_SEED)
 
     # ------------------------------------------------------------------------------------ facts
 
