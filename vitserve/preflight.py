@@ -83,6 +83,7 @@ def allowed_tp(sizes: Mapping[str, int]) -> list[int]:
 
 
 def check_tp(tp: int, family: Family, vision: Mapping[str, Any]) -> None:
+    """The one --tp check (vitserve/model/tp.py's pass assumes it passed): every size it splits divides."""
     sizes = shard_sizes(family, vision)
     for what, value in sizes.items():
         if value % tp:
