@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.errors import ConfigError
@@ -65,13 +66,14 @@ def startup_timeout_s(config: Config) -> float:
     return max(config.dist_timeout_s, 120.0)
 
 
-def load_configured_encoder(config: Config) -> Encoder:
-    """The default encoder_factory: --model on this rank's device (set by _init_device) in --dtype."""
+def load_configured_encoder(checkpoint: Checkpoint, config: Config) -> Encoder:
+    """The default encoder_factory, bound to the checkpoint the entry point opened (functools.partial):
+    it on this rank's device (set by _init_device) in --dtype."""
     from vitserve.model import load_encoder
 
     on_cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
     device = f"cuda:{torch.cuda.current_device()}" if on_cuda else config.device.replace("auto", "cpu")
-    return load_encoder(config.model, device=device, dtype=config.dtype, family=config.model_family)
+    return load_encoder(checkpoint, device=device, dtype=config.dtype)
 
 
 def run_worker(args: WorkerArgs) -> None:
@@ -265,6 +267,7 @@ class RankWorker:
                     device=str(self.device),
                     reserved_bytes=int(self.reservation.bytes),
                     reserved_source=self.reservation.source,
+                    weights_digest=enc.weights_digest,
                 )
             )
         )
