@@ -23,6 +23,8 @@ from vitserve.metrics import Metrics
 
 if TYPE_CHECKING:  # imported lazily below: the server pulls in uvicorn, torch and transformers
     from vitserve.api.server import Service
+    from vitserve.processors import VisionProcessor
+    from vitserve.worker.reservation import StressShape
 
 log = logging.getLogger("vitserve")
 
@@ -36,8 +38,7 @@ def render_banner(service: Service) -> str:
     return banner(info, f"http://{service.config.host}:{service.port}")
 
 
-def _build_service(config: Config) -> Service:
-    from vitserve.api.server import Service, bind_socket, warmup_image
+def _load_processor(config: Config) -> VisionProcessor:
     from vitserve.processors import load_image_processor
 
     processor = load_image_processor(
@@ -47,6 +48,20 @@ def _build_service(config: Config) -> Service:
         resize=config.image_resize,
     )
     preflight.check_processor_budget(config.budget_tokens, processor.clamp_info())
+    return processor
+
+
+def _stress_shape(config: Config, processor: VisionProcessor) -> StressShape:
+    """The worst case every rank reserves for, built here once: the ranks load no processor."""
+    from vitserve.worker.reservation import StressShape
+
+    return StressShape.of(config, processor.clamp_info())
+
+
+def _build_service(config: Config) -> Service:
+    from vitserve.api.server import Service, bind_socket, warmup_image
+
+    processor = _load_processor(config)
     sock = bind_socket(config.host, config.port)
     from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed
 
@@ -56,6 +71,7 @@ def _build_service(config: Config) -> Service:
         metrics,
         processor_clamp=processor.clamp_info(),  # the clamp keys the cache
         warmup_image=warmup_image(processor),
+        stress_shape=_stress_shape(config, processor),
     )
     return Service(config, engine, processor, metrics, sock=sock, banner=render_banner)
 
@@ -97,15 +113,17 @@ def main(argv: list[str] | None = None) -> int:
         from vitserve.worker import zygote  # light: the forkserver imports the heavy modules, not us
 
         zygote.start(config.model)  # the ranks' imports run beside ours from here on
-        if config.node_rank > 0:  # ranks only: no HTTP, no processor, no queue (docs/engine.md, Nodes)
+        if config.node_rank > 0:  # ranks only: no HTTP, no queue (docs/engine.md, Nodes)
             from vitserve.engine.node import run_node
+
+            shape = _stress_shape(config, _load_processor(config))  # the same worst case as node 0's ranks
         else:
             service = _build_service(config)
     except (ConfigError, VitserveError, OSError) as exc:
         print(f"vitserve: start-up failed: {exc}", file=sys.stderr)
         return 2
     if config.node_rank > 0:
-        return run_node(config, os.environ)
+        return run_node(config, os.environ, shape)
     return asyncio.run(service.run())
 
 
