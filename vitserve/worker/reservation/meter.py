@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # CPU: published bytes per byte of the full stress's RSS growth. glibc's heap fragments differently from run to
 # run and over batches of other compositions, so the peak while serving ends above the stress's own (in steps
-# of one batch's pixels; on the tiny towers, where those are a large share, by up to about two thirds:
+# of one batch's pixels; on the tiny towers, where those are a large share, by up to about three quarters:
 # bench/reservation.py). Over-reserving host RAM costs little; under-reserving breaks docs/design.md's
 # invariant 7. CUDA's caching allocator reuses its blocks: factor 1.
 HEAP_FACTOR = 2.0

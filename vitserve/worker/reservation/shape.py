@@ -28,8 +28,8 @@ class StressShape:
     @classmethod
     def of(cls, config: Config, clamp: Mapping[str, Any] | None = None) -> StressShape:
         """The flags' bounds, plus the limits in a processor's clamp_info() when one is given. Without it
-        (an Engine built outside the CLI) budget 0 stresses a default size and InternVL images are bounded
-        by the budget alone (worst_case.py says both in the log)."""
+        (an Engine built outside the CLI), budget 0 stresses a default size with a warning, and InternVL's
+        tiles are grouped by the budget alone, which never needs less memory (worst_case.py)."""
         shape = cls(config.budget_tokens, config.max_batch_images)
         if clamp is None:
             return shape
