@@ -17,8 +17,10 @@ from vitserve.model import load_encoder
 from vitserve.reservation_file import (
     publish_reservation,
     read_reservation,
+    remove_killed,
     remove_reservation,
     reservation_path,
+    write_json_atomic,
 )
 from vitserve.worker.reservation import Method, StressShape
 from vitserve.worker.reservation.stress import measure, override
@@ -155,6 +157,15 @@ def test_remove_deletes_and_tolerates_missing(tmp_path):
     assert not reservation_path(tmp_path, "cpu", 0).exists()
     assert read_reservation(tmp_path, "cpu", 0) is None
     remove_reservation(tmp_path, "cpu", 0)  # second time: nothing to do, no error
+
+
+def test_remove_killed_takes_only_the_files_the_killed_processes_wrote(tmp_path):
+    publish_reservation(tmp_path, "cpu", 0, 1, "stress")  # written by this process: "killed"
+    publish_reservation(tmp_path, "cuda", 1, 1, "stress")
+    other = {"device": "cpu", "rank": 2, "bytes": 1, "source": "stress", "pid": os.getpid() + 1}
+    write_json_atomic(reservation_path(tmp_path, "cpu", 2), other)  # another service's rank 2
+    remove_killed(tmp_path, [0, 1, 2, 3], [os.getpid()])
+    assert [p.name for p in tmp_path.iterdir()] == ["reserved_mem_cpu_2.json"]
 
 
 @pytest.mark.parametrize(
