@@ -69,7 +69,7 @@ class _FakeVisual(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # (4 * cols, dim / tp): this rank's columns
-        # what worker/worst_case.worst_case_items reads for a Qwen-family tower
+        # what worker/reservation/worst_case.worst_case_items reads for a Qwen-family tower
         self.config = SimpleNamespace(
             spatial_merge_size=2, patch_size=14, temporal_patch_size=2, in_channels=3
         )
@@ -138,9 +138,9 @@ class FakeEncoderFactory:
         rank = dist.get_rank() if dist.is_initialized() else 0
         enc = FakeEncoder(self, rank, config.tp)
         if config.visual_reserved_mem_gb is None:
-            # The stress runs several batches (worker/worst_case.stress_batches); number the calls so that its last
+            # The stress runs several batches (worker/reservation/worst_case.stress_batches); number the calls so that its last
             # one is call 0 and the first runtime batch call 1, whatever that count is.
-            from vitserve.worker.worst_case import stress_batches
+            from vitserve.worker.reservation.worst_case import stress_batches
 
             enc.calls = 1 - sum(
                 1 for _ in stress_batches(enc, config.visual_batch_max_tokens, config.visual_infer_batch_size)

@@ -24,6 +24,8 @@ from vitserve.metrics import Metrics
 
 if TYPE_CHECKING:  # imported lazily below: the server pulls in uvicorn, torch and transformers
     from vitserve.api.server import Service
+    from vitserve.processors import VisionProcessor
+    from vitserve.worker.reservation import StressShape
 
 log = logging.getLogger("vitserve")
 
@@ -37,19 +39,38 @@ def render_banner(service: Service) -> str:
     return banner(info, f"http://{service.config.host}:{service.port}")
 
 
-def _build_service(config: Config, checkpoint: Checkpoint) -> Service:
-    from vitserve.api.server import Service, bind_socket, warmup_image
+def _load_processor(config: Config, checkpoint: Checkpoint) -> VisionProcessor:
     from vitserve.processors import load_image_processor
 
     processor = load_image_processor(
         checkpoint, budget_tokens=config.budget_tokens, resize=config.image_resize
     )
     preflight.check_processor_budget(config.budget_tokens, processor.clamp_info())
+    return processor
+
+
+def _stress_shape(config: Config, processor: VisionProcessor) -> StressShape:
+    """The worst case every rank reserves for, built here once: the ranks load no processor."""
+    from vitserve.worker.reservation import StressShape
+
+    return StressShape.of(config, processor.clamp_info())
+
+
+def _build_service(config: Config, checkpoint: Checkpoint) -> Service:
+    from vitserve.api.server import Service, bind_socket, warmup_image
+
+    processor = _load_processor(config, checkpoint)
     sock = bind_socket(config.host, config.port)
     from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed
 
     metrics = Metrics()
-    engine = Engine(config, metrics, checkpoint=checkpoint, warmup_image=warmup_image(processor))
+    engine = Engine(
+        config,
+        metrics,
+        checkpoint=checkpoint,
+        warmup_image=warmup_image(processor),
+        stress_shape=_stress_shape(config, processor),
+    )
     return Service(config, engine, processor, metrics, sock=sock, banner=render_banner)
 
 
@@ -90,15 +111,19 @@ def main(argv: list[str] | None = None) -> int:
         from vitserve.worker import zygote  # light: the forkserver imports the heavy modules, not us
 
         zygote.start(checkpoint)  # the ranks' imports run beside ours from here on
-        if config.node_rank > 0:  # ranks only: no HTTP, no processor, no queue (docs/engine.md, Nodes)
+        if config.node_rank > 0:  # ranks only: no HTTP, no queue (docs/engine.md, Nodes)
             from vitserve.engine.node import run_node
+
+            shape = _stress_shape(
+                config, _load_processor(config, checkpoint)
+            )  # the same worst case as node 0's ranks
         else:
             service = _build_service(config, checkpoint)
     except (ConfigError, VitserveError, OSError) as exc:
         print(f"vitserve: start-up failed: {exc}", file=sys.stderr)
         return 2
     if config.node_rank > 0:
-        return run_node(config, checkpoint, os.environ)
+        return run_node(config, checkpoint, os.environ, shape)
     return asyncio.run(service.run())
 
 

@@ -1,8 +1,8 @@
 """The reservation file reserved_mem_<device>_<rank>.json: where it lives, and writing, reading and removing it.
 
-A rank publishes it after its start-up stress (vitserve/worker/stress.py) and removes it on a clean exit; the
-engine removes the files of ranks it had to kill. An LLM server on the same device reads it before sizing its
-KV cache (docs/integration.md).
+A rank publishes it after its start-up reservation (vitserve/worker/reservation/) and removes it on a clean
+exit; the process that spawned the ranks removes the files of ranks it had to kill (remove_killed). An LLM
+server on the same device reads it before sizing its KV cache (docs/integration.md).
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 _FIELDS = {"device": str, "rank": int, "bytes": int, "source": str, "pid": int}
+DEVICE_TYPES = ("cpu", "cuda")  # what a rank publishes under: its torch device type
 
 
 def reservation_path(runtime_dir: str | os.PathLike[str], device: str, rank: int) -> Path:
@@ -78,3 +80,14 @@ def remove_reservation(runtime_dir: str | os.PathLike[str], device: str, rank: i
         reservation_path(runtime_dir, device, rank).unlink(missing_ok=True)
     except OSError as exc:
         log.warning("could not remove the reservation file: %s", exc)
+
+
+def remove_killed(runtime_dir: str | os.PathLike[str], ranks: Iterable[int], pids: Collection[int]) -> None:
+    """The files of ranks that were killed (a rank removes its own on a clean exit), also of those stopped
+    between publishing and their READY: for each global rank, on either device, only a file written by one
+    of `pids`, so a file another service published in a shared runtime dir stays."""
+    for rank in ranks:
+        for device in DEVICE_TYPES:
+            body = read_reservation(runtime_dir, device, rank)
+            if body is not None and body["pid"] in pids:
+                remove_reservation(runtime_dir, device, rank)

@@ -1,8 +1,8 @@
 """Scenario L3: batches that fill the token budget exactly stay within the published reservation (CPU: RSS).
 
 A real Engine (tp=1) loads a tiny real checkpoint with the production load_encoder, reserves at start-up
-(vitserve/worker/stress.py: malloc_trim, reset VmHWM, one production forward on the worst case, publish the
-VmRSS growth) and then serves many batches whose tokens sum to EXACTLY the budget, in every composition the
+(vitserve/worker/reservation/: malloc_trim, reset VmHWM, the production forward on the full-budget stress
+batches, publish the VmRSS growth times HEAP_FACTOR) and then serves many batches whose tokens sum to EXACTLY the budget, in every composition the
 scheduler can form: one image of B tokens, a long thin one, equal halves / quarters, the image-count cap,
 and a mix. The worker's peak RSS over the whole run (VmHWM, never reset after the stress) minus the RSS it
 had just before the stress (logged by the reservation) must stay within the published bytes, plus one

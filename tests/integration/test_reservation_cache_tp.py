@@ -1,4 +1,4 @@
-"""The reservation cache in a tensor-parallel group (vitserve/worker/reservation_cache.reserve_for_rank): the
+"""The reservation cache in a tensor-parallel group (vitserve/worker/reservation reserve_for_rank): the
 ranks run every stress forward together, so they use their stored reservations only all together. With one
 rank's entry gone, both measure again; neither waits alone in a collective (that would hang until the
 process group's timeout and fail this test)."""
@@ -17,7 +17,8 @@ def _twice(rank: int, world: int, path: str, runtime_dir: str) -> list[tuple[boo
     from vitserve.config import Config
     from vitserve.model import load_encoder
     from vitserve.model.tp import apply_tp
-    from vitserve.worker.reservation_cache import cache_path, reserve_for_rank
+    from vitserve.worker.reservation import Method, StressShape, reserve_for_rank
+    from vitserve.worker.reservation.cache import cache_path
 
     enc = load_encoder(path)
     apply_tp(enc.visual, enc.family)
@@ -30,8 +31,8 @@ def _twice(rank: int, world: int, path: str, runtime_dir: str) -> list[tuple[boo
         if start == 2 and rank == 1:
             os.unlink(cache_path(runtime_dir, "cpu", rank))  # only this rank lost its entry
         with torch.inference_mode():
-            res, _ = reserve_for_rank(cfg, enc, cpu, rank, rank, lambda line: None)
-        out.append((res.cached, res.bytes))
+            res, _ = reserve_for_rank(cfg, StressShape.of(cfg), enc, cpu, rank, rank, lambda line: None)
+        out.append((res.method is Method.STORED, res.bytes))
     return out
 
 

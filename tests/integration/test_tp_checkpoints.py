@@ -20,7 +20,8 @@ SIZES = [(100, 60), (56, 56), (90, 130)]  # (w, h): different grids / tile count
 def _encode_sharded(rank: int, world: int, paths: dict, items: dict) -> dict:
     from vitserve.model import load_encoder
     from vitserve.model.tp import apply_tp
-    from vitserve.worker.stress import reserve
+    from vitserve.worker.reservation import StressShape
+    from vitserve.worker.reservation.stress import measure
 
     out: dict = {}
     for family, path in paths.items():
@@ -32,7 +33,7 @@ def _encode_sharded(rank: int, world: int, paths: dict, items: dict) -> dict:
             torch.cat([e.embedding for e in encoded]),  # (sum tokens, dim)
             [torch.cat(layer) for layer in zip(*(e.deepstack for e in encoded), strict=True)],
         )
-        out[(family, "reserve")] = reserve(enc, budget_tokens=64, max_batch_images=4, override_gb=None).bytes
+        out[(family, "reserve")] = measure(enc, StressShape(64, 4)).bytes
     return out
 
 

@@ -24,7 +24,7 @@ from vitserve.families import (
 from vitserve.model.adapters import ADAPTERS, resolve_adapter
 from vitserve.model.loader import load_encoder
 from vitserve.processors import load_image_processor
-from vitserve.worker.worst_case import worst_case_items
+from vitserve.worker.reservation.worst_case import worst_case_items
 
 pytestmark = pytest.mark.unit
 

@@ -1,12 +1,12 @@
-"""The memory model (vitserve/worker/memory_model.py): the fit and the choice of shapes. Its validation against
+"""The memory model (vitserve/worker/reservation/memory_model.py): the fit and the choice of shapes. Its validation against
 full-budget measurements is tests/integration/test_memory_model.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from vitserve.worker import memory_model as mm
-from vitserve.worker.memory_model import MODEL_MARGIN, Fit, Probe, Shape
+from vitserve.worker.reservation import memory_model as mm
+from vitserve.worker.reservation.memory_model import MODEL_FACTOR, Fit, Probe, Shape
 
 # --- the fit ------------------------------------------------------------------------------------------------
 
@@ -66,7 +66,7 @@ def test_a_slow_full_stress_is_extrapolated_from_the_probes_up_to_the_target_tim
     assert est is not None
     assert [p.budget for p in est.probes] == [64, 128, 256]
     assert est.predicted_bytes == pytest.approx(1000 + 10 * 8192, abs=1)
-    assert est.reserved_bytes == int(est.predicted_bytes * (1 + MODEL_MARGIN))
+    assert est.reserved_bytes == int(est.predicted_bytes * MODEL_FACTOR)
     assert est.predicted_seconds == pytest.approx(0.005 * 8192)
 
 

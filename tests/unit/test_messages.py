@@ -11,6 +11,21 @@ import torch
 from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.worker import messages as m
 
+READY_FIELDS = {
+    "group": 0,
+    "rank": 0,
+    "pid": 1,
+    "model_name": "x",
+    "family": "qwen2_vl",
+    "embed_dim": 8,
+    "num_deepstack": 0,
+    "dtype": "float32",
+    "device": "cpu",
+    "reserved_bytes": 10,
+    "reserved_source": "stress",
+    "weights_digest": "ab" * 32,
+}
+
 
 def _roundtrip(msg):
     return m.decode([bytes(f) for f in m.encode(msg)])
@@ -54,20 +69,7 @@ def test_result_roundtrip_with_deepstack():
         m.StopMsg(),
         m.AliveMsg(group=0, rank=1, heartbeats=5, batches=2),
         m.ErrorMsg(group=0, rank=1, stage="forward", message="boom", batch_id=4),
-        m.ReadyMsg(
-            group=0,
-            rank=0,
-            pid=1,
-            model_name="x",
-            family="qwen2_vl",
-            embed_dim=8,
-            num_deepstack=0,
-            dtype="float32",
-            device="cpu",
-            reserved_bytes=10,
-            reserved_source="stress",
-            weights_digest="ab" * 32,
-        ),
+        m.ReadyMsg(**READY_FIELDS),
     ],
 )
 def test_plain_messages_roundtrip(msg):
@@ -129,3 +131,11 @@ def test_plain_messages_roundtrip(msg):
 def test_malformed_frames_raise_message_error(frames):
     with pytest.raises(m.MessageError):
         m.decode(frames)
+
+
+def test_a_ready_with_an_unknown_reservation_source_is_malformed():
+    ready = m.ReadyMsg(**READY_FIELDS)
+    header = msgpack.unpackb(bytes(m.encode(ready)[0]))
+    header["reserved_source"] = "full"  # a method, not a source: EngineInfo could not carry it
+    with pytest.raises(m.MessageError, match="reserved_source"):
+        m.decode([msgpack.packb(header)])

@@ -17,11 +17,14 @@ from vitserve.model import load_encoder
 from vitserve.reservation_file import (
     publish_reservation,
     read_reservation,
+    remove_killed,
     remove_reservation,
     reservation_path,
+    write_json_atomic,
 )
-from vitserve.worker.stress import reserve
-from vitserve.worker.worst_case import near_square_grid, worst_case_items
+from vitserve.worker.reservation import Method, StressShape
+from vitserve.worker.reservation.stress import measure, override
+from vitserve.worker.reservation.worst_case import near_square_grid, worst_case_items
 
 torch.set_num_threads(1)
 
@@ -120,20 +123,20 @@ def test_internvl_tile_above_budget_is_a_config_error(internvl):
 
 
 def test_reserve_measures_a_positive_peak(qwen25):
-    res = reserve(qwen25, budget_tokens=256, max_batch_images=4, override_gb=None)
-    assert res.source == "stress"
+    res = measure(qwen25, StressShape(256, 4))
+    assert (res.source, res.method) == ("stress", Method.FULL)  # 256 tokens: too few to extrapolate from
     assert res.bytes > 0
     assert (res.tokens, res.images) == (256, 1)
 
 
 def test_reserve_override_skips_the_stress(qwen25):
-    res = reserve(qwen25, budget_tokens=256, max_batch_images=4, override_gb=1.5)
-    assert (res.bytes, res.source) == (int(1.5 * GIB), "override")
+    res = override(qwen25.device, 1.5)
+    assert (res.bytes, res.source, res.method) == (int(1.5 * GIB), "override", Method.OVERRIDE)
 
 
 def test_negative_override_is_a_config_error(qwen25):
     with pytest.raises(ConfigError, match="--visual_reserved_mem_gb"):
-        reserve(qwen25, budget_tokens=256, max_batch_images=4, override_gb=-1)
+        override(qwen25.device, -1)
 
 
 # --- publication ------------------------------------------------------------------------------------------
@@ -154,6 +157,15 @@ def test_remove_deletes_and_tolerates_missing(tmp_path):
     assert not reservation_path(tmp_path, "cpu", 0).exists()
     assert read_reservation(tmp_path, "cpu", 0) is None
     remove_reservation(tmp_path, "cpu", 0)  # second time: nothing to do, no error
+
+
+def test_remove_killed_takes_only_the_files_the_killed_processes_wrote(tmp_path):
+    publish_reservation(tmp_path, "cpu", 0, 1, "stress")  # written by this process: "killed"
+    publish_reservation(tmp_path, "cuda", 1, 1, "stress")
+    other = {"device": "cpu", "rank": 2, "bytes": 1, "source": "stress", "pid": os.getpid() + 1}
+    write_json_atomic(reservation_path(tmp_path, "cpu", 2), other)  # another service's rank 2
+    remove_killed(tmp_path, [0, 1, 2, 3], [os.getpid()])
+    assert [p.name for p in tmp_path.iterdir()] == ["reserved_mem_cpu_2.json"]
 
 
 @pytest.mark.parametrize(
@@ -216,7 +228,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_cuda_stress_keeps_the_peak_and_a_second_worst_case_does_not_grow_the_pool(checkpoint):
     enc = load_encoder(str(checkpoint("qwen2_5_vl")), device="cuda")
     allocated_before = torch.cuda.memory_allocated()
-    res = reserve(enc, budget_tokens=2048, max_batch_images=4, override_gb=None)
+    res = measure(enc, StressShape(2048, 4))
     held = torch.cuda.memory_reserved()
     assert res.bytes > 0
     assert held >= allocated_before + res.bytes  # no empty_cache: the pool still holds the peak
@@ -229,7 +241,7 @@ def test_cuda_stress_keeps_the_peak_and_a_second_worst_case_does_not_grow_the_po
 def test_cuda_override_reserves_the_amount_in_the_allocator(checkpoint):
     enc = load_encoder(str(checkpoint("qwen2_5_vl")), device="cuda")
     before = torch.cuda.memory_reserved()
-    res = reserve(enc, budget_tokens=256, max_batch_images=4, override_gb=0.25)
+    res = override(enc.device, 0.25)
     assert (res.bytes, res.source) == (GIB // 4, "override")
     assert torch.cuda.memory_reserved() - before >= GIB // 4
 
@@ -240,18 +252,23 @@ def test_budget_off_with_the_processor_limit_is_max_images_of_the_largest_image(
     assert len({id(it.pixel_values) for it in items}) == 1  # equal images share one pixel tensor
 
 
-def test_stress_shape_reads_the_processor_limit_only_where_the_worst_case_needs_it(checkpoint):
+def test_the_stress_shape_carries_the_processors_per_image_limits(checkpoint):
     from vitserve.config import Config
-    from vitserve.worker.stress import stress_shape
+    from vitserve.processors import load_image_processor
+
+    def shape(model: str, **flags) -> StressShape:
+        config = Config(model=model, **flags)
+        clamp = load_image_processor(model, config.budget_tokens).clamp_info()
+        return StressShape.of(config, clamp)
 
     qwen = str(checkpoint("qwen2_5_vl"))  # its preprocessor allows at most 64 tokens per image
-    assert (
-        stress_shape(Config(model=qwen, visual_batch_max_tokens=256), "qwen2_5_vl").max_image_tokens is None
-    )
-    off = stress_shape(Config(model=qwen, visual_batch_max_tokens=0, visual_infer_batch_size=4), "qwen2_5_vl")
+    flags_only = StressShape.of(Config(model=qwen, visual_batch_max_tokens=256, visual_infer_batch_size=4))
+    assert flags_only == StressShape(256, 4)
+    off = shape(qwen, visual_batch_max_tokens=0, visual_infer_batch_size=4)
     assert (off.budget_tokens, off.max_batch_images, off.max_image_tokens) == (0, 4, 64)
-    demo = stress_shape(Config(model="demo", visual_batch_max_tokens=0), "qwen2_5_vl")
+    assert shape(qwen, visual_batch_max_tokens=16).max_image_tokens == 16  # the clamp to the budget
+    demo = shape("demo", visual_batch_max_tokens=0)
     assert demo.max_image_tokens == 16384  # the published Qwen2.5-VL processor's max_pixels / 28^2
-    tiles = stress_shape(Config(model=str(checkpoint("internvl")), visual_batch_max_tokens=100), "internvl")
+    tiles = shape(str(checkpoint("internvl")), visual_batch_max_tokens=100)
     assert tiles.max_tiles_per_image is not None
     assert tiles.max_image_tokens == tiles.max_tiles_per_image * 4  # 4 tokens per tiny tile

@@ -1,4 +1,4 @@
-"""The reservation cache (vitserve/worker/reservation_cache.py): its key, the stored file, and the live peak
+"""The reservation cache (vitserve/worker/reservation/cache.py): its key, the stored file, and the live peak
 check that invalidates it. The CLI round trip (a warm start skips the stress) is
 tests/e2e/test_startup_cache.py."""
 
@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
-from vitserve.worker import reservation_cache as cache
-from vitserve.worker.stress import proc_status_kib
+from vitserve.worker.reservation import Method, Reservation, StressShape, cache
+from vitserve.worker.reservation.meter import proc_status_kib
 
 CPU = torch.device("cpu")
 
@@ -24,30 +24,30 @@ def _key(weights: str = "ab" * 32, **changes):
         "device": CPU,
         "tp": 1,
         "rank": 0,
-        "budget_tokens": 8192,
-        "max_batch_images": 64,
+        "shape": StressShape(8192, 64, max_image_tokens=16384),
     }
     return cache.cache_key(**{**base, **changes})
 
 
-ENTRY = cache.Entry(bytes=123_456_789, method="extrapolated", detail="3 shapes", tokens=8192, images=1)
+ENTRY = Reservation(123_456_789, Method.EXTRAPOLATED, tokens=8192, images=1, detail="3 shapes")
 
 
 def test_a_stored_entry_is_found_under_the_same_key(tmp_path):
     path = cache.cache_path(tmp_path, "cpu", 3)
     assert path.name == "reservation_cache_cpu_3.json"
     cache.store(path, _key(), ENTRY)
-    assert cache.load(path, _key()) == ENTRY
+    assert cache.load(path, _key()) == ENTRY  # every field but the per-process baseline comes back
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # atomic: no temp file left behind
 
 
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"budget_tokens": 4096}, "budget_tokens 8192 -> 4096"),
+        ({"shape": StressShape(4096, 64, max_image_tokens=16384)}, "budget_tokens 8192 -> 4096"),
         ({"tp": 2}, "tp 1 -> 2"),
         ({"dtype": torch.bfloat16}, "dtype 'float32' -> 'bfloat16'"),
-        ({"max_batch_images": 8}, "max_batch_images 64 -> 8"),
+        ({"shape": StressShape(8192, 8, max_image_tokens=16384)}, "max_batch_images 64 -> 8"),
+        ({"shape": StressShape(8192, 64, max_image_tokens=4096)}, "max_image_tokens 16384 -> 4096"),
         ({"family": "qwen2_vl"}, "family 'qwen2_5_vl' -> 'qwen2_vl'"),
     ],
 )
@@ -74,7 +74,9 @@ def test_the_versions_are_part_of_the_key():
     assert key["threads"] == torch.get_num_threads()
 
 
-@pytest.mark.parametrize("content", ["", "{", "[]", '{"key": {}}', '{"key": {}, "entry": {"bytes": 1}}'])
+@pytest.mark.parametrize(
+    "content", ["", "{", "[]", '{"key": {}}', '{"key": {}, "reservation": {"bytes": 1}}']
+)
 def test_an_unreadable_file_measures_again(tmp_path, content):
     path = cache.cache_path(tmp_path, "cpu", 0)
     path.write_text(content)

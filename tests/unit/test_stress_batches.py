@@ -1,4 +1,4 @@
-"""worker/worst_case.stress_batches: every batch of the start-up stress is one the scheduler can form at the budget
+"""worker/reservation/worst_case.stress_batches: every batch of the start-up stress is one the scheduler can form at the budget
 (tokens <= budget, images <= --visual_infer_batch_size), the worst case comes first and last, and the others
 fill the budget (scenario L3)."""
 
@@ -9,7 +9,7 @@ import pytest
 from tests.fakes import FakeEncoderFactory
 from vitserve.config import Config
 from vitserve.families import DISABLED_BUDGET_TOKENS
-from vitserve.worker.worst_case import stress_batches, worst_case_items
+from vitserve.worker.reservation.worst_case import stress_batches, worst_case_items
 
 
 def _encoder():

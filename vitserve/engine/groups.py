@@ -42,6 +42,7 @@ from vitserve.worker import messages as m
 from vitserve.worker import zygote
 from vitserve.worker.rank import WorkerArgs, run_worker
 from vitserve.worker.rendezvous import Rendezvous
+from vitserve.worker.reservation import StressShape
 
 log = logging.getLogger(__name__)
 SEND_WAIT_MS = 2000  # the most the event loop waits for rank 0's batch socket to accept a message
@@ -87,6 +88,7 @@ class WorkerGroup:
         ipc_dir: str,
         status_endpoint: str,
         rendezvous: Rendezvous,
+        stress_shape: StressShape,
     ):
         self.index = index
         self.config = config
@@ -100,6 +102,7 @@ class WorkerGroup:
         self._factory = encoder_factory
         self._status_endpoint = status_endpoint
         self._rendezvous = rendezvous
+        self._stress_shape = stress_shape
         self.processes: list[BaseProcess] = []
         self._init_batch_socket(ctx, f"ipc://{ipc_dir}/batch-{index}")
 
@@ -124,6 +127,7 @@ class WorkerGroup:
         for rank in self.config.node_ranks:
             args = WorkerArgs(
                 config=self.config,
+                stress_shape=self._stress_shape,
                 encoder_factory=self._factory,
                 group=self.index,
                 rank=rank,

@@ -1,6 +1,6 @@
 """A node that runs encoder ranks only (--node_rank > 0): no HTTP, no queue, no LLM handoff.
 
-    code = run_node(config, checkpoint, os.environ)  # the process exit code (docs/api.md)
+    code = run_node(config, checkpoint, os.environ, stress_shape)  # the process exit code (docs/api.md)
 
 It spawns this node's --tp / --nnodes ranks of the one TP group (a WorkerGroup, as node 0's engine does),
 which meet node 0's ranks at the group's TCPStore (worker/rendezvous.py) and then run whatever rank 0
@@ -29,10 +29,11 @@ import zmq
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.engine.groups import WorkerGroup
-from vitserve.reservation_file import read_reservation, remove_reservation
+from vitserve.reservation_file import remove_killed
 from vitserve.worker import messages as m
 from vitserve.worker import rendezvous
 from vitserve.worker.rank import load_configured_encoder
+from vitserve.worker.reservation import StressShape
 
 log = logging.getLogger(__name__)
 TERM_GRACE_S = 1.0  # SIGTERM the ranks, SIGKILL those still running after this
@@ -57,7 +58,11 @@ class _Signals:
         self.received = signum
 
 
-def run_node(config: Config, checkpoint: Checkpoint, environ: Mapping[str, str]) -> int:
+def run_node(
+    config: Config, checkpoint: Checkpoint, environ: Mapping[str, str], stress_shape: StressShape
+) -> int:
+    """stress_shape: the worst case node 0's ranks reserve for, built the same way (vitserve/cli.py): a TP
+    group's ranks run the stress's forwards together."""
     signals = _Signals()
     ipc_dir = tempfile.mkdtemp(prefix="vitserve-node-")  # 0700: only this user reaches the socket
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -74,6 +79,7 @@ def run_node(config: Config, checkpoint: Checkpoint, environ: Mapping[str, str])
         ipc_dir=ipc_dir,
         status_endpoint=endpoint,
         rendezvous=rv,
+        stress_shape=stress_shape,
     )
     ranks = config.node_ranks
     _say(
@@ -84,7 +90,7 @@ def run_node(config: Config, checkpoint: Checkpoint, environ: Mapping[str, str])
         return _watch(config, group, status, signals, rv.where)
     finally:
         group.kill(grace_s=TERM_GRACE_S)
-        _remove_reservations(config, group)
+        remove_killed(config.runtime_dir, map(group.global_rank, config.node_ranks), group.pids)
         status.close(linger=0)
         ctx.term()
         shutil.rmtree(ipc_dir, ignore_errors=True)
@@ -129,13 +135,3 @@ def _after_exit(config: Config, group: WorkerGroup, exited: str, node0: str) -> 
     why = "; ".join(group.errors) or exited
     _say(config, f"node 0 at {node0} went away or a rank here failed ({why}); exiting")
     return 1
-
-
-def _remove_reservations(config: Config, group: WorkerGroup) -> None:
-    """Ranks remove their reservation file on a clean exit; this covers the ones that were killed."""
-    pids = set(group.pids)
-    for rank in config.node_ranks:
-        for device in ("cpu", "cuda"):
-            body = read_reservation(config.runtime_dir, device, group.global_rank(rank))
-            if body is not None and body.get("pid") in pids:
-                remove_reservation(config.runtime_dir, device, group.global_rank(rank))

@@ -48,10 +48,11 @@ from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
 from vitserve.metrics import Metrics
 from vitserve.model.base import Encoder
-from vitserve.reservation_file import read_reservation, remove_reservation
+from vitserve.reservation_file import remove_killed
 from vitserve.worker import rendezvous
 from vitserve.worker.rank import load_configured_encoder, startup_timeout_s
 from vitserve.worker.rendezvous import Rendezvous
+from vitserve.worker.reservation import StressShape
 
 if TYPE_CHECKING:
     from vitserve.engine.shared_cache import SharedCache
@@ -72,11 +73,14 @@ class Engine:
         checkpoint: Checkpoint | None = None,
         group_factory: GroupFactory = WorkerGroup,
         warmup_image: ProcessedImage | None = None,
+        stress_shape: StressShape | None = None,
     ):
         """warmup_image: encoded once by every group before the group counts as ready (the CLI always gives
         one, so /ready means "every rank passed a real encode"); None: a group is ready at its READYs.
         checkpoint: --model as the CLI opened it; the default encoder factory loads it in every rank
-        (None: opened here from the config)."""
+        (None: opened here from the config).
+        stress_shape: the worst case the ranks reserve for, with the image processor's per-image limits (the
+        CLI builds it from the processor it loaded); None: from the flags alone (StressShape.of)."""
         self.config = config
         self.metrics = metrics
         self.warmup_image = warmup_image
@@ -87,6 +91,7 @@ class Engine:
             checkpoint = checkpoint or Checkpoint.open(self.config.model, self.config.model_family)
             encoder_factory = functools.partial(load_configured_encoder, checkpoint)  # pickled to each rank
         self.encoder_factory = encoder_factory
+        self.stress_shape = stress_shape or StressShape.of(config)
         self._group_factory = group_factory
         # where each group's ranks meet: the config, else torchrun's env (read here, once), else one host
         self._environ = dict(os.environ if environ is None else environ)
@@ -124,6 +129,7 @@ class Engine:
                     ipc_dir=self._ipc_dir,
                     status_endpoint=self._status_endpoint,
                     rendezvous=self._rendezvous(g),
+                    stress_shape=self.stress_shape,
                 )
             )
         self._watchdog = Watchdog(groups, self.config.heartbeat_s, self._dispatch.fail_group)
@@ -201,7 +207,7 @@ class Engine:
         self._dispatch.fail_all(NotReady("the server shut down before this image was encoded"))
         for group in self._dispatch.groups:
             group.kill(grace_s=TERM_GRACE_S)
-            self._remove_reservations(group)
+            remove_killed(self.config.runtime_dir, map(group.global_rank, range(self.config.tp)), group.pids)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -217,18 +223,6 @@ class Engine:
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
         self.metrics.workers_ready.set(0)
-
-    def _remove_reservations(self, group: WorkerGroup) -> None:
-        """Ranks remove their own file on a clean exit; this covers ranks that were killed, also those
-        stopped during start-up between publishing their file and their READY (only files they wrote)."""
-        pids = set(group.pids)
-        for rank in range(self.config.tp):
-            ready = group.ready.get(rank)
-            devices = (ready.device.split(":")[0],) if ready is not None else ("cpu", "cuda")
-            for device in devices:
-                body = read_reservation(self.config.runtime_dir, device, group.global_rank(rank))
-                if body is not None and (ready is not None or body["pid"] in pids):
-                    remove_reservation(self.config.runtime_dir, device, group.global_rank(rank))
 
     # ------------------------------------------------------------------------------------ state
 
@@ -276,7 +270,7 @@ class Engine:
             tp=self.config.tp,
             dp=self.config.dp,
             reserved_memory_bytes={rank: msg.reserved_bytes for rank, msg in readies},
-            reserved_source=first.reserved_source,  # type: ignore[arg-type]  # a rank sends only these two
+            reserved_source=first.reserved_source,
         )
 
     # -------------------------------------------------------------------- views for the CLI and tests

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 import torch
@@ -65,9 +65,13 @@ class ReadyMsg:
     dtype: str  # wire name, e.g. "float32"
     device: str  # e.g. "cpu", "cuda:1"
     reserved_bytes: int  # activation memory reserved by the start-up stress (or the override)
-    reserved_source: str  # "stress" | "override"
+    reserved_source: Literal["stress", "override"]  # worker/reservation Reservation.source
     weights_digest: str  # the content digest of the weights it loaded (checkpoint.WeightsDigest)
     kind: Kind = Kind.READY
+
+    def __post_init__(self) -> None:
+        if self.reserved_source not in ("stress", "override"):  # decode: a MessageError, not a bad EngineInfo
+            raise ValueError(f"reserved_source {self.reserved_source!r} is not stress or override")
 
 
 @dataclass

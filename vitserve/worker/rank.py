@@ -18,7 +18,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,11 +28,13 @@ from vitserve.config import Config
 from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.errors import ConfigError
 from vitserve.model.base import Encoder
+from vitserve.reservation_file import publish_reservation, remove_reservation
 from vitserve.rpc.tensors import dtype_name
 from vitserve.worker import broadcast
 from vitserve.worker import messages as m
 from vitserve.worker.liveness import LivenessThread, LoopCounters, die_with_parent
 from vitserve.worker.rendezvous import Rendezvous, beat_for, open_store
+from vitserve.worker.reservation import PeakWatch, Reservation, StressShape, reserve_for_rank
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class WorkerArgs:
     """Everything a rank needs, handed over once at spawn (multiprocessing pickles it into the child)."""
 
     config: Config
+    stress_shape: StressShape  # the worst case's bounds, built once by the CLI from its image processor
     encoder_factory: Callable[[Config], Encoder]
     group: int  # DP group index
     rank: int  # rank inside the group
@@ -127,7 +129,8 @@ class RankWorker:
         self.inbox: zmq.Socket[bytes] | None = None
         self.encoder: Encoder | None = None
         self.distributed = self.cfg.tp > 1
-        self.peak_watch: Any = None  # reservation_cache.PeakWatch once the reservation is measured
+        self.reservation: Reservation | None = None  # once measured (or stored, or the override)
+        self.peak_watch: PeakWatch | None = None  # with it, except for an override
         self.started = time.monotonic()
 
     # ------------------------------------------------------------------------------------ start-up
@@ -224,14 +227,17 @@ class RankWorker:
 
     def _init_reservation(self) -> None:
         """The stored reservation when nothing changed since it was measured, else the stress; then publish."""
-        from vitserve.reservation_file import publish_reservation
-        from vitserve.worker.reservation_cache import how, reserve_for_rank
-
         assert self.encoder is not None
         res, self.peak_watch = reserve_for_rank(
-            self.cfg, self.encoder, self.device, self.args.rank, self.args.global_rank, self._say
+            self.cfg,
+            self.args.stress_shape,
+            self.encoder,
+            self.device,
+            self.args.rank,
+            self.args.global_rank,
+            self._say,
         )
-        self._say(f"publishing: {res.bytes / 2**20:.0f} MiB reserved ({how(res)})")
+        self._say(f"publishing: {res.bytes / 2**20:.0f} MiB reserved ({res.method.value})")
         publish_reservation(
             self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source
         )
@@ -251,8 +257,9 @@ class RankWorker:
         self.inbox.bind(self.args.batch_endpoint)  # bound before READY: the engine's queued batches flow in
 
     def _send_ready(self) -> None:
-        enc = self.encoder
+        enc, res = self.encoder, self.reservation
         assert enc is not None
+        assert res is not None
         self.status.send_multipart(
             m.encode(
                 m.ReadyMsg(
@@ -265,8 +272,8 @@ class RankWorker:
                     num_deepstack=enc.num_deepstack,
                     dtype=dtype_name(enc.dtype),
                     device=str(self.device),
-                    reserved_bytes=int(self.reservation.bytes),
-                    reserved_source=self.reservation.source,
+                    reserved_bytes=res.bytes,
+                    reserved_source=res.source,
                     weights_digest=enc.weights_digest,
                 )
             )
@@ -382,8 +389,8 @@ class RankWorker:
 
     def exit(self, code: int) -> None:
         """Leave without running collective teardown: a peer may be dead, and barriers would hang."""
-        if code == 0:
-            self._remove_reservation()
+        if code == 0 and self.reservation is not None:  # a killed rank's file: reservation_file.remove_killed
+            remove_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank)
         liveness = getattr(self, "liveness", None)
         if liveness is not None:
             liveness.stop()
@@ -394,10 +401,3 @@ class RankWorker:
         if liveness is None or not liveness.is_alive():  # term() waits for every socket to be closed
             self.ctx.term()  # blocks until the last RESULT/ERROR is flushed (or the linger passes)
         os._exit(code)
-
-    def _remove_reservation(self) -> None:
-        if getattr(self, "reservation", None) is None:
-            return
-        from vitserve.reservation_file import remove_reservation
-
-        remove_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank)

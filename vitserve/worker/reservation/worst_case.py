@@ -15,7 +15,7 @@ Which batch is the worst case:
   far larger (tiny tower, 1024 tokens as 1 / 4 / 16 images: 525 / 59.7 / 14.7 MiB).
   Caveat on CPU: glibc's heap fragments, so a later batch (even the same one) can raise the RSS peak above
   the stress peak (scenario L3, tests/integration/test_memory_l3.py: +12-38 MiB over a 62-107 MiB
-  growth); hence the multi-batch stress and CPU_HEAP_MARGIN. CUDA's caching allocator reuses its blocks.
+  growth); hence the multi-batch stress and meter.HEAP_FACTOR. CUDA's caching allocator reuses its blocks.
 - InternVL: every tile is encoded independently at the fixed tile size, so memory grows with the total
   number of tiles in the batch: as many tiles as the budget admits. The per-image tile cap is the
   processor's (clamped `max_patches` + the thumbnail) and is not known to the encoder; when the caller

@@ -1,10 +1,10 @@
 """The reservation cache: a rank's measured reservation, kept in --runtime_dir so that a restart with nothing
-changed skips the start-up stress (docs/engine.md, "Start-up").
+changed skips the start-up stress (docs/engine.md, "The reservation cache").
 
 One file per rank, reservation_cache_<device>_<global rank>.json, written atomically
 (vitserve/reservation_file.write_json_atomic). It holds the key the reservation was measured under and the
 result. The key is everything that can change the bytes: the weights, dtype, device model, TP degree and
-rank, budget, batch-image cap, family, thread count, and the vitserve, torch and transformers versions. A different key means re-measure, with a warning that names what changed.
+rank, stress shape (the budget, the batch-image cap and the processor's per-image limits), family, thread count, and the vitserve, torch and transformers versions. A different key means re-measure, with a warning that names what changed.
 
 The weights are keyed by the encoder's `weights_digest`: the checkpoint's content digest
 (vitserve/checkpoint.py), which the loader computes from the bytes it reads anyway and which covers the
@@ -20,21 +20,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import vitserve
-from vitserve.config import Config
-from vitserve.model.base import Encoder
 from vitserve.reservation_file import write_json_atomic
-from vitserve.worker import stress
+from vitserve.worker.reservation.meter import live_peak
+from vitserve.worker.reservation.record import Reservation
+from vitserve.worker.reservation.shape import StressShape
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1  # bump when the stress or the model changes what a stored number means
+CACHE_FORMAT = 2  # bump when the stress or the model changes what a stored number means
 
 
 def cache_path(runtime_dir: str | os.PathLike[str], device_type: str, global_rank: int) -> Path:
@@ -66,12 +66,9 @@ def cache_key(
     device: torch.device,
     tp: int,
     rank: int,
-    budget_tokens: int,
-    max_batch_images: int,
+    shape: StressShape,
 ) -> dict[str, Any]:
-    """Everything the stored bytes depend on. The processor's per-image limits that shape the worst case
-    (vitserve.worker.stress.stress_shape) follow from the digested processor config, the budget
-    and vitserve's version, so computing them (which loads the processor) is left to a miss."""
+    """Everything the stored bytes depend on."""
     import transformers
 
     return {
@@ -84,30 +81,18 @@ def cache_key(
         "threads": torch.get_num_threads() if device.type == "cpu" else 0,
         "tp": tp,
         "rank": rank,
-        "budget_tokens": budget_tokens,
-        "max_batch_images": max_batch_images,
+        **asdict(shape),  # budget_tokens, max_batch_images and the processor's per-image limits
         "vitserve": vitserve.__version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
 
 
-@dataclass(frozen=True)
-class Entry:
-    """A stored reservation: the bytes to publish and how they were found."""
-
-    bytes: int
-    method: str
-    detail: str
-    tokens: int
-    images: int
-
-
-def load(path: Path, key: dict[str, Any]) -> Entry | None:
-    """The stored entry when its key equals `key`; else None, with a warning naming what changed."""
+def load(path: Path, key: dict[str, Any]) -> Reservation | None:
+    """The stored reservation when its key equals `key`; else None, with a warning naming what changed."""
     try:
         body = json.loads(path.read_text())
-        stored, entry = body["key"], Entry(**body["entry"])
+        stored, entry = body["key"], Reservation.from_stored(body["reservation"])
     except FileNotFoundError:
         log.info("no stored reservation at %s: measuring", path)
         return None
@@ -122,9 +107,9 @@ def load(path: Path, key: dict[str, Any]) -> Entry | None:
     return entry
 
 
-def store(path: Path, key: dict[str, Any], entry: Entry) -> None:
+def store(path: Path, key: dict[str, Any], res: Reservation) -> None:
     try:
-        write_json_atomic(path, {"key": key, "entry": entry.__dict__})
+        write_json_atomic(path, {"key": key, "reservation": res.stored()})
     except OSError as exc:  # a read-only runtime dir costs the next start a stress, nothing else
         log.warning("could not store the reservation at %s (%s); the next start measures again", path, exc)
 
@@ -147,7 +132,7 @@ class PeakWatch:
     def check(self) -> None:
         if self.exceeded:
             return
-        growth = self._peak() - self.baseline
+        growth = live_peak(self.device) - self.baseline
         if growth <= self.published:
             return
         self.exceeded = True
@@ -159,68 +144,3 @@ class PeakWatch:
         )
         if self.cache_file is not None:
             invalidate(self.cache_file)
-
-    def _peak(self) -> int:
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_reserved(self.device))
-        hwm = stress.proc_status_kib("VmHWM")
-        return 0 if hwm is None else hwm * 1024
-
-
-def reserve_for_rank(
-    cfg: Config,
-    encoder: Encoder,
-    device: torch.device,
-    rank: int,
-    global_rank: int,
-    say: stress.Progress,
-) -> tuple[stress.Reservation, PeakWatch | None]:
-    """A rank's reservation: the override, else the stored one when its key matches, else the stress (then
-    stored). Also the PeakWatch the rank loop runs after every batch (None for an override)."""
-    if cfg.visual_reserved_mem_gb is not None:
-        res = stress.reserve(
-            encoder, budget_tokens=0, max_batch_images=1, override_gb=cfg.visual_reserved_mem_gb
-        )
-        return res, None
-    key = cache_key(
-        weights=encoder.weights_digest,
-        model_name=encoder.model_name,
-        family=encoder.family,
-        dtype=encoder.dtype,
-        device=device,
-        tp=cfg.tp,
-        rank=rank,
-        budget_tokens=cfg.budget_tokens,
-        max_batch_images=cfg.max_batch_images,
-    )
-    path = cache_path(cfg.runtime_dir, device.type, global_rank)
-    entry = load(path, key)
-    if stress.agree_max(float(entry is None), device) > 0:  # a TP group skips the stress only all together
-        entry = None
-    if entry is not None:
-        say(f"stress: skipped, the reservation stored in {path} matches this setup")
-        stored = stress.Reservation(
-            entry.bytes, "stress", entry.tokens, entry.images, entry.method, entry.detail
-        )
-        res = stress.adopt(encoder, stored)
-    else:
-        shape = stress.stress_shape(cfg, encoder.family)  # may load the processor: only on a miss
-        say(f"stress: measuring the worst case at --visual_batch_max_tokens {shape.budget_tokens}")
-        res = stress.reserve(
-            encoder,
-            budget_tokens=shape.budget_tokens,
-            max_batch_images=shape.max_batch_images,
-            override_gb=None,
-            max_tiles_per_image=shape.max_tiles_per_image,
-            max_image_tokens=shape.max_image_tokens,
-            progress=say,
-        )
-        store(path, key, Entry(res.bytes, res.method, res.detail, res.tokens, res.images))
-    return res, PeakWatch(device, res.baseline, res.bytes, path)
-
-
-def how(res: stress.Reservation) -> str:
-    """How a reservation was found, for the progress line."""
-    if res.source == "override":
-        return "--visual_reserved_mem_gb"
-    return f"{res.method}, stored" if res.cached else res.method
