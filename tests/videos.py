@@ -3,7 +3,7 @@
 Frame k holds k in binary as a row of BITS black or white cells across its lower half (readable after lossy
 coding and after a resize: ``frame_number``) above a pattern that moves with k, so that neighbouring frames
 differ everywhere. Clips: H.264 in MP4 (B-frames, a keyframe every ``gop`` frames), H.264 in MKV, VP9 and VP8
-in WebM, at any frame rate (29.97 by default).
+in WebM, H.265 in MP4, AV1 in WebM, at any frame rate (29.97 by default).
 """
 
 from __future__ import annotations
@@ -16,12 +16,21 @@ import numpy as np
 
 NTSC = Fraction(30000, 1001)  # 29.97 fps
 BITS = 10  # frame numbers up to 1023
-# (container format, encoder) per kind of clip
+# (container format, encoder) per kind of clip: every codec vitserve accepts
 KINDS = {
     "mp4": ("mp4", "libx264"),
     "mkv": ("matroska", "libx264"),
     "webm": ("webm", "libvpx-vp9"),
     "webm_vp8": ("webm", "libvpx"),
+    "hevc": ("mp4", "libx265"),
+    "av1": ("webm", "libsvtav1"),
+}
+_VPX = {"deadline": "realtime", "cpu-used": "8", "crf": "20", "b": "0"}
+_OPTIONS = {
+    "libvpx": _VPX,
+    "libvpx-vp9": _VPX,
+    "libx265": {"preset": "ultrafast", "crf": "20", "x265-params": "log-level=error"},
+    "libsvtav1": {"preset": "12", "crf": "30"},
 }
 
 
@@ -64,10 +73,7 @@ def make_clip(
         stream.width, stream.height = size
         stream.pix_fmt = "yuv420p"
         stream.codec_context.gop_size = gop
-        if encoder == "libx264":
-            stream.options = {"preset": preset, "crf": "18"}
-        else:
-            stream.options = {"deadline": "realtime", "cpu-used": "8", "crf": "20", "b": "0"}
+        stream.options = {"preset": preset, "crf": "18"} if encoder == "libx264" else _OPTIONS[encoder]
         for k in range(frames):
             frame = av.VideoFrame.from_ndarray(frame_pixels(k, *size), format="rgb24")
             for packet in stream.encode(frame):

@@ -37,7 +37,7 @@ from vitserve.config import Config
 from vitserve.errors import InvalidVideo, PayloadTooLarge, UnsupportedVideo, VitserveError
 from vitserve.processors.pixels import resize_uint8
 
-# The video codecs SPEC §9 accepts, by FFmpeg codec name.
+# The video codecs SPEC §9 accepts, by FFmpeg codec (not decoder) name.
 CODECS = ("h264", "hevc", "vp8", "vp9", "av1")
 _MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip", b"pnot")  # a QuickTime file's first box
 _EBML_MAGIC = b"\x1a\x45\xdf\xa3"  # Matroska and WebM
@@ -147,7 +147,7 @@ def _open(data: bytes, limits: VideoLimits) -> Iterator[tuple[Any, Any, str]]:
 
 
 def _check_header(stream: Any, container: Any, limits: VideoLimits) -> None:
-    codec = stream.codec_context.codec.name if stream.codec_context else None
+    codec = _codec_name(stream) if stream.codec_context else None
     if codec not in CODECS:
         raise UnsupportedVideo(f"video codec {codec!r} is not one of {', '.join(CODECS)}")
     if stream.codec_context.width <= 0 or stream.codec_context.height <= 0:
@@ -160,7 +160,8 @@ def _check_header(stream: Any, container: Any, limits: VideoLimits) -> None:
 
 
 def _codec_name(stream: Any) -> str:
-    return str(stream.codec_context.codec.name)
+    """The codec's own name ("av1"), not its decoder's ("libdav1d")."""
+    return str(stream.codec_context.codec.canonical_name)
 
 
 def _pts_table(container: Any, stream: Any, limits: VideoLimits) -> _PtsTable:
