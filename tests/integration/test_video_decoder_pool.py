@@ -139,6 +139,8 @@ def test_a_decoder_that_died_between_calls_is_replaced_before_use(pool, clip):
 def test_the_cpu_limit_stops_a_decoder(clip, heavy):
     """RLIMIT_CPU: a call allowed under a second of CPU time is ended by the kernel (SIGXCPU): a 504."""
     with VideoDecoder(slots=1, cpu_s=0.001) as pool:
+        with pytest.raises(VideoDecodeTimeout, match="deadline of 0.01 s.*still starting"):
+            pool.probe(clip, deadline_s=0.01)  # the deadline covers the wait for a starting process
         pool.wait_ready()
         with pytest.raises(VideoDecodeTimeout, match="CPU time") as err:
             pool.decode(heavy, tuple(range(120)), (640, 360), deadline_s=DEADLINE_S)

@@ -27,6 +27,7 @@ import multiprocessing as mp
 import queue
 import resource
 import signal
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -34,7 +35,14 @@ from typing import Any
 import numpy as np
 
 from vitserve.config import GIB
-from vitserve.errors import InvalidVideo, PayloadTooLarge, UnsupportedVideo, VideoDecodeTimeout, VitserveError
+from vitserve.errors import (
+    InvalidVideo,
+    NotReady,
+    PayloadTooLarge,
+    UnsupportedVideo,
+    VideoDecodeTimeout,
+    VitserveError,
+)
 from vitserve.video.decode import VideoInfo, VideoLimits
 
 _READY = "ready"  # a slot's first message, once its imports are done and its limits set
@@ -131,8 +139,8 @@ def _limit_cpu(cpu_s: float) -> None:
 class _Slot:
     """One decoder process and the parent's end of its pipe."""
 
-    def __init__(self, ctx: Any, limits: ProcessLimits, start_timeout_s: float) -> None:
-        self.ctx, self.limits, self.start_timeout_s = ctx, limits, start_timeout_s
+    def __init__(self, ctx: Any, limits: ProcessLimits) -> None:
+        self.ctx, self.limits = ctx, limits
         self.process: Any = None
         self.conn: Connection | None = None
         self.ready = False
@@ -147,13 +155,14 @@ class _Slot:
         child.close()
         self.conn, self.ready = parent, False
 
-    def wait_ready(self) -> None:
-        """Block until the process has said ready (raises RuntimeError if it does not start)."""
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the process's ready message: False if it has not come; RuntimeError
+        if the process failed to start."""
         if self.ready:
-            return
+            return True
         assert self.conn is not None
-        if not self.conn.poll(self.start_timeout_s):
-            raise RuntimeError(f"a video decoder process did not start in {self.start_timeout_s:g} s")
+        if not self.conn.poll(max(0.0, timeout_s)):
+            return False
         try:
             message = self.conn.recv()
         except EOFError:
@@ -161,6 +170,7 @@ class _Slot:
         if message != _READY:
             raise RuntimeError(f"a video decoder process failed to start (exit code {self.process.exitcode})")
         self.ready = True
+        return True
 
     def replace(self) -> int | None:
         """Kill the process (if alive), reap it and start another; returns the old process's exit code."""
@@ -202,9 +212,10 @@ class VideoDecoder:
         self.limits = limits or VideoLimits()
         self.cpu_s = cpu_s
         self.threads = threads
+        self.start_timeout_s = start_timeout_s
         ctx = mp.get_context("spawn")
         process_limits = ProcessLimits(memory_bytes=memory_bytes, threads=threads)
-        self._slots = [_Slot(ctx, process_limits, start_timeout_s) for _ in range(slots)]
+        self._slots = [_Slot(ctx, process_limits) for _ in range(slots)]
         self._free: queue.Queue[_Slot] = queue.Queue()
         for slot in self._slots:
             self._free.put(slot)
@@ -212,7 +223,8 @@ class VideoDecoder:
     def wait_ready(self) -> None:
         """Block until every slot's process has started (a start-up handshake, never a sleep)."""
         for slot in self._slots:
-            slot.wait_ready()
+            if not slot.wait_ready(self.start_timeout_s):
+                raise RuntimeError(f"a video decoder process did not start in {self.start_timeout_s:g} s")
 
     def pids(self) -> list[int]:
         return [slot.process.pid for slot in self._slots]
@@ -247,30 +259,37 @@ class VideoDecoder:
     def _run(self, op: Op, data: bytes, deadline_s: float, *args: Any) -> Reply:
         cpu_s = self.cpu_s if self.cpu_s is not None else deadline_s * (self.threads + 1)
         job = Job(op, data, self.limits, cpu_s, *args)
-        slot = self._free.get()
+        end = time.monotonic() + deadline_s  # the deadline covers waiting for a slot and for its start
         try:
-            slot.wait_ready()
-            if not slot.process.is_alive():  # died between calls: a fresh one, then this call
+            slot = self._free.get(timeout=max(0.0, deadline_s))
+        except queue.Empty:
+            raise _timeout(deadline_s, "every video decoder was busy until then") from None
+        try:
+            if not slot.process.is_alive():  # died between calls (or while starting): a fresh one
                 slot.replace()
-                slot.wait_ready()
-            return self._call(slot, job, deadline_s)
+            try:
+                ready = slot.wait_ready(min(self.start_timeout_s, end - time.monotonic()))
+            except RuntimeError as exc:
+                slot.replace()
+                raise NotReady(f"the video decoder could not start: {exc}") from exc
+            if not ready:
+                raise _timeout(deadline_s, "a video decoder process was still starting")
+            return self._call(slot, job, end - time.monotonic(), deadline_s)
         finally:
             self._free.put(slot)
 
-    def _call(self, slot: _Slot, job: Job, deadline_s: float) -> Reply:
+    def _call(self, slot: _Slot, job: Job, wait_s: float, deadline_s: float) -> Reply:
+        """The job on the slot's process, waiting ``wait_s`` (what is left of ``deadline_s``) for its reply."""
         assert slot.conn is not None
         try:
             slot.conn.send(job)
-            answered = slot.conn.poll(deadline_s)
+            answered = slot.conn.poll(max(0.0, wait_s))
             reply = slot.conn.recv() if answered else None
         except (EOFError, OSError):  # the process died: its pipe closed
             reply, answered = None, True
         if reply is None and not answered:
             slot.replace()
-            raise VideoDecodeTimeout(
-                f"decoding the video took longer than its deadline of {deadline_s:g} s (the request's "
-                "remaining time under --request_timeout_s); the decoder was stopped"
-            )
+            raise _timeout(deadline_s, "the decoder was stopped")
         if not isinstance(reply, Reply):
             raise self._died(slot, job)
         if reply.error_code is not None:
@@ -291,3 +310,10 @@ class VideoDecoder:
             else f"exit code {exitcode}"
         )
         return InvalidVideo(f"the video decoder crashed on this video ({how}); the decoder was replaced")
+
+
+def _timeout(deadline_s: float, what: str) -> VideoDecodeTimeout:
+    return VideoDecodeTimeout(
+        f"decoding the video took longer than its deadline of {deadline_s:g} s (the request's remaining time "
+        f"under --request_timeout_s): {what}"
+    )
