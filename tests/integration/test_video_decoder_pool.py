@@ -152,7 +152,9 @@ def test_the_memory_limit_stops_a_decoder(clip, heavy):
     """RLIMIT_AS: 120 full 720p frames (330 MB) do not fit in 64 MiB more than the started process: a 400."""
     with VideoDecoder(slots=1, memory_bytes=64 * 1024 * 1024) as pool:
         pool.wait_ready()
-        with pytest.raises(InvalidVideo) as err:
+        with pytest.raises(
+            InvalidVideo, match="more memory than a decoder process may use.*0.0625 GiB"
+        ) as err:
             pool.decode(heavy, tuple(range(120)), None, deadline_s=DEADLINE_S)
         assert err.value.status == 400
         _serves(pool, clip)

@@ -111,6 +111,11 @@ def _child_main(conn: Connection, limits: ProcessLimits) -> None:
                 reply = Reply(frames=frames)
         except Exception as exc:  # every failure is an answer; MemoryError included
             code, message = error_reply(exc)
+            if isinstance(exc, MemoryError) or isinstance(exc.__cause__, MemoryError):
+                message = (
+                    f"decoding the video needed more memory than a decoder process may use (its size at start "
+                    f"+ {limits.memory_bytes / GIB:g} GiB, VideoDecoder's memory_bytes)"
+                )
             reply = Reply(error_code=code, error_message=message)
         del job
         conn.send(reply)
