@@ -103,6 +103,25 @@ def test_seeking_over_many_keyframes():
             np.testing.assert_array_equal(frame, reference[index])
 
 
+def test_seeks_only_when_a_keyframe_lies_between(monkeypatch):
+    """Sparse indices each seek to their keyframe; indices inside one keyframe interval decode on."""
+    data = make_clip(125, "mp4", fps=Fraction(25), gop=5)
+    seeks: list[int] = []
+    real_seek = decode._seek
+
+    def counting_seek(container, stream, pts):
+        seeks.append(pts)
+        return real_seek(container, stream, pts)
+
+    monkeypatch.setattr(decode, "_seek", counting_seek)
+    decode_frames(data, [0, 1, 2, 3, 4], None, LIMITS)
+    assert len(seeks) == 1  # one interval: one seek to its keyframe, then decoding on
+    seeks.clear()
+    decode_frames(data, list(range(2, 125, 10)), None, LIMITS)
+    assert len(seeks) == 13  # a keyframe between every two targets
+    assert len(set(seeks)) == 13
+
+
 def test_one_frame_clip():
     data = make_clip(1, "mp4")
     info = probe(data, LIMITS)
