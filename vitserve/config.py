@@ -35,6 +35,10 @@ class Config:
     max_images_per_request: int = 32
     max_request_bytes: int = 64 * MIB
     max_image_pixels: int = 50_000_000
+    # video limits, checked from the container header (and the demuxed frame count) before decoding
+    max_video_bytes: int = 256 * MIB
+    max_video_duration_s: float = 3600.0
+    max_video_frames: int = 36_000  # frames in the video (counted by demuxing)
     request_timeout_s: float = 120.0
     heartbeat_s: float = 60.0
     dist_timeout_s: float = 1800.0

@@ -69,6 +69,26 @@ class InvalidVideoSampling(VitserveError):
     status, code = 400, "invalid_video_sampling"
 
 
+class InvalidVideo(VitserveError):
+    """Not a decodable video: corrupt or truncated data, no video stream, fewer frames decoded than asked, or
+    a decoder that crashed on it (docs/processing.md "Decoding")."""
+
+    status, code = 400, "invalid_video"
+
+
+class UnsupportedVideo(InvalidVideo):
+    """A container or codec outside the allowlist (MP4, MOV, MKV, WebM; H.264, H.265, VP8, VP9, AV1), or one
+    this build's decoder lacks: the message names it. 400 as SPEC §9 says, a subclass of InvalidVideo."""
+
+    status, code = 400, "unsupported_video"
+
+
+class VideoDecodeTimeout(VitserveError):
+    """A video decoder that ran past its wall deadline or its CPU limit: it was killed and replaced."""
+
+    status, code = 504, "video_decode_timeout"
+
+
 class ImageTooSmall(VitserveError):
     status, code = 400, "image_too_small"
 

@@ -120,6 +120,17 @@ FLAGS: dict[str, Flag] = {
     "max_image_pixels": Flag(
         parse_int, "budget and limits", "decoded width x height above this -> 413 (checked from the header)"
     ),
+    "max_video_bytes": Flag(
+        parse_size, "budget and limits", "larger video -> 413 (accepts sizes like 256MiB)"
+    ),
+    "max_video_duration_s": Flag(
+        float, "budget and limits", "longer video -> 413 (checked from the container before decoding)"
+    ),
+    "max_video_frames": Flag(
+        parse_int,
+        "budget and limits",
+        "a video with more frames -> 413 (counted by demuxing, before decoding)",
+    ),
     "request_timeout_s": Flag(float, "budget and limits", "end-to-end deadline (504 after it)"),
     "image_resize": Flag(
         str,
@@ -289,6 +300,9 @@ def validate(config: Config) -> None:
         "max_images_per_request",
         "max_request_bytes",
         "max_image_pixels",
+        "max_video_bytes",
+        "max_video_duration_s",
+        "max_video_frames",
         "request_timeout_s",
         "heartbeat_s",
         "dist_timeout_s",
