@@ -6,11 +6,19 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+import tests.profiles  # noqa: F401  (registers the Hypothesis profiles)
 
 # Two cores here: keep each process to one intra-op thread unless a test says otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+settings.load_profile("quick")  # --hypothesis-profile slow, read after this, switches
+
 _FOLDER_MARKS = {"unit": pytest.mark.unit, "integration": pytest.mark.integration, "e2e": pytest.mark.e2e}
+# Folders whose tests start encoder ranks from this process (in-process engines, gloo ranks); their
+# tests get the session's forkserver (the `forkserver` fixture).
+_RANK_FOLDERS = {"integration", "e2e"}
 # Unit tests (no processes, no sockets) get a tighter limit than pyproject's default of 300 s: the slowest
 # took 15.5 s (--durations, 2 cores at load ~19). A unit test that needs more marks its own timeout.
 UNIT_TIMEOUT_S = 60
@@ -35,3 +43,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def forkserver() -> None:
+    """The ranks' warm forkserver (vitserve/worker/zygote.py), started once for the session as the CLI starts
+    it: every rank an in-process engine or tests/dist.py starts afterwards is forked with torch, zmq and the
+    rank's modules already imported, instead of a spawned interpreter importing them again (~7 s of CPU on
+    2 cores, for each of ~45 engine starts). It dies with the pytest process (forkserver_guard.py)."""
+    from vitserve.worker import zygote
+
+    zygote.start("demo")
+
+
+@pytest.fixture(autouse=True)
+def _ranks_from_the_session_forkserver(request) -> None:
+    if Path(str(request.node.fspath)).parent.name in _RANK_FOLDERS:
+        request.getfixturevalue("forkserver")

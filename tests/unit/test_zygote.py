@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+from tests.cli import ROOT
 from vitserve.worker import zygote
 
 
@@ -44,5 +45,13 @@ def test_the_guard_exits_a_forkserver_whose_service_is_already_gone():
     assert "still here" in here.stdout, here.stderr
 
 
-def test_without_start_ranks_are_spawned():
-    assert zygote.context().get_start_method() == "spawn"
+def test_without_start_ranks_are_spawned_and_after_it_forked_from_the_forkserver(tmp_path):
+    # A fresh interpreter: this session's tests/conftest.py may have started the forkserver here already.
+    code = (
+        "from vitserve.worker import zygote\n"
+        "print(zygote.context().get_start_method())\n"
+        "zygote.start('demo')\n"
+        "print(zygote.context().get_start_method())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.stdout.split() == ["spawn", "forkserver"], out.stderr
