@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -50,10 +51,30 @@ def forkserver() -> None:
     """The ranks' warm forkserver (vitserve/worker/zygote.py), started once for the session as the CLI starts
     it: every rank an in-process engine or tests/dist.py starts afterwards is forked with torch, zmq and the
     rank's modules already imported, instead of a spawned interpreter importing them again (~7 s of CPU on
-    2 cores, for each of ~45 engine starts). It dies with the pytest process (forkserver_guard.py)."""
+    2 cores, for each of ~45 engine starts). It dies with the pytest process (forkserver_guard.py).
+
+    A forked rank writes to the forkserver's stdout and stderr, not to this process's at the time it starts
+    (as a spawned one did), so they are a pipe whose bytes a thread copies to this process's fd 2 as they
+    come: rank output lands in the running test's captured output (capfd, failure reports)."""
     from vitserve.worker import zygote
 
-    zygote.start("demo")
+    read_end, write_end = os.pipe()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(write_end, 1)
+    os.dup2(write_end, 2)
+    try:
+        zygote.start("demo")  # the forkserver is launched here, inheriting fds 1 and 2 (the pipe)
+    finally:
+        for fd, old in zip((1, 2), saved, strict=True):
+            os.dup2(old, fd)
+            os.close(old)
+        os.close(write_end)
+    threading.Thread(target=_relay, args=(read_end,), name="forkserver-output", daemon=True).start()
+
+
+def _relay(read_end: int) -> None:
+    while chunk := os.read(read_end, 1 << 16):  # b"" once the forkserver and every rank are gone
+        os.write(2, chunk)
 
 
 @pytest.fixture(autouse=True)
