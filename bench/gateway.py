@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record, report  # noqa: E402
 from tests.checkpoints import make_servable_checkpoint  # noqa: E402
-from tests.cli import CliServer  # noqa: E402
+from tests.cli import Cli  # noqa: E402
 from tests.openai_chat import data_url  # noqa: E402
 from tests.vllm_server import VllmServer  # noqa: E402
 from vitserve.checkpoint import Checkpoint  # noqa: E402
@@ -170,7 +170,7 @@ def main() -> None:
         argv = ["--model", str(ckpt), "--port", "0", "--llm_url", vllm.url, "--device", "cpu"]
         # a batch holds up to 8 images; each image is held to BUDGET by the checkpoint's own max_pixels
         argv += ["--visual_batch_max_tokens", str(BUDGET * 8), "--cache_gb", "1"]
-        vitserve = CliServer(argv, tmp / "vitserve")
+        vitserve = Cli(argv, tmp / "vitserve")
         vitserve.wait_ready(900)
         urls = {"vllm": vllm.url, "vitserve": vitserve.url}
         for url in urls.values():

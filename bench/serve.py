@@ -26,7 +26,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from bench import record  # noqa: E402
 from bench.loadgen import batch_delta, json_bodies, run_point, scrape_batch_metrics, wait_ready  # noqa: E402
 from bench.workloads import WORKLOADS  # noqa: E402
+from tests.cli import CLI, Cli  # noqa: E402
 
 # (images generated, concurrencies, seconds per point, request cap per point) per workload
 # How long a server may take to become ready. On the shared 2-core VM at load average ~16, vitserve's worker
@@ -79,9 +79,7 @@ def server_command(
     """The argv of one server; ``extra``: more vitserve flags (bench/scaling.py's --dp / --tp)."""
     if kind == "vitserve":
         return [
-            sys.executable,
-            "-m",
-            "vitserve.cli",
+            *CLI,
             "--model",
             "demo",
             "--host",
@@ -121,25 +119,18 @@ def launched(
     """
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as runtime_dir, open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            server_command(kind, port, budget, threads, runtime_dir, extra),
-            cwd=tree,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as runtime_dir:
+        server = Cli(
+            server_command(kind, port, budget, threads, runtime_dir, extra), env=env, command=(), cwd=tree,
+            log=log_path,
+        )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_ready(url, "/ready" if kind == "vitserve" else "/health", READY_TIMEOUT_S, proc)
+            wait_ready(url, "/ready" if kind == "vitserve" else "/health", READY_TIMEOUT_S, server.proc)
             yield url
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            with contextlib.suppress(AssertionError):  # killed after 60 s: nothing more to do
+                server.terminate(60)
 
 
 def bench_servers(kinds: list[str], bodies: dict, profile: dict, threads: int, out_dir: Path) -> dict:

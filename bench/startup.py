@@ -15,6 +15,7 @@ load before and after, each start with the load average it ran at) is appended t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import record  # noqa: E402
+from tests.cli import Cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 900.0
@@ -44,20 +46,15 @@ def one_start(runtime_dir: Path, budget: int, log_path: Path) -> dict:
     """Launch the CLI, wait for /ready 200, stop it; seconds to ready and the phase lines with their times."""
     port = free_port()
     env = {**os.environ, "VITSERVE_RUNTIME_DIR": str(runtime_dir)}
-    argv = [sys.executable, "-m", "vitserve.cli", "--model", "demo", "--port", str(port)]
-    argv += ["--visual_batch_max_tokens", str(budget)]
+    args = ["--model", "demo", "--port", str(port), "--visual_batch_max_tokens", str(budget)]
     start = time.monotonic()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            ready_s = _wait_ready(f"http://127.0.0.1:{port}/ready", proc, start)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    server = Cli(args, env=env, log=log_path)
+    try:
+        ready_s = _wait_ready(f"http://127.0.0.1:{port}/ready", server.proc, start)
+    finally:
+        with contextlib.suppress(AssertionError):  # killed after 60 s
+            server.terminate(60)
+        server.wait_exit(60)  # the log file is complete
     text = log_path.read_text()
     phases = [line for line in text.splitlines() if line.startswith("vitserve [group")]
     return {
@@ -65,11 +62,11 @@ def one_start(runtime_dir: Path, budget: int, log_path: Path) -> dict:
         "loadavg": list(os.getloadavg()),
         "stress_skipped": any("stress: skipped" in line for line in phases),
         "phases": phases,
-        "exit_code": proc.returncode,
+        "exit_code": server.proc.returncode,
     }
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], start: float) -> float:
+def _wait_ready(url: str, proc: subprocess.Popen[str], start: float) -> float:
     while time.monotonic() - start < READY_TIMEOUT_S:
         if proc.poll() is not None:
             raise RuntimeError(f"vitserve exited with code {proc.returncode} before it was ready")

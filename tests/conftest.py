@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+import tests.profiles  # noqa: F401  (registers the Hypothesis profiles)
 
 # Two cores here: keep each process to one intra-op thread unless a test says otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+settings.load_profile("quick")  # --hypothesis-profile slow, read after this, switches
+
 _FOLDER_MARKS = {"unit": pytest.mark.unit, "integration": pytest.mark.integration, "e2e": pytest.mark.e2e}
+# Folders whose tests start encoder ranks from this process (in-process engines, gloo ranks); their
+# tests get the session's forkserver (the `forkserver` fixture).
+_RANK_FOLDERS = {"integration", "e2e"}
 # Unit tests (no processes, no sockets) get a tighter limit than pyproject's default of 300 s: the slowest
 # took 15.5 s (--durations, 2 cores at load ~19). A unit test that needs more marks its own timeout.
 UNIT_TIMEOUT_S = 60
@@ -35,3 +44,41 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def forkserver() -> None:
+    """The ranks' warm forkserver (vitserve/worker/zygote.py), started once for the session as the CLI starts
+    it: every rank an in-process engine or tests/dist.py starts afterwards is forked with torch, zmq and the
+    rank's modules already imported, instead of a spawned interpreter importing them again (~7 s of CPU on
+    2 cores, for each of ~45 engine starts). It dies with the pytest process (forkserver_guard.py).
+
+    A forked rank writes to the forkserver's stdout and stderr, not to this process's at the time it starts
+    (as a spawned one did), so they are a pipe whose bytes a thread copies to this process's fd 2 as they
+    come: rank output lands in the running test's captured output (capfd, failure reports)."""
+    from vitserve.checkpoint import Checkpoint
+    from vitserve.worker import zygote
+
+    read_end, write_end = os.pipe()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(write_end, 1)
+    os.dup2(write_end, 2)
+    try:
+        zygote.start(Checkpoint.demo())  # the forkserver is launched here, inheriting fds 1 and 2 (the pipe)
+    finally:
+        for fd, old in zip((1, 2), saved, strict=True):
+            os.dup2(old, fd)
+            os.close(old)
+        os.close(write_end)
+    threading.Thread(target=_relay, args=(read_end,), name="forkserver-output", daemon=True).start()
+
+
+def _relay(read_end: int) -> None:
+    while chunk := os.read(read_end, 1 << 16):  # b"" once the forkserver and every rank are gone
+        os.write(2, chunk)
+
+
+@pytest.fixture(autouse=True)
+def _ranks_from_the_session_forkserver(request) -> None:
+    if Path(str(request.node.fspath)).parent.name in _RANK_FOLDERS:
+        request.getfixturevalue("forkserver")

@@ -1,4 +1,6 @@
-"""Run a function on N real gloo ranks (torch.multiprocessing spawn, 127.0.0.1, free port, short timeout).
+"""Run a function on N real gloo ranks (127.0.0.1, free port, short timeout), started as the engine starts its
+ranks (vitserve/worker/zygote.py): forked from the session's forkserver once tests/conftest.py started it,
+spawned otherwise.
 
     results = run_ranks(fn, world_size, *args)   # fn(rank, world_size, *args) -> picklable; one result per rank
 
@@ -17,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from vitserve.worker import zygote
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -27,7 +31,13 @@ def free_port() -> int:
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 30.0) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        mp.spawn(_rank_main, args=(world_size, port, timeout_s, tmp, fn, args), nprocs=world_size, join=True)
+        mp.start_processes(
+            _rank_main,
+            args=(world_size, port, timeout_s, tmp, fn, args),
+            nprocs=world_size,
+            join=True,
+            start_method=zygote.context().get_start_method(),
+        )
         return [torch.load(Path(tmp) / f"{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 

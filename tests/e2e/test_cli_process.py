@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.cli import ROOT, CliServer, cli_env
+from tests.cli import Cli
 from tests.e2e.live import noise_png
 from tests.e2e.netcheck import children_of, listening_sockets
 
@@ -39,37 +37,16 @@ BASE_ARGS = [
 
 
 def test_startup_failure_exits_nonzero_naming_the_knob(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "vitserve.cli", "--tp", "0"],
-        cwd=ROOT,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = Cli.run(["--tp", "0"], tmp_path, timeout_s=60)
     assert r.returncode != 0
     assert "--tp" in r.stderr
-    r = subprocess.run(
-        [sys.executable, "-m", "vitserve.cli", "--model", str(tmp_path / "missing")],
-        cwd=ROOT,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = Cli.run(["--model", str(tmp_path / "missing")], tmp_path)
     assert r.returncode != 0
     assert "--model" in r.stderr
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
-        r = subprocess.run(
-            [sys.executable, "-m", "vitserve.cli", "--port", str(busy.getsockname()[1])],
-            cwd=ROOT,
-            env=cli_env(tmp_path),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        r = Cli.run(["--port", str(busy.getsockname()[1])], tmp_path)
     assert r.returncode != 0
     assert "--port" in r.stderr
 
@@ -77,7 +54,7 @@ def test_startup_failure_exits_nonzero_naming_the_knob(tmp_path):
 @pytest.fixture
 def cli_server(tmp_path):
     pytest.importorskip("vitserve.engine")
-    srv = CliServer(BASE_ARGS, tmp_path)
+    srv = Cli(BASE_ARGS, tmp_path)
     try:
         srv.wait_started()
         yield srv

@@ -4,14 +4,12 @@ names the flag and a value that works, no traceback, and spawns no rank."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.checkpoints import make_checkpoint
-from tests.cli import ROOT, cli_env
+from tests.cli import Cli
 
 pytestmark = pytest.mark.timeout(120)
 LIMIT_S = 15.0
@@ -20,14 +18,7 @@ LIMIT_S = 15.0
 def refuse(tmp_path, *args: str) -> str:
     """Run the CLI; assert the refusal contract; return its one stderr line."""
     start = time.monotonic()
-    r = subprocess.run(
-        [sys.executable, "-m", "vitserve.cli", "--port", "0", "--device", "cpu", *args],
-        cwd=ROOT,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = Cli.run(["--port", "0", "--device", "cpu", *args], tmp_path, timeout_s=60)
     seconds = time.monotonic() - start
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr

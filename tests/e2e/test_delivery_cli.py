@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.cli import CliServer
+from tests.cli import Cli
 from tests.e2e.live import noise_png
 from tests.e2e.test_cli_process import BASE_ARGS, metric
 from tests.receivers import ReceiverProcess
@@ -53,7 +53,7 @@ def test_killed_receiver_no_200_and_its_successor_gets_only_new_work(tmp_path, s
     pytest.importorskip("vitserve.engine")
     endpoint = f"ipc://{short_dir}/llm.sock"
     first = ReceiverProcess(endpoint)
-    srv = CliServer(_args(endpoint), tmp_path)
+    srv = Cli(_args(endpoint), tmp_path)
     try:
         srv.wait_started()
         _wait_ready(srv.url, 200)  # ranks up and the receiver connected

@@ -11,15 +11,13 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.cli import ROOT, CliServer, cli_env
+from tests.cli import Cli
 from tests.e2e.netcheck import children_of
 from tests.e2e.test_cli_process import BASE_ARGS
 
@@ -55,35 +53,28 @@ def rank_pids(pid: int) -> list[int]:
     return ranks
 
 
-def start_cli(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
-    env = cli_env(tmp_path)
-    env["TMPDIR"] = str(tmp_path / "tmp")  # where the engine makes its private ipc dir
+def start_cli(tmp_path: Path, *args: str) -> Cli:
     (tmp_path / "tmp").mkdir()
-    return subprocess.Popen(
-        [sys.executable, "-m", "vitserve.cli", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group, so SIGINT can go to all of it like Ctrl-C
-    )
+    # TMPDIR: where the engine makes its private ipc dir; its own process group, so SIGINT can go to all
+    # of it like Ctrl-C
+    return Cli(args, tmp_path, extra_env={"TMPDIR": str(tmp_path / "tmp")}, session=True)
 
 
-def wait_for_ranks(proc: subprocess.Popen[str], count: int, limit_s: float = 180) -> None:
+def wait_for_ranks(cli: Cli, count: int, limit_s: float = 180) -> None:
     end = time.monotonic() + limit_s
-    while len(rank_pids(proc.pid)) < count:
-        if proc.poll() is not None or time.monotonic() > end:
-            proc.kill()
-            raise AssertionError("the ranks were never spawned:\n" + proc.communicate()[0][-3000:])
+    while len(rank_pids(cli.proc.pid)) < count:
+        if cli.proc.poll() is not None or time.monotonic() > end:
+            cli.stop()
+            raise AssertionError("the ranks were never spawned:\n" + cli.text[-3000:])
         time.sleep(0.1)
 
 
-def stop_and_watch(proc: subprocess.Popen[str], sig: signal.Signals, *, group: bool) -> list[int]:
+def stop_and_watch(cli: Cli, sig: signal.Signals, *, group: bool) -> list[int]:
     """Send `sig`, then return the pids of the service still alive STOP_LIMIT_S later."""
+    proc = cli.proc
     everyone = [proc.pid, *children_of(proc.pid)]
     if group:
-        os.killpg(proc.pid, sig)
+        cli.signal_all(sig)
     else:
         proc.send_signal(sig)
     end = time.monotonic() + STOP_LIMIT_S
@@ -94,31 +85,31 @@ def stop_and_watch(proc: subprocess.Popen[str], sig: signal.Signals, *, group: b
     return [p for p in everyone if alive(p)]
 
 
-def kill_everything(proc: subprocess.Popen[str], pids: list[int]) -> None:
+def kill_everything(cli: Cli, pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    proc.wait(30)
+    cli.proc.wait(30)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_during_startup_ends_every_process_within_5s(tmp_path, sig):
     # The default budget: the ranks' start-up (torch import, weights, the memory measurement) takes far
     # longer than the test waits, so the signal surely lands during start-up.
-    proc = start_cli(tmp_path, "--model", "demo", "--tp", "2", "--device", "cpu", "--port", "0")
-    wait_for_ranks(proc, 2)
+    cli = start_cli(tmp_path, "--model", "demo", "--tp", "2", "--device", "cpu", "--port", "0")
+    wait_for_ranks(cli, 2)
     time.sleep(2)  # the ranks are busy starting up
-    left = stop_and_watch(proc, sig, group=sig == signal.SIGINT)
+    left = stop_and_watch(cli, sig, group=sig == signal.SIGINT)
     out = ""
     try:
         assert not left, f"still alive {STOP_LIMIT_S} s after {sig.name}: {left}"
-        out = proc.communicate(timeout=30)[0]
-        assert proc.returncode == 128 + sig, out[-3000:]
+        out = cli.wait_exit(30)
+        assert cli.proc.returncode == 128 + sig, out[-3000:]
         assert f"stopped by {sig.name} during start-up" in out
         assert not list((tmp_path / "rt").glob("reserved_mem_*")), "reservation files left behind"
         assert not list((tmp_path / "tmp").glob("vitserve-*")), "the ipc dir was left behind"
     finally:
-        kill_everything(proc, left)
+        kill_everything(cli, left)
     if sig == signal.SIGTERM:  # SIGINT reaches the ranks too; one still importing torch may print a trace
         assert "Traceback" not in out, out[-3000:]
 
@@ -128,15 +119,15 @@ def test_sigterm_before_any_rank_exits_at_once(tmp_path, delay_s):
     # Importing torch and transformers, reading the checkpoint: the handler is installed first thing. A
     # handler that raised into those imports was caught by library code at some moments, and start-up
     # went on (or failed with a traceback); each delay lands in a different import.
-    proc = start_cli(tmp_path, "--model", "demo", "--device", "cpu", "--port", "0")
+    cli = start_cli(tmp_path, "--model", "demo", "--device", "cpu", "--port", "0")
     time.sleep(delay_s)
-    left = stop_and_watch(proc, signal.SIGTERM, group=False)
+    left = stop_and_watch(cli, signal.SIGTERM, group=False)
     try:
         assert not left
-        out = proc.communicate(timeout=30)[0]
+        out = cli.wait_exit(30)
     finally:
-        kill_everything(proc, left)
-    assert proc.returncode == 128 + signal.SIGTERM, out
+        kill_everything(cli, left)
+    assert cli.proc.returncode == 128 + signal.SIGTERM, out
     assert "Traceback" not in out, out
 
 
@@ -148,7 +139,7 @@ def _free_port() -> int:
 
 def test_polling_ready_while_starting_is_quiet_and_kept_out_of_request_metrics(tmp_path):
     port = _free_port()
-    srv = CliServer([*BASE_ARGS[:2], "--port", str(port), *BASE_ARGS[4:]], tmp_path)
+    srv = Cli([*BASE_ARGS[:2], "--port", str(port), *BASE_ARGS[4:]], tmp_path)
     url = f"http://127.0.0.1:{port}"
     codes: list[int] = []
     try:

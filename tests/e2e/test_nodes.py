@@ -10,12 +10,8 @@ node, in-flight requests, clean stops and signals: test_nodes_faults.py.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
@@ -23,7 +19,7 @@ import pytest
 import torch
 
 from tests.checkpoints import hf_reference, make_checkpoint
-from tests.cli import ROOT, cli_env
+from tests.cli import CLI, Cli
 from tests.e2e.test_tp2_exact import ATOL, decode_tensor, hf_rows
 from tests.imagegen import encode, noise
 from vitserve.worker.rendezvous import free_port
@@ -34,64 +30,18 @@ HEARTBEAT_S = 2.0
 IMAGES = [(700, 500, "JPEG"), (120, 90, "PNG")]  # clamped by the tiny checkpoint's max_pixels, and not
 
 
-class Node:
-    """`python -m vitserve.cli ... --node_rank N` in its own session; output lines kept with arrival times."""
+def start_node(rank: int, args: list[str], tmp_path, *, ifname: str = "lo", prefix: tuple = ()) -> Cli:
+    """`python -m vitserve.cli ... --node_rank N` in its own session (signal_all reaches all of it).
 
-    def __init__(self, rank: int, args: list[str], tmp_path, *, ifname: str = "lo", prefix: tuple = ()):
-        """`prefix`: what runs the command (`ip netns exec NS`); a prefix ending in torchrun's own flags
-        runs `-m vitserve.cli` under it, and the node's rank comes from torchrun's environment."""
-        env = cli_env(tmp_path) | {"GLOO_SOCKET_IFNAME": ifname}
-        under_torchrun = "torch.distributed.run" in prefix
-        command = [*prefix] if under_torchrun else [*prefix, sys.executable]
-        command += ["-m", "vitserve.cli", *args] + ([] if under_torchrun else ["--node_rank", str(rank)])
-        self.proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: list[tuple[float, str]] = []
-        self.port: int | None = None
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line))
-            m = re.search(r"serving on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-
-    @property
-    def text(self) -> str:
-        return "".join(line for _, line in self.lines)
-
-    def wait_for(self, pattern: str, limit_s: float = 240) -> float:
-        """The arrival time of the first line matching `pattern`."""
-        end = time.monotonic() + limit_s
-        while time.monotonic() < end:
-            for at, line in list(self.lines):
-                if re.search(pattern, line):
-                    return at
-            if self.proc.poll() is not None:
-                time.sleep(0.2)  # the reader may still hold the last lines
-                if not any(re.search(pattern, line) for _, line in self.lines):
-                    break
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r}:\n{self.text[-4000:]}")
-
-    def signal_all(self, sig: int) -> None:
-        """Signal every process of the node (its ranks and forkserver too): a machine that dies or hangs."""
-        os.killpg(self.proc.pid, sig)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+    `prefix`: what runs the command (`ip netns exec NS`); a prefix ending in torchrun's own flags runs
+    `-m vitserve.cli` under it, and the node's rank comes from torchrun's environment."""
+    under_torchrun = "torch.distributed.run" in prefix
+    if under_torchrun:
+        command = [*prefix, *CLI[1:]]
+    else:
+        command = [*prefix, *CLI]
+        args = [*args, "--node_rank", str(rank)]
+    return Cli(args, tmp_path, extra_env={"GLOO_SOCKET_IFNAME": ifname}, command=command, session=True)
 
 
 def node_args(model: str, store_addr: str = "127.0.0.1") -> tuple[list[str], int]:
@@ -103,13 +53,13 @@ def node_args(model: str, store_addr: str = "127.0.0.1") -> tuple[list[str], int
     return args, store_port
 
 
-def start_pair(tmp_path, model: str, store_addr: str = "127.0.0.1", **kwargs: dict) -> list[Node]:
+def start_pair(tmp_path, model: str, store_addr: str = "127.0.0.1", **kwargs: dict) -> list[Cli]:
     """Node 0 (serving on an ephemeral port) and node 1 (ranks only), both up. kwargs `node0` and `node1`:
-    what each Node() gets besides (its interface, a command prefix)."""
+    what each start_node() gets besides (its interface, a command prefix)."""
     args, store_port = node_args(model, store_addr)
-    nodes = [Node(0, [*args, "--port", "0"], tmp_path / "n0", **kwargs.get("node0", {}))]
+    nodes = [start_node(0, [*args, "--port", "0"], tmp_path / "n0", **kwargs.get("node0", {}))]
     try:
-        nodes.append(Node(1, args, tmp_path / "n1", **kwargs.get("node1", {})))
+        nodes.append(start_node(1, args, tmp_path / "n1", **kwargs.get("node1", {})))
         nodes[1].wait_for(f"waiting for node 0 at {re.escape(store_addr)}:{store_port}", 120)
         nodes[0].wait_for(r"serving on http://")
         nodes[1].wait_for("every rank here is up")
@@ -199,14 +149,7 @@ def test_two_nodes_encode_like_transformers_and_a_dead_node_fails_ready(two_node
     ],
 )
 def test_impossible_node_layouts_exit_2_with_one_line(tmp_path, flags, env, names):
-    done = subprocess.run(
-        [sys.executable, "-m", "vitserve.cli", "--model", "demo", *flags],
-        cwd=ROOT,
-        env=cli_env(tmp_path) | env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = Cli.run(["--model", "demo", *flags], tmp_path, **env)
     assert done.returncode == 2
     assert names in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.live import noise_png
-from tests.e2e.test_nodes import HEARTBEAT_S, Node, node_args, poll_ready, start_pair
+from tests.e2e.test_nodes import HEARTBEAT_S, node_args, poll_ready, start_node, start_pair
 from vitserve.worker.rendezvous import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -82,7 +82,7 @@ def test_node_0_stopping_ends_node_1_cleanly(pair):
 def test_signals_on_a_node_that_waits_for_node_0(tmp_path):
     """A node still waiting exits 128 + N (stopped before serving); no rank process is left behind."""
     args, _ = node_args("demo")
-    node = Node(1, args, tmp_path)
+    node = start_node(1, args, tmp_path)
     try:
         node.wait_for("waiting for node 0")
         node.wait_for(r"\[group 0\] \+[0-9.]+ s waiting for node 0")  # the rank itself waits in the store
@@ -117,9 +117,9 @@ def test_two_nodes_under_torchrun_meet_at_its_agent_store(tmp_path):
             str(store_port),
         )
 
-    nodes = [Node(0, [*args, "--port", "0"], tmp_path / "n0", prefix=torchrun(0))]
+    nodes = [start_node(0, [*args, "--port", "0"], tmp_path / "n0", prefix=torchrun(0))]
     try:
-        nodes.append(Node(1, args, tmp_path / "n1", prefix=torchrun(1)))
+        nodes.append(start_node(1, args, tmp_path / "n1", prefix=torchrun(1)))
         nodes[1].wait_for(f"node 1 of 2: ranks 1..1 of --tp 2; waiting for node 0 at 127.0.0.1:{store_port}")
         nodes[0].wait_for(r"serving on http://")
         nodes[1].wait_for("every rank here is up")

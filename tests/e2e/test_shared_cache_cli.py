@@ -5,18 +5,15 @@ flag, to B through VITSERVE_CACHE_URL) shows in neither replica's output."""
 
 from __future__ import annotations
 
-import os
+import contextlib
 import re
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from tests.cli import ROOT
+from tests.cli import Cli
 from tests.e2e.live import noise_png
 from tests.e2e.test_cli_process import BASE_ARGS
 from tests.redis_server import redis_server
@@ -27,55 +24,22 @@ PASSWORD = "s3cret-for-the-test"
 FAST_START = ["--visual_reserved_mem_gb", "0.25"]  # no start-up stress: two replicas start on 2 cores
 
 
-class Replica:
-    """`python -m vitserve.cli` with its output collected; `url` once the banner names the port."""
+def replica(tmp_path, args: list[str], env: dict[str, str]) -> Cli:
+    return Cli([*BASE_ARGS, *FAST_START, "--cache_gb", "0.1", *args], tmp_path, extra_env=env)
 
-    def __init__(self, tmp_path, args: list[str], env: dict[str, str]):
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
-        full_env.update(
-            VITSERVE_RUNTIME_DIR=str(tmp_path / "rt"), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **env
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vitserve.cli", *BASE_ARGS, *FAST_START, "--cache_gb", "0.1", *args],
-            cwd=ROOT,
-            env=full_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.url: str | None = None
-        threading.Thread(target=self._read, daemon=True).start()
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = re.search(r"serving on (http://127\.0\.0\.1:\d+)", line)
-            if m:
-                self.url = m.group(1)
+def metric(replica: Cli, sample: str) -> float:
+    with VitserveClient(replica.url) as c:
+        text = c._http.get("/metrics").text
+    m = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
 
-    def wait_started(self, limit_s: float = 240) -> None:
-        end = time.monotonic() + limit_s
-        while self.url is None:
-            if self.proc.poll() is not None or time.monotonic() > end:
-                raise AssertionError("vitserve did not start:\n" + "".join(self.lines[-40:]))
-            time.sleep(0.1)
 
-    def metric(self, sample: str) -> float:
-        with VitserveClient(self.url) as c:
-            text = c._http.get("/metrics").text
-        m = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.MULTILINE)
-        return float(m.group(1)) if m else 0.0
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
-        return "".join(self.lines)
+def stop(replica: Cli) -> str:
+    """SIGTERM, SIGKILL if it outlives 30 s; its whole output."""
+    with contextlib.suppress(AssertionError):  # killed after 30 s: the output is what is checked
+        replica.terminate(30)
+    return replica.wait_exit(30)
 
 
 def encode(url: str, images: list[bytes], rid: str) -> list[dict]:
@@ -85,8 +49,8 @@ def encode(url: str, images: list[bytes], rid: str) -> list[dict]:
 
 def test_two_replicas_share_one_redis_and_survive_its_death(tmp_path):
     with redis_server(tmp_path / "redis", password=PASSWORD) as server:
-        a = Replica(tmp_path / "a", ["--cache_url", server.url], {})
-        b = Replica(tmp_path / "b", [], {"VITSERVE_CACHE_URL": server.url})
+        a = replica(tmp_path / "a", ["--cache_url", server.url], {})
+        b = replica(tmp_path / "b", [], {"VITSERVE_CACHE_URL": server.url})
         try:
             a.wait_started()
             b.wait_started()
@@ -98,9 +62,9 @@ def test_two_replicas_share_one_redis_and_survive_its_death(tmp_path):
             ea, eb = on_a["embedding"], on_b["embedding"]
             assert (ea.dtype, ea.shape) == (eb.dtype, eb.shape)
             assert eb.view(torch.uint8).numpy().tobytes() == ea.view(torch.uint8).numpy().tobytes()
-            assert b.metric('vitserve_images_total{outcome="encoded"}') == 0  # B encoded nothing
-            assert b.metric('vitserve_cache_hits_total{layer="shared"}') == 1
-            assert a.metric('vitserve_images_total{outcome="encoded"}') == 1
+            assert metric(b, 'vitserve_images_total{outcome="encoded"}') == 0  # B encoded nothing
+            assert metric(b, 'vitserve_cache_hits_total{layer="shared"}') == 1
+            assert metric(a, 'vitserve_images_total{outcome="encoded"}') == 1
 
             # Redis killed mid-run: requests in flight on both replicas, old and new images, all succeed
             images = [noise_png(64 + 8 * k, 64, seed=100 + k) for k in range(3)] + [img]
@@ -116,7 +80,7 @@ def test_two_replicas_share_one_redis_and_survive_its_death(tmp_path):
             results += [encode(url, [after[k]], f"after{k}") for k in range(2) for url in (a.url, b.url)]
             assert all(len(r) == 1 and r[0]["num_tokens"] > 0 for r in results)
         finally:
-            out_a, out_b = a.stop(), b.stop()
+            out_a, out_b = stop(a), stop(b)
     for out in (out_a, out_b):
         assert PASSWORD not in out
         assert "shared: redis://127.0.0.1:" in out  # the banner, password-free

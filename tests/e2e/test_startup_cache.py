@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cli import CliServer
+from tests.cli import Cli
 from tests.e2e.test_cli_process import BASE_ARGS
 
 pytestmark = pytest.mark.timeout(300)
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(300)
 def _start(tmp_path, budget: int) -> str:
     args = [*BASE_ARGS]
     args[args.index("--visual_batch_max_tokens") + 1] = str(budget)
-    srv = CliServer(args, tmp_path)
+    srv = Cli(args, tmp_path)
     try:
         srv.wait_started()  # the banner: every rank reported READY
         return srv.text

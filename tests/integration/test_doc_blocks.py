@@ -38,20 +38,16 @@ from __future__ import annotations
 
 import io
 import os
-import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
 from tests.checkpoints import make_checkpoint
+from tests.cli import Cli
 from tests.docblocks import ROOT, Block, blocks, doc_files
 
 DOC_URL = "http://127.0.0.1:8100"
@@ -89,57 +85,12 @@ def _clean_env(runtime_dir: Path) -> dict[str, str]:
     return env
 
 
-class Served:
-    """A vitserve process (or a shell that execs one); `url` once its banner named the port."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path):
-        self.proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self.port: int | None = None
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if m := re.search(r"serving on http://127\.0\.0\.1:(\d+)", line):
-                self.port = int(m.group(1))
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, limit_s: float, route: str = "/ready") -> float:
-        """Seconds from start to `route` 200."""
-        start, end = time.monotonic(), time.monotonic() + limit_s
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > end:
-                raise AssertionError("vitserve never became ready:\n" + "".join(self.lines[-60:]))
-            if self.port is not None:
-                try:
-                    if httpx.get(self.url + route, timeout=5, trust_env=False).status_code == 200:
-                        return time.monotonic() - start
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.2)
-
-    def stop(self) -> int:
-        """SIGTERM (vitserve drains and exits 0); the process group is killed if it does not go."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(120)
-        finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
+def stop(served: Cli) -> int:
+    """SIGTERM (vitserve drains and exits 0); the process group is killed if it does not go."""
+    try:
+        return served.terminate(120)
+    finally:
+        served.stop()
 
 
 class DocSession:
@@ -157,9 +108,9 @@ class DocSession:
             "VITSERVE_RUNTIME_DIR": str(tmp / "rt"),
         }
         self.namespace: dict = {"__name__": "__main__"}
-        self._server: Served | None = None
+        self._server: Cli | None = None
 
-    def server(self) -> Served:
+    def server(self) -> Cli:
         if self._server is None:
             args = ["--model", self.env["VITSERVE_MODEL"]]
             binds = any(
@@ -170,14 +121,14 @@ class DocSession:
             if binds:
                 args += ["--llm_endpoint", self.env["VITSERVE_LLM_ENDPOINT"]]
             env = {**_clean_env(self.tmp / "rt"), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-            self._server = Served([sys.executable, "-m", "vitserve.cli", *args, *SERVER_ARGS], env, ROOT)
+            self._server = Cli([*args, *SERVER_ARGS], env=env, session=True)
             self._server.wait_ready(240, "/v1/info" if binds else "/ready")
         return self._server
 
     def close(self) -> None:
         if self._server is not None:
-            code = self._server.stop()
-            assert code == 0, "".join(self._server.lines[-40:])
+            code = stop(self._server)
+            assert code == 0, self._server.tail()
             self._server = None
 
 
@@ -235,13 +186,13 @@ def run_shell(block: Block, session: DocSession) -> None:
 
 def run_server_block(block: Block, tmp: Path, checkpoint: str) -> None:
     env = {**_clean_env(tmp / "rt"), "VITSERVE_PORT": "0", "VITSERVE_MODEL": checkpoint}
-    served = Served(["bash", "-e", "-o", "pipefail", "-c", block.commands()], env, ROOT)
+    served = Cli(["bash", "-e", "-o", "pipefail", "-c", block.commands()], env=env, command=(), session=True)
     try:
         took = served.wait_ready(1500)
         print(f"{block.id}: /ready after {took:.0f} s")
     finally:
-        code = served.stop()
-    assert code == 0, "".join(served.lines[-40:])
+        code = stop(served)
+    assert code == 0, served.tail()
 
 
 @pytest.mark.parametrize("block", _params())

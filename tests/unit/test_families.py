@@ -13,6 +13,7 @@ import transformers as tf
 
 from tests.checkpoints import FAMILIES as CHECKPOINT_FAMILIES
 from tests.checkpoints import make_checkpoint
+from tests.cli import Cli
 from vitserve.errors import ConfigError
 from vitserve.families import (
     FAMILIES,
@@ -65,12 +66,7 @@ def test_internvl_chat_is_refused_by_the_loader_too(family):
 
 def test_cli_refuses_internvl_chat_in_one_line(tmp_path):
     ckpt = _checkpoint(tmp_path / "ckpt", {"model_type": "internvl_chat"})
-    proc = subprocess.run(
-        [sys.executable, "-m", "vitserve.cli", "--model", str(ckpt), "--port", "0", "--device", "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = Cli.run(["--model", str(ckpt), "--port", "0", "--device", "cpu"], tmp_path)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1, proc.stderr

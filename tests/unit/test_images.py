@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from tests.imagegen import animated_gif, encode, noise, palette_with_alpha, png_header_only, with_orientation
+from tests.profiles import examples
 from vitserve.errors import InvalidImage, PayloadTooLarge
 from vitserve.images import decode_image
 
@@ -222,7 +223,7 @@ _SEEDS = [
 ]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(
     seed=st.sampled_from(_SEEDS),
     flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=8),

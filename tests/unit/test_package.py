@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import vitserve
+from tests.cli import Cli
 
 HEAVY = ("torch", "zmq", "transformers")
 
@@ -52,9 +53,7 @@ def test_the_lazy_names_do_load_their_modules():
     assert loaded["zmq"]
 
 
-def test_version_flag_needs_no_heavy_dependency():
+def test_version_flag_needs_no_heavy_dependency(tmp_path):
     assert _loaded_after("import vitserve.cli") == dict.fromkeys(HEAVY, False)
-    out = subprocess.run(
-        [sys.executable, "-m", "vitserve.cli", "--version"], capture_output=True, text=True, timeout=120
-    )
+    out = Cli.run(["--version"], tmp_path)
     assert (out.returncode, out.stdout.strip()) == (0, f"vitserve {vitserve.__version__}")

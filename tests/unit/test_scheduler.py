@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tests.profiles import examples
 from vitserve.engine.scheduler import Scheduler
 
 
@@ -182,5 +183,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.batched == [item for item, cancelled in self.adds if not cancelled]
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=examples(300), stateful_step_count=60, deadline=None
+)
 TestSchedulerMachine = SchedulerMachine.TestCase

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.profiles import examples
 from vitserve.rpc.wire import (
     ImageEmbedding,
     WireError,
@@ -234,7 +235,7 @@ def test_pickle_payload_is_rejected_without_unpickling(tmp_path):
     assert not marker.exists()
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(st.lists(st.binary(max_size=64), max_size=5))
 def test_arbitrary_frames_raise_only_wire_error(frames):
     with contextlib.suppress(WireError):
@@ -248,7 +249,7 @@ _json = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(
     st.dictionaries(st.sampled_from(sorted(SPEC_KEYS)), _json), st.lists(st.binary(max_size=64), max_size=3)
 )

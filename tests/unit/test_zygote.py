@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.cli import ROOT
 from vitserve.checkpoint import Checkpoint
 from vitserve.errors import ConfigError
 from vitserve.worker import zygote
@@ -51,5 +52,14 @@ def test_the_guard_exits_a_forkserver_whose_service_is_already_gone():
     assert "still here" in here.stdout, here.stderr
 
 
-def test_without_start_ranks_are_spawned():
-    assert zygote.context().get_start_method() == "spawn"
+def test_without_start_ranks_are_spawned_and_after_it_forked_from_the_forkserver(tmp_path):
+    # A fresh interpreter: this session's tests/conftest.py may have started the forkserver here already.
+    code = (
+        "from vitserve.checkpoint import Checkpoint\n"
+        "from vitserve.worker import zygote\n"
+        "print(zygote.context().get_start_method())\n"
+        "zygote.start(Checkpoint.demo())\n"
+        "print(zygote.context().get_start_method())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.stdout.split() == ["spawn", "forkserver"], out.stderr

@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 
 from tests.checkpoints import SERVABLE_FAMILIES, hf_reference, make_servable_checkpoint
-from tests.cli import CliServer
+from tests.cli import Cli
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
 from tests.vllm_server import VllmServer
 
@@ -53,7 +53,7 @@ class Stack:
     family: str
     ckpt: Path
     vllm: VllmServer
-    vitserve: CliServer
+    vitserve: Cli
     tmp: Path
 
     @property
@@ -61,7 +61,7 @@ class Stack:
         return str(self.ckpt)
 
 
-def _vitserve(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> CliServer:
+def _vitserve(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> Cli:
     args = [
         "--model",
         str(ckpt),
@@ -73,7 +73,7 @@ def _vitserve(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> CliServer:
         str(BUDGET),
     ]
     args += ["--device", "cpu", "--heartbeat_s", "5", "--dist_timeout_s", "120", *extra]
-    server = CliServer(args, tmp)
+    server = Cli(args, tmp)
     server.wait_ready(300)
     return server
 

@@ -13,7 +13,8 @@ asks Linux to kill it when its parent exits (it would otherwise finish its prelo
 serving it exits when the service's end of its pipe closes. A rank forked from it watches the forkserver
 as its parent (rank.watched_parent).
 
-Without `start()` (library use, the in-process engine tests) ranks are spawned as before.
+Without `start()` (library use) ranks are spawned as before. The tests call `start()` once per session
+(tests/conftest.py), so their in-process engines fork ranks from it as the CLI's do.
 """
 
 from __future__ import annotations
