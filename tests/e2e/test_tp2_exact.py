@@ -53,9 +53,14 @@ def decode_tensor(field: dict) -> torch.Tensor:
 
 
 def hf_rows(path, reference, data: bytes):
-    """HF's answer for encoded image bytes: PIL decode, the checkpoint's HF processor, model.visual."""
+    """HF's answer for encoded image bytes: PIL decode, the checkpoint's HF processor, model.visual. The
+    processor is transformers' torchvision ("fast") one, whose pixels vitserve's default --image_resize
+    (torch) reproduces bit for bit: the PIL processor's differ by up to 0.23 in normalised pixels, which moves
+    the embeddings past ATOL (docs/processing.md)."""
     rgb = Image.open(io.BytesIO(data)).convert("RGB")
-    hf = AutoImageProcessor.from_pretrained(str(path), backend="pil")(images=[rgb], return_tensors="pt")
+    hf = AutoImageProcessor.from_pretrained(str(path), backend="torchvision")(
+        images=[rgb], return_tensors="pt"
+    )
     grid = hf["image_grid_thw"]  # (1, 3): t, h, w in patches
     embedding, deepstack = reference(hf["pixel_values"], grid)
     return rgb.size, [int(v) for v in grid[0]], embedding, deepstack
