@@ -16,7 +16,8 @@ from vitserve.errors import ConfigError
 from vitserve.model import Encoder, load_encoder
 from vitserve.model.adapters import ADAPTERS
 from vitserve.model.loader import model_name_of
-from vitserve.model.weights import INDEX_FILE, read_vision_weights
+from vitserve.model.weights import read_vision_weights
+from vitserve.preflight import SAFETENSORS_INDEX
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,7 +29,7 @@ def qwen_item(grid=(1, 4, 6), patch=14, seed=0) -> ProcessedImage:
 
 
 def language_only_shards(path: Path, family: str, layout: str) -> list[Path]:
-    weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    weight_map = json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"]
     prefixes = vision_prefixes(family, layout)
     with_vision = {f for k, f in weight_map.items() if k.startswith(prefixes)}
     return [path / f for f in sorted(set(weight_map.values()) - with_vision)]
@@ -187,7 +188,7 @@ def test_vision_config_not_matching_weights(tmp_path):
 
 def test_index_names_a_missing_shard(tmp_path):
     path = make_checkpoint("qwen2_vl", tmp_path / "ckpt", sharded=True)
-    weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    weight_map = json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"]
     (path / weight_map["model.visual.merger.ln_q.weight"]).unlink()
     with pytest.raises(ConfigError, match="missing"):
         load_encoder(str(path))

@@ -45,6 +45,7 @@ from vitserve.worker.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 SEND_WAIT_MS = 2000  # the most the event loop waits for rank 0's batch socket to accept a message
+TERM_GRACE_S = 1.0  # kill(grace_s=...) at teardown: SIGTERM the ranks, SIGKILL those still running after this
 
 
 class GroupState(Enum):
@@ -115,7 +116,7 @@ class WorkerGroup:
 
     def global_rank(self, rank: int) -> int:
         """The rank's number across every group (reservation files, metrics labels)."""
-        return self.index * self.config.tp + rank
+        return self.config.global_rank(self.index, rank)
 
     # ------------------------------------------------------------------------------------ processes
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from vitserve.errors import ConfigError
 from vitserve.model.adapters import resolve_adapter
-from vitserve.model.weights import INDEX_FILE
+from vitserve.preflight import SAFETENSORS_INDEX
 
 _CHUNK = 8 * 1024 * 1024
 _CONFIG_FILES = ("config.json", "preprocessor_config.json")
@@ -44,7 +44,7 @@ def weights_digest(model: str, model_family: str) -> str:
 
 
 def _vision_shards(path: Path, prefixes: tuple[str, ...]) -> list[Path]:
-    index = path / INDEX_FILE
+    index = path / SAFETENSORS_INDEX
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
         return [path / f for f in sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})]

@@ -12,8 +12,7 @@ from torch import nn
 from tqdm import tqdm
 
 from vitserve.errors import ConfigError
-
-INDEX_FILE = "model.safetensors.index.json"
+from vitserve.preflight import SAFETENSORS_INDEX
 
 
 @dataclass
@@ -31,7 +30,7 @@ def _module_key(key: str, prefixes: tuple[tuple[str, str], ...]) -> str | None:
 
 def _shards_with_vision(path: Path, prefixes: tuple[tuple[str, str], ...]) -> list[Path]:
     """The shards to open: with an index, only those holding a vision key; else every *.safetensors file."""
-    index = path / INDEX_FILE
+    index = path / SAFETENSORS_INDEX
     if index.is_file():
         try:
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -50,7 +49,7 @@ def read_vision_weights(path: Path, prefixes: tuple[tuple[str, str], ...]) -> Vi
     out = VisionWeights(tensors={})
     for shard in tqdm(shards, desc="vision weights", unit="shard", disable=len(shards) < 2):
         if not shard.is_file():
-            raise ConfigError(f"{shard} is listed in {INDEX_FILE} but missing; check --model")
+            raise ConfigError(f"{shard} is listed in {SAFETENSORS_INDEX} but missing; check --model")
         out.files_read.append(shard)
         with safe_open(str(shard), framework="pt", device="cpu") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open handles are not dict-like

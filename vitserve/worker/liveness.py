@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 import zmq
 
 from vitserve.worker import messages as m
+from vitserve.worker.forkserver_guard import PR_SET_PDEATHSIG  # does nothing outside the forkserver
 
 if TYPE_CHECKING:
     from vitserve.worker.rendezvous import StoreBeat
 
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
 _PARENT_POLL_S = 0.25
 _STOP_GRACE_S = 2.0  # a rank off node 0 that lost the store waits this long for a clean STOP first
 
@@ -40,7 +40,7 @@ def die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except OSError:  # no libc.so.6 (e.g. musl): the polling thread still covers it
             log.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent poll")
     if os.getppid() != parent_pid:

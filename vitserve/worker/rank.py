@@ -52,7 +52,7 @@ class WorkerArgs:
 
     @property
     def global_rank(self) -> int:
-        return self.group * self.config.tp + self.rank
+        return self.config.global_rank(self.group, self.rank)
 
     @property
     def local_index(self) -> int:

@@ -27,9 +27,9 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from pathlib import Path
 
 from vitserve.families import DEMO_FAMILY
+from vitserve.worker.forkserver_guard import SERVICE_PID_ENV  # does nothing outside the forkserver
 
 _started = False
-SERVICE_PID_ENV = "VITSERVE_FORKSERVER_PARENT"  # the same name in forkserver_guard.py (never imported here)
 
 
 def preload_modules(model: str) -> list[str]:
