@@ -40,7 +40,8 @@ from vitserve.engine.jobs import Job
 from vitserve.model.base import Encoder
 from vitserve.worker import messages as m
 from vitserve.worker import zygote
-from vitserve.worker.rank import WorkerArgs, run_worker
+from vitserve.worker.process import run_worker
+from vitserve.worker.rank import WorkerArgs
 from vitserve.worker.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,8 @@ class Batch:
 
 
 class WorkerGroup:
-    """`tp` rank processes of one DP group. Subclasses (tests/fakes.py ThreadGroup) replace only the
-    process-facing methods: spawn, send, kill, join, pids and _exited."""
+    """`tp` rank processes of one DP group. Subclasses (tests/fakes.py ThreadGroup, the same RankWorker in a
+    thread) replace only the process-facing methods: worker_args, spawn, kill, join, pids and _exited."""
 
     def __init__(
         self,
@@ -120,21 +121,27 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------------------------ processes
 
+    def worker_args(self, rank: int) -> WorkerArgs:
+        """What rank `rank` of this group is started with."""
+        return WorkerArgs(
+            config=self.config,
+            encoder_factory=self._factory,
+            group=self.index,
+            rank=rank,
+            rendezvous=self._rendezvous,
+            batch_endpoint=self.batch_endpoint,
+            status_endpoint=self._status_endpoint,
+            parent_pid=os.getpid(),
+        )
+
     def spawn(self) -> None:
         ctx = zygote.context()  # the warm forkserver when the CLI started one, else spawn
         for rank in self.config.node_ranks:
-            args = WorkerArgs(
-                config=self.config,
-                encoder_factory=self._factory,
-                group=self.index,
-                rank=rank,
-                rendezvous=self._rendezvous,
-                batch_endpoint=self.batch_endpoint,
-                status_endpoint=self._status_endpoint,
-                parent_pid=os.getpid(),
-            )
             proc = ctx.Process(
-                target=run_worker, args=(args,), name=f"vitserve-g{self.index}r{rank}", daemon=True
+                target=run_worker,
+                args=(self.worker_args(rank),),
+                name=f"vitserve-g{self.index}r{rank}",
+                daemon=True,
             )
             proc.start()
             self.processes.append(proc)

@@ -63,7 +63,7 @@ class LivenessThread(threading.Thread):
         *,
         group: int,
         rank: int,
-        parent_pid: int,
+        parent_pid: int | None,  # None: the rank is a thread of the engine's process, no parent to watch
         heartbeat_s: float,
         counters: LoopCounters,
     ):
@@ -82,7 +82,7 @@ class LivenessThread(threading.Thread):
     def run(self) -> None:
         next_report = 0.0
         while not self._halt.is_set():
-            if os.getppid() != self._parent_pid:
+            if self._parent_pid is not None and os.getppid() != self._parent_pid:
                 log.error(
                     "vitserve worker g%d r%d: parent %d is gone; exiting",
                     self._group,

@@ -11,7 +11,7 @@ The forkserver is a fresh interpreter started before any thread or CUDA context 
 it is safe. It dies with the service: the first module it imports (`vitserve.worker.forkserver_guard`)
 asks Linux to kill it when its parent exits (it would otherwise finish its preload first), and once
 serving it exits when the service's end of its pipe closes. A rank forked from it watches the forkserver
-as its parent (rank.watched_parent).
+as its parent (process.watched_parent).
 
 Without `start()` (library use, the in-process engine tests) ranks are spawned as before.
 """
@@ -34,7 +34,7 @@ _started = False
 
 def preload_modules(model: str) -> list[str]:
     """What the forkserver imports: the guard first, then the rank's modules and the family's HF modeling."""
-    modules = ["vitserve.worker.forkserver_guard", "vitserve.worker.rank", "vitserve.model.loader"]
+    modules = ["vitserve.worker.forkserver_guard", "vitserve.worker.process", "vitserve.model.loader"]
     model_type = _model_type(model)
     if model_type is not None:  # a module that does not exist is skipped by the forkserver (ImportError)
         modules.append(f"transformers.models.{model_type}.modeling_{model_type}")
