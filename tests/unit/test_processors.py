@@ -1,4 +1,5 @@
-"""load_image_processor: families, checkpoints read offline, the clamp inside HF, scenario B7."""
+"""load_image_processor: families, checkpoints read offline, the clamp inside HF, odd sizes (docs/design.md
+invariants 1 and 14)."""
 
 from __future__ import annotations
 
@@ -215,7 +216,7 @@ def test_planned_resize_is_the_resize_hf_uses():
     assert torch.equal(hf(resized, do_resize=False, return_tensors="pt")["pixel_values"], direct)
 
 
-# --- scenario B7 ---------------------------------------------------------------------------------------
+# --- odd sizes: a documented error or tokens within the budget (invariants 1 and 14) --------------------
 
 
 @pytest.mark.parametrize("family", FAMILIES)

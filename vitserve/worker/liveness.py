@@ -1,4 +1,4 @@
-"""Worker-side liveness: tell the engine this rank is alive, and die with the parent (scenario F5).
+"""Worker-side liveness: tell the engine this rank is alive, and die with the parent (docs/design.md invariant 16).
 
 A daemon thread with its own ZMQ socket (sockets are not thread-safe) sends an ALIVE report every
 heartbeat_s / 2. It keeps running during a long forward, so a slow batch is not mistaken for a hang; a

@@ -36,18 +36,10 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 # Added to the extrapolated bytes: the measured error bound of the model. tests/integration/test_memory_model.py
-# compares, on real ranks (CPU, RSS growth, one baseline), the prediction from the first three probes (64, 128
-# and 256 tokens) with the growth of the WHOLE full-budget stress (five compositions run back to back: what the
-# full stress publishes). Ratios full / predicted over two runs of the matrix, 2026-11-23, 2 cores at load 1-6:
-#   qwen2_vl    tp1 1.33 1.66 1.30   tp2 1.32 1.61 1.58 1.27        (budget 2048)
-#   qwen2_5_vl  tp1 1.54 1.63 1.21   tp2 1.28 1.63 1.24 1.72
-#   qwen3_vl    tp1 1.55 2.02        tp2 1.32 1.36 1.36 1.63
-#   qwen3_5     tp1 1.60 1.33        tp2 1.64 1.73 1.75 1.64
-#   internvl    tp1 1.01 1.06        tp2 0.98 0.99 1.04 1.16 1.14 1.20 (budget 8192, 2048 tiles)
-# The single worst case itself extrapolates to within a few % (tiny Qwen2-VL: 109-118 MiB measured at 2048
-# tokens, 115 MiB predicted; the demo at 8192: 1,190 MiB measured, 1,591 MiB predicted); the rest is the heap
-# that the other compositions fragment (the multi-batch stress, vitserve/worker/worst_case.py), and that varies
-# from run to run (the same case: 1.55 and 2.02). Worst seen 2.02: the bound is 2.5.
+# compares the prediction from the first three probes with the growth of the WHOLE full-budget stress; the
+# single worst case extrapolates to within a few %, the rest is the heap that the other compositions fragment
+# (the multi-batch stress, vitserve/worker/worst_case.py), which varies from run to run. 1 + this is the
+# worst ratio seen, rounded up (bench/RESULTS.md, "The memory model's margin").
 MODEL_MARGIN = 1.5
 FULL_STRESS_MAX_S = 3.0  # run the real full-budget stress when it is predicted to take at most this
 PROBE_TARGET_S = 1.0  # add probes (doubling) until one takes this long

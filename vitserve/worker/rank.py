@@ -270,7 +270,7 @@ class RankWorker:
             if self.args.rank == 0:
                 self._reply(batch.batch_id, outputs, started)  # 3) embeddings back to the engine
             # Drop this batch's frames before waiting for the next: otherwise two batches' pixels are live in
-            # zmq's receive arena at once, and the runtime peak outgrows the reservation (scenario L3).
+            # zmq's receive arena at once, and the runtime peak outgrows the reservation (docs/design.md invariant 7).
             del batch, outputs
 
     def _exchange_step(self) -> tuple[m.Kind, m.BatchMsg | None]:

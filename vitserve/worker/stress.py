@@ -51,12 +51,11 @@ from vitserve.worker.worst_case import (
 
 log = logging.getLogger(__name__)
 
-# CPU only: the published bytes are the stress's RSS growth times (1 + this). Measured with
-# tests/integration/test_memory_l3.py (tiny Qwen2-VL, budget 1024, 60 full-budget batches of six
-# compositions after READY, one arena, the multi-batch stress): over 5 runs the runtime peak ended 0-63%
-# above the stress growth (61.6 -> 100.1 MiB at worst), in steps of one batch's pixel bytes (19 MiB): glibc's
-# heap fragments differently from run to run. Over-reserving host RAM on a CPU-only server costs little;
-# under-reserving is what L3 forbids. CUDA's caching allocator shows no such drift
+# CPU only: the published bytes are the stress's RSS growth times (1 + this). The runtime peak after READY ends
+# above the stress growth by up to about one more growth, in steps of one batch's pixel bytes: glibc's heap
+# fragments differently from run to run (tests/integration/test_memory_full_budget.py; bench/RESULTS.md, "The
+# CPU heap margin"). Over-reserving host RAM on a CPU-only server costs little; under-reserving breaks
+# docs/design.md invariant 7. CUDA's caching allocator shows no such drift
 # (tests/unit/test_reservation.py) and gets no margin.
 CPU_HEAP_MARGIN = 1.0
 
