@@ -261,11 +261,3 @@ def test_combined_processor_config_is_read(tmp_path):
     assert (proc.hf.size["shortest_edge"], proc.hf.size["longest_edge"]) == (4096, 512 * 1024)
     h, w = smart_resize(4096, 4096, 32, 4096, 512 * 1024)
     assert proc.count_tokens(4096, 4096) == (h // 32) * (w // 32) == 22 * 22
-
-
-def test_max_tokens_is_a_deprecated_alias_of_budget_tokens():
-    with pytest.warns(DeprecationWarning, match="budget_tokens"):
-        old = load_image_processor("qwen2_5_vl", max_tokens=256)
-    new = load_image_processor("qwen2_5_vl", budget_tokens=256)
-    assert old.budget_tokens == new.budget_tokens == 256
-    assert old.clamp_info() == new.clamp_info()
