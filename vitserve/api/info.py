@@ -21,7 +21,7 @@ from vitserve.processors.base import VisionProcessor
 # The banner's lines: a label and the info keys it shows, in order.
 BANNER_LINES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("model", "family", "embed_dim", "dtype", "device")),
-    ("budget", ("budget_tokens", "max_batch_images")),
+    ("budget", ("budget_tokens", "max_batch_images", "max_video_tokens")),
     ("processor clamp", ("processor_clamp",)),
     ("layout", ("tp", "dp", "nnodes")),
     (
@@ -63,6 +63,7 @@ def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dic
         "device": resolved_device(config.device),
         "budget_tokens": config.budget_tokens,
         "max_batch_images": config.max_batch_images,
+        "max_video_tokens": config.max_video_tokens,  # what one video may cost in all; 0: no cap
         "processor_clamp": processor.clamp_info(),
         "reserved_memory_bytes": {str(k): v for k, v in info.reserved_memory_bytes.items()},
         "reserved_source": info.reserved_source,
@@ -105,6 +106,8 @@ def _mib(n: int) -> str:
 def _value(key: str, value: Any) -> str:
     if key == "budget_tokens":
         return f"{value} tokens per batch and per image" if value else "OFF (no clamp)"
+    if key == "max_video_tokens" and not value:
+        return "0 (no cap)"
     if key == "max_queue_tokens" and value is None:
         return "unlimited"
     if key == "reserved_memory_bytes":
