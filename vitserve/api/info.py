@@ -133,7 +133,7 @@ def _pairs(info: Mapping[str, Any], keys: tuple[str, ...]) -> str:
             out.append(_pairs(value, tuple(value)))
         elif key == "processor_clamp":
             out.append(str(dict(value)))
-        elif key == "exact":
+        elif key in ("exact", "reserved_memory_bytes"):  # the value says what it is: "rank 0: 1.0 MiB"
             out.append(_value(key, value))
         else:
             out.append(f"{key}={_value(key, value)}")
