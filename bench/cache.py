@@ -75,7 +75,7 @@ async def run_mode(mode: str, args, processor, images) -> dict:
         runtime_dir=f"/tmp/vitserve-bench-cache-{os.getpid()}",
         request_timeout_s=600,
     )
-    engine = Engine(config, Metrics(), processor_clamp=processor.clamp_info())
+    engine = Engine(config, Metrics())
     await engine.start()
     try:
         items = [processor.preprocess(img) for _, img in images]

@@ -31,9 +31,10 @@ from transformers.vision_utils import get_vision_window_index
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vitserve.model.fast as fast  # noqa: E402
 from bench import record  # noqa: E402
-from vitserve.model.demo import DEMO_VISION_CONFIG as DEMO  # noqa: E402
+from vitserve.checkpoint import Checkpoint  # noqa: E402
 from vitserve.model.demo import build_demo_visual  # noqa: E402
 
+DEMO = dict(Checkpoint.demo().vision)  # the demo tower's vision config
 PATCH = DEMO["patch_size"]
 
 # (width, height) in pixels, multiples of 28 so the grid is what the processor would produce.

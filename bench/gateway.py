@@ -45,7 +45,7 @@ from tests.checkpoints import make_servable_checkpoint  # noqa: E402
 from tests.cli import CliServer  # noqa: E402
 from tests.openai_chat import data_url  # noqa: E402
 from tests.vllm_server import VllmServer  # noqa: E402
-from vitserve.families import DEMO_VISION_CONFIG  # noqa: E402
+from vitserve.checkpoint import Checkpoint  # noqa: E402
 
 BUDGET = 256  # tokens per image (after merge): a 448x448 image; the checkpoint's max_pixels
 IMAGE_SIDE = 448
@@ -162,7 +162,7 @@ def main() -> None:
     profile = PROFILES["quick" if args.quick else "standard"]
     run = record.begin("gateway", vars(args))
     tmp = Path(tempfile.mkdtemp(prefix="vitserve-gateway-"))
-    vision = {k: v for k, v in DEMO_VISION_CONFIG.items() if k != "out_hidden_size"}
+    vision = {k: v for k, v in Checkpoint.demo().vision.items() if k != "out_hidden_size"}
     ckpt = make_servable_checkpoint("qwen2_5_vl", tmp / "ckpt", vision=vision, max_units=BUDGET)
     vllm = VllmServer(ckpt, tmp, limit_mm={"image": 1, "video": 0})
     vitserve = None

@@ -91,6 +91,7 @@ class FakeEncoder:
         if hooks.embed_dim % tp:
             raise ValueError(f"embed_dim {hooks.embed_dim} is not divisible by --tp {tp}")
         self.embed_dim, self.hooks, self.rank, self.tp = hooks.embed_dim, hooks, rank, tp
+        self.weights_digest = f"fake-encoder:{hooks.seed}:{hooks.embed_dim}"  # what W is drawn from
         cols = hooks.embed_dim // tp
         self.visual = _FakeVisual(
             fake_weight(hooks.embed_dim, hooks.seed)[:, rank * cols : (rank + 1) * cols].clone()
@@ -169,6 +170,7 @@ class TinyEncoder:
     def __init__(self, patch_dim: int = 3 * 2 * 14 * 14, embed_dim: int = 16, seed: int = 0):
         torch.manual_seed(seed)
         self.embed_dim = embed_dim
+        self.weights_digest = f"tiny-fake-encoder:{seed}:{patch_dim}:{embed_dim}"
         self.visual = nn.Linear(4 * patch_dim, embed_dim)
 
     @torch.no_grad()

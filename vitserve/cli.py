@@ -16,6 +16,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from vitserve import preflight
+from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.errors import ConfigError, VitserveError
 from vitserve.flags import build_config
@@ -36,27 +37,19 @@ def render_banner(service: Service) -> str:
     return banner(info, f"http://{service.config.host}:{service.port}")
 
 
-def _build_service(config: Config) -> Service:
+def _build_service(config: Config, checkpoint: Checkpoint) -> Service:
     from vitserve.api.server import Service, bind_socket, warmup_image
     from vitserve.processors import load_image_processor
 
     processor = load_image_processor(
-        config.model,
-        budget_tokens=config.budget_tokens,
-        family=config.model_family,
-        resize=config.image_resize,
+        checkpoint, budget_tokens=config.budget_tokens, resize=config.image_resize
     )
     preflight.check_processor_budget(config.budget_tokens, processor.clamp_info())
     sock = bind_socket(config.host, config.port)
     from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed
 
     metrics = Metrics()
-    engine = Engine(
-        config,
-        metrics,
-        processor_clamp=processor.clamp_info(),  # the clamp keys the cache
-        warmup_image=warmup_image(processor),
-    )
+    engine = Engine(config, metrics, checkpoint=checkpoint, warmup_image=warmup_image(processor))
     return Service(config, engine, processor, metrics, sock=sock, banner=render_banner)
 
 
@@ -93,19 +86,19 @@ def main(argv: list[str] | None = None) -> int:
             stream=sys.stderr,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
-        preflight.check(config)  # settings that can never serve exit 2 before anything slow
+        checkpoint = preflight.check(config)  # settings that can never serve exit 2 before anything slow
         from vitserve.worker import zygote  # light: the forkserver imports the heavy modules, not us
 
-        zygote.start(config.model)  # the ranks' imports run beside ours from here on
+        zygote.start(checkpoint)  # the ranks' imports run beside ours from here on
         if config.node_rank > 0:  # ranks only: no HTTP, no processor, no queue (docs/engine.md, Nodes)
             from vitserve.engine.node import run_node
         else:
-            service = _build_service(config)
+            service = _build_service(config, checkpoint)
     except (ConfigError, VitserveError, OSError) as exc:
         print(f"vitserve: start-up failed: {exc}", file=sys.stderr)
         return 2
     if config.node_rank > 0:
-        return run_node(config, os.environ)
+        return run_node(config, checkpoint, os.environ)
     return asyncio.run(service.run())
 
 

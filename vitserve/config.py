@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vitserve.checkpoint import DEMO
+
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 TORCHRUN_MASTER_PORT = 29500  # torchrun's default --master_port, ours with --nnodes > 1
@@ -14,7 +16,7 @@ TORCHRUN_MASTER_PORT = 29500  # torchrun's default --master_port, ours with --nn
 
 @dataclass(frozen=True)
 class Config:
-    model: str = "demo"
+    model: str = DEMO  # a checkpoint directory, or the demo (vitserve/checkpoint.py)
     model_family: str = "auto"  # qwen2_vl | qwen2_5_vl | qwen3_vl | qwen3_5 | internvl | auto
     tp: int = 1
     dp: int = 1

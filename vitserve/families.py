@@ -128,20 +128,6 @@ FAMILY_CHOICES = ("auto", *FAMILIES)  # --model_family
 # fps when neither the request (fps, num_frames) nor the checkpoint's video processor config sets fps: the Qwen
 # reference default (Qwen3-VL's class default); the Qwen2 and InternVL classes would decode every frame.
 VIDEO_DEFAULT_FPS = 2.0
-DEMO_FAMILY = "qwen2_5_vl"  # --model demo: a seeded random tower of this family (vitserve/model/demo.py)
-# Its vision config, here so that flags can be checked against it without torch (vitserve/preflight.py).
-DEMO_VISION_CONFIG: dict[str, Any] = {
-    "depth": 8,
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_heads": 8,
-    "patch_size": 14,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "window_size": 112,  # Qwen2.5-VL's: 4x4 merged units per window
-    "fullatt_block_indexes": [3, 7],
-    "out_hidden_size": 1024,
-}
 MAX_ASPECT_RATIO = 200  # HF smart_resize raises above this long/short side ratio
 # Budget 0 (disabled): the start-up stress covers one image of HF's default Qwen2-VL max_pixels (16384 tokens).
 _QWEN2 = FAMILIES["qwen2_vl"]

@@ -1,15 +1,14 @@
 """Refuse, before any rank is spawned, a configuration that can never serve (docs/api.md, exit code 2).
 
-`check(config)` reads only the flags and the checkpoint's config.json (json, no torch, no transformers), so
-it answers in well under a second. `check_budget` takes the image processor's clamp_info, the one place
-that knows a family's smallest image. Each refusal is one ConfigError that names the flag and a value that
-would work. The ranks and the processor keep their own checks; these move the failures that are certain
-in front of every slow step.
+`check(config)` opens the checkpoint (vitserve/checkpoint.py: its JSON files, no torch, no transformers),
+so it answers in well under a second, and returns it for the rest of start-up. `check_budget` takes the image
+processor's clamp_info, the one place that knows a family's smallest image. Each refusal is one ConfigError
+that names the flag and a value that would work. These move the failures that are certain in front of every
+slow step; the TP check (`check_tp`) is the only one there is.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Mapping
@@ -17,21 +16,13 @@ from functools import reduce
 from pathlib import Path
 from typing import Any
 
+from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.errors import ConfigError
-from vitserve.families import (
-    DEMO_FAMILY,
-    DEMO_VISION_CONFIG,
-    FAMILIES,
-    MODEL_TYPES,
-    Family,
-    family_of_model_type,
-    tokens_per_tile,
-)
+from vitserve.families import FAMILIES, Family, tokens_per_tile
 
 log = logging.getLogger(__name__)
 IPC_PATH_MAX = 107  # bytes in a Unix socket path (sun_path is 108 with the terminating NUL)
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 # Where each family's vision config keeps the sizes that vitserve/model/tp.py splits across --tp ranks:
 # attention heads (q, k and v are split by head), the width (the attention output projection's input),
@@ -40,107 +31,33 @@ _HEADS_KEY = {"internvl": "num_attention_heads"}  # every other family: "num_hea
 _WIDTH_KEY = {"qwen2_vl": "embed_dim"}  # every other family: "hidden_size"
 
 
-def check(config: Config) -> None:
-    """Every refusal that needs only the flags and the checkpoint's JSON files."""
+def check(config: Config) -> Checkpoint:
+    """Every refusal that needs only the flags and the checkpoint's JSON files; the opened checkpoint."""
     check_nodes(config)
     if config.llm_endpoint is not None:
         check_llm_endpoint(config.llm_endpoint)
-    family, top = _checkpoint(config.model, config.model_family)
-    check_tp(config.tp, family, top["vision_config"])
+    checkpoint = Checkpoint.open(config.model, config.model_family)
+    checkpoint.check_servable()
+    check_tp(config.tp, checkpoint.family, checkpoint.vision)
     if config.llm_url is not None:
-        llm_embeds_width(config.model, config.model_family)
-    path = None if config.model == "demo" else Path(config.model)
-    smallest = smallest_image(family, top, _processor_config(path))
+        llm_embeds_width(checkpoint)
+    smallest = smallest_image(checkpoint)
     if smallest is not None:
-        check_budget(config.budget_tokens, family, *smallest)
+        check_budget(config.budget_tokens, checkpoint.family, *smallest)
+    return checkpoint
 
 
-def _checkpoint(model: str, family_flag: str) -> tuple[Family, Mapping[str, Any]]:
-    """The family and config.json of --model; refuses a directory vitserve cannot load."""
-    if model == "demo":
-        demo = FAMILIES[DEMO_FAMILY]
-        _check_family_flag(family_flag, demo, "--model demo is")
-        return demo, {"vision_config": DEMO_VISION_CONFIG}
-    path = Path(model)
-    if not path.is_dir():
-        raise ConfigError(
-            f"--model {model!r} is not a directory; give a local Hugging Face checkpoint directory, or demo"
-        )
-    top = _read_config(path)
-    model_type = str(top.get("model_type", ""))
-    if family_flag != "auto" and model_type in MODEL_TYPES:
-        _check_family_flag(
-            family_flag, family_of_model_type(model_type), f"config.json's model_type {model_type!r} is"
-        )
-    family = family_of_model_type(model_type, family_flag)  # refuses unknown and unloadable model types
-    vision = top.get("vision_config")
-    if not isinstance(vision, dict):
-        raise ConfigError(
-            f"--model {model!r}: config.json has no vision_config; give the full {family.display} checkpoint "
-            "(vision tower and language model), not a language-model-only one"
-        )
-    _check_weights(path)
-    return family, top
-
-
-def llm_embeds_width(model: str, family_flag: str) -> int:
+def llm_embeds_width(checkpoint: Checkpoint) -> int:
     """The width of the embedding rows the LLM server assumes for --model (the front door checks every
-    embedding against it, docs/vllm.md): the language model's hidden size, times 1 + the DeepStack levels
-    for the families that concatenate them (Qwen3-VL)."""
-    if model == "demo":
+    embedding against it, docs/vllm.md); refused when the checkpoint names no language model."""
+    width = checkpoint.llm_embeds_width
+    if width is None:
         raise ConfigError(
-            "--llm_url needs the checkpoint the LLM server serves: --model demo has no language model; "
-            "give --model /path/to/checkpoint"
+            f"--llm_url needs the checkpoint the LLM server serves: --model {checkpoint.name} has no language "
+            "model (its config.json names no text_config.hidden_size, which every embedding sent to the LLM "
+            "server must match); give --model /path/to/checkpoint"
         )
-    family, top = _checkpoint(model, family_flag)
-    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
-    hidden = text.get("hidden_size") if isinstance(text, Mapping) else None
-    if not isinstance(hidden, int) or hidden <= 0:
-        raise ConfigError(
-            f"--llm_url: {model}/config.json names no language-model hidden_size (text_config.hidden_size), "
-            "which every embedding sent to the LLM server must match"
-        )
-    levels = len(top["vision_config"].get("deepstack_visual_indexes") or []) if family.deepstack else 0
-    return hidden * (1 + levels)
-
-
-def _read_config(path: Path, name: str = "config.json") -> dict[str, Any]:
-    file = path / name
-    if not file.is_file():
-        raise ConfigError(f"--model {str(path)!r} has no {name}; give a Hugging Face checkpoint directory")
-    try:
-        parsed = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"--model: cannot read {file} ({exc}); give a Hugging Face checkpoint directory"
-        ) from None
-    if not isinstance(parsed, dict):
-        raise ConfigError(f"--model: {file} is not a JSON object; give a Hugging Face checkpoint directory")
-    return parsed
-
-
-def _check_family_flag(flag: str, found: Family, what: str) -> None:
-    if flag not in ("auto", found.name):
-        raise ConfigError(
-            f"--model_family {flag} does not match the checkpoint: {what} a {found.display} tower; "
-            f"use --model_family {found.name} (or auto)"
-        )
-
-
-def _check_weights(path: Path) -> None:
-    """vitserve reads safetensors only (vitserve/model/weights.py): one file, or shards with their index."""
-    if (path / SAFETENSORS_INDEX).is_file() or any(path.glob("*.safetensors")):
-        return
-    found = sorted(p.name for p in path.glob("*.bin"))
-    what = (
-        f"only PyTorch .bin files ({', '.join(found[:3])}), which vitserve does not read"
-        if found
-        else "no weights"
-    )
-    raise ConfigError(
-        f"--model {str(path)!r} has {what}; give a checkpoint with *.safetensors weights "
-        "(transformers' save_pretrained writes them by default)"
-    )
+    return width
 
 
 # ------------------------------------------------------------------------------------------------ --tp
@@ -166,6 +83,7 @@ def allowed_tp(sizes: Mapping[str, int]) -> list[int]:
 
 
 def check_tp(tp: int, family: Family, vision: Mapping[str, Any]) -> None:
+    """The one --tp check (vitserve/model/tp.py's pass assumes it passed): every size it splits divides."""
     sizes = shard_sizes(family, vision)
     for what, value in sizes.items():
         if value % tp:
@@ -245,40 +163,23 @@ def check_nodes(config: Config) -> None:
 # ------------------------------------------------------------------------------------------------ budget
 
 
-def _processor_config(path: Path | None) -> dict[str, Any] | None:
-    """The image processor's parameters as HF's from_pretrained reads them, None when the checkpoint has none."""
-    if path is None:
-        return None
-    if (path / "preprocessor_config.json").is_file():
-        return _read_config(path, "preprocessor_config.json")
-    if (path / "processor_config.json").is_file():
-        section = _read_config(path, "processor_config.json").get("image_processor")
-        return section if isinstance(section, dict) else None
-    return None
-
-
-def _first(value: Any) -> int:
-    return int(value[0] if isinstance(value, (list, tuple)) else value)
-
-
-def smallest_image(
-    family: Family, top: Mapping[str, Any], processor: Mapping[str, Any] | None
-) -> tuple[int, str] | None:
+def smallest_image(checkpoint: Checkpoint) -> tuple[int, str] | None:
     """(tokens, what) of the smallest image the family's processor produces: Qwen grows every image to at
     least min_pixels, InternVL's smallest image is one tile. The same sources, in the same order, as
     vitserve/processors/hf_config.py; None when a value only HF's class defaults would give is missing
     (the loaded processor's clamp_info is then checked by check_processor_budget)."""
-    vision = top.get("vision_config") or {}
+    family, geometry, processor = checkpoint.family, checkpoint.geometry, checkpoint.processor_config
     if family.layout == "tiles":
-        return _smallest_tile(family, top, vision, processor)
-    found: tuple[Any, Any, Any]  # min_pixels, patch, merge
-    if processor is None:
-        spatial = (
-            vision.get("patch_size", family.patch_size),
-            vision.get("spatial_merge_size", family.merge_size),
-        )
-        found = (family.min_pixels, _first(spatial[0]), _first(spatial[1]))
-    else:
+        tile = geometry.tile_size
+        if processor is not None:
+            size = processor.get("size")
+            if not isinstance(size, dict) or "height" not in size:
+                return None
+            tile = int(size["height"])
+        per_tile = tokens_per_tile(tile, geometry.patch_size, geometry.downsample_ratio)
+        return per_tile, f"one {tile}-pixel tile"
+    found: tuple[Any, Any, Any] = (family.min_pixels, geometry.patch_size, geometry.merge_size)
+    if processor is not None:
         size = processor.get("size")
         shortest = size.get("shortest_edge") if isinstance(size, dict) else None
         found = (
@@ -290,21 +191,6 @@ def smallest_image(
             return None
     min_pixels, factor = int(found[0]), int(found[1]) * int(found[2])
     return max(1, -(-min_pixels // (factor * factor))), f"min_pixels {min_pixels}"
-
-
-def _smallest_tile(
-    family: Family, top: Mapping[str, Any], vision: Mapping[str, Any], processor: Mapping[str, Any] | None
-) -> tuple[int, str] | None:
-    if processor is None:
-        tile = _first(vision.get("image_size", family.tile_size))
-    else:
-        size = processor.get("size")
-        if not isinstance(size, dict) or "height" not in size:
-            return None
-        tile = int(size["height"])
-    patch = _first(vision.get("patch_size", family.patch_size))
-    ratio = float(top.get("downsample_ratio", family.downsample_ratio))
-    return tokens_per_tile(tile, patch, ratio), f"one {tile}-pixel tile"
 
 
 def check_budget(budget_tokens: int, family: Family, minimum: int, what: str) -> None:

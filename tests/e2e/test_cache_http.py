@@ -24,13 +24,7 @@ def server(tmp_path_factory):
     processor = load_image_processor("qwen2_5_vl", budget_tokens=256)
 
     def make_engine(config, metrics):
-        return Engine(
-            config,
-            metrics,
-            encoder_factory=FakeEncoderFactory(),
-            environ={},
-            processor_clamp=processor.clamp_info(),
-        )
+        return Engine(config, metrics, encoder_factory=FakeEncoderFactory(), environ={})
 
     with live_server(
         processor=processor,

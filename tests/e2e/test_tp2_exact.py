@@ -42,10 +42,10 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def cli_engine(processor):
-    """The Engine exactly as vitserve.cli builds it: it is given the processor's clamp (the cache key)."""
+    """The Engine exactly as vitserve.cli builds it: given the checkpoint the processor was built from."""
     from vitserve.engine import Engine
 
-    return lambda config, metrics: Engine(config, metrics, processor_clamp=processor.clamp_info())
+    return lambda config, metrics: Engine(config, metrics, checkpoint=processor.checkpoint)
 
 
 def decode_tensor(field: dict) -> torch.Tensor:

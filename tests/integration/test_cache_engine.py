@@ -73,11 +73,11 @@ async def encode(engine, rid, images, *, seconds=30.0, inline=True):
 async def test_hit_miss_eviction_and_fingerprint(tmp_path):
     # room for exactly two fake_item(4, 4) entries
     config = make_config(tmp_path, cache_gb=2.5 * ENTRY_BYTES / 1024**3)
-    async with running_engine(config, processor_clamp={"max_pixels": 12345}) as engine:
+    async with running_engine(config) as engine:
         m = engine.metrics
         assert engine._jobs.fingerprint == cache_fingerprint(
             config,
-            {"max_pixels": 12345},
+            weights=FakeEncoderFactory()(config).weights_digest,  # what rank 0 reported
             model_name="fake-encoder",
             family="qwen2_5_vl",
             dtype="float32",

@@ -16,6 +16,7 @@ from vitserve import preflight
 from vitserve.api.chat import image_parts
 from vitserve.api.embeds import EmbeddingMismatch, EmbedsLayout, embeds_part, npy_b64
 from vitserve.api.upstream import api_base, redacted
+from vitserve.checkpoint import Checkpoint
 from vitserve.contract import ImageResult, PreparedImage, ProcessedImage
 from vitserve.errors import ConfigError, InvalidRequest, LLMUnavailable, QueueFull, openai_error
 from vitserve.flags import build_config
@@ -157,7 +158,8 @@ def test_openai_error_shape_and_retry_after():
 def test_llm_width_is_the_text_hidden_size_times_deepstack_levels(tmp_path, family, factor):
     ckpt = make_checkpoint(family, tmp_path / family)
     config = json.loads((ckpt / "config.json").read_text())
-    assert preflight.llm_embeds_width(str(ckpt), "auto") == config["text_config"]["hidden_size"] * factor
+    width = preflight.llm_embeds_width(Checkpoint.open(ckpt))
+    assert width == config["text_config"]["hidden_size"] * factor
 
 
 def test_front_door_flags(tmp_path):

@@ -11,13 +11,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import FAMILIES, make_checkpoint, vision_prefixes
+from vitserve.checkpoint import SAFETENSORS_INDEX
 from vitserve.contract import ProcessedImage
 from vitserve.errors import ConfigError
 from vitserve.model import Encoder, load_encoder
 from vitserve.model.adapters import ADAPTERS
-from vitserve.model.loader import model_name_of
 from vitserve.model.weights import read_vision_weights
-from vitserve.preflight import SAFETENSORS_INDEX
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -243,10 +242,3 @@ def test_every_adapter_builds_its_tower_on_meta(model_type):
     assert all(p.is_meta for p in visual.parameters())
     assert adapter.embed_dim(config) > 0
     assert adapter.num_deepstack(config) == (3 if adapter.family == "qwen3_vl" else 0)
-
-
-def test_model_name_of_hf_cache_snapshot(tmp_path):
-    snapshot = tmp_path / "models--Qwen--Qwen2.5-VL-7B-Instruct" / "snapshots" / "a1b2c3"
-    snapshot.mkdir(parents=True)
-    assert model_name_of(snapshot) == "Qwen/Qwen2.5-VL-7B-Instruct"
-    assert model_name_of(tmp_path / "plain-dir") == "plain-dir"

@@ -66,6 +66,7 @@ def test_result_roundtrip_with_deepstack():
             device="cpu",
             reserved_bytes=10,
             reserved_source="stress",
+            weights_digest="ab" * 32,
         ),
     ],
 )

@@ -1,5 +1,5 @@
-"""vitserve/preflight.py: its refusals, and agreement with the parts that would otherwise fail later (the TP
-pass's check_shardable, the image processor's smallest image)."""
+"""vitserve/preflight.py: its refusals, and agreement with the parts that would otherwise fail later (the real
+tower's heads and widths the TP pass splits, the image processor's smallest image)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from tests.checkpoints import FAMILIES as CHECKPOINT_FAMILIES
 from tests.checkpoints import _config, _preprocessor_config
 from tests.tp_towers import build_visual, vision_config
 from vitserve import preflight
+from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.errors import ConfigError
 from vitserve.families import FAMILIES
-from vitserve.model.tp import check_shardable
+from vitserve.model.tp import find_blocks
 from vitserve.processors import load_image_processor
 
 pytestmark = pytest.mark.unit
@@ -57,17 +58,28 @@ def test_tp_refusals_agree_with_the_tp_pass(family, heads, width, mlp):
     sizes = preflight.shard_sizes(FAMILIES[family], vision)
     assert set(sizes) == {"vision attention heads", "vision width", "MLP width"}
     for tp in range(1, 13):
-        try:
-            check_shardable(visual, family, tp)
-            shardable = True
-        except ConfigError:
-            shardable = False
+        shardable = _the_tower_splits(visual, tp)
         assert (tp in preflight.allowed_tp(sizes)) is shardable, tp
         if shardable:
             preflight.check_tp(tp, FAMILIES[family], vision)
         else:
             with pytest.raises(ConfigError, match=rf"^--tp {tp} does not divide .*; use --tp 1"):
                 preflight.check_tp(tp, FAMILIES[family], vision)
+
+
+def _the_tower_splits(visual, tp: int) -> bool:
+    """What the TP pass needs of the real module: every block's attention heads and MLP width divide by tp."""
+    for block in find_blocks(visual):
+        attention = next(block._modules[n] for n in ("attn", "attention") if n in block._modules)
+        mlp = block._modules["mlp"]
+        widths = [
+            getattr(mlp, c).weight.shape[0]
+            for c in ("fc1", "gate_proj", "up_proj", "linear_fc1")
+            if c in mlp._modules
+        ]
+        if any(size % tp for size in [int(attention.num_heads), *widths]):
+            return False
+    return True
 
 
 def test_tp_refusal_on_the_demo_names_what_works():
@@ -85,8 +97,7 @@ def test_tp_refusal_on_the_demo_names_what_works():
 @pytest.mark.parametrize("family", CHECKPOINT_FAMILIES)
 def test_smallest_image_is_what_the_processor_says(tmp_path, family, processor):
     path = _json_checkpoint(tmp_path / "ckpt", family, processor=processor)
-    top = json.loads((path / "config.json").read_text())
-    found = preflight.smallest_image(FAMILIES[family], top, preflight._processor_config(path))
+    found = preflight.smallest_image(Checkpoint.open(path))
     assert found is not None
     info = load_image_processor(str(path), budget_tokens=0).clamp_info()
     assert found[0] == info.get("tokens_per_tile", info.get("min_tokens"))

@@ -12,10 +12,11 @@ from transformers import AutoImageProcessor, Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from tests.imagegen import noise
+from vitserve.checkpoint import Checkpoint
 from vitserve.errors import AspectRatioTooLarge, ConfigError, OverTokenBudget
 from vitserve.families import FAMILIES
 from vitserve.images import to_rgb
-from vitserve.processors import family_of_checkpoint, load_image_processor
+from vitserve.processors import load_image_processor
 
 QWEN = tuple(name for name, family in FAMILIES.items() if family.layout == "patches")
 
@@ -44,14 +45,14 @@ def _write_checkpoint(path, config: dict, preprocessor: dict | None = None):
     ],
 )
 def test_family_of_checkpoint(tmp_path, model_type, family):
-    assert family_of_checkpoint(_write_checkpoint(tmp_path, {"model_type": model_type})) == family
+    assert Checkpoint.open(_write_checkpoint(tmp_path, {"model_type": model_type})).family.name == family
 
 
 def test_unknown_model_type_names_the_flag(tmp_path):
     with pytest.raises(ConfigError, match="--model_family"):
-        family_of_checkpoint(_write_checkpoint(tmp_path, {"model_type": "llava"}))
-    with pytest.raises(ConfigError, match="--model_family"):
-        family_of_checkpoint(tmp_path / "missing")
+        Checkpoint.open(_write_checkpoint(tmp_path, {"model_type": "llava"}))
+    with pytest.raises(ConfigError, match="--model"):
+        Checkpoint.open(tmp_path / "missing")
 
 
 def test_bad_arguments_are_config_errors(tmp_path):

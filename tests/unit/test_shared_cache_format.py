@@ -1,22 +1,19 @@
-"""The shared cache's pure parts: the entry format (engine/entry_format.py), the weights digest and the
-fingerprint that key it, the --cache_url / --cache_ttl_s flags, and that no password is ever shown."""
+"""The shared cache's pure parts: the entry format (engine/entry_format.py), the fingerprint that keys it
+(the weights digest itself: tests/unit/test_checkpoint.py), the --cache_url / --cache_ttl_s flags, and that
+no password is ever shown."""
 
 from __future__ import annotations
 
-import shutil
 import struct
 from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from tests.checkpoints import make_checkpoint
 from vitserve.config import Config
 from vitserve.contract import EncodedImage
 from vitserve.engine.cache import cache_fingerprint, redacted_url
 from vitserve.engine.entry_format import FORMAT_VERSION, EntryError, decode_entry, encode_entry
-from vitserve.engine.weights_digest import weights_digest
 from vitserve.errors import ConfigError
 from vitserve.flags import build_config
 
@@ -85,13 +82,13 @@ def test_a_dtype_the_wire_does_not_carry_is_refused_when_writing():
 
 def fingerprint(config: Config, **kw) -> str:
     args = {
+        "weights": "w",
         "model_name": "m",
         "family": "qwen2_5_vl",
         "dtype": "bfloat16",
         "device": "cuda:0",
-        "weights": "w",
     }
-    return cache_fingerprint(config, {"max_pixels": 1000}, **{**args, **kw})
+    return cache_fingerprint(config, **{**args, **kw})
 
 
 def test_the_fingerprint_follows_weights_and_output_settings_not_the_path():
@@ -104,57 +101,11 @@ def test_the_fingerprint_follows_weights_and_output_settings_not_the_path():
         fingerprint(base, dtype="float32"),
         fingerprint(base, family="qwen2_vl"),
         fingerprint(replace(base, jpeg_draft=True)),
+        fingerprint(replace(base, image_resize="pil")),
         fingerprint(replace(base, visual_batch_max_tokens=1024)),
         fingerprint(replace(base, tp=2)),
-        cache_fingerprint(
-            base,
-            {"max_pixels": 999},
-            model_name="m",
-            family="qwen2_5_vl",
-            dtype="bfloat16",
-            device="cuda",
-            weights="w",
-        ),
     ):
         assert changed != fp
-    # without a weights digest (no --cache_url) the path stands for the weights, as before
-    no_digest = cache_fingerprint(base, None, model_name="m", family="f", dtype="d", device="cpu")
-    assert no_digest != cache_fingerprint(
-        replace(base, model="/b"), None, model_name="m", family="f", dtype="d", device="cpu"
-    )
-
-
-def _edit(shard, key_part: str) -> str:
-    """Add 1 to the first tensor whose key holds `key_part`; return its key."""
-    tensors = load_file(shard)
-    key = next(k for k in sorted(tensors) if key_part in k)
-    tensors[key] = tensors[key] + 1
-    save_file(tensors, shard, metadata={"format": "pt"})
-    return key
-
-
-def test_the_weights_digest_covers_the_vision_tensors_and_nothing_else(tmp_path):
-    ckpt = make_checkpoint("qwen2_5_vl", tmp_path / "a")
-    digest = weights_digest(str(ckpt), "auto")
-    copy = shutil.copytree(ckpt, tmp_path / "b")
-    assert weights_digest(str(copy), "auto") == digest  # content, not path
-    shard = copy / "model.safetensors"
-    save_file(load_file(shard), shard, metadata={"format": "pt"})  # rewritten: other offsets, same tensors
-    assert weights_digest(str(copy), "auto") == digest
-    _edit(shard, "language_model")
-    assert weights_digest(str(copy), "auto") == digest  # the LLM's weights do not change the encoder
-    _edit(shard, "visual.merger")  # e.g. a fine-tuned merger only
-    assert weights_digest(str(copy), "auto") != digest
-    assert weights_digest("demo", "auto") == "demo"
-
-
-def test_the_weights_digest_reads_sharded_checkpoints_and_old_layouts(tmp_path):
-    sharded = make_checkpoint("qwen2_5_vl", tmp_path / "s", sharded=True)
-    old = make_checkpoint("qwen2_5_vl", tmp_path / "o", layout="visual")
-    digests = {weights_digest(str(sharded), "auto"), weights_digest(str(old), "auto")}
-    assert len(digests) == 2 and all(len(d) == 64 for d in digests)  # noqa: PT018
-    with pytest.raises(ConfigError, match="config.json"):
-        weights_digest(str(tmp_path / "missing"), "auto")
 
 
 # ----------------------------------------------------------------------------------- flags

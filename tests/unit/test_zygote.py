@@ -9,11 +9,15 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
+from vitserve.checkpoint import Checkpoint
+from vitserve.errors import ConfigError
 from vitserve.worker import zygote
 
 
 def test_the_guard_comes_first_then_the_rank_and_the_demo_family():
-    modules = zygote.preload_modules("demo")
+    modules = zygote.preload_modules(Checkpoint.demo())
     assert modules[0] == "vitserve.worker.forkserver_guard"
     assert "vitserve.worker.process" in modules  # imports vitserve.worker.rank
     assert modules[-1] == "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
@@ -23,14 +27,17 @@ def test_the_guard_comes_first_then_the_rank_and_the_demo_family():
 
 def test_a_checkpoint_preloads_its_model_types_modeling(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
-    assert zygote.preload_modules(str(tmp_path))[-1] == "transformers.models.qwen3_vl.modeling_qwen3_vl"
+    modules = zygote.preload_modules(Checkpoint.open(tmp_path))
+    assert modules[-1] == "transformers.models.qwen3_vl.modeling_qwen3_vl"
 
 
-def test_an_unreadable_or_odd_model_type_adds_no_module(tmp_path):
-    base = zygote.preload_modules(str(tmp_path / "missing"))
-    assert all(not m.startswith("transformers.") for m in base)
+def test_an_odd_model_type_adds_no_module(tmp_path):
+    """A fine-tune's own model_type (named with --model_family) is not a transformers module path."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "../../etc"}))
-    assert zygote.preload_modules(str(tmp_path)) == base
+    with pytest.raises(ConfigError):  # refused before any forkserver starts
+        Checkpoint.open(tmp_path)
+    modules = zygote.preload_modules(Checkpoint.open(tmp_path, "qwen3_vl"))
+    assert all(not m.startswith("transformers.") for m in modules)
 
 
 def test_the_guard_exits_a_forkserver_whose_service_is_already_gone():

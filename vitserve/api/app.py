@@ -24,6 +24,7 @@ from vitserve.api.openapi import DOCS_ASSETS_URL, ENCODE_OPENAPI, ERROR_RESPONSE
 from vitserve.api.pipeline import Preprocessor
 from vitserve.api.tracing import Tracing, make_tracing
 from vitserve.api.upstream import Upstream
+from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.contract import Engine
 from vitserve.errors import InvalidRequest, NotReady, VitserveError, http_error
@@ -142,7 +143,10 @@ def _add_front_door(
     layout = EmbedsLayout(
         family=processor.family,
         merge_size=int(processor.clamp_info().get("merge_size", 1)),
-        width=preflight.llm_embeds_width(config.model, config.model_family),
+        # the checkpoint the processor was built from (a family's defaults know no LLM: open --model)
+        width=preflight.llm_embeds_width(
+            processor.checkpoint or Checkpoint.open(config.model, config.model_family)
+        ),
     )
     chat = ChatHandler(config, engine, app.state.preprocessor, metrics, tracing, upstream, layout)
 

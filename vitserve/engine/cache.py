@@ -4,9 +4,10 @@ An LRU of EncodedImage (embedding + deepstack, CPU tensors) bounded in BYTES: th
 tensors' nbytes never exceeds `max_bytes`; an entry larger than the whole cache is not stored.
 
 Keys are `cache_key(fingerprint, image_id)`: the image bytes' sha256 (`image_id` in docs/api.md) plus a
-fingerprint of everything that changes the encoder's output for the same bytes (weights, family, the
-processor's resolved clamp and budget, dtype, device type, --jpeg_draft, wire and software versions). The fingerprint is computed once at start-up
-by `cache_fingerprint`, so a cache can never hand out an embedding made under another configuration.
+fingerprint of everything that changes the encoder's output for the same bytes (the weights' content digest,
+which covers the checkpoint's configs, the family, the budget, dtype, device type, --image_resize,
+--jpeg_draft, wire and software versions). The fingerprint is computed once at start-up by
+`cache_fingerprint`, so a cache can never hand out an embedding made under another configuration.
 
 Threading: the engine calls the cache only from its asyncio event loop (one thread) and no method
 awaits, so no lock is needed. Do not share one EmbeddingCache between threads.
@@ -14,13 +15,10 @@ awaits, so no lock is needed. Do not share one EmbeddingCache between threads.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Mapping
 from importlib.metadata import version as _version
-from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import torch
@@ -31,40 +29,37 @@ from vitserve.contract import EncodedImage
 from vitserve.metrics import Metrics
 from vitserve.rpc.wire import WIRE_VERSION
 
-if TYPE_CHECKING:  # imported when used: the shared layer needs the `redis` extra
-    from vitserve.engine.shared_cache import SharedCache
-
-FINGERPRINT_VERSION = 2  # bump when the meaning of an entry changes (e.g. a new field in EncodedImage)
+FINGERPRINT_VERSION = 3  # bump when the meaning of an entry changes (e.g. a new field in EncodedImage)
 LOCAL = "local"  # the `layer` label of this cache's metrics (the shared layer: engine/shared_cache.py)
 
 
 def cache_fingerprint(
     config: Config,
-    processor_clamp: Mapping[str, Any] | None,
     *,
+    weights: str,
     model_name: str | None,
     family: str | None,
     dtype: str | None,
     device: str | None,
-    weights: str | None = None,
 ) -> str:
     """A stable hex digest of everything besides the image bytes that decides the encoder's output.
 
-    processor_clamp: the processor's clamp_info() (max_pixels / longest_edge / max_patches), None when the
-    caller does not have it (the budget and the checkpoint still pin it). device: "cpu", "cuda:1", ...;
-    only its type counts (two GPUs of one kind give the same embedding). weights: a digest of the vision
-    weights (engine/weights_digest.py), given with a shared cache: it replaces the checkpoint path, which
-    names the same weights only within one host. The software versions are in too: another vitserve,
-    torch or transformers may preprocess or round differently, and an entry stays exact to its producer.
+    weights: the content digest of the checkpoint rank 0 loaded (vitserve/checkpoint.py WeightsDigest): the
+    vision tensors and the checkpoint's configs, so also the image processor's parameters; with the budget,
+    the family, --image_resize and vitserve's version they pin every pixel the processor makes. It names the
+    same weights on every host, whatever the path, so replicas can share entries (--cache_url). device:
+    "cpu", "cuda:1", ...; only its type counts (two GPUs of one kind give the same embedding). The software
+    versions are in too: another vitserve, torch or transformers may preprocess or round differently, and an
+    entry stays exact to its producer.
     """
     doc = {
         "v": FINGERPRINT_VERSION,
-        "weights": weights if weights is not None else f"path:{config.model}",
+        "weights": weights,
         "model_family_flag": config.model_family,
         "model_name": model_name,
         "family": family,
         "budget": config.visual_batch_max_tokens,
-        "clamp": dict(processor_clamp) if processor_clamp is not None else None,
+        "image_resize": config.image_resize,  # torch and pil resize to different pixels
         "dtype": dtype,
         "device_type": (device or config.device).split(":")[0],
         "tp": config.tp,  # a TP sum differs from TP1 by round-off; keep entries exact to their producer
@@ -158,27 +153,6 @@ def make_cache(config: Config, metrics: Metrics) -> EmbeddingCache | None:
     """The configured cache, or None with --cache_gb 0 (no object, no per-request overhead)."""
     max_bytes = cache_bytes_from_gb(config.cache_gb)
     return EmbeddingCache(max_bytes, metrics) if max_bytes else None
-
-
-async def open_shared_cache(config: Config, metrics: Metrics) -> SharedCache | None:
-    """The shared layer (--cache_url, engine/shared_cache.py), or None without it. Logs whether Redis
-    answers; an unreachable one is not fatal (the client connects again by itself)."""
-    if config.cache_url is None:
-        return None
-    from vitserve.engine.shared_cache import SharedCache
-
-    shared = SharedCache(config.cache_url, config.cache_ttl_s, metrics)
-    await shared.check()
-    return shared
-
-
-async def shared_weights_digest(config: Config) -> str | None:
-    """With --cache_url, the vision weights' digest that keys the shared cache (engine/weights_digest.py)."""
-    if config.cache_url is None:
-        return None
-    from vitserve.engine.weights_digest import weights_digest
-
-    return await asyncio.to_thread(weights_digest, config.model, config.model_family)
 
 
 def redacted_url(url: str) -> str:

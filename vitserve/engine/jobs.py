@@ -23,9 +23,8 @@ import asyncio
 import functools
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from vitserve.config import Config
 from vitserve.contract import EncodedImage, EngineInfo, PreparedImage, ProcessedImage
@@ -93,17 +92,10 @@ class JobTable:
         self._jobs: dict[str, Job] = {}  # key -> the Job queued or encoding for it
         self._ids = itertools.count()
 
-    def set_fingerprint(
-        self,
-        config: Config,
-        processor_clamp: Mapping[str, Any] | None,
-        info: EngineInfo,
-        device: str | None,
-        weights: str | None = None,
-    ) -> None:
+    def set_fingerprint(self, config: Config, info: EngineInfo, device: str | None, weights: str) -> None:
+        """weights: the content digest rank 0 reported with its READY."""
         self.fingerprint = cache_fingerprint(
             config,
-            processor_clamp,
             model_name=info.model,
             family=info.family,
             dtype=info.dtype,

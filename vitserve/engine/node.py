@@ -1,6 +1,6 @@
 """A node that runs encoder ranks only (--node_rank > 0): no HTTP, no queue, no LLM handoff.
 
-    code = run_node(config, os.environ)  # the process exit code (docs/api.md)
+    code = run_node(config, checkpoint, os.environ)  # the process exit code (docs/api.md)
 
 It spawns this node's --tp / --nnodes ranks of the one TP group (a WorkerGroup, as node 0's engine does),
 which meet node 0's ranks at the group's TCPStore (worker/rendezvous.py) and then run whatever rank 0
@@ -15,6 +15,7 @@ node 0 through the store. `run_node` returns when:
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import signal
@@ -25,6 +26,7 @@ from collections.abc import Mapping
 
 import zmq
 
+from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.engine.groups import TERM_GRACE_S, WorkerGroup
 from vitserve.reservation_file import read_reservation, remove_reservation
@@ -54,7 +56,7 @@ class _Signals:
         self.received = signum
 
 
-def run_node(config: Config, environ: Mapping[str, str]) -> int:
+def run_node(config: Config, checkpoint: Checkpoint, environ: Mapping[str, str]) -> int:
     signals = _Signals()
     ipc_dir = tempfile.mkdtemp(prefix="vitserve-node-")  # 0700: only this user reaches the socket
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -66,7 +68,7 @@ def run_node(config: Config, environ: Mapping[str, str]) -> int:
     group = WorkerGroup(
         0,
         config,
-        load_configured_encoder,
+        functools.partial(load_configured_encoder, checkpoint),
         ctx=ctx,
         ipc_dir=ipc_dir,
         status_endpoint=endpoint,

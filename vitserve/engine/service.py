@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
+from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.contract import (
     EncodedImage,
@@ -38,7 +40,7 @@ from vitserve.contract import (
     Readiness,
     StageTimes,
 )
-from vitserve.engine.cache import make_cache, open_shared_cache, shared_weights_digest
+from vitserve.engine.cache import make_cache
 from vitserve.engine.dispatch import Dispatcher
 from vitserve.engine.groups import TERM_GRACE_S, GroupState, Watchdog, WorkerGroup
 from vitserve.engine.jobs import Claim, JobTable
@@ -66,20 +68,24 @@ class Engine:
         *,
         encoder_factory: Callable[[Config], Encoder] | None = None,
         environ: Mapping[str, str] | None = None,
-        processor_clamp: Mapping[str, Any] | None = None,
+        checkpoint: Checkpoint | None = None,
         group_factory: GroupFactory = WorkerGroup,
         warmup_image: ProcessedImage | None = None,
     ):
         """warmup_image: encoded once by every group before the group counts as ready (the CLI always gives
-        one, so /ready means "every rank passed a real encode"); None: a group is ready at its READYs."""
+        one, so /ready means "every rank passed a real encode"); None: a group is ready at its READYs.
+        checkpoint: --model as the CLI opened it; the default encoder factory loads it in every rank
+        (None: opened here from the config)."""
         self.config = config
         self.metrics = metrics
         self.warmup_image = warmup_image
         # More conditions of readiness, each a callable returning None when fine or the reason it is not
         # (e.g. "the LLM receiver at ... is not reachable"); readiness() reports the first failing one.
         self.readiness_checks: list[Callable[[], str | None]] = []
-        self.encoder_factory = encoder_factory or load_configured_encoder
-        self.processor_clamp = processor_clamp  # the processor's clamp_info(); part of the cache fingerprint
+        if encoder_factory is None:
+            checkpoint = checkpoint or Checkpoint.open(self.config.model, self.config.model_family)
+            encoder_factory = functools.partial(load_configured_encoder, checkpoint)  # pickled to each rank
+        self.encoder_factory = encoder_factory
         self._group_factory = group_factory
         # where each group's ranks meet: the config, else torchrun's env (read here, once), else one host
         self._environ = dict(os.environ if environ is None else environ)
@@ -128,15 +134,18 @@ class Engine:
             group.spawn()
         try:
             await self._wait_ready()
-            digest = await shared_weights_digest(self.config)  # None without --cache_url
         except BaseException:
             await self._teardown()
             raise
         info = self.info()
         if self._push is not None:
             self._push.model = info.model  # known once the ranks loaded it
-        self._jobs.set_fingerprint(self.config, self.processor_clamp, info, groups[0].ready[0].device, digest)
-        self._shared = await open_shared_cache(self.config, self.metrics)
+        rank0 = groups[0].ready[0]  # it hashed the weights while it read them
+        self._jobs.set_fingerprint(self.config, info, rank0.device, rank0.weights_digest)
+        if self.config.cache_url is not None:  # imported only then: the shared layer needs the `redis` extra
+            from vitserve.engine.shared_cache import open_shared_cache
+
+            self._shared = await open_shared_cache(self.config, self.metrics)
         self._started = True
 
     def _open_sockets(self) -> None:

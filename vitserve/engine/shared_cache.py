@@ -4,8 +4,8 @@ An image the local LRU (engine/cache.py) does not hold is looked up here before 
 
     local hit -> done | shared hit -> fills the local cache, done | miss -> lease -> encode -> SET
 
-- Keys: `vitserve:<fingerprint>:<sha256 of the image>`; the fingerprint covers the weights' digest
-  (engine/weights_digest.py) and every setting that changes the output (engine/cache.py), so replicas with
+- Keys: `vitserve:<fingerprint>:<sha256 of the image>`; the fingerprint covers the weights' content digest
+  (vitserve/checkpoint.py, reported by rank 0) and every setting that changes the output (engine/cache.py), so replicas with
   other weights or settings never read each other's entries. Values: engine/entry_format.py (versioned,
   sha256-checked); a value that fails its check is counted, deleted and treated as a miss.
 - Writes are one SET of the whole value (Redis applies it atomically), with PX --cache_ttl_s when set.
@@ -19,6 +19,7 @@ An image the local LRU (engine/cache.py) does not hold is looked up here before 
   OUTAGE_BACKOFF_CAP_S) so requests do not each wait for a connect; redis-py reconnects by itself.
 
 Everything runs on the engine's event loop; (de)serialising a large entry runs in a thread.
+The engine's modules import one way: service -> shared_cache -> jobs -> cache (a pyproject contract).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from vitserve.config import Config
 from vitserve.contract import EncodedImage
 from vitserve.engine.cache import entry_nbytes, redacted_url
 from vitserve.engine.entry_format import EntryError, decode_entry, encode_entry
@@ -61,6 +63,16 @@ OUTAGE_BACKOFF_CAP_S = 2.0  # while unreachable, Redis is tried again at most th
 INLINE_BYTES = 256 * 1024  # smaller entries are (de)serialised on the event loop, larger ones in a thread
 # Delete a lease only when it is still ours (it may have expired and been taken by another replica).
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+
+
+async def open_shared_cache(config: Config, metrics: Metrics) -> SharedCache | None:
+    """The shared layer (--cache_url), or None without it. Logs whether Redis answers; an unreachable one
+    is not fatal (the client connects again by itself)."""
+    if config.cache_url is None:
+        return None
+    shared = SharedCache(config.cache_url, config.cache_ttl_s, metrics)
+    await shared.check()
+    return shared
 
 
 class SharedCache:

@@ -3,10 +3,11 @@ checkpoint, how one packed forward runs and what comes out. Everything else in v
 
 from __future__ import annotations
 
+import copy
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -79,6 +80,11 @@ class FamilyAdapter:
 
         config_cls: type[PreTrainedConfig] = getattr(transformers, self.config_class)
         return config_cls
+
+    def hf_config(self, config_json: Mapping[str, Any]) -> PreTrainedConfig:
+        """The transformers config of the full model from config.json's content (vitserve/checkpoint.py
+        read it): what from_pretrained builds once it has read the file."""
+        return self.config_cls().from_dict(copy.deepcopy(dict(config_json)))
 
 
 def _hf_tower(path: str) -> Callable[[PreTrainedConfig], nn.Module]:

@@ -19,6 +19,9 @@ class Encoder(Protocol):
     num_deepstack: int  # deepstack tensors per image (Qwen3-VL / Qwen3.5), else 0
     dtype: torch.dtype
     device: torch.device
+    weights_digest: (
+        str  # checkpoint.WeightsDigest of what was loaded: keys the stored reservation and the caches
+    )
     visual: (
         nn.Module
     )  # the vision tower + merger/projector that encode() runs; the TP pass shards it in place

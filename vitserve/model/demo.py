@@ -1,7 +1,5 @@
-"""The built-in "demo" model: a seeded, randomly initialised Qwen2.5-VL-shaped tower for trying the service.
-
-Shaped like the public Qwen2.5-VL processor defaults (patch 14, merge 2, temporal 2) so the "demo"
-processor's token counts match it; small enough to run on a CPU. Its embeddings mean nothing.
+"""Towers whose weights are drawn from a seed instead of read from files: the demo (vitserve/checkpoint.py,
+`Checkpoint.demo`), a Qwen2.5-VL-shaped tower for trying the service. Its embeddings mean nothing.
 """
 
 from __future__ import annotations
@@ -12,36 +10,35 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from vitserve.families import DEMO_VISION_CONFIG
+from vitserve.checkpoint import Checkpoint
+from vitserve.model.adapters import FamilyAdapter, resolve_adapter
 
-if TYPE_CHECKING:  # transformers is imported lazily: the demo config is built only for --model demo
-    from transformers import Qwen2_5_VLConfig
-
-DEMO_SEED = 0
+if TYPE_CHECKING:  # transformers is imported only when a tower is built
+    from transformers import PreTrainedConfig
 
 log = logging.getLogger(__name__)
 
 
-def demo_config() -> Qwen2_5_VLConfig:
-    from transformers import Qwen2_5_VLConfig
-
-    return Qwen2_5_VLConfig(vision_config=DEMO_VISION_CONFIG)
+def seeded_visual(adapter: FamilyAdapter, config: PreTrainedConfig, checkpoint: Checkpoint) -> nn.Module:
+    """The tower on CPU in float32, weights drawn from the checkpoint's seed (the same in every process)."""
+    assert checkpoint.seed is not None, "only a seeded checkpoint has no weight files"
+    log.warning(
+        "\n%s\n  --model %s: a RANDOMLY INITIALISED %s-shaped vision tower (seed %d).\n"
+        "  Its embeddings MEAN NOTHING. Use it to try the service, never with a real LLM.\n%s",
+        "!" * 78,
+        checkpoint.name,
+        checkpoint.family.display,
+        checkpoint.seed,
+        "!" * 78,
+    )
+    with torch.random.fork_rng():  # keep the caller's global RNG untouched
+        torch.manual_seed(checkpoint.seed)
+        visual = adapter.build(config)
+    return visual.eval()
 
 
 def build_demo_visual() -> nn.Module:
-    """The demo tower on CPU in float32, weights drawn from a fixed seed (same tower in every process)."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
-    log.warning(
-        "\n%s\n  --model demo: a RANDOMLY INITIALISED Qwen2.5-VL-shaped vision tower (seed %d).\n"
-        "  Its embeddings MEAN NOTHING. Use it to try the service, never with a real LLM.\n%s",
-        "!" * 78,
-        DEMO_SEED,
-        "!" * 78,
-    )
-    config = demo_config()
-    devnull_rng = torch.random.fork_rng()  # keep the caller's global RNG untouched
-    with devnull_rng:
-        torch.manual_seed(DEMO_SEED)
-        visual: nn.Module = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
-    return visual.eval()
+    """The demo's tower as HF builds it (no fast kernels): for the benchmarks' baselines."""
+    checkpoint = Checkpoint.demo()
+    adapter = resolve_adapter(checkpoint.model_type, checkpoint.family.name)
+    return seeded_visual(adapter, adapter.hf_config(checkpoint.config), checkpoint)

@@ -24,6 +24,7 @@ class HFVisionEncoder:
         num_deepstack: int,
         dtype: torch.dtype,
         device: torch.device,
+        weights_digest: str,
     ) -> None:
         self.visual = visual
         self.adapter = adapter
@@ -33,6 +34,7 @@ class HFVisionEncoder:
         self.num_deepstack = num_deepstack
         self.dtype = dtype
         self.device = device
+        self.weights_digest = weights_digest
 
     def encode(self, items: Sequence[ProcessedImage]) -> list[EncodedImage]:
         """All items in one forward; attention never crosses images (HF's packed cu_seqlens / per-tile batch)."""

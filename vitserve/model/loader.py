@@ -1,18 +1,17 @@
-"""load_encoder: a checkpoint directory (or "demo") -> an Encoder holding only the vision tower."""
+"""load_encoder: a checkpoint (vitserve/checkpoint.py) -> an Encoder holding only the vision tower."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from vitserve.checkpoint import Checkpoint
 from vitserve.errors import ConfigError
-from vitserve.families import DEMO_FAMILY
-from vitserve.model.adapters import ADAPTERS, FamilyAdapter, resolve_adapter
+from vitserve.model.adapters import FamilyAdapter, resolve_adapter
 from vitserve.model.encoder import HFVisionEncoder
 from vitserve.model.weights import assign_weights, read_vision_weights, rebuild_rope_buffers
 
@@ -33,42 +32,40 @@ _DTYPE_ARGS = {
 
 
 def load_encoder(
-    name_or_path: str | Path,
+    source: Checkpoint | str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.float32,
     family: str = "auto",
 ) -> HFVisionEncoder:
-    """Build the vision tower (+ merger/projector) of a checkpoint and read only its weights.
+    """Build the vision tower (+ merger/projector) of a checkpoint and read only its weights, hashing each
+    vision tensor as it is read (the encoder's `weights_digest`: checkpoint.WeightsDigest).
 
-    name_or_path: a local HF checkpoint directory, or "demo" (seeded random Qwen2.5-VL-shaped tower).
-    family: "auto" reads model_type from config.json; else one of vitserve.families.FAMILIES.
+    source: the opened checkpoint, or a --model value (a local HF checkpoint directory, or the demo).
+    family: --model_family for a --model value ("auto": config.json's model_type decides).
     """
+    checkpoint = source if isinstance(source, Checkpoint) else Checkpoint.open(source, family)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    if str(name_or_path) == "demo":
-        return _load_demo(device, dtype)
-    path = Path(name_or_path)
-    config_json = _read_config_json(path)
-    adapter = resolve_adapter(config_json.get("model_type"), family)
-    config = adapter.config_cls().from_pretrained(str(path))
-    with torch.device("meta"):
-        visual = adapter.build(config)
-    weights = read_vision_weights(path, adapter.key_prefixes)
-    assign_weights(visual, weights.tensors, path)
-    log.info(
-        "%s: %s vision tower, %d tensors read from %d file(s)",
-        path,
-        adapter.family,
-        len(weights.tensors),
-        len(weights.files_read),
-    )
-    return _finish(visual, adapter, config, model_name=model_name_of(path), device=device, dtype=dtype)
+    adapter = resolve_adapter(checkpoint.model_type, checkpoint.family.name)
+    config = adapter.hf_config(checkpoint.config)
+    digest = checkpoint.digest()
+    if checkpoint.path is None:  # no weight files: drawn from the checkpoint's seed
+        from vitserve.model.demo import seeded_visual
 
-
-def _load_demo(device: torch.device, dtype: torch.dtype) -> HFVisionEncoder:
-    from vitserve.model.demo import build_demo_visual, demo_config
-
-    return _finish(build_demo_visual(), ADAPTERS[DEMO_FAMILY], demo_config(), "demo", device, dtype)
+        visual = seeded_visual(adapter, config, checkpoint)
+    else:
+        with torch.device("meta"):
+            visual = adapter.build(config)
+        weights = read_vision_weights(checkpoint.path, adapter.key_prefixes, digest)
+        assign_weights(visual, weights.tensors, checkpoint.path)
+        log.info(
+            "%s: %s vision tower, %d tensors read from %d file(s)",
+            checkpoint.path,
+            adapter.family,
+            len(weights.tensors),
+            len(weights.files_read),
+        )
+    return _finish(visual, adapter, config, checkpoint.model_name, device, dtype, digest.hexdigest())
 
 
 def _finish(
@@ -78,6 +75,7 @@ def _finish(
     model_name: str,
     device: torch.device,
     dtype: torch.dtype,
+    weights_digest: str,
 ) -> HFVisionEncoder:
     rebuild_rope_buffers(visual, torch.device("cpu"))  # materialise what the checkpoint left on meta
     visual = visual.to(device=device, dtype=dtype).eval()
@@ -91,6 +89,7 @@ def _finish(
         num_deepstack=adapter.num_deepstack(config),
         dtype=dtype,
         device=device,
+        weights_digest=weights_digest,
     )
 
 
@@ -99,32 +98,6 @@ def _optimize(visual: nn.Module, family: str) -> nn.Module:
     from vitserve.model.fast import optimize
 
     return optimize(visual, family)
-
-
-def model_name_of(path: Path) -> str:
-    """The checkpoint directory's name; for a Hugging Face cache snapshot (models--org--name/snapshots/<sha>)
-    the repo id "org/name", since the directory name there is a commit hash."""
-    parts = path.resolve().parts
-    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        return parts[-3][len("models--") :].replace("--", "/")
-    return parts[-1]
-
-
-def _read_config_json(path: Path) -> dict[str, Any]:
-    if not path.is_dir():
-        raise ConfigError(
-            f"--model {str(path)!r} is not a directory (give a local checkpoint directory or 'demo')"
-        )
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(
-            f"--model {str(path)!r} has no config.json; give a Hugging Face checkpoint directory"
-        )
-    try:
-        parsed: dict[str, Any] = json.loads(config_file.read_text())
-        return parsed
-    except ValueError as exc:
-        raise ConfigError(f"{config_file} is not valid JSON ({exc}); check --model") from exc
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

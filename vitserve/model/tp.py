@@ -27,8 +27,6 @@ engine reads the embedding from any rank.
 
 from __future__ import annotations
 
-import math
-from functools import reduce
 from typing import Any
 
 import torch
@@ -105,7 +103,10 @@ def apply_tp(visual: nn.Module, family: str, group: ProcessGroup | None = None) 
             f"apply_tp was already applied to this tower ({visual._vitserve_tp}); shard it once"
         )
     blocks = find_blocks(visual)
-    check_shardable(visual, family, world)
+    if not blocks:
+        name = FAMILIES[family].display if family in FAMILIES else family
+        raise ConfigError(f"{name}: found no transformer blocks to shard; run with --tp 1")
+    # --tp must divide the heads and widths: preflight.check_tp refuses any other before a rank starts
     if world == 1:
         return visual
     for block in blocks:
@@ -120,38 +121,12 @@ def find_blocks(visual: nn.Module) -> list[nn.Module]:
     return [m for m in visual.modules() if "mlp" in m._modules and _attention_of(m) is not None]
 
 
-def check_shardable(visual: nn.Module, family: str, tp: int) -> None:
-    """Raise ConfigError naming the numbers and --tp when a head count or MLP width does not split evenly."""
-    name = FAMILIES[family].display if family in FAMILIES else family
-    blocks = find_blocks(visual)
-    if not blocks:
-        raise ConfigError(f"{name}: found no transformer blocks to shard; run with --tp 1")
-    sizes: dict[str, int] = {}  # what must divide by tp -> its value
-    for block in blocks:
-        sizes[f"{name} vision attention heads"] = int(_attention_of(block).num_heads)
-        mlp: Any = block._modules["mlp"]
-        for col in _MLP_COLUMN:
-            if col in mlp._modules:
-                sizes[f"{name} MLP width"] = int(getattr(mlp, col).weight.shape[0])
-    allowed = _divisors(reduce(math.gcd, sizes.values()))
-    # ensure we can shard evenly
-    for what, value in sizes.items():
-        if tp < 1 or value % tp != 0:
-            raise ConfigError(
-                f"{what} {value} is not divisible by --tp {tp}; allowed: {', '.join(map(str, allowed))}"
-            )
-
-
 def _attention_of(block: nn.Module) -> Any:
     for name in _ATTENTION_NAMES:
         attn = block._modules.get(name)
         if attn is not None and hasattr(attn, "num_heads"):
             return attn
     return None
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _shard_attention(attn: Any, rank: int, world: int, group: ProcessGroup | None) -> None:

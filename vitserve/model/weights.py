@@ -11,8 +11,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from vitserve.checkpoint import SAFETENSORS_INDEX, WeightsDigest
 from vitserve.errors import ConfigError
-from vitserve.preflight import SAFETENSORS_INDEX
 
 
 @dataclass
@@ -41,8 +41,11 @@ def _shards_with_vision(path: Path, prefixes: tuple[tuple[str, str], ...]) -> li
     return sorted(path.glob("*.safetensors"))
 
 
-def read_vision_weights(path: Path, prefixes: tuple[tuple[str, str], ...]) -> VisionWeights:
-    """Every tensor under the vision prefixes, renamed to the module's keys. Other tensors are never read."""
+def read_vision_weights(
+    path: Path, prefixes: tuple[tuple[str, str], ...], digest: WeightsDigest | None = None
+) -> VisionWeights:
+    """Every tensor under the vision prefixes, renamed to the module's keys. Other tensors are never read.
+    Each one read is added to `digest` under its checkpoint key (the content digest costs no second read)."""
     shards = _shards_with_vision(path, prefixes)
     if not shards:
         raise ConfigError(f"no safetensors weights of the vision tower in {path}; check --model")
@@ -55,11 +58,19 @@ def read_vision_weights(path: Path, prefixes: tuple[tuple[str, str], ...]) -> Vi
             for key in handle.keys():  # noqa: SIM118 - safe_open handles are not dict-like
                 module_key = _module_key(key, prefixes)
                 if module_key is not None:
-                    out.tensors[module_key] = handle.get_tensor(key)
+                    out.tensors[module_key] = tensor = handle.get_tensor(key)
+                    if digest is not None:
+                        _add(digest, key, tensor)
     if not out.tensors:
         wanted = ", ".join(p for p, _ in prefixes)
         raise ConfigError(f"{path} holds no vision weights (looked for keys under {wanted}); check --model")
     return out
+
+
+def _add(digest: WeightsDigest, key: str, tensor: torch.Tensor) -> None:
+    """The tensor's bytes as the file holds them (safetensors: C order, little-endian)."""
+    raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()  # a view: no copy
+    digest.add(key, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), raw.data)
 
 
 def assign_weights(module: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:

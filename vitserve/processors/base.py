@@ -7,6 +7,7 @@ from typing import Any
 
 from PIL import Image
 
+from vitserve.checkpoint import Checkpoint
 from vitserve.contract import ProcessedImage
 from vitserve.errors import VitserveError
 from vitserve.images import to_rgb
@@ -24,6 +25,7 @@ class VisionProcessor(ABC):
     family: str
     hf: Any  # the clamped HF image processor object; calling it directly also respects the budget
     budget_tokens: int  # per-image token budget; 0 = no clamp
+    checkpoint: Checkpoint | None = None  # what it was built from (None: a family's public defaults)
 
     @abstractmethod
     def plan(self, width: int, height: int) -> Plan:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vitserve.checkpoint import Checkpoint
 from vitserve.errors import ConfigError, InvalidVideoSampling
 from vitserve.processors import load_image_processor
 from vitserve.processors.pixels import resize_uint8, torch_value_table
@@ -234,7 +235,8 @@ def load_video_processor(
     ``budget_tokens`` (--visual_batch_max_tokens) caps one temporal group, ``max_video_tokens``
     (--max_video_tokens) a whole video; 0 = no cap. ``family``: None reads it from the checkpoint.
     """
-    image = load_image_processor(str(name_or_path), budget_tokens, family=family or "auto", resize="torch")
-    path = Path(name_or_path)
-    checkpoint = path if path.is_dir() else None
+    checkpoint = Checkpoint.open(name_or_path, family or "auto") if Path(name_or_path).is_dir() else None
+    image = load_image_processor(
+        checkpoint or str(name_or_path), budget_tokens, family=family or "auto", resize="torch"
+    )
     return VideoProcessor(video_settings(image.family, checkpoint, image), budget_tokens, max_video_tokens)

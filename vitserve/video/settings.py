@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from vitserve.checkpoint import Checkpoint
 from vitserve.errors import ConfigError
 from vitserve.families import FAMILIES, VIDEO_DEFAULT_FPS
 from vitserve.processors import VisionProcessor
-from vitserve.processors.hf_config import read_json
+from vitserve.processors.hf_config import BICUBIC  # the filter every family's video processor resizes with
 from vitserve.video.sampling import SamplingRules
 
 log = logging.getLogger(__name__)
-
-_BICUBIC = 3  # PIL.Image.Resampling.BICUBIC: the filter every family's video processor resizes with
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ class VideoSettings:
 _HF_MAX_VIDEO_TOKENS = {"qwen2": 128000, "qwen3": 768}
 
 
-def video_settings(family: str, checkpoint: Path | None, image_proc: VisionProcessor) -> VideoSettings:
+def video_settings(family: str, checkpoint: Checkpoint | None, image_proc: VisionProcessor) -> VideoSettings:
     """The settings of ``family``'s video processor for ``checkpoint`` (None: the registry's defaults).
 
     ``image_proc``: the family's image processor (its normalisation and patch geometry apply where the video
@@ -119,27 +117,22 @@ def video_settings(family: str, checkpoint: Path | None, image_proc: VisionProce
     )
 
 
-def _video_config(checkpoint: Path | None) -> tuple[dict[str, Any], str]:
-    if checkpoint is None:
+def _video_config(checkpoint: Checkpoint | None) -> tuple[dict[str, Any], str]:
+    if checkpoint is None or checkpoint.path is None:
         return {}, "the family's defaults"
-    combined = read_json(checkpoint / "processor_config.json") or {}
-    section = combined.get("video_processor")
-    if isinstance(section, dict):
-        return section, "processor_config.json"
-    config = read_json(checkpoint / "video_preprocessor_config.json")
-    if config is not None:
-        return config, "video_preprocessor_config.json"
+    if checkpoint.video_processor_config is not None:
+        return dict(checkpoint.video_processor_config), f"{checkpoint.name}'s video processor config"
     log.warning(
         "%s has no video processor config: videos use the family's transformers class defaults for pixel and "
         "frame limits, not the image limits transformers' AutoVideoProcessor would borrow",
-        checkpoint,
+        checkpoint.name,
     )
     return {}, "the family's defaults (no video processor config)"
 
 
 def _check_supported(config: dict[str, Any], family: str, source: str) -> None:
     """Settings the torch pixel path does not reproduce are refused at start-up, naming the file."""
-    if config.get("do_resize") is False or int(config.get("resample", _BICUBIC)) != _BICUBIC:
+    if config.get("do_resize") is False or int(config.get("resample", BICUBIC)) != BICUBIC:
         raise ConfigError(
             f"{source}: vitserve resizes video frames bicubic, as {family}'s video processor ships; this "
             f"checkpoint asks for do_resize={config.get('do_resize')}, resample={config.get('resample')}"

@@ -66,6 +66,7 @@ class ReadyMsg:
     device: str  # e.g. "cpu", "cuda:1"
     reserved_bytes: int  # activation memory reserved by the start-up stress (or the override)
     reserved_source: str  # "stress" | "override"
+    weights_digest: str  # the content digest of the weights it loaded (checkpoint.WeightsDigest)
     kind: Kind = Kind.READY
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.errors import ConfigError
@@ -72,14 +73,15 @@ def on_cuda(config: Config) -> bool:
     return config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
 
 
-def load_configured_encoder(config: Config) -> Encoder:
-    """The default encoder_factory: --model on this rank's device (set by _init_device) in --dtype."""
+def load_configured_encoder(checkpoint: Checkpoint, config: Config) -> Encoder:
+    """The default encoder_factory, bound to the checkpoint the entry point opened (functools.partial):
+    it on this rank's device (set by _init_device) in --dtype."""
     from vitserve.model import load_encoder
 
     device = (
         f"cuda:{torch.cuda.current_device()}" if on_cuda(config) else config.device.replace("auto", "cpu")
     )
-    return load_encoder(config.model, device=device, dtype=config.dtype, family=config.model_family)
+    return load_encoder(checkpoint, device=device, dtype=config.dtype)
 
 
 class RankFailed(Exception):
@@ -246,6 +248,7 @@ class RankWorker:
                     device=str(self.device),
                     reserved_bytes=int(self.reservation.bytes),
                     reserved_source=self.reservation.source,
+                    weights_digest=enc.weights_digest,
                 )
             )
         )

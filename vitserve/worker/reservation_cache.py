@@ -6,11 +6,9 @@ One file per rank, reservation_cache_<device>_<global rank>.json, written atomic
 result. The key is everything that can change the bytes: the weights, dtype, device model, TP degree and
 rank, budget, batch-image cap, family, thread count, and the vitserve, torch and transformers versions. A different key means re-measure, with a warning that names what changed.
 
-The weights fingerprint is sha256 over config.json and preprocessor_config.json (their bytes) and, for every
-weight file, its name, size and mtime_ns. Not a hash of the weights' content: that reads every byte of the
-checkpoint (15 GB for a 7B model: tens of seconds), which is the start-up time this cache exists to save;
-and activation memory depends on the shapes in the configs, not on the values of the weights. Rewriting a
-weight file changes its mtime_ns, so a replaced checkpoint is re-measured anyway.
+The weights are keyed by the encoder's `weights_digest`: the checkpoint's content digest
+(vitserve/checkpoint.py), which the loader computes from the bytes it reads anyway and which covers the
+configs (config.json, the processor configs) that shape the worst case.
 
 PeakWatch checks after every batch that the live peak stays within the published bytes (CPU: VmHWM growth
 over the baseline; CUDA: max_memory_reserved growth); above it, it warns once and deletes the cache entry,
@@ -19,7 +17,6 @@ so the next start measures again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -38,32 +35,10 @@ from vitserve.worker import stress
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1  # bump when the stress or the model changes what a stored number means
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-_CONFIG_FILES = ("config.json", "preprocessor_config.json")
 
 
 def cache_path(runtime_dir: str | os.PathLike[str], device_type: str, global_rank: int) -> Path:
     return Path(runtime_dir) / f"reservation_cache_{device_type.replace(os.sep, '_')}_{int(global_rank)}.json"
-
-
-def weights_fingerprint(model: str) -> str:
-    """sha256 over the configs' bytes and each weight file's name, size and mtime_ns (see the module doc)."""
-    h = hashlib.sha256()
-    path = Path(model)
-    if model == "demo" or not path.is_dir():  # the demo tower is built from vitserve's own code and seed
-        from vitserve.families import DEMO_VISION_CONFIG
-        from vitserve.model.demo import DEMO_SEED
-
-        h.update(json.dumps({"demo": DEMO_VISION_CONFIG, "seed": DEMO_SEED}, sort_keys=True).encode())
-        return h.hexdigest()
-    for name in _CONFIG_FILES:
-        with_config = path / name
-        h.update(name.encode() + b"\0" + (with_config.read_bytes() if with_config.is_file() else b""))
-    for file in sorted(path.iterdir()):
-        if file.name.endswith(_WEIGHT_SUFFIXES):
-            st = file.stat()
-            h.update(f"{file.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-    return h.hexdigest()
 
 
 def device_name(device: torch.device) -> str:
@@ -84,7 +59,7 @@ def device_name(device: torch.device) -> str:
 
 def cache_key(
     *,
-    model: str,
+    weights: str,
     model_name: str,
     family: str,
     dtype: torch.dtype,
@@ -95,13 +70,13 @@ def cache_key(
     max_batch_images: int,
 ) -> dict[str, Any]:
     """Everything the stored bytes depend on. The processor's per-image limits that shape the worst case
-    (vitserve.worker.stress.stress_shape) follow from the fingerprinted preprocessor_config.json, the budget
+    (vitserve.worker.stress.stress_shape) follow from the digested processor config, the budget
     and vitserve's version, so computing them (which loads the processor) is left to a miss."""
     import transformers
 
     return {
         "format": CACHE_FORMAT,
-        "weights": weights_fingerprint(model),
+        "weights": weights,
         "model_name": model_name,  # what the encoder reports: tells apart encoder factories on one --model
         "family": family,
         "dtype": str(dtype).removeprefix("torch."),
@@ -208,7 +183,7 @@ def reserve_for_rank(
         )
         return res, None
     key = cache_key(
-        model=cfg.model,
+        weights=encoder.weights_digest,
         model_name=encoder.model_name,
         family=encoder.family,
         dtype=encoder.dtype,

@@ -95,9 +95,8 @@ def stress_shape(config: Config, family: str) -> StressShape:
         return shape
     from vitserve.processors import load_image_processor
 
-    name = family if config.model == "demo" else config.model
     info = load_image_processor(
-        name, config.budget_tokens, family=config.model_family, resize=config.image_resize
+        config.model, config.budget_tokens, family=config.model_family, resize=config.image_resize
     ).clamp_info()
     if layout == "tiles":
         tiles = int(info["max_patches"]) + (1 if int(info["max_patches"]) > 1 else 0)  # + the thumbnail

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from vitserve.checkpoint import first_size
 from vitserve.contract import ProcessedImage
 from vitserve.errors import ConfigError
 from vitserve.families import DISABLED_BUDGET_TOKENS, FAMILIES, MAX_ASPECT_RATIO, tokens_per_tile
@@ -203,8 +204,8 @@ def near_square_grid(max_cells: int) -> tuple[int, int]:
 
 def _qwen_item(cfg: Any, grid: tuple[int, int]) -> ProcessedImage:
     merge = int(cfg.spatial_merge_size)
-    patch = _first(cfg.patch_size)
-    temporal = _first(getattr(cfg, "temporal_patch_size", 2))
+    patch = first_size(cfg.patch_size)
+    temporal = first_size(getattr(cfg, "temporal_patch_size", 2))
     channels = int(getattr(cfg, "in_channels", None) or getattr(cfg, "in_chans", None) or 3)
     rows, cols = grid  # merged tokens
     h, w = rows * merge, cols * merge  # patches; multiples of merge_size like the processor's output
@@ -223,8 +224,8 @@ def _internvl_plan(
     encoder: Encoder, budget_tokens: int, max_batch_images: int, max_tiles_per_image: int | None
 ) -> _Tiles:
     cfg = _vision_config(encoder)
-    image_size = _first(cfg.image_size)
-    patch = _first(cfg.patch_size)
+    image_size = first_size(cfg.image_size)
+    patch = first_size(cfg.patch_size)
     ratio = float(_find_attr(encoder, "downsample_ratio", 0.5))
     per_tile = tokens_per_tile(image_size, patch, ratio)
     if per_tile > budget_tokens:
@@ -275,8 +276,3 @@ def _find_attr(encoder: Encoder, name: str, default: Any) -> Any:
         if value is not None:
             return value
     return default
-
-
-def _first(value: Any) -> int:
-    """HF configs give sizes as an int or a per-axis list; the towers here are square."""
-    return int(value[0]) if isinstance(value, (list, tuple)) else int(value)

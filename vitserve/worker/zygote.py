@@ -18,44 +18,32 @@ Without `start()` (library use, the in-process engine tests) ranks are spawned a
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import multiprocessing.forkserver as forkserver
 import os
 import re
 from multiprocessing.context import ForkServerContext, SpawnContext
-from pathlib import Path
 
-from vitserve.families import DEMO_FAMILY
+from vitserve.checkpoint import Checkpoint
 from vitserve.worker.forkserver_guard import SERVICE_PID_ENV  # does nothing outside the forkserver
 
 _started = False
 
 
-def preload_modules(model: str) -> list[str]:
+def preload_modules(checkpoint: Checkpoint) -> list[str]:
     """What the forkserver imports: the guard first, then the rank's modules and the family's HF modeling."""
     modules = ["vitserve.worker.forkserver_guard", "vitserve.worker.process", "vitserve.model.loader"]
-    model_type = _model_type(model)
-    if model_type is not None:  # a module that does not exist is skipped by the forkserver (ImportError)
+    model_type = checkpoint.model_type
+    if re.fullmatch(r"[a-z0-9_]+", model_type):  # a module that does not exist is skipped (ImportError)
         modules.append(f"transformers.models.{model_type}.modeling_{model_type}")
     return modules
 
 
-def _model_type(model: str) -> str | None:
-    if model == "demo":
-        return DEMO_FAMILY
-    try:
-        model_type = json.loads((Path(model) / "config.json").read_text())["model_type"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return model_type if isinstance(model_type, str) and re.fullmatch(r"[a-z0-9_]+", model_type) else None
-
-
-def start(model: str) -> None:
+def start(checkpoint: Checkpoint) -> None:
     """Launch the forkserver now (it returns at once; the preload runs in the background)."""
     global _started
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(preload_modules(model))
+    ctx.set_forkserver_preload(preload_modules(checkpoint))
     os.environ[SERVICE_PID_ENV] = str(os.getpid())  # read (and dropped) by the guard in the forkserver
     try:
         forkserver.ensure_running()
