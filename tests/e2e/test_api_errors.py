@@ -319,7 +319,16 @@ class BrokenEncoder:
         from tests.fakes import TinyEncoder
 
         self._inner = TinyEncoder()
-        for name in ("family", "model_name", "embed_dim", "num_deepstack", "dtype", "device", "visual"):
+        for name in (
+            "family",
+            "model_name",
+            "embed_dim",
+            "num_deepstack",
+            "dtype",
+            "device",
+            "visual",
+            "weights_digest",
+        ):
             setattr(self, name, getattr(self._inner, name))
 
     def encode(self, items):
