@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
@@ -19,8 +20,8 @@ from torch import nn
 from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.engine import Engine
 from vitserve.engine.groups import WorkerGroup
-from vitserve.rpc.tensors import dtype_name
 from vitserve.worker import messages as m
+from vitserve.worker.rank import RankWorker, WorkerArgs
 
 # ------------------------------------------------------------------------------------------------------
 # FakeEncoder: a deterministic Encoder with real computation and, at tp > 1, a real collective.
@@ -181,108 +182,98 @@ class TinyEncoder:
         return [EncodedImage(embedding=e.clone()) for e in out.split([r.shape[0] for r in rows])]
 
 
-class ThreadGroup(WorkerGroup):
-    """A WorkerGroup whose one rank is a thread of this process instead of a spawned process.
+class HeldEncoder:
+    """An encoder whose forward waits while `gate` is clear, and fails once `killed` is set (the group is
+    gone while the batch was held). Everything else is the wrapped encoder's."""
 
-    Everything between the engine and the rank is the production path: the group's state machine, its
-    batch socket (the thread binds it, as rank 0 does), the typed messages, the status socket with READY,
-    ALIVE, RESULT and ERROR. Only the process-facing methods differ. The rank reserves no memory (it
-    reports --visual_reserved_mem_gb, or 0, as an override). `gate` (threading.Event, set by default)
-    holds the rank before each batch while cleared, so tests can let a queue build up.
+    def __init__(self, encoder, gate: threading.Event, killed: threading.Event):
+        self._encoder, self._gate, self._killed = encoder, gate, killed
+
+    def __getattr__(self, name: str):
+        return getattr(self._encoder, name)
+
+    def encode(self, items):
+        while not self._gate.wait(0.05):
+            if self._killed.is_set():
+                raise RuntimeError("the group was killed while its batch was held")
+        return self._encoder.encode(items)
+
+
+class ThreadGroup(WorkerGroup):
+    """A WorkerGroup whose one rank is the real rank (vitserve/worker/rank.py RankWorker) in a thread of this
+    process instead of a spawned process.
+
+    Everything between the engine and the encoder is the production path: the group's state machine and batch
+    socket, the typed messages, the rank's start-up steps, its loop (poll, forward, reply), its liveness thread
+    (ALIVE while a forward is held) and its exit paths. Only the process-facing methods differ (spawn, kill,
+    join, pids, _exited), and the rank runs as a thread of a test can: on the CPU (the fake encoders are CPU
+    modules), with --visual_reserved_mem_gb (or 0) as its reservation instead of the stress, published in the
+    engine's private runtime dir, with no parent to watch. `gate` (threading.Event, set by default) holds the
+    encoder at the start of each forward while cleared, so tests can let a queue build up.
     """
 
-    def __init__(self, *args, gate: threading.Event, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, gate: threading.Event, ipc_dir: str, **kwargs):
+        super().__init__(*args, ipc_dir=ipc_dir, **kwargs)
         if self.config.tp != 1:
             raise ValueError("a ThreadGroup is one rank: --tp 1")
         self.gate = gate
-        self._stopped = threading.Event()
+        self._ipc_dir = ipc_dir
+        self._killed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._code: int | None = None  # what serve() returned, once the rank ended
 
-    def _init_batch_socket(self, ctx, endpoint: str) -> None:
-        self._ctx = ctx  # the thread makes its own sockets from it (a zmq socket belongs to one thread)
-        super()._init_batch_socket(ctx, endpoint)
+    def worker_args(self, rank: int) -> WorkerArgs:
+        config = replace(
+            self.config,
+            device="cpu",
+            visual_reserved_mem_gb=self.config.visual_reserved_mem_gb or 0.0,
+            runtime_dir=self._ipc_dir,
+        )
+        held = functools.partial(_held_encoder, self._factory, self.gate, self._killed)
+        return replace(super().worker_args(rank), config=config, encoder_factory=held, parent_pid=None)
 
     # -- the process-facing methods of WorkerGroup ----------------------------------------------------------
     def spawn(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"vitserve-g{self.index}-thread", daemon=True)
+        args = self.worker_args(0)
+        self._thread = threading.Thread(target=self._run, args=(args,), name=f"vitserve-g{self.index}r0")
+        self._thread.daemon = True
         self._thread.start()
+
+    def _run(self, args: WorkerArgs) -> None:
+        worker = RankWorker(args)  # made here: its zmq sockets belong to this thread
+        code = 1
+        try:
+            code = worker.serve()
+        finally:
+            self._code = code
+            worker.close(code)
 
     @property
     def pids(self) -> list[int]:
         return [os.getpid()]
 
     def kill(self, grace_s: float = 0.0) -> None:
-        self._stopped.set()
-        self.join(5)
+        """What SIGKILL is to a rank process: a STOP ends its loop now, a held forward fails."""
+        self._killed.set()
+        if self._thread is not None and self._thread.is_alive():
+            with contextlib.suppress(zmq.Again):
+                self._sock.send_multipart(m.encode(m.StopMsg()), flags=zmq.NOBLOCK)
+            self._thread.join(5)
         self._sock.close(linger=0)
 
     def join(self, timeout_s: float) -> bool:
         if self._thread is not None:
             self._thread.join(timeout_s)
-        return self._thread is None or not self._thread.is_alive()
+        return self._thread is None or (not self._thread.is_alive() and self._code == 0)
 
     def _exited(self) -> str | None:
-        if self._thread is not None and not self._thread.is_alive() and not self._stopped.is_set():
-            return f"rank 0 (a thread) of group {self.index} exited"
+        if self._thread is not None and not self._thread.is_alive():
+            return f"rank 0 (a thread) of group {self.index} exited with code {self._code}"
         return None
 
-    # -- the rank ---------------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        status = self._ctx.socket(zmq.PUSH)
-        inbox = self._ctx.socket(zmq.PULL)
-        try:
-            status.connect(self._status_endpoint)
-            inbox.bind(self.batch_endpoint)
-            self._serve(inbox, lambda msg: status.send_multipart(m.encode(msg), copy=False))
-        finally:
-            status.close(linger=1000)
-            inbox.close(linger=0)
 
-    def _serve(self, inbox, report) -> None:
-        cfg, heartbeats = self.config, 0
-        encoder = self._factory(cfg)
-        reserved = int((cfg.visual_reserved_mem_gb or 0) * 2**30)
-        report(
-            m.ReadyMsg(
-                group=self.index,
-                rank=0,
-                pid=os.getpid(),
-                model_name=encoder.model_name,
-                family=encoder.family,
-                embed_dim=encoder.embed_dim,
-                num_deepstack=encoder.num_deepstack,
-                dtype=dtype_name(encoder.dtype),
-                device="cpu",
-                reserved_bytes=reserved,
-                reserved_source="override",
-                weights_digest=encoder.weights_digest,
-            )
-        )
-        while not self._stopped.is_set():
-            if not inbox.poll(int(cfg.heartbeat_s * 500)):
-                heartbeats += 1
-                report(m.AliveMsg(group=self.index, rank=0, heartbeats=heartbeats, batches=0))
-                continue
-            msg = m.decode([f.buffer for f in inbox.recv_multipart(copy=False)])
-            if isinstance(msg, m.StopMsg):
-                self._stopped.set()
-                return
-            assert isinstance(msg, m.BatchMsg), msg.kind  # the engine sends nothing else on this socket
-            while not self.gate.wait(cfg.heartbeat_s / 2):  # held: still alive
-                if self._stopped.is_set():
-                    return
-                report(m.AliveMsg(group=self.index, rank=0, heartbeats=heartbeats, batches=0))
-            try:
-                outputs = encoder.encode(msg.items)
-            except Exception as exc:  # as a rank does: report, then exit
-                report(
-                    m.ErrorMsg(
-                        group=self.index, rank=0, stage="forward", message=repr(exc), batch_id=msg.batch_id
-                    )
-                )
-                return
-            report(m.ResultMsg(group=self.index, batch_id=msg.batch_id, outputs=outputs))
+def _held_encoder(factory, gate: threading.Event, killed: threading.Event, config) -> HeldEncoder:
+    return HeldEncoder(factory(config), gate, killed)
 
 
 def thread_engine(config, metrics, *, gate: threading.Event, encoder=None) -> Engine:

@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = build_config(argv, os.environ)
         # Encoder ranks inherit this. With the default (spinning) policy their idle OpenMP threads burn the
-        # cores the API's preprocessing threads need: small images at 4 clients went 1.9 -> 9.9 img/s with
-        # PASSIVE on 2 cores (bench/history/0.1.0.md, Serving, run 3). A value the user set is kept.
+        # cores the API's preprocessing threads need (bench/RESULTS.md, "Measurements behind the code"). A
+        # value the user set is kept.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         logging.basicConfig(
             level=config.log_level.upper(),

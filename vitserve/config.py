@@ -74,6 +74,10 @@ class Config:
         per_node = self.tp // max(1, self.nnodes)
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
+    def global_rank(self, group: int, rank: int) -> int:
+        """Rank `rank` of DP group `group` numbered across every group (reservation files, metrics labels)."""
+        return group * self.tp + rank
+
     @property
     def budget_tokens(self) -> int:
         """The token cap per batch and per image (--visual_batch_max_tokens); 0 = no budget."""

@@ -1,4 +1,4 @@
-"""Listening sockets of given processes, read from /proc/net/tcp{,6} (S1) — no tools needed."""
+"""Listening sockets of given processes, read from /proc/net/tcp{,6} (docs/design.md invariant 15) — no tools needed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Every error code of docs/api.md from a real HTTP request, with its status and body; B1-B3, B7, B8, S5."""
+"""Every error code of docs/api.md from a real HTTP request, with its status and body; bad input
+(docs/design.md invariant 14)."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_normal_request_succeeds(client):
     assert img["delivered"] is False  # no --llm_endpoint: nothing was sent
 
 
-# -- B3 and invalid_request ---------------------------------------------------------------------------------
+# -- bad data and invalid_request ----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "code"),
     [
@@ -189,7 +190,7 @@ def test_multipart_request_succeeds_with_fields(client):
     assert img["embedding"]["shape"][0] == img["num_tokens"]
 
 
-# -- B8 -----------------------------------------------------------------------------------------------------
+# -- too many images -----------------------------------------------------------------------------------------
 def test_one_image_more_than_allowed_is_too_many_images(client):
     assert client.post("/encode", json={"images": [ok_image()] * 4}).status_code == 200
     err = assert_error(
@@ -200,7 +201,7 @@ def test_one_image_more_than_allowed_is_too_many_images(client):
     assert_error(client.post("/encode", files=files), 400, "too_many_images")
 
 
-# -- B7 -----------------------------------------------------------------------------------------------------
+# -- degenerate sizes ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("size", [(1, 1), (1, 10000), (332, 27), (10000, 1)])
 def test_degenerate_sizes_are_400_naming_the_limit_or_200_within_budget(client, live, size):
     r = client.post("/encode", json={"images": [{"b64": b64(png_bytes(*size))}]})
@@ -222,7 +223,7 @@ def test_extreme_aspect_ratio_is_aspect_ratio_too_large(client):
     )
 
 
-# -- B1 -----------------------------------------------------------------------------------------------------
+# -- decompression bombs -------------------------------------------------------------------------------------
 def test_decompression_bomb_header_is_413_before_decoding(client):
     bomb = png_header_only(30000, 30000)
     assert len(bomb) < 200
@@ -241,7 +242,7 @@ def test_real_60_megapixel_image_is_413_with_the_default_pixel_cap():
         assert_error(r, 413, "payload_too_large", 0)
 
 
-# -- B2 -----------------------------------------------------------------------------------------------------
+# -- bodies over the cap -------------------------------------------------------------------------------------
 def raw_http(port: int, head: bytes, body_chunks: list[bytes]) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(head)
@@ -318,7 +319,16 @@ class BrokenEncoder:
         from tests.fakes import TinyEncoder
 
         self._inner = TinyEncoder()
-        for name in ("family", "model_name", "embed_dim", "num_deepstack", "dtype", "device", "visual"):
+        for name in (
+            "family",
+            "model_name",
+            "embed_dim",
+            "num_deepstack",
+            "dtype",
+            "device",
+            "visual",
+            "weights_digest",
+        ):
             setattr(self, name, getattr(self._inner, name))
 
     def encode(self, items):
@@ -348,7 +358,7 @@ def test_unknown_route_and_method_use_the_error_shape(client):
     assert_error(client.get("/encode"), 405, "method_not_allowed", ABSENT)
 
 
-# -- S5 -----------------------------------------------------------------------------------------------------
+# -- no image bytes in the logs ------------------------------------------------------------------------------
 def test_logs_after_bad_inputs_hold_no_image_bytes_or_base64(caplog):
     caplog.set_level(logging.DEBUG)
     bomb, junk, trunc = (

@@ -1,4 +1,5 @@
-"""L1, L2, F8 and the budget guard through a real uvicorn server, driven by vitserve's own clients."""
+"""Concurrent clients (docs/design.md invariant 8), a burst against a full queue (12), a client leaving while
+queued (5, 10) and the budget guard (9) through a real uvicorn server, driven by vitserve's own clients."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.timeout(180)
 SIZES = [(40, 30), (200, 150), (64, 640), (500, 380), (90, 90), (333, 77), (1200, 900), (28, 28)]
 
 
-def test_l1_concurrent_clients_all_succeed_and_match_single_runs():
+def test_concurrent_clients_all_succeed_and_match_single_runs():
     images = [noise_png(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]
     with live_server() as srv:
         with VitserveClient(srv.url) as c:  # reference: each image alone
@@ -56,7 +57,7 @@ def test_l1_concurrent_clients_all_succeed_and_match_single_runs():
     assert srv.metrics.value("vitserve_requests_total", code="200") == len(images) + 48
 
 
-def test_l2_burst_of_ten_times_queue_capacity():
+def test_burst_of_ten_times_queue_capacity():
     img = noise_png(112, 112)  # 16 tokens at the test budget
     with live_server(max_queue_tokens=64) as srv, srv.client() as c:
         srv.gate.clear()  # hold the encoder so the burst meets a full queue
@@ -83,10 +84,10 @@ def test_l2_burst_of_ten_times_queue_capacity():
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "queue_full"
         assert int(r.headers["retry-after"]) >= 1
-    print(f"L2: 36 rejections answered in {reject_s * 1000:.0f} ms while the encoder was held")
+    print(f"burst: 36 rejections answered in {reject_s * 1000:.0f} ms while the encoder was held")
 
 
-def test_f8_client_disconnect_while_queued_is_never_encoded():
+def test_client_disconnect_while_queued_is_never_encoded():
     filler, gone_img, other_img = (noise_png(100, 100, seed=s) for s in (10, 11, 12))
     with live_server() as srv:
         srv.gate.clear()

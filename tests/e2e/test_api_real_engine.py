@@ -1,5 +1,5 @@
 """The HTTP front door over the REAL Engine (spawned worker processes, a tiny real Qwen2.5-VL checkpoint) and a
-real LLM-side EmbeddingReceiver: L1 end to end, and bad input leaves the workers untouched."""
+real LLM-side EmbeddingReceiver: concurrent clients end to end (docs/design.md invariants 8 and 11), and bad input leaves the workers untouched."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def drain(receiver, n: int) -> list:
     return receiver.take(n, timeout_s=60)
 
 
-def test_l1_real_engine_concurrent_clients_match_single_runs_and_reach_the_llm_once(real):
+def test_real_engine_concurrent_clients_match_single_runs_and_reach_the_llm_once(real):
     srv, receiver = real
     images = [noise_png(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]
     with VitserveClient(srv.url) as c:
@@ -242,8 +242,8 @@ def occupy(srv, request_id: str, n: int = 3) -> tuple[threading.Thread, list]:
     return t, out
 
 
-@pytest.mark.slow  # ~1 min with the demo tower; tests/e2e/test_api_load.py covers F8 in the default run
-def test_f8_real_engine_disconnect_while_queued_is_never_encoded_nor_sent(demo):
+@pytest.mark.slow  # ~1 min with the demo tower; tests/e2e/test_api_load.py covers the disconnect in the default run
+def test_real_engine_disconnect_while_queued_is_never_encoded_nor_sent(demo):
     import httpx
 
     srv, receiver = demo
@@ -268,8 +268,8 @@ def test_f8_real_engine_disconnect_while_queued_is_never_encoded_nor_sent(demo):
     assert ids == ["busy", "busy", "busy", "marker"]
 
 
-@pytest.mark.slow  # the default run covers L2 in tests/e2e/test_api_load.py
-def test_l2_real_engine_burst_gets_fast_queue_full_and_ready_stays_200(demo):
+@pytest.mark.slow  # the default run covers the burst in tests/e2e/test_api_load.py
+def test_real_engine_burst_gets_fast_queue_full_and_ready_stays_200(demo):
     import httpx
 
     srv, receiver = demo

@@ -1,4 +1,5 @@
-"""S1 (loopback only), S2 (API key on every route but /health), S3 (URL inputs cannot reach inside)."""
+"""Closed by default (docs/design.md invariant 15): loopback only, the API key on every route but /health, URL
+inputs that cannot reach inside."""
 
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ pytestmark = pytest.mark.timeout(120)
 LOOPBACK = {"127.0.0.1", "::1"}
 
 
-def test_s1_listening_sockets_are_loopback_only():
+def test_listening_sockets_are_loopback_only():
     with live_server() as srv:
         found = listening_sockets([os.getpid()])
         assert ("127.0.0.1", srv.service.port) in found
         assert {addr for addr, _ in found} <= LOOPBACK, found
 
 
-# -- S2 -----------------------------------------------------------------------------------------------------
+# -- the API key --------------------------------------------------------------------------------------------
 ROUTES = [
     ("GET", "/ready"),
     ("GET", "/v1/info"),
@@ -41,7 +42,7 @@ ROUTES = [
 @pytest.mark.parametrize(
     "auth", [None, "Bearer wrong", "Bearer s3cret-but-longer", "s3cret", "Basic czNjcmV0"]
 )
-def test_s2_every_route_but_health_needs_the_key(auth):
+def test_every_route_but_health_needs_the_key(auth):
     with live_server(api_key="s3cret") as srv, srv.client() as c:
         headers = {"Authorization": auth} if auth else {}
         for method, path in ROUTES:
@@ -61,7 +62,7 @@ def test_s2_every_route_but_health_needs_the_key(auth):
             assert srv.metrics.value("vitserve_probes_total", path=path, code="401") == 1
 
 
-# -- S3 -----------------------------------------------------------------------------------------------------
+# -- URL inputs ---------------------------------------------------------------------------------------------
 class Decoy:
     """An HTTP server on loopback that records every connection it accepts."""
 
@@ -125,7 +126,7 @@ def url_request(c, url: str):
     )
 
 
-def test_s3_urls_are_refused_when_disabled(decoy):
+def test_urls_are_refused_when_disabled(decoy):
     with live_server() as srv, srv.client() as c:
         r = url_request(c, f"http://localhost:{decoy.port}/a.png")
         assert r.status_code == 400
@@ -138,7 +139,7 @@ def test_s3_urls_are_refused_when_disabled(decoy):
     assert decoy.connections == 0
 
 
-def test_s3_internal_targets_are_refused_before_connecting(decoy):
+def test_internal_targets_are_refused_before_connecting(decoy):
     p = decoy.port
     targets = [
         f"http://127.0.0.1:{p}/a.png",
@@ -177,7 +178,7 @@ def _pretend_public(monkeypatch, names: set[str]):
     monkeypatch.setattr(urls, "resolve_public", fake)
 
 
-def test_s3_redirect_to_loopback_is_refused_and_not_followed(decoy, monkeypatch):
+def test_redirect_to_loopback_is_refused_and_not_followed(decoy, monkeypatch):
     def redirect(h):
         h.send_response(302)
         h.send_header("Location", f"http://127.0.0.1:{decoy.port}/a.png")
@@ -198,7 +199,7 @@ def test_s3_redirect_to_loopback_is_refused_and_not_followed(decoy, monkeypatch)
         redirector.close()
 
 
-def test_s3_fetch_connects_to_the_checked_address_without_a_second_lookup(decoy, monkeypatch):
+def test_fetch_connects_to_the_checked_address_without_a_second_lookup(decoy, monkeypatch):
     # Any name lookup of "pinned.test" after the check fails loudly (and is recorded): the fetch can only
     # succeed by connecting to the address that was checked.
     lookups: list = []
@@ -220,7 +221,7 @@ def test_s3_fetch_connects_to_the_checked_address_without_a_second_lookup(decoy,
     assert lookups == []
 
 
-def test_s3_url_body_over_cap_is_413(monkeypatch):
+def test_url_body_over_cap_is_413(monkeypatch):
     def big(h):
         h.send_response(200)
         h.end_headers()  # no Content-Length: counted while streaming

@@ -1,4 +1,5 @@
-"""The real `vitserve` CLI as a subprocess with the real Engine (demo model): F6, S1, exit codes."""
+"""The real `vitserve` CLI as a subprocess with the real Engine (demo model): a drain under load
+(docs/design.md invariant 5), loopback only (15), exit codes."""
 
 from __future__ import annotations
 
@@ -69,12 +70,14 @@ def metric(url: str, name: str) -> float:
     return 0.0
 
 
-def test_f6_sigterm_under_load_drains_and_exits_0(cli_server):
+def test_sigterm_under_load_drains_and_exits_0(cli_server):
     srv = cli_server
     assert "processor clamp:" in srv.text  # the one banner
     assert "reserved memory per rank: rank 0:" in srv.text
     pids = [srv.proc.pid, *children_of(srv.proc.pid)]
-    found = listening_sockets(pids)  # S1 with the real engine: HTTP, ZMQ, distributed store
+    found = listening_sockets(
+        pids
+    )  # loopback only (invariant 15) with the real engine: HTTP, ZMQ, distributed store
     assert found
     assert {a for a, _ in found} <= {"127.0.0.1", "::1"}, found
 

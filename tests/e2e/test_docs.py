@@ -59,7 +59,7 @@ def test_references_are_found_in_a_known_page():
 
 
 def test_with_an_api_key_the_docs_and_their_assets_need_it():
-    """Like /openapi.json (tests/e2e/test_api_security.py S2): only /health is open."""
+    """Like /openapi.json (tests/e2e/test_api_security.py, the API key): only /health is open."""
     with live_server(api_key="s3cret") as srv, srv.client() as c:
         good = {"Authorization": "Bearer s3cret"}
         html = c.get("/docs", headers=good)

@@ -17,6 +17,7 @@ from tests.fakes import ThreadGroup, TinyEncoder
 from vitserve.api.server import Service, bind_socket, warmup_image
 from vitserve.cli import render_banner
 from vitserve.engine import Engine
+from vitserve.flags import FLAGS
 from vitserve.metrics import Metrics
 from vitserve.processors import load_image_processor
 
@@ -68,8 +69,7 @@ def test_banner_names_every_guard():
         "processor clamp: {",
         "'max_pixels'",
         "tp=1, dp=1",
-        "rank 0:",
-        "reserved_source=override",
+        "reserved memory per rank: rank 0: 512.0 MiB, reserved_source=override",
         "max_queue_tokens=999",
         "max_images_per_request=32",
         "max_request_bytes=67108864",
@@ -117,6 +117,25 @@ def test_banner_lists_every_setting_of_v1_info():
             assert f"{key}=" in text, path
     assert "api_key=on" in text  # whether a key is set, never the key
     assert "sekret-key" not in text
+
+
+# The flags that are no key of /v1/info: none of them guards memory, load or exactness. Where the server listens
+# (the banner's URL), what it logs and traces, and how the nodes meet (node 0 serves HTTP).
+NOT_GUARDS = {"host", "port", "log_level", "otlp_endpoint", "node_rank", "master_addr", "master_port"}
+# The flags /v1/info names as docs/design.md names the concept ("Names").
+RENAMED = {"visual_batch_max_tokens": "budget_tokens", "visual_infer_batch_size": "max_batch_images"}
+RENAMED["model_family"] = "family"  # the family the ranks resolved (--model_family auto included)
+
+
+def test_v1_info_names_every_flag_that_guards_memory_load_or_exactness():
+    """A new flag fails here until /v1/info (and so the banner) shows it, or it is listed as no guard above."""
+    with live_server() as srv, srv.client() as c:
+        body = c.get("/v1/info").json()
+    keys = {key for _, key, _ in _leaves(body)}
+    missing = [flag for flag in FLAGS if flag not in NOT_GUARDS and RENAMED.get(flag, flag) not in keys]
+    assert not missing, f"flags in neither /v1/info nor NOT_GUARDS: {missing}"
+    assert not (NOT_GUARDS & keys), "a flag listed as no guard is in /v1/info: drop it from NOT_GUARDS"
+    assert body["image_resize"] == body["processor_clamp"]["image_resize"] == "torch"  # auto, resolved
 
 
 def test_banner_says_when_output_is_not_exact():

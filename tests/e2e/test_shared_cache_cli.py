@@ -83,5 +83,5 @@ def test_two_replicas_share_one_redis_and_survive_its_death(tmp_path):
             out_a, out_b = stop(a), stop(b)
     for out in (out_a, out_b):
         assert PASSWORD not in out
-        assert "shared: redis://127.0.0.1:" in out  # the banner, password-free
+        assert "cache_url=redis://127.0.0.1:" in out  # the banner (/v1/info's cache), password-free
     assert any("is unavailable" in out for out in (out_a, out_b)), out_a[-3000:] + out_b[-3000:]

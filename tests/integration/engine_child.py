@@ -1,4 +1,4 @@
-"""A parent process for the F5 test: starts an engine (tp=2, FakeEncoder), prints its worker pids, waits."""
+"""A parent process for test_faults_parent.py (docs/design.md invariant 16): starts an engine (tp=2, FakeEncoder), prints its worker pids, waits."""
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ async def test_queue_full_names_the_flag(tmp_path):
         assert len(await first) == 3
 
 
-async def test_f8_cancelled_request_is_never_encoded_nor_sent(tmp_path):
+async def test_cancelled_request_is_never_encoded_nor_sent(tmp_path):
     from tests.fakes import FakeEncoderFactory
     from tests.receivers import ReceiverThread
 

@@ -1,4 +1,4 @@
-"""Scenarios F1-F4: dead, hung and failing ranks are found well before --dist_timeout_s, every
+"""docs/design.md invariant 5: dead, hung and failing ranks are found well before --dist_timeout_s, every
 accepted request completes with EncoderFailed, and no worker process outlives its group."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ async def _wait_not_ready(engine, within_s: float) -> float:
     return time.monotonic() - start
 
 
-async def test_f1_sigkill_idle_rank_fails_group_and_new_requests(tmp_path):
+async def test_sigkill_idle_rank_fails_group_and_new_requests(tmp_path):
     async with running_engine(_config(tmp_path)) as engine:
         pids = all_pids(engine)
         kill_quietly(pids[1], signal.SIGKILL)
@@ -58,7 +58,7 @@ async def test_f1_sigkill_idle_rank_fails_group_and_new_requests(tmp_path):
         assert_gone(pids)  # rank 0 was torn down with its dead peer
 
 
-async def test_f1_queued_requests_fail_when_the_group_dies(tmp_path):
+async def test_queued_requests_fail_when_the_group_dies(tmp_path):
     async with running_engine(_config(tmp_path), FakeEncoderFactory(sleep_s=2.0)) as engine:
         pids = all_pids(engine)
         running, queued = (
@@ -76,7 +76,7 @@ async def test_f1_queued_requests_fail_when_the_group_dies(tmp_path):
 
 
 @pytest.mark.parametrize("victim", [pytest.param(0, marks=pytest.mark.slow), 1])
-async def test_f2_sigkill_mid_batch_errors_well_before_dist_timeout(tmp_path, victim):
+async def test_sigkill_mid_batch_errors_well_before_dist_timeout(tmp_path, victim):
     async with running_engine(_config(tmp_path), FakeEncoderFactory(sleep_s=3.0)) as engine:
         pids = all_pids(engine)
         task = _request(engine, "mid", n=2)
@@ -89,7 +89,7 @@ async def test_f2_sigkill_mid_batch_errors_well_before_dist_timeout(tmp_path, vi
         assert_gone(pids)
 
 
-async def test_f3_sigstop_is_found_by_missed_heartbeats(tmp_path):
+async def test_sigstop_is_found_by_missed_heartbeats(tmp_path):
     async with running_engine(_config(tmp_path), FakeEncoderFactory(sleep_s=1.0)) as engine:
         pids = all_pids(engine)
         task = _request(engine, "hung", n=2)
@@ -107,7 +107,7 @@ async def test_f3_sigstop_is_found_by_missed_heartbeats(tmp_path):
             kill_quietly(pids[1], signal.SIGKILL)
 
 
-async def test_f4_forward_raises_on_one_rank_only(tmp_path):
+async def test_forward_raises_on_one_rank_only(tmp_path):
     async with running_engine(_config(tmp_path), FakeEncoderFactory(raise_on_rank=1)) as engine:
         pids = all_pids(engine)
         start = time.monotonic()

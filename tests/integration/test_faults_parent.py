@@ -1,4 +1,4 @@
-"""Scenario F5: SIGKILL the process that owns the engine; every worker exits on its own within seconds."""
+"""docs/design.md invariant 16: SIGKILL the process that owns the engine; every worker exits on its own within seconds."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tests.integration.engine_helpers import assert_gone, kill_quietly, pid_runn
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_f5_workers_exit_when_the_parent_is_sigkilled(tmp_path):
+def test_workers_exit_when_the_parent_is_sigkilled(tmp_path):
     parent = subprocess.Popen(
         [sys.executable, "-m", "tests.integration.engine_child", str(tmp_path)],
         cwd=ROOT,

@@ -1,5 +1,6 @@
-"""Rank loop properties with real gloo ranks: identical batch sequences on every rank (F9, invariant 4),
-idle past --dist_timeout_s (L4, invariant 6), dp=2 sharing one queue, garbage on the status socket (S4)."""
+"""Rank loop properties with real gloo ranks (docs/design.md invariants): identical batch sequences on every rank
+(4), idle past --dist_timeout_s (6), dp=2 sharing one queue (5), garbage on the status socket and loopback-only
+ranks (15)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ async def _mixed_load(engine, n_requests: int, seed: int = 0):
             torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
 
 
-async def test_f9_every_rank_runs_the_identical_batch_sequence(tmp_path):
+async def test_every_rank_runs_the_identical_batch_sequence(tmp_path):
     log_dir = tmp_path / "hashes"
     log_dir.mkdir()
     config = make_config(tmp_path, tp=2, visual_batch_max_tokens=48, visual_infer_batch_size=4)
@@ -67,7 +68,7 @@ async def test_f9_every_rank_runs_the_identical_batch_sequence(tmp_path):
 
 
 @pytest.mark.parametrize("idle_s", [6.0])
-async def test_l4_idle_past_the_dist_timeout_then_serve(tmp_path, idle_s):
+async def test_idle_past_the_dist_timeout_then_serve(tmp_path, idle_s):
     config = make_config(tmp_path, tp=2, heartbeat_s=1.0, dist_timeout_s=3.0)
     async with running_engine(config) as engine:
         await asyncio.sleep(idle_s)  # twice --dist_timeout_s: only heartbeats keep rank 1's broadcast alive
@@ -108,7 +109,7 @@ async def test_dp2_both_groups_serve_and_one_survives_the_other(tmp_path):
         assert engine.metrics.value("vitserve_workers_ready") == 1
 
 
-async def test_s4_garbage_and_pickle_on_the_status_socket_are_dropped(tmp_path):
+async def test_garbage_and_pickle_on_the_status_socket_are_dropped(tmp_path):
     async with running_engine(make_config(tmp_path)) as engine:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
@@ -124,7 +125,7 @@ async def test_s4_garbage_and_pickle_on_the_status_socket_are_dropped(tmp_path):
         assert engine.readiness() == Readiness(True, "ok")
 
 
-async def test_s1_ranks_listen_on_loopback_only(tmp_path):
+async def test_ranks_listen_on_loopback_only(tmp_path):
     async with running_engine(make_config(tmp_path, tp=2)) as engine:
         pids = [pid for group in engine.worker_pids().values() for pid in group] + [os.getpid()]
         found = listening_sockets(pids)

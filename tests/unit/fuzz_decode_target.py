@@ -1,4 +1,4 @@
-"""atheris target for scenario B10, run by tests/unit/test_fuzz_decode.py in a subprocess (libFuzzer exits
+"""atheris target for docs/design.md invariant 14, run by tests/unit/test_fuzz_decode.py in a subprocess (libFuzzer exits
 the process on a finding, so it cannot run inside pytest).
 
     python -m tests.unit.fuzz_decode_target [libFuzzer flags] CORPUS_DIR
@@ -44,7 +44,7 @@ def _count(key: str) -> None:
     _counts[key] += 1
     n = _counts[key]
     if n & (n - 1) == 0:
-        print(f"B10 {key} {n}", file=sys.stderr, flush=True)
+        print(f"fuzz-count {key} {n}", file=sys.stderr, flush=True)
 
 
 def test_one_input(data: bytes) -> None:

@@ -38,6 +38,8 @@ NON_VITSERVE_FLAGS = {
     "gpu-memory-utilization": "vllm serve --gpu-memory-utilization (docs/vllm.md)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
+# The outside notes' scenario IDs ("scenario L3", test_f5_..., "(B10)"): cite docs/design.md's invariants instead.
+SCENARIO_IDS = re.compile(r"\b[Ss]cenarios? [LFBS]\d|\btest_[lfbs]\d+_|\([LFBS]\d+\)")
 DOCS = doc_files()
 
 
@@ -94,6 +96,20 @@ def test_no_reference_to_notes_outside_the_repository(doc):
     assert hits == []
 
 
+def test_no_scenario_ids_of_the_outside_notes(tree):
+    """Code, tests and docs (not the dated bench/history/ records) name invariants, not the notes' scenarios."""
+    hits = [
+        f"{path}:{n}: {line.strip()}"
+        for path in tree
+        if path.endswith((".py", ".md", ".toml"))
+        and not path.startswith("bench/history/")
+        and path != "tests/unit/test_docs.py"  # its own examples
+        for n, line in enumerate((ROOT / path).read_text().splitlines(), 1)
+        if SCENARIO_IDS.search(line)
+    ]
+    assert hits == []
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
 def test_every_flag_exists(doc):
     known = vitserve_flags() | set(NON_VITSERVE_FLAGS)
@@ -115,6 +131,16 @@ def test_checks_catch_missing_files_and_links(tree):
         "`tests/integration/test_faults*.py`, `SPEC.md` and `vitserve/nothing.py`."
     )
     assert missing_paths(doc, text, tree) == ["link nowhere.md", "SPEC.md", "vitserve/nothing.py"]
+
+
+def test_scenario_check_catches_the_notes_ids():
+    for text in (
+        "fill the budget (scenario L3)",
+        "def test_f5_workers_exit():",
+        "exits with the parent (F5).",
+    ):
+        assert SCENARIO_IDS.search(text), text
+    assert not SCENARIO_IDS.search("a 256-entry table stays in L1 (docs/design.md invariant 7)")
 
 
 def test_flag_check_knows_aliases_and_switches():

@@ -1,4 +1,4 @@
-"""Scenario B10: atheris on the decode path (time-boxed); only the documented error types escape.
+"""docs/design.md invariant 14: atheris on the decode path (time-boxed); only the documented error types escape.
 
 The fuzzer (tests/unit/fuzz_decode_target.py) runs in a subprocess, seeded with one small valid image of
 every allowed format (and the modes decode_image converts: alpha, 16-bit, grey, palette). A finding makes
@@ -80,7 +80,9 @@ def test_only_documented_errors_escape_the_decode_path(tmp_path):
     runs = [line for line in proc.stderr.splitlines() if "Done" in line and "runs" in line]
     assert runs, f"atheris did not report its run count:\n{log}"
     preprocessed = [
-        int(line.split()[-1]) for line in proc.stderr.splitlines() if line.startswith("B10 preprocessed")
+        int(line.split()[-1])
+        for line in proc.stderr.splitlines()
+        if line.startswith("fuzz-count preprocessed")
     ]
     assert preprocessed, f"no fuzzed input reached the processor (the seeds should):\n{log}"
     print(f"{runs[-1]}; inputs that decoded and preprocessed: at least {max(preprocessed)}")

@@ -1,4 +1,4 @@
-"""decode_image (docs/processing.md, scenarios B3-B6): every expected pixel is computed here by hand with numpy."""
+"""decode_image (docs/processing.md; docs/design.md invariant 14): every expected pixel is computed here by hand with numpy."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _on_white(color: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     return np.round(color.astype(np.float64) * a + 255.0 * (1.0 - a)).astype(np.uint8)
 
 
-# --- B3: bad data ---------------------------------------------------------------------------------------
+# --- bad data -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_no_image_bytes_in_error_message():
     assert "SECRET" not in str(info.value)
 
 
-# --- pixel limit, from the header ---------------------------------------------------------------------
+# --- pixel limit, from the header -----------------------------------------------------------------------
 
 
 def test_bomb_header_refused_before_decoding():
@@ -103,7 +103,7 @@ def test_limit_is_inclusive():
         decode_image(encode(img, "PNG"), max_image_pixels=99)
 
 
-# --- B4: modes -> 8-bit RGB ---------------------------------------------------------------------------
+# --- modes -> 8-bit RGB ---------------------------------------------------------------------------------
 
 
 def test_rgba_composited_on_white():
@@ -167,7 +167,7 @@ def test_float_image_in_unit_range():
     assert np.array_equal(got[..., 0], np.round(values * 255.0).astype(np.uint8))
 
 
-# --- B5: EXIF orientation -------------------------------------------------------------------------------
+# --- EXIF orientation -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
@@ -188,7 +188,7 @@ def test_exif_orientation_6_jpeg():
     assert np.array_equal(np.asarray(decoded.image), np.rot90(raw, k=-1))  # clockwise, exact
 
 
-# --- B6: animations -------------------------------------------------------------------------------------
+# --- animations -----------------------------------------------------------------------------------------
 
 
 def test_animated_gif_gives_first_frame():
@@ -205,13 +205,13 @@ def test_animated_gif_later_frames_are_never_read():
 
 
 def test_real_60_megapixel_image_refused_from_header():
-    # scenario B1: a real, valid 8000x7500 JPEG (60 MP) over the 50 MP default
+    # a decompression bomb (invariant 14): a real, valid 8000x7500 JPEG (60 MP) over the 50 MP default
     data = encode(Image.new("L", (8000, 7500)), "JPEG", quality=10)
     with pytest.raises(PayloadTooLarge, match="--max_image_pixels"):
         decode_image(data, max_image_pixels=LIMIT)
 
 
-# --- fuzz: only the documented error types escape (scenario B10, in-process and time-boxed) ----------
+# --- fuzz: only the documented error types escape (invariant 14, in-process and time-boxed) -------------
 
 _SEEDS = [
     encode(noise(12, 9, seed=13), "PNG"),

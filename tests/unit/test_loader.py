@@ -11,11 +11,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import FAMILIES, make_checkpoint, vision_prefixes
+from vitserve.checkpoint import SAFETENSORS_INDEX
 from vitserve.contract import ProcessedImage
 from vitserve.errors import ConfigError
 from vitserve.model import Encoder, load_encoder
 from vitserve.model.adapters import ADAPTERS
-from vitserve.model.weights import INDEX_FILE, read_vision_weights
+from vitserve.model.weights import read_vision_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,7 +28,7 @@ def qwen_item(grid=(1, 4, 6), patch=14, seed=0) -> ProcessedImage:
 
 
 def language_only_shards(path: Path, family: str, layout: str) -> list[Path]:
-    weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    weight_map = json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"]
     prefixes = vision_prefixes(family, layout)
     with_vision = {f for k, f in weight_map.items() if k.startswith(prefixes)}
     return [path / f for f in sorted(set(weight_map.values()) - with_vision)]
@@ -186,7 +187,7 @@ def test_vision_config_not_matching_weights(tmp_path):
 
 def test_index_names_a_missing_shard(tmp_path):
     path = make_checkpoint("qwen2_vl", tmp_path / "ckpt", sharded=True)
-    weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    weight_map = json.loads((path / SAFETENSORS_INDEX).read_text())["weight_map"]
     (path / weight_map["model.visual.merger.ln_q.weight"]).unlink()
     with pytest.raises(ConfigError, match="missing"):
         load_encoder(str(path))

@@ -1,4 +1,5 @@
-"""load_image_processor: families, checkpoints read offline, the clamp inside HF, scenario B7."""
+"""load_image_processor: families, checkpoints read offline, the clamp inside HF, odd sizes (docs/design.md
+invariants 1 and 14)."""
 
 from __future__ import annotations
 
@@ -216,7 +217,7 @@ def test_planned_resize_is_the_resize_hf_uses():
     assert torch.equal(hf(resized, do_resize=False, return_tensors="pt")["pixel_values"], direct)
 
 
-# --- scenario B7 ---------------------------------------------------------------------------------------
+# --- odd sizes: a documented error or tokens within the budget (invariants 1 and 14) --------------------
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -261,11 +262,3 @@ def test_combined_processor_config_is_read(tmp_path):
     assert (proc.hf.size["shortest_edge"], proc.hf.size["longest_edge"]) == (4096, 512 * 1024)
     h, w = smart_resize(4096, 4096, 32, 4096, 512 * 1024)
     assert proc.count_tokens(4096, 4096) == (h // 32) * (w // 32) == 22 * 22
-
-
-def test_max_tokens_is_a_deprecated_alias_of_budget_tokens():
-    with pytest.warns(DeprecationWarning, match="budget_tokens"):
-        old = load_image_processor("qwen2_5_vl", max_tokens=256)
-    new = load_image_processor("qwen2_5_vl", budget_tokens=256)
-    assert old.budget_tokens == new.budget_tokens == 256
-    assert old.clamp_info() == new.clamp_info()

@@ -1,6 +1,6 @@
 """worker/reservation/worst_case.stress_batches: every batch of the start-up stress is one the scheduler can form at the budget
 (tokens <= budget, images <= --visual_infer_batch_size), the worst case comes first and last, and the others
-fill the budget (scenario L3)."""
+fill the budget (docs/design.md invariant 7)."""
 
 from __future__ import annotations
 

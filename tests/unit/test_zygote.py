@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -18,7 +20,7 @@ from vitserve.worker import zygote
 def test_the_guard_comes_first_then_the_rank_and_the_demo_family():
     modules = zygote.preload_modules(Checkpoint.demo())
     assert modules[0] == "vitserve.worker.forkserver_guard"
-    assert "vitserve.worker.rank" in modules
+    assert "vitserve.worker.process" in modules  # imports vitserve.worker.rank
     assert modules[-1] == "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
     for name in modules:
         assert importlib.util.find_spec(name) is not None, name
@@ -50,6 +52,23 @@ def test_the_guard_exits_a_forkserver_whose_service_is_already_gone():
     env["VITSERVE_FORKSERVER_PARENT"] = "0"  # unset: nothing to compare, carries on
     here = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert "still here" in here.stdout, here.stderr
+
+
+def test_outside_the_forkserver_the_guard_leaves_the_process_alone():
+    # zygote.py and liveness.py import their constants from the guard: in the service (no SERVICE_PID_ENV)
+    # that import must not ask Linux to kill the service with its parent.
+    code = (
+        "import ctypes, os; import vitserve.worker.forkserver_guard; sig = ctypes.c_int(-1); "
+        "ctypes.CDLL('libc.so.6').prctl(2, ctypes.byref(sig), 0, 0, 0); print('pdeathsig', sig.value)"
+    )  # 2: PR_GET_PDEATHSIG
+    env = {"PATH": ""}
+    alone = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "pdeathsig 0" in alone.stdout, alone.stderr
+    env["VITSERVE_FORKSERVER_PARENT"] = str(os.getpid())  # the forkserver: its parent is this process
+    guarded = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert f"pdeathsig {int(signal.SIGKILL)}" in guarded.stdout, guarded.stderr
 
 
 def test_without_start_ranks_are_spawned_and_after_it_forked_from_the_forkserver(tmp_path):

@@ -1,8 +1,10 @@
 """The resolved settings, once: the /v1/info body, and the start-up banner rendered from that same body.
 
-Every setting that guards memory, load or exactness is a key of `info_body`; `banner` prints each key of it
-in one of the BANNER_LINES (a key no line names is printed on a line of its own), so the two cannot list
-different settings (tests/e2e/test_service.py compares them).
+Every setting that guards memory, load or exactness is a key of `info_body`, named as its flag is (or as
+docs/design.md names the concept: budget_tokens, max_batch_images, family); `banner` prints each key of it in
+one of the BANNER_LINES (a key no line names is printed on a line of its own), so the two cannot list
+different settings. tests/e2e/test_service.py compares them, and fails on a flag that is in neither the body
+nor its list of flags that guard nothing (where it listens, logs and traces, how nodes meet).
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ from vitserve.processors.base import VisionProcessor
 # The banner's lines: a label and the info keys it shows, in order.
 BANNER_LINES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("model", "family", "embed_dim", "dtype", "device")),
-    ("budget", ("budget_tokens", "max_batch_images")),
+    ("budget", ("budget_tokens", "max_batch_images", "max_video_tokens")),
     ("processor clamp", ("processor_clamp",)),
     ("layout", ("tp", "dp", "nnodes")),
-    ("reserved memory per rank", ("reserved_memory_bytes", "reserved_source")),
+    (
+        "reserved memory per rank",
+        ("reserved_memory_bytes", "reserved_source", "visual_reserved_mem_gb", "runtime_dir"),
+    ),
     ("limits", ("limits",)),
+    ("liveness", ("heartbeat_s", "dist_timeout_s")),
     ("LLM", ("llm_endpoint", "llm_url", "llm_timeout_s")),
     ("security", ("security",)),
     ("cache", ("cache",)),
-    ("output", ("exact", "jpeg_draft")),
+    ("output", ("exact", "jpeg_draft", "image_resize")),
 )
 
 
@@ -57,16 +63,24 @@ def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dic
         "device": resolved_device(config.device),
         "budget_tokens": config.budget_tokens,
         "max_batch_images": config.max_batch_images,
+        "max_video_tokens": config.max_video_tokens,  # what one video may cost in all; 0: no cap
         "processor_clamp": processor.clamp_info(),
         "reserved_memory_bytes": {str(k): v for k, v in info.reserved_memory_bytes.items()},
         "reserved_source": info.reserved_source,
+        "visual_reserved_mem_gb": config.visual_reserved_mem_gb,  # None: measured at start-up
+        "runtime_dir": config.runtime_dir,  # where reserved_mem_<device>_<rank>.json is, for the LLM server
         "limits": {
             "max_queue_tokens": config.queue_token_limit,
             "max_images_per_request": config.max_images_per_request,
             "max_request_bytes": config.max_request_bytes,
             "max_image_pixels": config.max_image_pixels,
             "request_timeout_s": config.request_timeout_s,
+            "max_video_bytes": config.max_video_bytes,  # a video's header checks, before any decoding
+            "max_video_duration_s": config.max_video_duration_s,
+            "max_video_frames": config.max_video_frames,
         },
+        "heartbeat_s": config.heartbeat_s,  # a rank silent for 2x this is failed; /ready says so
+        "dist_timeout_s": config.dist_timeout_s,
         "llm_endpoint": config.llm_endpoint,
         "llm_url": _redacted(config.llm_url),
         "llm_timeout_s": config.llm_timeout_s,
@@ -83,6 +97,7 @@ def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dic
         },
         "jpeg_draft": config.jpeg_draft,
         "exact": not config.jpeg_draft,  # what may make embeddings differ from transformers'
+        "image_resize": processor.clamp_info()["image_resize"],  # whose pixels: resolved from --image_resize
         "version": vitserve.__version__,
     }
 
@@ -94,6 +109,8 @@ def _mib(n: int) -> str:
 def _value(key: str, value: Any) -> str:
     if key == "budget_tokens":
         return f"{value} tokens per batch and per image" if value else "OFF (no clamp)"
+    if key == "max_video_tokens" and not value:
+        return "0 (no cap)"
     if key == "max_queue_tokens" and value is None:
         return "unlimited"
     if key == "reserved_memory_bytes":
@@ -119,7 +136,7 @@ def _pairs(info: Mapping[str, Any], keys: tuple[str, ...]) -> str:
             out.append(_pairs(value, tuple(value)))
         elif key == "processor_clamp":
             out.append(str(dict(value)))
-        elif key == "exact":
+        elif key in ("exact", "reserved_memory_bytes"):  # the value says what it is: "rank 0: 1.0 MiB"
             out.append(_value(key, value))
         else:
             out.append(f"{key}={_value(key, value)}")

@@ -40,12 +40,14 @@ from vitserve.engine.jobs import Job
 from vitserve.model.base import Encoder
 from vitserve.worker import messages as m
 from vitserve.worker import zygote
-from vitserve.worker.rank import WorkerArgs, run_worker
+from vitserve.worker.process import run_worker
+from vitserve.worker.rank import WorkerArgs
 from vitserve.worker.rendezvous import Rendezvous
 from vitserve.worker.reservation import StressShape
 
 log = logging.getLogger(__name__)
 SEND_WAIT_MS = 2000  # the most the event loop waits for rank 0's batch socket to accept a message
+TERM_GRACE_S = 1.0  # kill(grace_s=...) at teardown: SIGTERM the ranks, SIGKILL those still running after this
 
 
 class GroupState(Enum):
@@ -75,8 +77,8 @@ class Batch:
 
 
 class WorkerGroup:
-    """`tp` rank processes of one DP group. Subclasses (tests/fakes.py ThreadGroup) replace only the
-    process-facing methods: spawn, send, kill, join, pids and _exited."""
+    """`tp` rank processes of one DP group. Subclasses (tests/fakes.py ThreadGroup, the same RankWorker in a
+    thread) replace only the process-facing methods: worker_args, spawn, kill, join, pids and _exited."""
 
     def __init__(
         self,
@@ -118,26 +120,32 @@ class WorkerGroup:
 
     def global_rank(self, rank: int) -> int:
         """The rank's number across every group (reservation files, metrics labels)."""
-        return self.index * self.config.tp + rank
+        return self.config.global_rank(self.index, rank)
 
     # ------------------------------------------------------------------------------------ processes
+
+    def worker_args(self, rank: int) -> WorkerArgs:
+        """What rank `rank` of this group is started with."""
+        return WorkerArgs(
+            config=self.config,
+            stress_shape=self._stress_shape,
+            encoder_factory=self._factory,
+            group=self.index,
+            rank=rank,
+            rendezvous=self._rendezvous,
+            batch_endpoint=self.batch_endpoint,
+            status_endpoint=self._status_endpoint,
+            parent_pid=os.getpid(),
+        )
 
     def spawn(self) -> None:
         ctx = zygote.context()  # the warm forkserver when the CLI started one, else spawn
         for rank in self.config.node_ranks:
-            args = WorkerArgs(
-                config=self.config,
-                stress_shape=self._stress_shape,
-                encoder_factory=self._factory,
-                group=self.index,
-                rank=rank,
-                rendezvous=self._rendezvous,
-                batch_endpoint=self.batch_endpoint,
-                status_endpoint=self._status_endpoint,
-                parent_pid=os.getpid(),
-            )
             proc = ctx.Process(
-                target=run_worker, args=(args,), name=f"vitserve-g{self.index}r{rank}", daemon=True
+                target=run_worker,
+                args=(self.worker_args(rank),),
+                name=f"vitserve-g{self.index}r{rank}",
+                daemon=True,
             )
             proc.start()
             self.processes.append(proc)

@@ -28,7 +28,7 @@ import zmq
 
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
-from vitserve.engine.groups import WorkerGroup
+from vitserve.engine.groups import TERM_GRACE_S, WorkerGroup
 from vitserve.reservation_file import remove_killed
 from vitserve.worker import messages as m
 from vitserve.worker import rendezvous
@@ -36,7 +36,6 @@ from vitserve.worker.rank import load_configured_encoder
 from vitserve.worker.reservation import StressShape
 
 log = logging.getLogger(__name__)
-TERM_GRACE_S = 1.0  # SIGTERM the ranks, SIGKILL those still running after this
 POLL_MS = 250  # how often the ranks' processes are checked while no report comes
 EXIT_WAIT_S = 5.0  # once one rank exited, how long the others get to follow
 

@@ -42,7 +42,7 @@ from vitserve.contract import (
 )
 from vitserve.engine.cache import make_cache
 from vitserve.engine.dispatch import Dispatcher
-from vitserve.engine.groups import GroupState, Watchdog, WorkerGroup
+from vitserve.engine.groups import TERM_GRACE_S, GroupState, Watchdog, WorkerGroup
 from vitserve.engine.jobs import Claim, JobTable
 from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from vitserve.engine.shared_cache import SharedCache
 
 log = logging.getLogger(__name__)
-TERM_GRACE_S = 1.0  # teardown: SIGTERM the ranks, SIGKILL those still running after this
 GroupFactory = Callable[..., WorkerGroup]  # WorkerGroup's constructor, or a test's in-process group
 
 

@@ -10,7 +10,7 @@ One arena (M_ARENA_MAX 1): a worker's batch arrives in frames that zmq's I/O thr
 each thread an arena of its own, so a retained main-thread peak could not serve them and each thread's arena
 would keep a peak of its own on top (measured, tiny Qwen2-VL at 1024 tokens: +19 MiB, one batch's pixels, on
 the first runtime batch after the start-up stress, ~+40 MiB after 60). The worker sets this before it starts
-any thread (worker/rank.run_worker); threads that already hold an arena keep it.
+any thread (worker/process.py run_worker); threads that already hold an arena keep it.
 """
 
 from __future__ import annotations

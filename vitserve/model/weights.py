@@ -11,8 +11,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from vitserve.checkpoint import SAFETENSORS_INDEX as INDEX_FILE
-from vitserve.checkpoint import WeightsDigest
+from vitserve.checkpoint import SAFETENSORS_INDEX, WeightsDigest
 from vitserve.errors import ConfigError
 
 
@@ -31,7 +30,7 @@ def _module_key(key: str, prefixes: tuple[tuple[str, str], ...]) -> str | None:
 
 def _shards_with_vision(path: Path, prefixes: tuple[tuple[str, str], ...]) -> list[Path]:
     """The shards to open: with an index, only those holding a vision key; else every *.safetensors file."""
-    index = path / INDEX_FILE
+    index = path / SAFETENSORS_INDEX
     if index.is_file():
         try:
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -53,7 +52,7 @@ def read_vision_weights(
     out = VisionWeights(tensors={})
     for shard in tqdm(shards, desc="vision weights", unit="shard", disable=len(shards) < 2):
         if not shard.is_file():
-            raise ConfigError(f"{shard} is listed in {INDEX_FILE} but missing; check --model")
+            raise ConfigError(f"{shard} is listed in {SAFETENSORS_INDEX} but missing; check --model")
         out.files_read.append(shard)
         with safe_open(str(shard), framework="pt", device="cpu") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open handles are not dict-like

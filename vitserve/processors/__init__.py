@@ -7,7 +7,6 @@ Usage: ``proc = load_image_processor(Checkpoint | checkpoint_dir | family, budge
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 
 from vitserve.checkpoint import Checkpoint
@@ -65,7 +64,6 @@ def load_image_processor(
     *,
     family: str = "auto",
     resize: str = "auto",
-    max_tokens: int | None = None,
 ) -> VisionProcessor:
     """A family processor clamped to ``budget_tokens`` image tokens per image (0 = exactly as HF ships it).
 
@@ -74,15 +72,7 @@ def load_image_processor(
     ``family``: --model_family, for a --model value ("auto": config.json's model_type decides).
     ``resize`` (--image_resize): "torch" (= "auto") gives the pixels of transformers' torchvision ("fast")
     processor, "pil" those of its PIL processor.
-    ``max_tokens``: the old name of ``budget_tokens``; deprecated, kept for one release.
     """
-    if max_tokens is not None:
-        warnings.warn(
-            "load_image_processor(max_tokens=) is deprecated; pass budget_tokens=",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        budget_tokens = max_tokens
     if budget_tokens < 0:
         raise ConfigError(f"--visual_batch_max_tokens must be >= 0, got {budget_tokens}")
     checkpoint, family = _resolve(source, family)

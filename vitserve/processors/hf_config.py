@@ -13,7 +13,7 @@ from vitserve.checkpoint import Checkpoint, first_size
 from vitserve.errors import ConfigError
 from vitserve.families import FAMILIES, Family, tokens_per_tile
 
-_BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, what InternVL's published processors use
+BICUBIC = 3  # PIL.Image.Resampling.BICUBIC: InternVL's published processors, every family's video processor
 
 
 def defaults(family: Family) -> dict[str, Any]:
@@ -25,7 +25,7 @@ def defaults(family: Family) -> dict[str, Any]:
             "size": {"height": side, "width": side},
             "min_patches": family.min_tiles,
             "max_patches": family.max_tiles,
-            "resample": _BICUBIC,
+            "resample": BICUBIC,
             **common,
         }
     return {

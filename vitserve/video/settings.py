@@ -17,11 +17,10 @@ from vitserve.checkpoint import Checkpoint
 from vitserve.errors import ConfigError
 from vitserve.families import FAMILIES, VIDEO_DEFAULT_FPS
 from vitserve.processors import VisionProcessor
+from vitserve.processors.hf_config import BICUBIC  # the filter every family's video processor resizes with
 from vitserve.video.sampling import SamplingRules
 
 log = logging.getLogger(__name__)
-
-_BICUBIC = 3  # PIL.Image.Resampling.BICUBIC: the filter every family's video processor resizes with
 
 
 @dataclass(frozen=True)
@@ -133,7 +132,7 @@ def _video_config(checkpoint: Checkpoint | None) -> tuple[dict[str, Any], str]:
 
 def _check_supported(config: dict[str, Any], family: str, source: str) -> None:
     """Settings the torch pixel path does not reproduce are refused at start-up, naming the file."""
-    if config.get("do_resize") is False or int(config.get("resample", _BICUBIC)) != _BICUBIC:
+    if config.get("do_resize") is False or int(config.get("resample", BICUBIC)) != BICUBIC:
         raise ConfigError(
             f"{source}: vitserve resizes video frames bicubic, as {family}'s video processor ships; this "
             f"checkpoint asks for do_resize={config.get('do_resize')}, resample={config.get('resample')}"

@@ -1,4 +1,4 @@
-"""Worker-side liveness: tell the engine this rank is alive, and die with the parent (scenario F5).
+"""Worker-side liveness: tell the engine this rank is alive, and die with the parent (docs/design.md invariant 16).
 
 A daemon thread with its own ZMQ socket (sockets are not thread-safe) sends an ALIVE report every
 heartbeat_s / 2. It keeps running during a long forward, so a slow batch is not mistaken for a hang; a
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 import zmq
 
 from vitserve.worker import messages as m
+from vitserve.worker.forkserver_guard import PR_SET_PDEATHSIG  # does nothing outside the forkserver
 
 if TYPE_CHECKING:
     from vitserve.worker.rendezvous import StoreBeat
 
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
 _PARENT_POLL_S = 0.25
 _STOP_GRACE_S = 2.0  # a rank off node 0 that lost the store waits this long for a clean STOP first
 
@@ -40,7 +40,7 @@ def die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except OSError:  # no libc.so.6 (e.g. musl): the polling thread still covers it
             log.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent poll")
     if os.getppid() != parent_pid:
@@ -63,7 +63,7 @@ class LivenessThread(threading.Thread):
         *,
         group: int,
         rank: int,
-        parent_pid: int,
+        parent_pid: int | None,  # None: the rank is a thread of the engine's process, no parent to watch
         heartbeat_s: float,
         counters: LoopCounters,
     ):
@@ -82,7 +82,7 @@ class LivenessThread(threading.Thread):
     def run(self) -> None:
         next_report = 0.0
         while not self._halt.is_set():
-            if os.getppid() != self._parent_pid:
+            if self._parent_pid is not None and os.getppid() != self._parent_pid:
                 log.error(
                     "vitserve worker g%d r%d: parent %d is gone; exiting",
                     self._group,

@@ -3,15 +3,17 @@
 Rank 0 of a group talks to the engine over ZMQ and is the only rank that decides; the other ranks run
 exactly the steps rank 0 broadcasts (broadcast.py). Every rank reports liveness (liveness.py) and, on a
 failure, reports an ERROR to the engine and exits, so the engine's watchdog can tear the group down.
+
+A spawned rank is worker/process.py `run_worker`: it sets what belongs to the process, then runs
+`RankWorker.serve()` and `exit`s with its code. The tests run the same `RankWorker` in a thread of the
+engine's process (tests/fakes.py ThreadGroup): `serve()` returns the exit code, and `close` ends it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
-import signal
 import sys
 import time
 import traceback
@@ -32,7 +34,7 @@ from vitserve.reservation_file import publish_reservation, remove_reservation
 from vitserve.rpc.tensors import dtype_name
 from vitserve.worker import broadcast
 from vitserve.worker import messages as m
-from vitserve.worker.liveness import LivenessThread, LoopCounters, die_with_parent
+from vitserve.worker.liveness import LivenessThread, LoopCounters
 from vitserve.worker.rendezvous import Rendezvous, beat_for, open_store
 from vitserve.worker.reservation import PeakWatch, Reservation, StressShape, reserve_for_rank
 
@@ -51,11 +53,11 @@ class WorkerArgs:
     rendezvous: Rendezvous  # where this group's torch.distributed store is
     batch_endpoint: str  # rank 0 only: binds it; the engine's PUSH connects and sends batches
     status_endpoint: str  # every rank: where READY / ALIVE / RESULT / ERROR go
-    parent_pid: int
+    parent_pid: int | None  # the rank exits when this process is gone; None: a thread of the engine's process
 
     @property
     def global_rank(self) -> int:
-        return self.group * self.config.tp + self.rank
+        return self.config.global_rank(self.group, self.rank)
 
     @property
     def local_index(self) -> int:
@@ -68,53 +70,24 @@ def startup_timeout_s(config: Config) -> float:
     return max(config.dist_timeout_s, 120.0)
 
 
+def on_cuda(config: Config) -> bool:
+    """Whether --device puts the ranks on CUDA (auto: when it is available)."""
+    return config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+
+
 def load_configured_encoder(checkpoint: Checkpoint, config: Config) -> Encoder:
     """The default encoder_factory, bound to the checkpoint the entry point opened (functools.partial):
     it on this rank's device (set by _init_device) in --dtype."""
     from vitserve.model import load_encoder
 
-    on_cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
-    device = f"cuda:{torch.cuda.current_device()}" if on_cuda else config.device.replace("auto", "cpu")
+    device = (
+        f"cuda:{torch.cuda.current_device()}" if on_cuda(config) else config.device.replace("auto", "cpu")
+    )
     return load_encoder(checkpoint, device=device, dtype=config.dtype)
 
 
-def run_worker(args: WorkerArgs) -> None:
-    """Process entry point (top level so the spawn context can import it)."""
-    logging.basicConfig(
-        level=args.config.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s [g{args.group}r{args.rank}] %(name)s: %(message)s",
-    )
-    # Ctrl-C signals the whole process group; the engine drains and then sends STOP, so ranks ignore it.
-    # SIGTERM keeps its default: multiprocessing's exit handler terminates daemon children with it and
-    # then joins them without a timeout.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not args.config.device.startswith("cuda"):
-        # Before any thread of ours exists (zmq I/O, liveness), so that they share the main thread's heap.
-        from vitserve.model.fast_alloc import tune_cpu_allocator
-
-        tune_cpu_allocator()
-    args = dataclasses.replace(args, parent_pid=watched_parent(args.parent_pid))
-    die_with_parent(args.parent_pid)
-    worker = RankWorker(args)
-    try:
-        worker.start_up()
-    except BaseException as exc:  # report why start-up failed (the message names the knob), then exit
-        worker.report_error("startup", exc)
-        worker.exit(1)
-    worker.run()
-    worker.exit(0)
-
-
-def watched_parent(service_pid: int) -> int:
-    """The process whose exit ends this rank: the service that spawned it, or the forkserver it was forked
-    from (vitserve/worker/zygote.py), which itself dies with the service. Exits now if the service is gone."""
-    parent = os.getppid()
-    if parent != service_pid:
-        try:
-            os.kill(service_pid, 0)
-        except ProcessLookupError:
-            os._exit(1)
-    return parent
+class RankFailed(Exception):
+    """The rank cannot go on; the reason was already reported to the engine."""
 
 
 class RankWorker:
@@ -132,6 +105,19 @@ class RankWorker:
         self.reservation: Reservation | None = None  # once measured (or stored, or the override)
         self.peak_watch: PeakWatch | None = None  # with it, except for an override
         self.started = time.monotonic()
+
+    def serve(self) -> int:
+        """Start up, then run the loop until STOP; the exit code: 0 after STOP, 1 after a failure (reported)."""
+        try:
+            self.start_up()
+        except BaseException as exc:  # report why start-up failed (the message names the knob)
+            self.report_error("startup", exc)
+            return 1
+        try:
+            self.run()
+        except RankFailed:
+            return 1
+        return 0
 
     # ------------------------------------------------------------------------------------ start-up
 
@@ -157,13 +143,10 @@ class RankWorker:
         self.liveness.start()
 
     def _init_device(self) -> None:
-        want = self.cfg.device
-        if want == "auto":
-            want = "cuda" if torch.cuda.is_available() else "cpu"
-        if want.startswith("cuda"):
+        if on_cuda(self.cfg):
             if not torch.cuda.is_available():
                 raise ConfigError(
-                    f"--device {want} was requested but CUDA is not available; use --device cpu"
+                    f"--device {self.cfg.device} was requested but CUDA is not available; use --device cpu"
                 )
             local = len(self.cfg.node_ranks)  # --tp / --nnodes ranks of each group on this node
             if self.distributed and torch.cuda.device_count() < local:  # NCCL: one rank per GPU
@@ -176,9 +159,7 @@ class RankWorker:
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", index)
         else:
-            self.device = torch.device("cpu")
-            # ranks share the host's cores: split them instead of oversubscribing
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (len(self.cfg.node_ranks) * self.cfg.dp)))
+            self.device = torch.device("cpu")  # its share of the cores: run_worker
         # NCCL collectives need device tensors; gloo works on CPU tensors
         self.comm_device = self.device if self.device.type == "cuda" else torch.device("cpu")
 
@@ -299,7 +280,7 @@ class RankWorker:
             if self.args.rank == 0:
                 self._reply(batch.batch_id, outputs, started)  # 3) embeddings back to the engine
             # Drop this batch's frames before waiting for the next: otherwise two batches' pixels are live in
-            # zmq's receive arena at once, and the runtime peak outgrows the reservation (scenario L3).
+            # zmq's receive arena at once, and the runtime peak outgrows the reservation (docs/design.md invariant 7).
             del batch, outputs
 
     def _exchange_step(self) -> tuple[m.Kind, m.BatchMsg | None]:
@@ -308,8 +289,7 @@ class RankWorker:
             return self._next_step()
         except Exception as exc:  # torch.distributed's errors name the peer and the cause
             self.report_error("broadcast", exc, trace=False)
-            self.exit(1)
-            raise  # unreachable; exit() does not return
+            raise RankFailed from exc
 
     def _next_step(self) -> tuple[m.Kind, m.BatchMsg | None]:
         if self.args.rank != 0:
@@ -347,8 +327,7 @@ class RankWorker:
                 return self.encoder.encode(items)
         except BaseException as exc:  # this rank cannot go on: report, exit; the engine kills the group
             self.report_error("forward", exc, batch.batch_id)
-            self.exit(1)
-            raise  # unreachable; exit() does not return
+            raise RankFailed from exc
 
     def _to_device(self, item: ProcessedImage) -> ProcessedImage:
         if self.device.type == "cpu":
@@ -388,9 +367,15 @@ class RankWorker:
             )
 
     def exit(self, code: int) -> None:
-        """Leave without running collective teardown: a peer may be dead, and barriers would hang."""
-        if code == 0 and self.reservation is not None:  # a killed rank's file: reservation_file.remove_killed
-            remove_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank)
+        """Leave the process without running collective teardown: a peer may be dead, and barriers would hang."""
+        self.close(code)
+        os._exit(code)
+
+    def close(self, code: int) -> None:
+        """Stop liveness and close the sockets (flushing a last RESULT/ERROR); after a clean STOP (code 0)
+        also remove the published reservation."""
+        if code == 0:
+            self._remove_reservation()
         liveness = getattr(self, "liveness", None)
         if liveness is not None:
             liveness.stop()
@@ -400,4 +385,8 @@ class RankWorker:
         self.status.close(linger=2000)
         if liveness is None or not liveness.is_alive():  # term() waits for every socket to be closed
             self.ctx.term()  # blocks until the last RESULT/ERROR is flushed (or the linger passes)
-        os._exit(code)
+
+    def _remove_reservation(self) -> None:
+        if getattr(self, "reservation", None) is None:  # a killed rank's file: reservation_file.remove_killed
+            return
+        remove_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank)

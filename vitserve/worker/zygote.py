@@ -11,7 +11,7 @@ The forkserver is a fresh interpreter started before any thread or CUDA context 
 it is safe. It dies with the service: the first module it imports (`vitserve.worker.forkserver_guard`)
 asks Linux to kill it when its parent exits (it would otherwise finish its preload first), and once
 serving it exits when the service's end of its pipe closes. A rank forked from it watches the forkserver
-as its parent (rank.watched_parent).
+as its parent (process.watched_parent).
 
 Without `start()` (library use) ranks are spawned as before. The tests call `start()` once per session
 (tests/conftest.py), so their in-process engines fork ranks from it as the CLI's do.
@@ -26,14 +26,14 @@ import re
 from multiprocessing.context import ForkServerContext, SpawnContext
 
 from vitserve.checkpoint import Checkpoint
+from vitserve.worker.forkserver_guard import SERVICE_PID_ENV  # does nothing outside the forkserver
 
 _started = False
-SERVICE_PID_ENV = "VITSERVE_FORKSERVER_PARENT"  # the same name in forkserver_guard.py (never imported here)
 
 
 def preload_modules(checkpoint: Checkpoint) -> list[str]:
     """What the forkserver imports: the guard first, then the rank's modules and the family's HF modeling."""
-    modules = ["vitserve.worker.forkserver_guard", "vitserve.worker.rank", "vitserve.model.loader"]
+    modules = ["vitserve.worker.forkserver_guard", "vitserve.worker.process", "vitserve.model.loader"]
     model_type = checkpoint.model_type
     if re.fullmatch(r"[a-z0-9_]+", model_type):  # a module that does not exist is skipped (ImportError)
         modules.append(f"transformers.models.{model_type}.modeling_{model_type}")

@@ -9,13 +9,11 @@ Which batch is the worst case:
   of `window_size` pixels, linear in n) but FULL attention over each whole image in
   `fullatt_block_indexes` — which is O(n^2) per image, so one big image is the worst case there as well.
   The grid is near-square with both sides multiples of `spatial_merge_size` (the processor's output shape).
-  Measured with the production encoder (load_encoder of tests/checkpoints.py's tiny towers, fast kernels,
-  CPU, peak RSS growth in a fresh process, 1024 tokens as 1 / 2 / 4 / 16 images): Qwen3-VL
-  57.0 / 44.6 / 40.9 / 33.6 MiB, Qwen2.5-VL 46.7 / 35.3 / 30.2 MiB. With HF's eager attention the gap is
-  far larger (tiny tower, 1024 tokens as 1 / 4 / 16 images: 525 / 59.7 / 14.7 MiB).
+  Measured with the production encoder, fast kernels and HF's eager attention alike (bench/RESULTS.md,
+  "The worst-case batch").
   Caveat on CPU: glibc's heap fragments, so a later batch (even the same one) can raise the RSS peak above
-  the stress peak (scenario L3, tests/integration/test_memory_l3.py: +12-38 MiB over a 62-107 MiB
-  growth); hence the multi-batch stress and meter.HEAP_FACTOR. CUDA's caching allocator reuses its blocks.
+  the stress peak (docs/design.md invariant 7, tests/integration/test_memory_full_budget.py); hence the
+  multi-batch stress and meter.HEAP_FACTOR. CUDA's caching allocator reuses its blocks.
 - InternVL: every tile is encoded independently at the fixed tile size, so memory grows with the total
   number of tiles in the batch: as many tiles as the budget admits. The per-image tile cap is the
   processor's (clamped `max_patches` + the thumbnail) and is not known to the encoder; when the caller
@@ -151,7 +149,7 @@ def stress_batches(
 
     One run of the worst case measures its activations on a clean heap, but on CPU the heap that runtime
     batches of other shapes leave behind is fragmented, and a later worst case then needs fresh pages on top
-    (scenario L3 measured +5-20 MiB over a single-run reservation, tiny Qwen2-VL at 1024 tokens). Every
+    (bench/RESULTS.md, "The worst-case batch"). Every
     batch here is one the scheduler can form at this budget, run through the same production forward, so the
     peak covers that fragmentation without allocating anything production would not.
     """

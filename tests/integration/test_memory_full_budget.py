@@ -1,4 +1,4 @@
-"""Scenario L3: batches that fill the token budget exactly stay within the published reservation (CPU: RSS).
+"""docs/design.md invariant 7: batches that fill the token budget exactly stay within the published reservation (CPU: RSS).
 
 A real Engine (tp=1) loads a tiny real checkpoint with the production load_encoder, reserves at start-up
 (vitserve/worker/reservation/: malloc_trim, reset VmHWM, the production forward on the full-budget stress
