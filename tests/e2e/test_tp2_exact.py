@@ -77,7 +77,7 @@ def test_tp2_defaults_png_and_jpeg_equal_transformers(tmp_path):
         visual_reserved_mem_gb=0.5,
     )
     processor = load_image_processor(
-        config.model, max_tokens=config.visual_batch_max_tokens, family=config.model_family
+        config.model, budget_tokens=config.visual_batch_max_tokens, family=config.model_family
     )
     images = [encode(noise(w, h, seed=i), fmt) for i, (w, h, fmt) in enumerate(IMAGES)]
     files = [("images", (f"image{i}", data, "application/octet-stream")) for i, data in enumerate(images)]
