@@ -179,26 +179,24 @@ def test_limit_flags():
             build_config([flag, "0"], {})
 
 
-def _gif() -> bytes:
+def _one_black_frame(container_format: str, codec: str, pix_fmt: str, rate: int) -> bytes:
+    """A 32x32 one-frame clip in a container or codec vitserve refuses (GIF, MPEG-4 Part 2 in MP4)."""
     buf = io.BytesIO()
-    with av.open(buf, "w", format="gif") as container:
-        stream = container.add_stream("gif", rate=10)
-        stream.width, stream.height, stream.pix_fmt = 32, 32, "rgb8"
+    with av.open(buf, "w", format=container_format) as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, pix_fmt
         frame = av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24")
         for packet in [*stream.encode(frame), *stream.encode(None)]:
             container.mux(packet)
     return buf.getvalue()
+
+
+def _gif() -> bytes:
+    return _one_black_frame("gif", "gif", "rgb8", 10)
 
 
 def _mpeg4_in_mp4() -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=25)
-        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
-        frame = av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24")
-        for packet in [*stream.encode(frame), *stream.encode(None)]:
-            container.mux(packet)
-    return buf.getvalue()
+    return _one_black_frame("mp4", "mpeg4", "yuv420p", 25)
 
 
 def test_unsupported_containers_and_codecs_name_what_they_are():
