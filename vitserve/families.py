@@ -14,7 +14,7 @@ transformers does not carry Qwen3-VL's image defaults at all).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from vitserve.errors import ConfigError
@@ -46,6 +46,11 @@ class Family:
     image_mean: tuple[float, float, float] = _CLIP_MEAN
     image_std: tuple[float, float, float] = _CLIP_STD
     deepstack: bool = False  # the tower also returns per-layer deepstack features
+    # Where the vision config keeps the sizes vitserve/model/tp.py splits across --tp ranks (vitserve/preflight.py
+    # checks them): attention heads, the width, and whether the MLP width is width * mlp_ratio (Qwen2-VL).
+    heads_key: str = "num_heads"
+    width_key: str = "hidden_size"
+    mlp_from_ratio: bool = False
     # Video (vitserve/video/, docs/processing.md "Video"): the rules of the family's transformers video
     # processor, and its class defaults where a checkpoint ships no video processor config.
     video_sampler: Literal["qwen2", "qwen3", "internvl"] = "qwen2"  # how frame indices are chosen
@@ -102,7 +107,7 @@ def _qwen3(name: str, display: str, *, deepstack: bool) -> Family:
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        _qwen2("qwen2_vl", "Qwen2-VL"),
+        replace(_qwen2("qwen2_vl", "Qwen2-VL"), width_key="embed_dim", mlp_from_ratio=True),
         _qwen2("qwen2_5_vl", "Qwen2.5-VL"),
         _qwen3("qwen3_vl", "Qwen3-VL", deepstack=True),
         _qwen3("qwen3_5", "Qwen3.5", deepstack=False),
@@ -112,6 +117,7 @@ FAMILIES: dict[str, Family] = {
             "InternVL",
             "tiles",
             ("internvl",),
+            heads_key="num_attention_heads",
             patch_size=14,
             tile_size=448,
             min_tiles=1,

@@ -24,12 +24,6 @@ from vitserve.families import FAMILIES, Family, tokens_per_tile
 log = logging.getLogger(__name__)
 IPC_PATH_MAX = 107  # bytes in a Unix socket path (sun_path is 108 with the terminating NUL)
 
-# Where each family's vision config keeps the sizes that vitserve/model/tp.py splits across --tp ranks:
-# attention heads (q, k and v are split by head), the width (the attention output projection's input),
-# and the MLP width (column- then row-parallel). Mergers and projectors are replicated, not split.
-_HEADS_KEY = {"internvl": "num_attention_heads"}  # every other family: "num_heads"
-_WIDTH_KEY = {"qwen2_vl": "embed_dim"}  # every other family: "hidden_size"
-
 
 def check(config: Config) -> Checkpoint:
     """Every refusal that needs only the flags and the checkpoint's JSON files; the opened checkpoint."""
@@ -64,13 +58,13 @@ def llm_embeds_width(checkpoint: Checkpoint) -> int:
 
 
 def shard_sizes(family: Family, vision: Mapping[str, Any]) -> dict[str, int]:
-    """What --tp must divide, by name, from the vision config (keys it lacks are left to the ranks)."""
-    heads, width = (
-        vision.get(_HEADS_KEY.get(family.name, "num_heads")),
-        vision.get(_WIDTH_KEY.get(family.name, "hidden_size")),
-    )
+    """What --tp must divide, by name, from the vision config (keys it lacks are left to the ranks): attention
+    heads (q, k and v are split by head), the width (the attention output projection's input) and the MLP
+    width (column- then row-parallel), where the family's registry entry says they are. Mergers and projectors
+    are replicated, not split."""
+    heads, width = vision.get(family.heads_key), vision.get(family.width_key)
     mlp = vision.get("intermediate_size")
-    if family.name == "qwen2_vl" and width is not None:
+    if family.mlp_from_ratio and width is not None:
         mlp = int(width * vision.get("mlp_ratio", 4))  # Qwen2-VL's MLP: int(embed_dim * mlp_ratio)
     named = {"vision attention heads": heads, "vision width": width, "MLP width": mlp}
     return {what: int(v) for what, v in named.items() if isinstance(v, (int, float)) and v > 0}
