@@ -281,9 +281,7 @@ def draw_serve_plots(out_dir: Path | None, dest: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--write", action="store_true", help=f"also fill the tables into {RESULTS.relative_to(ROOT)}"
-    )
+    ap.add_argument("--write", action="store_true", help="also fill the tables into bench/RESULTS.md")
     ap.add_argument(
         "--records", type=Path, default=None, help="where the run records are (default bench/out)"
     )
@@ -294,10 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"## {bench}\n\n{body}\n")
     for path in draw_serve_plots(args.records, args.plots):
         print(f"wrote {path}")
-    if args.write:
+    if (
+        args.write
+    ):  # a benchmark with no run recorded here keeps the table RESULTS.md has (bench/out is local)
         text = RESULTS.read_text()
         for bench, body in sections.items():
-            text = write_into(text, bench, body)
+            if record.latest(bench, args.records) is not None:
+                text = write_into(text, bench, body)
         RESULTS.write_text(text)
         print(f"filled {RESULTS}")
     return 0

@@ -60,6 +60,24 @@ def test_write_into_replaces_only_between_the_markers():
         report.write_into(text, "serve", "new")
 
 
+def test_write_keeps_the_tables_of_benchmarks_with_no_run_recorded_here(tmp_path, monkeypatch):
+    """A fresh clone has no bench/out: --write after one benchmark must not blank the others' tables."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text(
+        "<!-- report:encoder -->\nkept\n<!-- /report:encoder -->\n"
+        + "".join(
+            f"<!-- report:{b} -->\nold\n<!-- /report:{b} -->\n" for b in report.BENCHES if b != "encoder"
+        )
+    )
+    monkeypatch.setattr(report, "RESULTS", results)
+    run = record.begin("transfer", {})
+    record.finish(run, [ROW], tmp_path / "out")
+    assert report.main(["--write", "--records", str(tmp_path / "out"), "--plots", str(tmp_path)]) == 0
+    text = results.read_text()
+    assert "<!-- report:encoder -->\nkept\n" in text
+    assert f"Commit `{run['commit']}`" in text.split("<!-- report:transfer -->")[1]
+
+
 def test_results_md_has_a_marker_pair_for_every_benchmark():
     text = (ROOT / "bench" / "RESULTS.md").read_text()
     for bench in report.BENCHES:
