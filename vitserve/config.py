@@ -6,6 +6,7 @@ Nothing below the entry point reads environment variables; every field mirrors a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from vitserve.checkpoint import DEMO
 
@@ -98,3 +99,10 @@ class Config:
         if self.max_queue_tokens is not None:
             return self.max_queue_tokens
         return 4 * self.budget_tokens if self.budget_enabled else None
+
+
+def redacted_url(url: str) -> str:
+    """A URL flag's value (--llm_url, --cache_url) without user or password, for messages, logs and /v1/info."""
+    parts = urlsplit(url)
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{parts.hostname or ''}{port}{parts.path}"

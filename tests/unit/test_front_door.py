@@ -15,8 +15,9 @@ from tests.checkpoints import make_checkpoint
 from vitserve import preflight
 from vitserve.api.chat import image_parts
 from vitserve.api.embeds import EmbeddingMismatch, EmbedsLayout, embeds_part, npy_b64
-from vitserve.api.upstream import api_base, redacted
+from vitserve.api.upstream import api_base
 from vitserve.checkpoint import Checkpoint
+from vitserve.config import redacted_url
 from vitserve.contract import ImageResult, PreparedImage, ProcessedImage
 from vitserve.errors import ConfigError, InvalidRequest, LLMUnavailable, QueueFull, openai_error
 from vitserve.flags import build_config
@@ -173,7 +174,7 @@ def test_front_door_flags(tmp_path):
     assert config.llm_api_key == "sekret"
     assert config.llm_timeout_s == 600
     assert "sekret" not in repr(config)
-    assert redacted(config.llm_url) == "http://127.0.0.1:8000/v1"
+    assert redacted_url(config.llm_url) == "http://127.0.0.1:8000/v1"
     assert api_base(config.llm_url) == "http://u:pw@127.0.0.1:8000" == api_base("http://u:pw@127.0.0.1:8000/")
     with pytest.raises(ConfigError, match="demo has no language model"):
         preflight.check(build_config(["--llm_url", "http://127.0.0.1:8000"], {}))

@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import vitserve
-from vitserve.api.upstream import redacted
-from vitserve.config import Config
+from vitserve.config import Config, redacted_url
 from vitserve.contract import Engine
 from vitserve.processors.base import VisionProcessor
 
@@ -46,7 +45,7 @@ def resolved_device(device: str) -> str:
 
 
 def _redacted(url: str | None) -> str | None:
-    return redacted(url) if url else None
+    return redacted_url(url) if url else None
 
 
 def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dict[str, Any]:

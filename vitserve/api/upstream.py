@@ -13,10 +13,10 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import TypeVar
-from urllib.parse import urlsplit
 
 import httpx
 
+from vitserve.config import redacted_url
 from vitserve.errors import LLMTimeout, LLMUnavailable, VitserveError
 from vitserve.metrics import Metrics
 
@@ -25,13 +25,6 @@ T = TypeVar("T")
 _HOP_HEADERS = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date", "server"}
 )
-
-
-def redacted(url: str) -> str:
-    """--llm_url without user or password, for messages and the banner."""
-    parts = urlsplit(url)
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{parts.hostname or ''}{port}{parts.path}"
 
 
 def api_base(url: str) -> str:
@@ -51,7 +44,7 @@ class Upstream:
     vitserve_upstream_seconds{phase="first_byte"|"total"}."""
 
     def __init__(self, url: str, *, api_key: str | None, timeout_s: float, metrics: Metrics):
-        self.where = redacted(url)
+        self.where = redacted_url(url)
         self.timeout_s = timeout_s
         self.metrics = metrics
         self.api_key = api_key

@@ -19,7 +19,6 @@ import hashlib
 import json
 from collections import OrderedDict
 from importlib.metadata import version as _version
-from urllib.parse import urlsplit
 
 import torch
 
@@ -153,10 +152,3 @@ def make_cache(config: Config, metrics: Metrics) -> EmbeddingCache | None:
     """The configured cache, or None with --cache_gb 0 (no object, no per-request overhead)."""
     max_bytes = cache_bytes_from_gb(config.cache_gb)
     return EmbeddingCache(max_bytes, metrics) if max_bytes else None
-
-
-def redacted_url(url: str) -> str:
-    """--cache_url without user or password, for logs and the banner."""
-    parts = urlsplit(url)
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{parts.hostname or ''}{port}{parts.path}"

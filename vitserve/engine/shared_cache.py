@@ -39,9 +39,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from vitserve.config import Config
+from vitserve.config import Config, redacted_url
 from vitserve.contract import EncodedImage
-from vitserve.engine.cache import entry_nbytes, redacted_url
+from vitserve.engine.cache import entry_nbytes
 from vitserve.engine.entry_format import EntryError, decode_entry, encode_entry
 from vitserve.engine.jobs import Job
 from vitserve.errors import NotReady
