@@ -55,4 +55,4 @@ def test_a_repeated_image_is_served_from_the_cache(server):
     assert 'vitserve_cache_hits_total{layer="local"} 1.0' in text
     assert 'vitserve_images_total{outcome="cached"} 2.0' in text
     assert 'vitserve_images_total{outcome="encoded"} 2.0' in text
-    assert server.engine._jobs.fingerprint  # set from the ranks' model info and the processor clamp
+    assert server.engine.jobs.fingerprint  # set from the ranks' model info and the processor clamp

@@ -47,7 +47,7 @@ async def running_engine(config, factory=None, **kwargs):
 
 def waiters(engine, img) -> int:
     """Requests' images currently waiting on the one queued/in-flight encode of `img`."""
-    job = engine._jobs.job(img[1])
+    job = engine.jobs.job(img[1])
     return job.claims if job is not None else 0
 
 
@@ -75,7 +75,7 @@ async def test_hit_miss_eviction_and_fingerprint(tmp_path):
     config = make_config(tmp_path, cache_gb=2.5 * ENTRY_BYTES / 1024**3)
     async with running_engine(config) as engine:
         m = engine.metrics
-        assert engine._jobs.fingerprint == cache_fingerprint(
+        assert engine.jobs.fingerprint == cache_fingerprint(
             config,
             weights=FakeEncoderFactory()(config).weights_digest,  # what rank 0 reported
             model_name="fake-encoder",
@@ -103,7 +103,7 @@ async def test_hit_miss_eviction_and_fingerprint(tmp_path):
         await encode(engine, "r3", [b, c])  # a is the oldest: evicted to make room for c
         assert m.value("vitserve_cache_evictions_total", layer="local") == 1
         assert (
-            m.value("vitserve_cache_bytes", layer="local") == 2 * ENTRY_BYTES <= engine._jobs.cache.max_bytes
+            m.value("vitserve_cache_bytes", layer="local") == 2 * ENTRY_BYTES <= engine.jobs.cache.max_bytes
         )
         (late,) = await encode(engine, "r4", [a])
         assert late.cached is False
@@ -117,7 +117,7 @@ async def test_hit_miss_eviction_and_fingerprint(tmp_path):
 async def test_identical_concurrent_images_are_encoded_once(tmp_path):
     config = make_config(tmp_path)  # --cache_gb 0: deduplication still applies
     async with running_engine(config, FakeEncoderFactory(sleep_s=0.3)) as engine:
-        assert engine._jobs.cache is None
+        assert engine.jobs.cache is None
         x = image(7)
         outs = await asyncio.gather(*(encode(engine, f"r{i}", [x, x]) for i in range(6)))
         assert encoded_images(engine) == 1  # 12 copies, one encode
@@ -130,7 +130,7 @@ async def test_identical_concurrent_images_are_encoded_once(tmp_path):
         m = engine.metrics
         assert m.value("vitserve_images_total", outcome="encoded") == 1
         assert m.value("vitserve_images_total", outcome="cached") == 11
-        assert len(engine._jobs) == 0
+        assert len(engine.jobs) == 0
         (after,) = await encode(engine, "later", [x])  # no cache: a later request encodes again
         assert after.cached is False
         assert encoded_images(engine) == 2
@@ -146,7 +146,7 @@ async def test_opaque_ids_are_never_shared(tmp_path):
         )
         torch.testing.assert_close(outs[1][0].embedding, fake_reference(b))
         assert encoded_images(engine) == 2
-        assert len(engine._jobs.cache) == 0
+        assert len(engine.jobs.cache) == 0
 
 
 async def test_a_leaving_waiter_never_cancels_the_shared_encode(tmp_path):

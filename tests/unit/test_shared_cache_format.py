@@ -10,9 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from vitserve.config import Config
+from vitserve.config import Config, redacted_url
 from vitserve.contract import EncodedImage
-from vitserve.config import redacted_url
 from vitserve.engine.cache import cache_fingerprint
 from vitserve.engine.entry_format import FORMAT_VERSION, EntryError, decode_entry, encode_entry
 from vitserve.errors import ConfigError

@@ -275,6 +275,11 @@ class Engine:
     # -------------------------------------------------------------------- views for the CLI and tests
 
     @property
+    def jobs(self) -> JobTable:
+        """The cache and the in-flight Jobs (read it; only Engine.encode changes it)."""
+        return self._jobs
+
+    @property
     def queue_tokens(self) -> int:
         return self._dispatch.scheduler.queued_tokens
 
