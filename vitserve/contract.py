@@ -47,8 +47,29 @@ class PreparedImage:
 
 
 @dataclass(frozen=True)
+class PreparedVideo:
+    """One video of a request, decoded, sampled and preprocessed: its temporal groups are queue items.
+
+    Each group is a PreparedImage of grid (1, h, w) whose image_id is the sha256 of the video's bytes and of
+    every setting that changes the group's pixels (frame indices, resized size, group index), so the engine
+    deduplicates and caches groups as it does images (docs/video.md)."""
+
+    groups: tuple[PreparedImage, ...]  # in time order
+    video_id: str  # hex sha256 of the video bytes as received
+    metadata: dict[str, object]  # what the response says of the video (sampling, grid, sizes, times)
+    group_times: tuple[tuple[float, float], ...]  # per group: (start_s, end_s)
+    decode_s: float
+    preprocess_s: float
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(g.item.num_tokens for g in self.groups)
+
+
+@dataclass(frozen=True)
 class EncodeRequest:
-    """Every image of one HTTP request; the engine answers one ImageResult per image, in this order."""
+    """Every image and video of one HTTP request; the engine answers one ImageResult per image, then one per
+    temporal group of each video, in this order."""
 
     request_id: str
     images: tuple[PreparedImage, ...]
@@ -57,10 +78,11 @@ class EncodeRequest:
     traceparent: str | None = (
         None  # W3C trace context: the caller's trace id, vitserve's span id; travels in the wire header
     )
+    videos: tuple[PreparedVideo, ...] = ()
 
     @property
     def tokens(self) -> int:
-        return sum(p.item.num_tokens for p in self.images)
+        return sum(p.item.num_tokens for p in self.images) + sum(v.num_tokens for v in self.videos)
 
 
 @dataclass(frozen=True)
@@ -122,7 +144,8 @@ class Engine(Protocol):
         cannot be taken now. None: the tokens are not known yet (before decoding), count at least one."""
 
     async def encode(self, request: EncodeRequest) -> list[ImageResult]:
-        """Encode (or reuse) every image, push each to the LLM in order, and return one result per image."""
+        """Encode (or reuse) every image and video group, push each to the LLM in order, and return one
+        result per image, then one per temporal group of each video."""
 
     def readiness(self) -> Readiness: ...
 

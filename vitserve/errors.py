@@ -21,6 +21,7 @@ class VitserveError(Exception):
         super().__init__(message)
         self.message = message
         self.image_index = image_index
+        self.video_index: int | None = None
         self.retry_after_s = retry_after_s
 
     def with_index(self, image_index: int) -> VitserveError:
@@ -28,10 +29,17 @@ class VitserveError(Exception):
         self.image_index = image_index
         return self
 
+    def with_video_index(self, video_index: int) -> VitserveError:
+        """The same error, attributed to one video of a request."""
+        self.video_index = video_index
+        return self
+
     def to_body(self) -> dict[str, Any]:
         err: dict[str, Any] = {"code": self.code, "message": self.message}
         if self.image_index is not None:
             err["image_index"] = self.image_index
+        if self.video_index is not None:
+            err["video_index"] = self.video_index
         return {"error": err}
 
 
@@ -158,6 +166,8 @@ def openai_error(err: VitserveError, param: str | None = None) -> tuple[int, dic
     kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     if param is None and err.image_index is not None:
         param = f"image {err.image_index}"
+    if param is None and err.video_index is not None:
+        param = f"video {err.video_index}"
     body = {"error": {"message": err.message, "type": kind, "code": err.code, "param": param}}
     return status, headers, json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 

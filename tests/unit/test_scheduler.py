@@ -105,7 +105,11 @@ def test_rejects_duplicate_live_id_and_negative_tokens():
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random add / cancel / re-add / next_batch sequences against a list model of the queue."""
+    """Random add / add_stream / cancel / re-add / next_batch sequences against a list model of the queue.
+
+    Streams (a video's temporal groups) are modelled by the fairness rule itself: each keeps the longest
+    prefix of its waiting items that fits one batch (budget and cap; at least one item) in the queue, and
+    refills in stream order after every batch and cancel."""
 
     @initialize(budget=st.integers(0, 40), cap=st.integers(1, 6))
     def init(self, budget, cap):
@@ -114,14 +118,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.model: list[tuple[object, int]] = []  # live queue, arrival order
         self.next_id = 0
         self.cancelled: list[object] = []  # ids currently cancelled (may be re-added)
-        self.adds: list[list] = []  # [id, cancelled?] per add, in order (an id repeats after a re-add)
+        self.entered: list[list] = []  # [id, cancelled?] per entry into the queue, in order
         self.batched: list[object] = []
+        self.streams: list[dict] = []  # {"waiting": [(id, tokens)], "queued": {id: tokens}}, in stream order
 
     @rule(tokens=st.integers(0, 60))
     def add(self, tokens):
         item = f"i{self.next_id}"
         self.next_id += 1
         self._add(item, tokens)
+
+    @rule(tokens=st.lists(st.integers(0, 30), min_size=1, max_size=12))
+    def add_stream(self, tokens):
+        items = [(f"v{self.next_id}g{g}", t) for g, t in enumerate(tokens)]
+        self.next_id += 1
+        self.s.add_stream(items)
+        self.streams.append({"waiting": list(items), "queued": {}})
+        self._refill()
 
     @precondition(lambda self: self.cancelled)
     @rule(data=st.data(), tokens=st.integers(0, 60))
@@ -132,20 +145,49 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _add(self, item, tokens):
         self.s.add(item, tokens)
+        self._enter(item, tokens)
+
+    def _enter(self, item, tokens):
         self.model.append((item, tokens))
-        self.adds.append([item, False])
+        self.entered.append([item, False])
+
+    def _refill(self):
+        for stream in self.streams:
+            while stream["waiting"]:
+                item, tokens = stream["waiting"][0]
+                queued = stream["queued"]
+                full = len(queued) >= self.cap or (
+                    self.budget and sum(queued.values()) + tokens > self.budget
+                )
+                if queued and full:
+                    break
+                stream["waiting"].pop(0)
+                queued[item] = tokens
+                self._enter(item, tokens)
+        self.streams = [st_ for st_ in self.streams if st_["waiting"] or st_["queued"]]
+
+    def _leave(self, item):
+        for stream in self.streams:
+            stream["queued"].pop(item, None)
 
     @rule(data=st.data())
     def cancel(self, data):
-        known = [i for i, _ in self.model] + self.batched + self.cancelled + ["never-added"]
+        waiting = [i for stream in self.streams for i, _ in stream["waiting"]]
+        known = [i for i, _ in self.model] + waiting + self.batched + self.cancelled + ["never-added"]
         item = data.draw(st.sampled_from(known))
         live = [i for i, _ in self.model]
-        assert self.s.cancel(item) is (item in live)
+        assert self.s.cancel(item) is (item in live or item in waiting)
         if item in live:
             self.model = [(i, t) for i, t in self.model if i != item]
+            next(e for e in reversed(self.entered) if e[0] == item)[1] = True
+            self._leave(item)
+            self._refill()
+        elif item in waiting:
+            for stream in self.streams:
+                stream["waiting"] = [(i, t) for i, t in stream["waiting"] if i != item]
+            self.streams = [st_ for st_ in self.streams if st_["waiting"] or st_["queued"]]
+        if item in live or item in waiting:
             self.cancelled.append(item)
-            live_add = next(a for a in reversed(self.adds) if a[0] == item)
-            live_add[1] = True
 
     @rule()
     def next_batch(self):
@@ -168,19 +210,61 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(batch) == self.cap, "unlimited budget stops only at the image cap"
         self.model = rest
         self.batched.extend(batch)
+        for item in batch:
+            self._leave(item)
+        self._refill()
 
     @invariant()
     def accounting(self):
-        assert self.s.queued_items == len(self.s) == len(self.model)
-        assert self.s.queued_tokens == sum(t for _, t in self.model)
+        waiting = [(i, t) for stream in self.streams for i, t in stream["waiting"]]
+        assert self.s.queued_items == len(self.s) == len(self.model) + len(waiting)
+        assert self.s.queued_tokens == sum(t for _, t in self.model) + sum(t for _, t in waiting)
+
+    @invariant()
+    def a_stream_holds_at_most_one_batch_in_the_queue(self):
+        queued = {i for i, _ in self.model}
+        for stream in self.streams:
+            window = [i for i in stream["queued"] if i in queued]
+            assert len(window) == len(stream["queued"])
+            if stream["waiting"]:
+                assert window, "a stream with groups left always has one queued (no stall)"
+            assert len(window) <= self.cap
+            if self.budget and len(window) > 1:
+                assert sum(stream["queued"].values()) <= self.budget
 
     def teardown(self):
-        # No starvation: draining returns every live item, and all batches together are the
-        # insertion order with the cancelled adds removed.
-        for _ in range(len(self.model) + 1):
+        # No starvation: draining returns every live item, streams included, and all batches together are
+        # the order items entered the queue with the cancelled ones removed.
+        waiting = sum(len(stream["waiting"]) for stream in self.streams)
+        for _ in range(len(self.model) + waiting + 1):
             self.next_batch()
         assert self.s.next_batch() is None
-        assert self.batched == [item for item, cancelled in self.adds if not cancelled]
+        assert not self.streams
+        assert len(self.s) == 0
+        assert self.batched == [item for item, cancelled in self.entered if not cancelled]
+
+
+def test_a_long_video_keeps_one_batch_queued_so_an_image_behind_it_waits_one_batch():
+    s = Scheduler(budget_tokens=10, max_batch_images=8)
+    s.add_stream([(f"g{k}", 4) for k in range(10)])  # 40 tokens: 2 groups per batch
+    s.add("image", 3)
+    assert (s.queued_items, s.queued_tokens) == (11, 43)
+    assert s.next_batch() == ["g0", "g1"]  # the image was queued behind the video's first batch only
+    assert s.next_batch() == ["image", "g2"]  # g2 and g3 entered behind the image
+    assert drain(s) == [["g3", "g4"], ["g5", "g6"], ["g7", "g8"], ["g9"]]
+    assert s.queued_items == s.queued_tokens == 0
+
+
+def test_cancelling_a_streams_queued_and_waiting_items():
+    s = Scheduler(budget_tokens=0, max_batch_images=2)
+    s.add_stream([("a", 1), ("b", 1), ("c", 1), ("d", 1)])
+    assert s.cancel("c")  # waiting
+    assert "c" not in s
+    assert s.cancel("a")  # queued: b stays, the next waiting one (d) enters
+    assert s.queued_items == 2
+    assert drain(s) == [["b", "d"]]
+    with pytest.raises(ValueError, match="already queued"):
+        s.add_stream([("x", 1), ("x", 1)])
 
 
 SchedulerMachine.TestCase.settings = settings(

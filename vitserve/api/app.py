@@ -24,6 +24,7 @@ from vitserve.api.openapi import DOCS_ASSETS_URL, ENCODE_OPENAPI, ERROR_RESPONSE
 from vitserve.api.pipeline import Preprocessor
 from vitserve.api.tracing import Tracing, make_tracing
 from vitserve.api.upstream import Upstream
+from vitserve.api.videos import VideoFrontEnd
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.contract import Engine
@@ -90,13 +91,14 @@ def create_app(
         processor, max_image_pixels=config.max_image_pixels, metrics=metrics, jpeg_draft=config.jpeg_draft
     )
     app.state.tracing = tracing = make_tracing(config.otlp_endpoint, handoff=config.llm_endpoint is not None)
-    encode = EncodeHandler(config, engine, pre, metrics, tracing)
+    app.state.videos = videos = VideoFrontEnd(config, processor)  # decoders start with the first video
+    encode = EncodeHandler(config, engine, pre, metrics, tracing, videos)
     for exc_type in (VitserveError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _handle)
 
     @app.post("/encode", openapi_extra=ENCODE_OPENAPI, responses=ERROR_RESPONSES)
     async def post_encode(request: Request) -> Response:
-        """Encode images; JSON (base64 or URL images) or multipart (`images` file parts)."""
+        """Encode images and videos; JSON (base64 or URL) or multipart (`images` and `videos` file parts)."""
         return await encode(request)
 
     if config.llm_url is not None:
@@ -162,8 +164,10 @@ def _add_front_door(
 
 
 async def close_app(app: FastAPI) -> None:
-    """Release what create_app made: the preprocessing pool and the upstream connections."""
+    """Release what create_app made: the preprocessing pool, the video decoders and the upstream
+    connections."""
     app.state.preprocessor.close()
+    app.state.videos.close()
     upstream: Upstream | None = getattr(app.state, "upstream", None)
     if upstream is not None:
         await upstream.aclose()

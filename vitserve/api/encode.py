@@ -1,7 +1,9 @@
 """POST /encode: read -> parse -> fetch -> decode+preprocess ALL -> engine -> respond (docs/api.md).
 
-All-or-nothing: every image is validated, decoded and preprocessed before anything is enqueued, so a
-bad image anywhere in the request means nothing is encoded and nothing reaches the LLM.
+All-or-nothing: every image and video is validated, decoded and preprocessed before anything is enqueued,
+so a bad image or video anywhere in the request means nothing is encoded and nothing reaches the LLM.
+Videos go through api/videos.py; their temporal groups come back from the engine after the images, and
+are joined here into one embedding per video (docs/video.md).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from vitserve.api.inputs import (
 )
 from vitserve.api.pipeline import Preprocessor
 from vitserve.api.tracing import RequestTrace, Tracing
+from vitserve.api.videos import VideoFrontEnd, video_body
 from vitserve.config import Config
-from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage
+from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo
 from vitserve.errors import InvalidRequest, Timeout, VitserveError
 from vitserve.metrics import Metrics
 from vitserve.rpc.tensors import dtype_name, tensor_to_buffer
@@ -53,13 +56,20 @@ def tensor_json(t: torch.Tensor) -> dict[str, Any]:
 
 class EncodeHandler:
     def __init__(
-        self, config: Config, engine: Engine, preprocessor: Preprocessor, metrics: Metrics, tracing: Tracing
+        self,
+        config: Config,
+        engine: Engine,
+        preprocessor: Preprocessor,
+        metrics: Metrics,
+        tracing: Tracing,
+        videos: VideoFrontEnd | None = None,
     ):
         self.config = config
         self.engine = engine
         self.pre = preprocessor
         self.metrics = metrics
         self.tracing = tracing
+        self.videos = videos  # None: this server takes no videos
 
     async def __call__(self, request: Request) -> Response:
         """The request under its trace context: the `traceparent` response header (error responses get it
@@ -81,14 +91,19 @@ class EncodeHandler:
         parsed: ParsedRequest | None = None
         try:
             parsed = await self._parse_within(request, deadline, clock)
+            self._check_videos_served(parsed)
             self.engine.admit(None)  # a full queue refuses before any decoding is spent
             trace.mark("decode")
             blobs = await fetch_sources(parsed.sources, self.config, deadline)
+            video_blobs = await fetch_sources(parsed.videos, self.config, deadline)
             prepared = await self.pre.prepare(blobs, deadline)
+            videos: list[PreparedVideo] = []
+            if parsed.videos and self.videos is not None:
+                videos = await self.videos.prepare_all(self.pre.run, video_blobs, parsed.videos, deadline)
             clock.lap("prepare")
             count_accepted(self.metrics, prepared)
             trace.mark("engine")
-            results = await self._encode(request, parsed, prepared, deadline, trace.traceparent)
+            results = await self._encode(request, parsed, prepared, videos, deadline, trace.traceparent)
             clock.lap("engine")
         except VitserveError:
             n = len(parsed.sources) if parsed else 0
@@ -101,15 +116,26 @@ class EncodeHandler:
                 "request %s: client disconnected while queued; its images were withdrawn", parsed.request_id
             )
             return Response(status_code=499)
-        trace.record(parsed.request_id, prepared, results)
+        trace.record(parsed.request_id, prepared, results[: len(prepared)])
         if parsed.return_embeddings:  # base64 of every embedding: CPU work for the pool
-            body = await self.pre.run(self._response_body, parsed, prepared, results)
+            body = await self.pre.run(self._response_body, parsed, prepared, results, videos)
         else:
-            body = self._response_body(parsed, prepared, results)
+            body = self._response_body(parsed, prepared, results, videos)
         response = JSONResponse(body)
         clock.lap("respond")
         clock.total("request")
         return response
+
+    def _check_videos_served(self, parsed: ParsedRequest) -> None:
+        if not parsed.videos:
+            return
+        if self.videos is None:
+            raise InvalidRequest("this server takes no videos on /encode")
+        if self.config.llm_endpoint is not None:
+            raise InvalidRequest(
+                "videos are not delivered to --llm_endpoint yet (wire format v2 carries images only); "
+                "send videos to a server without --llm_endpoint"
+            )
 
     async def _parse_within(self, request: Request, deadline: float, clock: _StageClock) -> ParsedRequest:
         """A body that trickles in (slowloris) is bounded by the request deadline too."""
@@ -147,10 +173,12 @@ class EncodeHandler:
         request: Request,
         parsed: ParsedRequest,
         prepared: list[PreparedImage],
+        videos: list[PreparedVideo],
         deadline: float,
         traceparent: str,
     ) -> list[ImageResult] | None:
-        """The engine's results, or None when the client went away first (its queued work is cancelled)."""
+        """The engine's results (the images', then every video group's), or None when the client went away
+        first (its queued work is cancelled)."""
         work = self.engine.encode(
             EncodeRequest(
                 request_id=parsed.request_id,
@@ -158,6 +186,7 @@ class EncodeHandler:
                 deadline=deadline,
                 return_embeddings=parsed.return_embeddings,
                 traceparent=traceparent,
+                videos=tuple(videos),
             )
         )
         timeout_s = deadline - time.monotonic() + _DEADLINE_GRACE_S
@@ -167,10 +196,15 @@ class EncodeHandler:
         return Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")
 
     def _response_body(
-        self, parsed: ParsedRequest, prepared: list[PreparedImage], results: list[ImageResult]
+        self,
+        parsed: ParsedRequest,
+        prepared: list[PreparedImage],
+        results: list[ImageResult],
+        videos: list[PreparedVideo] | None = None,
     ) -> dict[str, Any]:
+        videos = videos or []
         images = []
-        for index, (p, r) in enumerate(zip(prepared, results, strict=True)):
+        for index, (p, r) in enumerate(zip(prepared, results[: len(prepared)], strict=True)):
             out = {
                 "index": index,
                 "image_id": p.image_id,
@@ -191,19 +225,28 @@ class EncodeHandler:
         def stage(name: str) -> float:  # queue/encode/send overlap across images: the request waited the max
             return round(max((getattr(r.timing, f"{name}_ms") for r in results), default=0.0), 3)
 
+        decode_s = sum(p.decode_s for p in prepared) + sum(v.decode_s for v in videos)
+        preprocess_s = sum(p.preprocess_s for p in prepared) + sum(v.preprocess_s for v in videos)
         timing = {
-            "decode": round(sum(p.decode_s for p in prepared) * 1000, 3),
-            "preprocess": round(sum(p.preprocess_s for p in prepared) * 1000, 3),
+            "decode": round(decode_s * 1000, 3),
+            "preprocess": round(preprocess_s * 1000, 3),
             "queue": stage("queue"),
             "encode": stage("encode"),
             "send": stage("send"),
         }
-        return {
+        body: dict[str, Any] = {
             "request_id": parsed.request_id,
             "model": self.engine.info().model,
             "images": images,
             "timing_ms": timing,
         }
+        if videos:
+            group_results = iter(results[len(prepared) :])
+            body["videos"] = [
+                video_body(index, video, [next(group_results) for _ in video.groups], tensor_json)
+                for index, video in enumerate(videos)
+            ]
+        return body
 
 
 class _StageClock:

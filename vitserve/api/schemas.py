@@ -27,17 +27,35 @@ class ImageInput(BaseModel):
         return self
 
 
+class VideoInput(ImageInput):
+    """One video: base64 or URL, and how to sample it (at most one of fps, num_frames; neither: the
+    checkpoint's default, docs/video.md)."""
+
+    fps: float | None = Field(None, gt=0, description="frames per second to sample")
+    num_frames: int | None = Field(None, ge=1, description="frames to sample, evenly spread")
+
+
 class EncodeJSONRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str | None = Field(None, min_length=1, max_length=REQUEST_ID_MAX_CHARS)
-    images: list[ImageInput] = Field(..., description="in order; the response lists them in the same order")
+    images: list[ImageInput] = Field(
+        default_factory=list, description="in order; the response lists them in the same order"
+    )
+    videos: list[VideoInput] = Field(default_factory=list, description="in order, after the images")
     return_embeddings: bool = False
 
 
 class EncodeMultipartRequest(BaseModel):
     """Documentation only: the multipart form /encode accepts."""
 
-    images: list[bytes] = Field(..., json_schema_extra={"items": {"type": "string", "format": "binary"}})
+    images: list[bytes] = Field(
+        default_factory=list, json_schema_extra={"items": {"type": "string", "format": "binary"}}
+    )
+    videos: list[bytes] = Field(
+        default_factory=list, json_schema_extra={"items": {"type": "string", "format": "binary"}}
+    )
+    fps: float | None = Field(None, description="applies to every video of the request")
+    num_frames: int | None = Field(None, description="applies to every video of the request")
     request_id: str | None = None
     return_embeddings: bool = False
 
@@ -67,6 +85,25 @@ class ImageOut(BaseModel):
     )
 
 
+class VideoOut(BaseModel):
+    index: int
+    video_id: str = Field(..., description="hex sha256 of the video bytes as received")
+    source_fps: float | None
+    total_frames: int
+    duration_s: float
+    frame_indices: list[int] = Field(..., description="the frames sampled, 0-based in presentation order")
+    sampled_fps: float
+    grid_thw: list[int] = Field(..., description="[T temporal groups, h, w] patches before merge")
+    num_tokens: int
+    resized_size: list[int] = Field(..., description="[width, height] of every frame fed to the encoder")
+    clamped: bool
+    cached: bool = Field(..., description="every temporal group was a cache hit or another request's encode")
+    second_per_grid_t: float | None = Field(None, description="Qwen2.5-VL: seconds per temporal group")
+    timestamps_s: list[float] | None = Field(None, description="Qwen3-VL / Qwen3.5: each group's time")
+    embedding: TensorB64 | None = Field(None, description="only with return_embeddings: every group's rows")
+    deepstack: list[TensorB64] | None = None
+
+
 class TimingMs(BaseModel):
     decode: float
     preprocess: float
@@ -79,6 +116,7 @@ class EncodeResponse(BaseModel):
     request_id: str
     model: str
     images: list[ImageOut]
+    videos: list[VideoOut] = Field(default_factory=list, description="only when the request had videos")
     timing_ms: TimingMs
 
 
@@ -86,6 +124,7 @@ class ErrorDetail(BaseModel):
     code: str
     message: str
     image_index: int | None = None
+    video_index: int | None = None
 
 
 class ErrorBody(BaseModel):

@@ -54,6 +54,15 @@ class Dispatcher:
         self._update_queue_gauges()
         self.dispatch()
 
+    def add_stream(self, jobs: list[Job]) -> None:
+        """A video's temporal groups, in order: one batch's worth enters the queue now, the rest as those
+        are dispatched (Scheduler.add_stream)."""
+        self.scheduler.add_stream([(job.id, job.item.num_tokens) for job in jobs])
+        for job in jobs:
+            self.queued[job.id] = job
+        self._update_queue_gauges()
+        self.dispatch()
+
     def cancel(self, jobs: list[Job]) -> None:
         """Forget Jobs nobody waits for: queued ones never reach a group, in-flight results are dropped."""
         for job in jobs:

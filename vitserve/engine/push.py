@@ -30,9 +30,10 @@ class LLMPush:
         """A wire-v2 receiver is connected now (ZMTP handshake done, heartbeats answered)."""
         return self._sender.reachable
 
-    async def push(self, *, request: EncodeRequest, image_index: int, encoded: EncodedImage) -> float:
+    async def push(self, *, request: EncodeRequest, item_index: int, encoded: EncodedImage) -> float:
         """Send one image and wait for its acknowledgement; returns the seconds that took.
         Raises LLMTimeout past the request's deadline (the message expires with it)."""
+        image_index = item_index
         image = request.images[image_index]
         start = time.monotonic()
         delivery = self._sender.send_embedding(

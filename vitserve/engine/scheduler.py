@@ -23,13 +23,23 @@ Rules, and the bugs they exist to avoid:
   it reaches the head. Cancelled items are never reordered or re-queued, and `queued_tokens` /
   `queued_items` exclude them immediately.
 
-Every operation is O(1) amortised: each added entry is appended once and popped once.
+* **Streams (fairness for videos).** `add_stream()` takes a video's temporal groups, in order. A stream
+  keeps at most one batch's worth of them in the queue (tokens within the budget and no more items than the
+  image cap; always at least one while it has any left); the rest wait beside the queue and enter at its
+  tail, in order, as the queued ones are batched or cancelled. So an image that arrives behind a long video
+  waits about one batch, not the whole video, and the video still fills every batch it gets. Streams refill
+  in the order they were added. `queued_tokens` / `queued_items` count the waiting groups too (they are
+  admitted work).
+
+Every operation is O(1) amortised: each added entry is appended once and popped once (a refill looks only
+at the streams that changed).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 
 class Scheduler:
@@ -51,7 +61,15 @@ class Scheduler:
         self._order: deque[tuple[int, Hashable]] = deque()
         self._live: dict[Hashable, tuple[int, int]] = {}  # item_id -> (seq, tokens)
         self._seq = 0
-        self._queued_tokens = 0
+        self._queued_tokens = 0  # queued + waiting in a stream
+        # Streams: stream id -> its waiting (item_id, tokens) in order; item_id -> its stream while queued
+        # or waiting; the window each stream has in the queue now, as [items, tokens].
+        self._streams: dict[int, deque[tuple[Hashable, int]]] = {}
+        self._waiting: dict[Hashable, int] = {}  # item_id -> tokens, for items still beside the queue
+        self._stream_of: dict[Hashable, int] = {}
+        self._window: dict[int, list[int]] = {}
+        self._stream_ids = itertools.count()
+        self._dirty: set[int] = set()  # streams whose window shrank since the last refill
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -61,33 +79,62 @@ class Scheduler:
 
     @property
     def queued_items(self) -> int:
-        """Number of queued, non-cancelled items."""
-        return len(self._live)
+        """Number of queued, non-cancelled items (a stream's waiting items included)."""
+        return len(self._live) + len(self._waiting)
 
     def __len__(self) -> int:
-        return len(self._live)
+        return self.queued_items
 
     def __contains__(self, item_id: Hashable) -> bool:
-        return item_id in self._live
+        return item_id in self._live or item_id in self._waiting
 
     # -- commands --------------------------------------------------------------------------------
     def add(self, item_id: Hashable, tokens: int) -> None:
         """Queue an item at the tail. Raises ValueError for a duplicate live id or negative tokens."""
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens} for item {item_id!r}")
-        if item_id in self._live:
+        if item_id in self:
             raise ValueError(f"item {item_id!r} is already queued")
+        self._queued_tokens += tokens
+        self._enqueue(item_id, tokens)
+
+    def add_stream(self, items: Sequence[tuple[Hashable, int]]) -> None:
+        """Queue a stream of (item_id, tokens) in order (a video's temporal groups): one batch's worth
+        enters the queue now, the rest as those leave it (see the module doc). Raises like add()."""
+        ids = [item_id for item_id, _ in items]
+        if len(set(ids)) != len(ids) or any(i in self for i in ids):
+            raise ValueError(f"stream items {ids!r} repeat or are already queued")
+        if any(tokens < 0 for _, tokens in items):
+            raise ValueError(f"tokens must be >= 0, got {[t for _, t in items]}")
+        if not items:
+            return
+        stream = next(self._stream_ids)
+        self._streams[stream] = deque(items)
+        self._window[stream] = [0, 0]
+        for item_id, tokens in items:
+            self._waiting[item_id] = tokens
+            self._stream_of[item_id] = stream
+            self._queued_tokens += tokens
+        self._dirty.add(stream)
+        self._refill()
+
+    def _enqueue(self, item_id: Hashable, tokens: int) -> None:
         self._seq += 1
         self._live[item_id] = (self._seq, tokens)
         self._order.append((self._seq, item_id))
-        self._queued_tokens += tokens
 
     def cancel(self, item_id: Hashable) -> bool:
         """Forget a queued item. True if it was queued; False if unknown, already batched or cancelled."""
+        if item_id in self._waiting:  # its slot in the stream's deque is skipped at refill
+            self._queued_tokens -= self._waiting.pop(item_id)
+            self._leave_stream(item_id, 0, count=False)
+            return True
         entry = self._live.pop(item_id, None)
         if entry is None:
             return False
         self._queued_tokens -= entry[1]
+        self._leave_stream(item_id, entry[1])
+        self._refill()
         return True
 
     def next_batch(self) -> list[Hashable] | None:
@@ -110,7 +157,43 @@ class Scheduler:
             self._queued_tokens -= tokens
             batch.append(item_id)
             batch_tokens += tokens
+            self._leave_stream(item_id, tokens)
+        self._refill()
         return batch or None
+
+    def _leave_stream(self, item_id: Hashable, tokens: int, *, count: bool = True) -> None:
+        """An item left the queue (batched or cancelled): its stream's window shrank."""
+        stream = self._stream_of.pop(item_id, None)
+        if stream is None or not count:
+            return
+        window = self._window[stream]
+        window[0] -= 1
+        window[1] -= tokens
+        self._dirty.add(stream)
+
+    def _refill(self) -> None:
+        """Move waiting stream items into the queue while each stream's window has room, streams in the
+        order they were added; a finished stream is forgotten."""
+        for stream in sorted(self._dirty):
+            waiting, window = self._streams[stream], self._window[stream]
+            while waiting:
+                item_id, tokens = waiting[0]
+                if item_id not in self._waiting or self._stream_of.get(item_id) != stream:  # cancelled
+                    waiting.popleft()
+                    continue
+                full = window[0] >= self.max_batch_images or (
+                    self.budget_tokens and window[1] + tokens > self.budget_tokens
+                )
+                if window[0] and full:
+                    break
+                waiting.popleft()
+                del self._waiting[item_id]
+                window[0] += 1
+                window[1] += tokens
+                self._enqueue(item_id, tokens)
+            if not waiting and not window[0]:
+                del self._streams[stream], self._window[stream]
+        self._dirty.clear()
 
     def _peek_live(self) -> tuple[Hashable, int] | None:
         """The live head (item_id, tokens), dropping cancelled entries in front of it."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import os
@@ -32,20 +33,19 @@ import zmq.asyncio
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.contract import (
-    EncodedImage,
     EncodeRequest,
     EngineInfo,
     ImageResult,
     ProcessedImage,
     Readiness,
-    StageTimes,
 )
 from vitserve.engine.cache import make_cache
+from vitserve.engine.collect import collect
 from vitserve.engine.dispatch import Dispatcher
 from vitserve.engine.groups import TERM_GRACE_S, GroupState, Watchdog, WorkerGroup
-from vitserve.engine.jobs import Claim, JobTable
+from vitserve.engine.jobs import JobTable
 from vitserve.engine.push import LLMPush
-from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull, Timeout
+from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull
 from vitserve.metrics import Metrics
 from vitserve.model.base import Encoder
 from vitserve.reservation_file import remove_killed
@@ -331,52 +331,30 @@ class Engine:
         return float(min(60, max(1, math.ceil(queued / rate)))) if rate > 0 else 1.0
 
     async def encode(self, request: EncodeRequest) -> list[ImageResult]:
-        """Encode a request's images, push each to the LLM in order, return once all were handed over.
-        Cache hits and images already queued or encoding (same sha256 image_id) are not encoded again."""
+        """Encode a request's images and videos' temporal groups, push each to the LLM in order, return once
+        all were handed over. Cache hits and items already queued or encoding (same sha256 id) are not
+        encoded again. A video's groups enter the queue as a stream: one batch's worth at a time (fairness,
+        engine/scheduler.py)."""
         self.admit(0)  # refuses when stopping, failed or starting, before any image is claimed
         claims = self._jobs.claim(request.images, request.deadline)
+        streams = [self._jobs.claim(video.groups, request.deadline) for video in request.videos]
+        every = claims + [claim for stream in streams for claim in stream]
         try:
             new = self._jobs.new_jobs(claims)
-            self.admit(sum(job.item.num_tokens for job in new))  # only new Jobs count against the limit
+            new_groups = [self._jobs.new_jobs(stream) for stream in streams]
+            # only new Jobs count against the limit
+            self.admit(sum(job.item.num_tokens for job in [*new, *itertools.chain(*new_groups)]))
             if self._shared is None:
                 self._dispatch.add(new)
+                for jobs in new_groups:
+                    self._dispatch.add_stream(jobs)
             else:  # local misses: the shared layer serves them or dispatches them
                 self._shared.submit(new, self._dispatch.add)
-            return await self._collect(request, claims)
+                for jobs in new_groups:
+                    self._shared.submit(jobs, self._dispatch.add_stream)
+            return await collect(request, every, self._push, self.metrics)
         finally:  # result, error, timeout or disconnect: Jobs nobody else claims leave the queue
-            self._dispatch.cancel(self._jobs.release(claims))
-
-    async def _collect(self, request: EncodeRequest, claims: list[Claim]) -> list[ImageResult]:
-        """Await each claim in request order and push it to the LLM before the next (the send order)."""
-        results = []
-        for k, claim in enumerate(claims):
-            encoded = claim.cached
-            if encoded is None:
-                assert claim.job is not None
-                # shielded: this request leaving must not cancel an encode that other requests share
-                encoded = await _wait(asyncio.shield(claim.job.future), request.deadline, request.request_id)
-            send_s = 0.0
-            if self._push is not None:  # image k goes out only after 0..k-1 were handed over
-                send_s = await self._push.push(request=request, image_index=k, encoded=encoded)
-            if claim.reused:  # a cache hit, or another request's encode of the same image
-                self.metrics.images_total.labels(outcome="cached").inc()
-            delivered = self._push is not None  # push() returned: the receiver acknowledged it
-            results.append(_result(claim, encoded, send_s, request.return_embeddings, delivered))
-        return results
-
-
-def _result(
-    claim: Claim, encoded: EncodedImage, send_s: float, return_embeddings: bool, delivered: bool
-) -> ImageResult:
-    queue_s, encode_s = claim.timing
-    return ImageResult(
-        num_tokens=claim.image.item.num_tokens,
-        embedding=encoded.embedding if return_embeddings else None,
-        deepstack=tuple(encoded.deepstack) if return_embeddings else (),
-        cached=claim.reused,
-        delivered=delivered,
-        timing=StageTimes(queue_ms=queue_s * 1e3, encode_ms=encode_s * 1e3, send_ms=send_s * 1e3),
-    )
+            self._dispatch.cancel(self._jobs.release(every))
 
 
 def _startup_hint(failure: str | None) -> str:
@@ -386,15 +364,3 @@ def _startup_hint(failure: str | None) -> str:
             "or set --visual_reserved_mem_gb"
         )
     return ""
-
-
-async def _wait(future: asyncio.Future[EncodedImage], deadline: float, request_id: str) -> EncodedImage:
-    remaining = deadline - time.monotonic()
-    try:
-        if remaining <= 0:
-            raise TimeoutError
-        return await asyncio.wait_for(future, remaining)
-    except TimeoutError:
-        raise Timeout(
-            f"request {request_id} did not finish within its deadline (--request_timeout_s)"
-        ) from None

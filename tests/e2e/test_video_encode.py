@@ -1,0 +1,125 @@
+"""Videos through POST /encode on a real uvicorn server over the REAL Engine (spawned ranks, tiny real
+checkpoints): each Qwen family's video embedding equals transformers' own full video forward
+(`model.visual(pixel_values_videos, grid_thw=video_grid_thw)` on the transformers video processor's output),
+a request mixes images and videos, and a video sent again is served from the cache (docs/video.md)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import av
+import numpy as np
+import pytest
+import torch
+from transformers import AutoVideoProcessor
+
+from tests.checkpoints import hf_reference, make_checkpoint
+from tests.e2e.live import live_server, noise_png
+from tests.videos import make_clip
+from vitserve.rpc.tensors import tensor_from_buffer
+
+engine_mod = pytest.importorskip("vitserve.engine")
+pytestmark = pytest.mark.timeout(900)
+FPS = 25
+# the request's sampling per family, and transformers' keywords for the same (Qwen3-VL's num_frames needs
+# fps=None there: "mutually exclusive")
+SAMPLING = {
+    "qwen2_vl": ({"fps": 8.0}, {"fps": 8.0}),
+    "qwen2_5_vl": ({"fps": 8.0}, {"fps": 8.0}),
+    "qwen3_vl": ({"num_frames": 7}, {"num_frames": 7, "fps": None}),
+}
+
+
+@pytest.fixture(scope="module")
+def clip() -> bytes:
+    return make_clip(50, "mp4", fps=FPS, size=(160, 96))  # 2 s
+
+
+def all_frames(data: bytes) -> np.ndarray:
+    """(N, H, W, 3) uint8: every frame, as transformers' PyAV loader converts them."""
+    with av.open(io.BytesIO(data)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def transformers_video(ckpt, family: str, data: bytes):
+    """(embedding, deepstack, metadata) of transformers' processor + tower on the whole video."""
+    frames = all_frames(data)
+    ref = AutoVideoProcessor.from_pretrained(str(ckpt), local_files_only=True)
+    out = ref(
+        videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)],
+        video_metadata=[{"total_num_frames": len(frames), "fps": float(FPS)}],
+        do_sample_frames=True,
+        return_metadata=True,
+        return_tensors="pt",
+        cap_pixels_per_frame=False,
+        **SAMPLING[family][1],
+    )
+    run = hf_reference(ckpt, family)
+    embedding, deepstack = run(out["pixel_values_videos"], out["video_grid_thw"])
+    return embedding, deepstack, out
+
+
+def decode_tensor(t: dict) -> torch.Tensor:
+    return tensor_from_buffer(base64.b64decode(t["b64"]), t["dtype"], t["shape"])
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize("family", list(SAMPLING))
+def test_video_embedding_equals_transformers_full_video_forward(tmp_path, clip, family):
+    ckpt = make_checkpoint(family, tmp_path / "ckpt")
+    want, want_deep, ref = transformers_video(ckpt, family, clip)
+    image = noise_png(120, 90, seed=3)
+    with (
+        live_server(
+            model=str(ckpt),
+            make_engine=engine_mod.Engine,
+            heartbeat_s=2.0,
+            dist_timeout_s=60.0,
+            device="cpu",
+            runtime_dir=str(tmp_path / "rt"),
+            request_timeout_s=120,
+            cache_gb=0.5,
+        ) as srv,
+        srv.client(timeout=120) as c,
+    ):
+        video = {"b64": b64(clip), **SAMPLING[family][0]}
+        r = c.post(
+            "/encode", json={"images": [{"b64": b64(image)}], "videos": [video], "return_embeddings": True}
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        alone = c.post("/encode", json={"images": [{"b64": b64(image)}], "return_embeddings": True}).json()
+        again = c.post("/encode", json={"videos": [video]})
+    assert again.status_code == 200, again.text
+    [out] = body["videos"]
+    meta = ref["video_metadata"][0]
+    assert out["frame_indices"] == [int(i) for i in meta.frames_indices]
+    assert out["grid_thw"] == ref["video_grid_thw"][0].tolist()
+    assert out["total_frames"] == 50
+    assert out["source_fps"] == pytest.approx(FPS)
+    assert out["sampled_fps"] == pytest.approx(meta.sampled_fps)
+    assert out["num_tokens"] == want.shape[0]
+    assert (out["clamped"], out["cached"], out["index"]) == (False, False, 0)
+    assert ("second_per_grid_t" in out) is (family == "qwen2_5_vl")
+    assert ("timestamps_s" in out) is (family == "qwen3_vl")
+    got = decode_tensor(out["embedding"])
+    assert got.shape == want.shape
+    # Bound: the same float32 tower on the same pixels (bit-equal by construction, tests/unit/
+    # test_video_pixels.py), once on the whole video and once per temporal group, which no layer mixes (the
+    # difference measured was exactly 0); 1e-4 leaves room for the batch's other rows changing kernel choice.
+    torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-4)
+    assert len(out.get("deepstack", [])) == len(want_deep)
+    for level, deep in zip(out.get("deepstack", []), want_deep, strict=True):
+        torch.testing.assert_close(decode_tensor(level), deep.float(), rtol=0, atol=1e-4)
+    # the image of the mixed request is the image encoded alone
+    [mixed_image], [alone_image] = body["images"], alone["images"]
+    torch.testing.assert_close(
+        decode_tensor(mixed_image["embedding"]), decode_tensor(alone_image["embedding"]), rtol=0, atol=1e-5
+    )
+    [cached] = again.json()["videos"]
+    assert cached["cached"] is True
+    assert "embedding" not in cached

@@ -1,0 +1,63 @@
+"""Awaiting a request's Claims in order and handing each to the LLM push: the engine's send order.
+
+Images come first, then each video's temporal groups in time order (EncodeRequest's order). Item k goes to
+--llm_endpoint only after items 0..k-1 were acknowledged, and its ImageResult is built here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from vitserve.contract import EncodedImage, EncodeRequest, ImageResult, StageTimes
+from vitserve.engine.jobs import Claim
+from vitserve.engine.push import LLMPush
+from vitserve.errors import Timeout
+from vitserve.metrics import Metrics
+
+
+async def collect(
+    request: EncodeRequest, claims: list[Claim], push: LLMPush | None, metrics: Metrics
+) -> list[ImageResult]:
+    """Await each claim in request order and push it to the LLM before the next (the send order)."""
+    results = []
+    for k, claim in enumerate(claims):
+        encoded = claim.cached
+        if encoded is None:
+            assert claim.job is not None
+            # shielded: this request leaving must not cancel an encode that other requests share
+            encoded = await _wait(asyncio.shield(claim.job.future), request.deadline, request.request_id)
+        send_s = 0.0
+        if push is not None:  # item k goes out only after 0..k-1 were handed over
+            send_s = await push.push(request=request, item_index=k, encoded=encoded)
+        if claim.reused:  # a cache hit, or another request's encode of the same image
+            metrics.images_total.labels(outcome="cached").inc()
+        delivered = push is not None  # push() returned: the receiver acknowledged it
+        results.append(_result(claim, encoded, send_s, request.return_embeddings, delivered))
+    return results
+
+
+def _result(
+    claim: Claim, encoded: EncodedImage, send_s: float, return_embeddings: bool, delivered: bool
+) -> ImageResult:
+    queue_s, encode_s = claim.timing
+    return ImageResult(
+        num_tokens=claim.image.item.num_tokens,
+        embedding=encoded.embedding if return_embeddings else None,
+        deepstack=tuple(encoded.deepstack) if return_embeddings else (),
+        cached=claim.reused,
+        delivered=delivered,
+        timing=StageTimes(queue_ms=queue_s * 1e3, encode_ms=encode_s * 1e3, send_ms=send_s * 1e3),
+    )
+
+
+async def _wait(future: asyncio.Future[EncodedImage], deadline: float, request_id: str) -> EncodedImage:
+    remaining = deadline - time.monotonic()
+    try:
+        if remaining <= 0:
+            raise TimeoutError
+        return await asyncio.wait_for(future, remaining)
+    except TimeoutError:
+        raise Timeout(
+            f"request {request_id} did not finish within its deadline (--request_timeout_s)"
+        ) from None
