@@ -123,3 +123,75 @@ def test_video_embedding_equals_transformers_full_video_forward(tmp_path, clip, 
     [cached] = again.json()["videos"]
     assert cached["cached"] is True
     assert "embedding" not in cached
+
+
+# ---- the request's shape and its errors, over the real Engine with an in-process encoder group ----------
+
+
+@pytest.fixture(scope="module")
+def small():
+    # the deadline covers the decoder processes' start (importing torch and PyAV: seconds, a minute at load 7)
+    with live_server(request_timeout_s=180) as srv:
+        yield srv
+
+
+def test_multipart_videos_with_form_sampling_and_an_image(small, clip):
+    files = [
+        ("videos", ("a.mp4", clip)),
+        ("images", ("i.png", noise_png(64, 48))),
+        ("videos", ("b.mp4", clip)),
+    ]
+    with small.client(timeout=180) as c:
+        r = c.post("/encode", files=files, data={"num_frames": "6", "return_embeddings": "true"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["images"]) == 1
+    first, second = body["videos"]
+    assert [first["index"], second["index"]] == [0, 1]
+    assert len(first["frame_indices"]) == 6
+    assert first["grid_thw"][0] == 3
+    # the same bytes sampled the same way: the second video's groups joined the first's encodes
+    assert first["video_id"] == second["video_id"]
+    assert decode_tensor(first["embedding"]).shape[0] == first["num_tokens"]
+    assert torch.equal(decode_tensor(first["embedding"]), decode_tensor(second["embedding"]))
+
+
+@pytest.mark.parametrize(
+    ("video", "status", "code"),
+    [
+        ({"b64": b64(b"not a video at all" * 20)}, 400, "unsupported_video"),
+        ({"fps": 2, "num_frames": 4}, 400, "invalid_video_sampling"),
+        ({"num_frames": 500}, 400, "invalid_video_sampling"),
+        ({"fps": -1}, 400, "invalid_request"),
+    ],
+)
+def test_a_bad_video_fails_the_request_naming_its_index(small, clip, video, status, code):
+    videos = [{"b64": b64(clip)}, {"b64": b64(clip), **video}]
+    with small.client(timeout=180) as c:
+        r = c.post("/encode", json={"images": [{"b64": b64(noise_png(32, 32))}], "videos": videos})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == code
+    if code != "invalid_request":  # a schema error is found before any video is looked at
+        assert error["video_index"] == 1
+
+
+def test_video_limits_and_form_fields_are_named(small, clip):
+    with small.client(timeout=180) as c:
+        r = c.post("/encode", files=[("videos", ("a.mp4", clip))], data={"fps": "fast"})
+        assert r.status_code == 400
+        assert "'fps'" in r.json()["error"]["message"]
+        r = c.post("/encode", json={"videos": []})
+        assert r.status_code == 400
+        assert "no images or videos" in r.json()["error"]["message"]
+    with live_server(max_video_frames=10, request_timeout_s=180) as srv, srv.client(timeout=180) as c:
+        r = c.post("/encode", json={"videos": [{"b64": b64(clip)}]})
+    assert r.status_code == 413, r.text
+    assert "--max_video_frames" in r.json()["error"]["message"]
+
+
+def test_videos_are_refused_with_llm_endpoint_until_the_wire_carries_them(clip, tmp_path):
+    with live_server(llm_endpoint=f"ipc://{tmp_path}/llm.sock") as srv, srv.client() as c:
+        r = c.post("/encode", json={"videos": [{"b64": b64(clip)}]})
+    assert r.status_code == 400
+    assert "--llm_endpoint" in r.json()["error"]["message"]
