@@ -15,7 +15,8 @@ import torch
 from transformers import AutoVideoProcessor
 
 from tests.checkpoints import hf_reference, make_checkpoint
-from tests.e2e.live import live_server, noise_png
+from tests.e2e.live import live_server, noise_png, wait_until
+from tests.receivers import ReceiverThread
 from tests.videos import make_clip
 from vitserve.rpc.tensors import tensor_from_buffer
 
@@ -190,8 +191,36 @@ def test_video_limits_and_form_fields_are_named(small, clip):
     assert "--max_video_frames" in r.json()["error"]["message"]
 
 
-def test_videos_are_refused_with_llm_endpoint_until_the_wire_carries_them(clip, tmp_path):
-    with live_server(llm_endpoint=f"ipc://{tmp_path}/llm.sock") as srv, srv.client() as c:
-        r = c.post("/encode", json={"videos": [{"b64": b64(clip)}]})
-    assert r.status_code == 400
-    assert "--llm_endpoint" in r.json()["error"]["message"]
+def test_each_group_reaches_the_llm_in_order_with_its_place_and_time_range(clip, tmp_path):
+    """Wire v3 (docs/wire.md): the image's message, then one message per temporal group in time order, each
+    naming its video, group and count and its time range, whose rows are the response's embedding rows."""
+    endpoint = f"ipc://{tmp_path}/llm.sock"
+    with (
+        ReceiverThread(endpoint) as receiver,
+        live_server(llm_endpoint=endpoint, request_timeout_s=180) as srv,
+        srv.client(timeout=180) as c,
+    ):
+        wait_until(lambda: srv.engine.readiness().ready, "the receiver connected")
+        image = {"b64": b64(noise_png(64, 48))}
+        video = {"b64": b64(clip), "num_frames": 6}
+        r = c.post("/encode", json={"images": [image], "videos": [video], "return_embeddings": True})
+        assert r.status_code == 200, r.text
+        messages = receiver.take(4, timeout_s=30)
+    body = r.json()
+    [out] = body["videos"]
+    assert out["delivered"] is True
+    first, *groups = messages
+    assert first.video is None
+    assert first.image_id == body["images"][0]["image_id"]
+    assert [m.image_index for m in messages] == [0, 1, 2, 3]
+    assert {m.num_images for m in messages} == {4}
+    assert [(m.video.index, m.video.group, m.video.groups) for m in groups] == [(0, g, 3) for g in range(3)]
+    assert {m.video.video_id for m in groups} == {out["video_id"]}
+    fps = out["source_fps"]
+    indices = out["frame_indices"]
+    for g, m in enumerate(groups):  # the group's first and last frame, by index / source fps
+        assert m.video.start_s == pytest.approx(indices[2 * g] / fps)
+        assert m.video.end_s == pytest.approx(indices[2 * g + 1] / fps)
+        assert m.grid_thw == (1, *out["grid_thw"][1:])
+    rows = torch.cat([m.embedding for m in groups])
+    assert torch.equal(rows, decode_tensor(out["embedding"]))

@@ -1,4 +1,4 @@
-"""LLMSender -> EmbeddingReceiver over real ZMQ sockets (tcp://127.0.0.1 and ipc://), wire v2 (docs/wire.md)."""
+"""LLMSender -> EmbeddingReceiver over real ZMQ sockets (tcp://127.0.0.1 and ipc://), wire v3 (docs/wire.md)."""
 
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ def test_bad_messages_are_logged_and_skipped(receiver, tmp_path, caplog):
     assert not marker.exists(), "a pickle payload was unpickled"
     rejected = [r for r in caplog.records if "rejected a message" in r.getMessage()]
     assert len(rejected) == len(bad_messages)
-    assert "unknown wire version 1; this receiver speaks v2" in caplog.text
+    assert "unknown wire version 1; this receiver speaks v3" in caplog.text
     assert "SECRET" not in caplog.text, "payload bytes leaked into the log"
 
 

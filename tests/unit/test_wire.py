@@ -1,4 +1,4 @@
-"""Wire-format v2 codec (docs/wire.md): exact frames, byte-identical round trips, and strict rejection of anything else."""
+"""Wire-format v3 codec (docs/wire.md): exact frames, byte-identical round trips, and strict rejection of anything else."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from tests.profiles import examples
 from vitserve.rpc.wire import (
     ImageEmbedding,
+    VideoGroupRef,
     WireError,
     decode_ack,
     decode_embedding_message,
@@ -81,7 +82,7 @@ def test_frames_follow_the_spec_exactly():
     header = msgpack.unpackb(frames[0], raw=False)
     assert set(header) == SPEC_KEYS
     assert header == {
-        "v": 2, "message_id": "m-1", "expires_at": 1.9e9, "request_id": "r-1", "image_index": 1, "num_images": 3, "image_id": "ab" * 32,
+        "v": 3, "message_id": "m-1", "expires_at": 1.9e9, "request_id": "r-1", "image_index": 1, "num_images": 3, "image_id": "ab" * 32,
         "model": "tiny", "grid_thw": [1, 4, 6], "num_tokens": 6, "dtype": "float16", "shape": [6, 8],
         "deepstack_shapes": [[6, 8]],
     }  # fmt: skip
@@ -146,9 +147,9 @@ _DELETE = object()
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"v": 1}, "unknown wire version 1; this receiver speaks v2"),
-        ({"v": 3}, "unknown wire version 3"),
-        ({"v": "2"}, "unknown wire version"),
+        ({"v": 1}, "unknown wire version 1; this receiver speaks v3"),
+        ({"v": 2}, "unknown wire version 2"),
+        ({"v": "3"}, "unknown wire version"),
         ({"message_id": _DELETE}, "message_id"),
         ({"message_id": ""}, "message_id"),
         ({"message_id": 5}, "message_id"),
@@ -278,12 +279,47 @@ def test_fresh_message_ids_are_unique():
 
 def test_ack_round_trip_and_rejects():
     assert decode_ack(encode_ack("m-7")) == "m-7"
-    assert msgpack.unpackb(encode_ack("m-7"), raw=False) == {"v": 2, "ack": "m-7"}
+    assert msgpack.unpackb(encode_ack("m-7"), raw=False) == {"v": 3, "ack": "m-7"}
     for bad in (
-        msgpack.packb({"v": 1, "ack": "m"}),
-        msgpack.packb({"v": 2}),
-        msgpack.packb({"v": 2, "ack": 3}),
+        msgpack.packb({"v": 2, "ack": "m"}),
+        msgpack.packb({"v": 3}),
+        msgpack.packb({"v": 3, "ack": 3}),
         b"\xc1",
     ):
         with pytest.raises(WireError):
             decode_ack(bad)
+
+
+_GROUP = VideoGroupRef(index=1, video_id="cd" * 32, group=2, groups=5, start_s=1.5, end_s=1.75)
+
+
+def test_a_video_groups_message_carries_its_place_and_round_trips():
+    _, frames = make_frames(video=_GROUP)
+    header = msgpack.unpackb(frames[0], raw=False)
+    assert header["video"] == {
+        "index": 1, "video_id": "cd" * 32, "group": 2, "groups": 5, "start_s": 1.5, "end_s": 1.75,
+    }  # fmt: skip
+    assert decode_embedding_message(frames).video == _GROUP
+    _, image = make_frames()
+    assert "video" not in msgpack.unpackb(image[0], raw=False)
+    assert decode_embedding_message(image).video is None
+
+
+@pytest.mark.parametrize(
+    ("video", "match"),
+    [
+        ({"index": 0}, "exactly"),
+        ({**_GROUP.to_header(), "group": 5}, "below video.groups"),
+        ({**_GROUP.to_header(), "groups": -1}, "video.groups"),
+        ({**_GROUP.to_header(), "video_id": 3}, "video_id"),
+        ({**_GROUP.to_header(), "start_s": 2}, "video.start_s"),  # an int, not a float
+        ({**_GROUP.to_header(), "end_s": float("nan")}, "video.end_s"),
+        ({**_GROUP.to_header(), "start_s": 2.0}, "after video.end_s"),
+        ({**_GROUP.to_header(), "extra": 1}, "exactly"),
+        ("group 2", "exactly"),
+    ],
+)
+def test_a_malformed_video_map_is_rejected(video, match):
+    _, frames = make_frames()
+    with pytest.raises(WireError, match=match):
+        decode_embedding_message(_with_header(frames, video=video))

@@ -131,11 +131,6 @@ class EncodeHandler:
             return
         if self.videos is None:
             raise InvalidRequest("this server takes no videos on /encode")
-        if self.config.llm_endpoint is not None:
-            raise InvalidRequest(
-                "videos are not delivered to --llm_endpoint yet (wire format v2 carries images only); "
-                "send videos to a server without --llm_endpoint"
-            )
 
     async def _parse_within(self, request: Request, deadline: float, clock: _StageClock) -> ParsedRequest:
         """A body that trickles in (slowloris) is bounded by the request deadline too."""

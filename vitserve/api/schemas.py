@@ -98,6 +98,7 @@ class VideoOut(BaseModel):
     resized_size: list[int] = Field(..., description="[width, height] of every frame fed to the encoder")
     clamped: bool
     cached: bool = Field(..., description="every temporal group was a cache hit or another request's encode")
+    delivered: bool = Field(..., description="the LLM receiver acknowledged every temporal group's message")
     second_per_grid_t: float | None = Field(None, description="Qwen2.5-VL: seconds per temporal group")
     timestamps_s: list[float] | None = Field(None, description="Qwen3-VL / Qwen3.5: each group's time")
     embedding: TensorB64 | None = Field(None, description="only with return_embeddings: every group's rows")

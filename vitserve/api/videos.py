@@ -159,6 +159,7 @@ def video_body(
     embeddings joined in time order (and Qwen3-VL's deepstack features, level by level)."""
     out: dict[str, Any] = {"index": index, **video.metadata}
     out["cached"] = all(r.cached for r in results)
+    out["delivered"] = all(r.delivered for r in results)
     if results and results[0].embedding is not None:
         out["embedding"] = tensor_json(torch.cat([r.embedding for r in results if r.embedding is not None]))
         levels = len(results[0].deepstack)

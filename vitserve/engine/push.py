@@ -1,8 +1,9 @@
 """Pushing embeddings to the LLM server (docs/wire.md) from the engine, without blocking the event loop.
 
-push() sends one image and returns once the receiver acknowledged it: the engine awaits image k's push
-before it sends image k+1 of the same request, so a request's images arrive in order, and /encode can
-answer 200 only when every image was delivered. No acknowledgement by the request's deadline raises
+push() sends one item (an image, or a video's temporal group) and returns once the receiver acknowledged
+it: the engine awaits item k's push before it sends item k+1 of the same request, so a request's images and
+then its videos' groups arrive in order (each group as soon as it is encoded and its predecessors were
+delivered), and /encode can answer 200 only when every item was delivered. No acknowledgement by the request's deadline raises
 LLMTimeout (504 llm_timeout). LLMSender's own I/O thread does the socket work; here we only await.
 """
 
@@ -11,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from vitserve.contract import EncodedImage, EncodeRequest
+from vitserve.contract import EncodedImage, EncodeRequest, PreparedImage
 from vitserve.errors import VitserveError
 from vitserve.metrics import Metrics
 from vitserve.rpc.sender import LLMSender
+from vitserve.rpc.wire import VideoGroupRef
 
 
 class LLMPush:
@@ -31,15 +33,15 @@ class LLMPush:
         return self._sender.reachable
 
     async def push(self, *, request: EncodeRequest, item_index: int, encoded: EncodedImage) -> float:
-        """Send one image and wait for its acknowledgement; returns the seconds that took.
-        Raises LLMTimeout past the request's deadline (the message expires with it)."""
-        image_index = item_index
-        image = request.images[image_index]
+        """Send item ``item_index`` of the request (its images, then every video's groups) and wait for its
+        acknowledgement; returns the seconds that took. Raises LLMTimeout past the request's deadline (the
+        message expires with it)."""
+        image, video = _item(request, item_index)
         start = time.monotonic()
         delivery = self._sender.send_embedding(
             request_id=request.request_id,
-            image_index=image_index,
-            num_images=len(request.images),
+            image_index=item_index,
+            num_images=len(request.images) + sum(len(v.groups) for v in request.videos),
             image_id=image.image_id,
             model=self.model,
             grid_thw=tuple(image.item.grid_thw),
@@ -47,6 +49,7 @@ class LLMPush:
             deepstack=list(encoded.deepstack),
             deadline=request.deadline,
             traceparent=request.traceparent,
+            video=video,
         )
         try:
             await asyncio.wrap_future(delivery.acked)  # cancelling this withdraws the message
@@ -65,3 +68,17 @@ class LLMPush:
 
     def close(self) -> None:
         self._sender.close()
+
+
+def _item(request: EncodeRequest, index: int) -> tuple[PreparedImage, VideoGroupRef | None]:
+    """The request's item ``index`` (images first, then each video's groups) and, for a group, its place."""
+    if index < len(request.images):
+        return request.images[index], None
+    index -= len(request.images)
+    for v, video in enumerate(request.videos):
+        if index < len(video.groups):
+            start_s, end_s = video.group_times[index]
+            ref = VideoGroupRef(v, video.video_id, index, len(video.groups), start_s, end_s)
+            return video.groups[index], ref
+        index -= len(video.groups)
+    raise IndexError(f"request {request.request_id} has no item {index}")

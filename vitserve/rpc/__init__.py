@@ -1,14 +1,21 @@
-"""Wire messages (version 2, docs/wire.md), their codec, the ZMQ sender and the LLM-side EmbeddingReceiver."""
+"""Wire messages (version 3, docs/wire.md), their codec, the ZMQ sender and the LLM-side EmbeddingReceiver."""
 
 from vitserve.rpc.receiver import EmbeddingReceiver
 from vitserve.rpc.sender import Delivery, LLMSender
-from vitserve.rpc.wire import ImageEmbedding, WireError, decode_embedding_message, encode_embedding_message
+from vitserve.rpc.wire import (
+    ImageEmbedding,
+    VideoGroupRef,
+    WireError,
+    decode_embedding_message,
+    encode_embedding_message,
+)
 
 __all__ = [
     "Delivery",
     "EmbeddingReceiver",
     "ImageEmbedding",
     "LLMSender",
+    "VideoGroupRef",
     "WireError",
     "decode_embedding_message",
     "encode_embedding_message",

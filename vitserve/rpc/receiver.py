@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                         "shape": list(emb.embedding.shape),
                         "dtype": emb.dtype,
                         "deepstack": len(emb.deepstack),
+                        "video": None if emb.video is None else emb.video.to_header(),
                     }
                 ),
                 flush=True,

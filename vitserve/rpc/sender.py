@@ -37,7 +37,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from vitserve.errors import ConfigError, LLMTimeout, NotReady
-from vitserve.rpc.wire import WireError, decode_ack, encode_embedding_message
+from vitserve.rpc.wire import VideoGroupRef, WireError, decode_ack, encode_embedding_message
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,7 @@ class LLMSender:
         deepstack: Sequence[torch.Tensor] = (),
         deadline: float,
         traceparent: str | None = None,
+        video: VideoGroupRef | None = None,
     ) -> Delivery:
         """Queue one image's message; returns at once. deadline: time.monotonic() value by which the
         receiver must acknowledge it (the message's expires_at is derived from it)."""
@@ -154,6 +155,7 @@ class LLMSender:
             deepstack=deepstack,
             expires_at=expires_at(deadline),
             traceparent=traceparent,
+            video=video,
         )
         return self.submit(frames, message_id=message_id, deadline=deadline)
 

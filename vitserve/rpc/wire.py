@@ -1,13 +1,14 @@
-"""The embedding message to the LLM server and its acknowledgement, wire version 2 (docs/wire.md).
+"""The embedding message to the LLM server and its acknowledgement, wire version 3 (docs/wire.md).
 
-One ZMQ multipart message per image (vitserve's DEALER -> the receiver's ROUTER):
+One ZMQ multipart message per image and per temporal group of a video (vitserve's DEALER -> the receiver's
+ROUTER); v3 added the `video` map of a group's message (v2 carried images only):
 
     frame 0   msgpack map (the header below)
     frame 1   the embedding's raw bytes, little-endian, C-contiguous, (num_tokens, dim) in `dtype`
     frame 2.. one per deepstack tensor, same dtype, shapes in `deepstack_shapes`
 
 and one single-frame acknowledgement back per message the receiver handed to its application:
-msgpack {"v": 2, "ack": message_id}.
+msgpack {"v": 3, "ack": message_id}.
 
 Decoding trusts nothing: the header is parsed by msgpack only (never pickle; no ext hooks, string map
 keys only, size-capped), every field is type-checked, and every frame size must equal dtype x shape
@@ -27,23 +28,45 @@ import torch
 
 from vitserve.rpc.tensors import dtype_name, tensor_from_buffer, tensor_to_buffer
 
-WIRE_VERSION = 2  # also `vitserve.WIRE_VERSION` (loaded lazily from here)
+WIRE_VERSION = 3  # also `vitserve.WIRE_VERSION` (loaded lazily from here)
 EMBEDDING_DTYPES = ("float32", "float16", "bfloat16")
 MAX_HEADER_BYTES = 64 * 1024  # a real header is ~300 bytes; refuse to msgpack-parse anything huge
 MAX_ID_CHARS = 256  # message_id and traceparent (a W3C traceparent is 55 characters)
 
 
 class WireError(ValueError):
-    """A message that does not follow wire-format v2. The message says what is wrong, never the payload."""
+    """A message that does not follow the wire format. The message says what is wrong, never the payload."""
+
+
+@dataclass(frozen=True)
+class VideoGroupRef:
+    """Where a temporal group's message sits in its video (the header's `video` map)."""
+
+    index: int  # the video's position among the request's videos, 0-based
+    video_id: str  # hex sha256 of the video bytes as received by vitserve
+    group: int  # the group's position in the video, 0-based, in time order
+    groups: int  # temporal groups in the video
+    start_s: float  # time of the group's first frame in the video
+    end_s: float  # time of its last frame
+
+    def to_header(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "video_id": self.video_id,
+            "group": self.group,
+            "groups": self.groups,
+            "start_s": float(self.start_s),
+            "end_s": float(self.end_s),
+        }
 
 
 @dataclass
 class ImageEmbedding:
-    """One image's embedding as the LLM server receives it (docs/integration.md)."""
+    """One image's (or one video group's) embedding as the LLM server receives it (docs/integration.md)."""
 
     request_id: str  # the /encode request it belongs to
-    image_index: int  # position of the image in that request, 0-based
-    num_images: int  # images in that request; messages arrive in image_index order
+    image_index: int  # position of the message in that request, 0-based: its images, then its videos' groups
+    num_images: int  # messages of that request; they arrive in image_index order
     image_id: str  # hex sha256 of the image bytes as received by vitserve
     grid_thw: tuple[int, int, int]  # patch grid before spatial merge
     num_tokens: int  # merged tokens = rows of the embedding
@@ -54,6 +77,7 @@ class ImageEmbedding:
     message_id: str = ""  # unique per message; the acknowledgement names it, duplicates are dropped
     expires_at: float = 0.0  # Unix time (seconds); past it the message is dropped, never returned
     traceparent: str | None = None  # W3C trace context of the /encode request, when it had one
+    video: VideoGroupRef | None = None  # a video's temporal group; None for an image
 
 
 # -- encode -----------------------------------------------------------------------------------------
@@ -70,6 +94,7 @@ def encode_embedding_message(
     expires_at: float,
     message_id: str | None = None,
     traceparent: str | None = None,
+    video: VideoGroupRef | None = None,
 ) -> list[bytes | memoryview]:
     """The frames of one wire-format message. Tensor frames are zero-copy views of contiguous CPU tensors:
     the caller must not modify `embedding`/`deepstack` in place until ZMQ has sent them.
@@ -94,6 +119,8 @@ def encode_embedding_message(
     }
     if traceparent is not None:
         header["traceparent"] = traceparent
+    if video is not None:
+        header["video"] = video.to_header()
     _check_header(header)  # the sender refuses what a receiver would reject
     frames: list[bytes | memoryview] = [msgpack.packb(header, use_bin_type=True)]
     frames.append(tensor_to_buffer(embedding))
@@ -118,7 +145,7 @@ def decode_embedding_message(frames: Sequence[Any]) -> ImageEmbedding:
     """Parse and check one message (frames as bytes, memoryviews or zmq.Frame objects).
 
     Tensors share memory with writable frames (zmq.Frame from recv(copy=False)) and copy read-only
-    ones (bytes). Raises WireError for anything that is not a well-formed wire-format v2 message.
+    ones (bytes). Raises WireError for anything that is not a well-formed message of this wire version.
     """
     if len(frames) < 2:
         raise WireError(f"a v{WIRE_VERSION} message has at least 2 frames, got {len(frames)}")
@@ -150,6 +177,7 @@ def decode_embedding_message(frames: Sequence[Any]) -> ImageEmbedding:
         message_id=header["message_id"],
         expires_at=header["expires_at"],
         traceparent=header.get("traceparent"),
+        video=VideoGroupRef(**header["video"]) if "video" in header else None,
     )
 
 
@@ -204,17 +232,40 @@ _INT_FIELDS = ("image_index", "num_images", "num_tokens")
 
 
 def _check_header(h: dict[str, Any]) -> None:
-    """Every wire-format v2 field present, typed, and consistent with the others."""
+    """Every field present, typed, and consistent with the others."""
     version = h.get("v")
     if version != WIRE_VERSION or type(version) is not int:
         raise WireError(f"unknown wire version {_kind(version)}; this receiver speaks v{WIRE_VERSION}")
     _check_delivery(h)
     _check_scalars(h)
     _check_shapes(h)
+    if "video" in h:
+        _check_video(h["video"])
+
+
+_VIDEO_FIELDS = ("index", "video_id", "group", "groups", "start_s", "end_s")
+
+
+def _check_video(v: Any) -> None:
+    """The v3 `video` map of a temporal group's message."""
+    if not isinstance(v, dict) or sorted(v) != sorted(_VIDEO_FIELDS):
+        raise WireError(f"video must be a map of exactly {', '.join(_VIDEO_FIELDS)}, got {_kind(v)}")
+    if not isinstance(v["video_id"], str):
+        raise WireError(f"video.video_id must be a string, got {_kind(v['video_id'])}")
+    for name in ("index", "group", "groups"):
+        if not _is_count(v[name]):
+            raise WireError(f"video.{name} must be a non-negative integer, got {_kind(v[name])}")
+    if not v["group"] < v["groups"]:
+        raise WireError(f"video.group {v['group']} is not below video.groups {v['groups']}")
+    for name in ("start_s", "end_s"):
+        if type(v[name]) is not float or not math.isfinite(v[name]) or v[name] < 0:
+            raise WireError(f"video.{name} must be a finite float >= 0, got {_kind(v[name])}")
+    if v["start_s"] > v["end_s"]:
+        raise WireError(f"video.start_s {v['start_s']} is after video.end_s {v['end_s']}")
 
 
 def _check_delivery(h: dict[str, Any]) -> None:
-    """The v2 fields: message_id, expires_at, and the optional traceparent."""
+    """The fields v2 added: message_id, expires_at, and the optional traceparent."""
     if not _is_id(h.get("message_id")):
         raise WireError(f"message_id must be a non-empty string, got {_kind(h.get('message_id'))}")
     expires_at = h.get("expires_at")
