@@ -99,7 +99,7 @@ class EncodeHandler:
             prepared = await self.pre.prepare(blobs, deadline)
             videos: list[PreparedVideo] = []
             if parsed.videos and self.videos is not None:
-                videos = await self.videos.prepare_all(self.pre.run, video_blobs, parsed.videos, deadline)
+                videos = await self.videos.prepare_all(video_blobs, parsed.videos, deadline)
             clock.lap("prepare")
             count_accepted(self.metrics, prepared)
             trace.mark("engine")

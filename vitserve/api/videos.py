@@ -7,8 +7,10 @@ probe (container header, frame count: the limits of --max_video_bytes, --max_vid
 samples -> the resize plan under --visual_batch_max_tokens (per group) and --max_video_tokens (the video)
 -> decode only those frames, resized to the plan's size in the decoder process -> pixels -> groups.
 
-The video processor and the decoder processes start on the first video a server sees: a server that is
-never sent a video spawns no decoder.
+Videos run on their own threads, one per decoder slot, not on the image pool: a thread waits on its decoder
+process for most of a video's time, and images must not wait behind that. The video processor and the
+decoder processes start on the first video a server sees: a server that is never sent a video spawns no
+decoder.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -42,6 +45,8 @@ class VideoFrontEnd:
         self._lock = threading.Lock()
         self._processor: VideoProcessor | None = None
         self._decoder: VideoDecoder | None = None
+        # its threads start with the first video, one per decoder slot (more would only queue for a slot)
+        self._pool = ThreadPoolExecutor(max_workers=DECODER_SLOTS, thread_name_prefix="vitserve-video")
 
     def processor(self) -> VideoProcessor:
         with self._lock:
@@ -60,7 +65,7 @@ class VideoFrontEnd:
             return self._decoder
 
     def prepare(self, data: bytes, source: VideoSource, deadline: float) -> PreparedVideo:
-        """One video ready for the engine (blocking: run it on the preprocessing pool)."""
+        """One video ready for the engine (blocking: prepare_all runs it on the video threads)."""
         t0 = time.perf_counter()
         proc, decoder = self.processor(), self.decoder()
         video_id = hashlib.sha256(data).hexdigest()
@@ -100,11 +105,15 @@ class VideoFrontEnd:
         return PreparedVideo(groups, video_id, metadata, video.group_times, t1 - t0, t2 - t1)
 
     async def prepare_all(
-        self, pool_run: Any, blobs: list[bytes], sources: list[VideoSource], deadline: float
+        self, blobs: list[bytes], sources: list[VideoSource], deadline: float
     ) -> list[PreparedVideo]:
-        """Every video of a request, concurrently; the first bad one (in request order) raises, naming its
-        index as ``video_index``."""
-        jobs = [pool_run(self.prepare, data, src, deadline) for data, src in zip(blobs, sources, strict=True)]
+        """Every video of a request, concurrently on the video threads; the first bad one (in request order)
+        raises, naming its index as ``video_index``."""
+        loop = asyncio.get_running_loop()
+        jobs = [
+            loop.run_in_executor(self._pool, self.prepare, data, src, deadline)
+            for data, src in zip(blobs, sources, strict=True)
+        ]
         try:
             results = await asyncio.wait_for(
                 asyncio.gather(*jobs, return_exceptions=True), max(deadline - time.monotonic(), 0)
@@ -121,6 +130,7 @@ class VideoFrontEnd:
         return results  # type: ignore[return-value]  # every exception was raised above
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             if self._decoder is not None:
                 self._decoder.close()
