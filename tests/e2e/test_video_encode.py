@@ -29,6 +29,7 @@ SAMPLING = {
     "qwen2_vl": ({"fps": 8.0}, {"fps": 8.0}),
     "qwen2_5_vl": ({"fps": 8.0}, {"fps": 8.0}),
     "qwen3_vl": ({"num_frames": 7}, {"num_frames": 7, "fps": None}),
+    "internvl": ({"num_frames": 5}, {"num_frames": 5}),
 }
 
 
@@ -53,11 +54,14 @@ def transformers_video(ckpt, family: str, data: bytes):
         do_sample_frames=True,
         return_metadata=True,
         return_tensors="pt",
-        cap_pixels_per_frame=False,
+        **({} if family == "internvl" else {"cap_pixels_per_frame": False}),
         **SAMPLING[family][1],
     )
     run = hf_reference(ckpt, family)
-    embedding, deepstack = run(out["pixel_values_videos"], out["video_grid_thw"])
+    if family == "internvl":  # (1, frames, C, H, W): each frame is one tile of get_image_features
+        embedding, deepstack = run(out["pixel_values_videos"][0])
+    else:
+        embedding, deepstack = run(out["pixel_values_videos"], out["video_grid_thw"])
     return embedding, deepstack, out
 
 
@@ -105,7 +109,10 @@ def test_video_embedding_equals_transformers_full_video_forward(tmp_path, clip, 
     [out] = body["videos"]
     meta = ref["video_metadata"][0]
     assert out["frame_indices"] == [int(i) for i in meta.frames_indices]
-    assert out["grid_thw"] == ref["video_grid_thw"][0].tolist()
+    if family != "internvl":  # InternVL's processor gives no grid: one tile per frame
+        assert out["grid_thw"] == ref["video_grid_thw"][0].tolist()
+    else:
+        assert out["grid_thw"][0] == len(meta.frames_indices)
     assert out["total_frames"] == 50
     assert out["source_fps"] == pytest.approx(FPS)
     assert out["sampled_fps"] == pytest.approx(meta.sampled_fps)

@@ -23,7 +23,7 @@ class ImageInput(BaseModel):
     @model_validator(mode="after")
     def _exactly_one(self) -> ImageInput:
         if (self.b64 is None) == (self.url is None):
-            raise ValueError("each image needs exactly one of 'b64' or 'url'")
+            raise ValueError("each image or video needs exactly one of 'b64' or 'url'")
         return self
 
 
