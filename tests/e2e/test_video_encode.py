@@ -29,6 +29,7 @@ SAMPLING = {
     "qwen2_vl": ({"fps": 8.0}, {"fps": 8.0}),
     "qwen2_5_vl": ({"fps": 8.0}, {"fps": 8.0}),
     "qwen3_vl": ({"num_frames": 7}, {"num_frames": 7, "fps": None}),
+    "qwen3_5": ({"fps": 6.0}, {"fps": 6.0}),
     "internvl": ({"num_frames": 5}, {"num_frames": 5}),
 }
 
@@ -119,7 +120,7 @@ def test_video_embedding_equals_transformers_full_video_forward(tmp_path, clip, 
     assert out["num_tokens"] == want.shape[0]
     assert (out["clamped"], out["cached"], out["index"]) == (False, False, 0)
     assert ("second_per_grid_t" in out) is (family == "qwen2_5_vl")
-    assert ("timestamps_s" in out) is (family == "qwen3_vl")
+    assert ("timestamps_s" in out) is (family in ("qwen3_vl", "qwen3_5"))
     got = decode_tensor(out["embedding"])
     assert got.shape == want.shape
     # Bound: the same float32 tower on the same pixels (bit-equal by construction, tests/unit/
