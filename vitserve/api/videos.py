@@ -77,8 +77,8 @@ class VideoFrontEnd:
         )
         t1 = time.perf_counter()
         video = proc.preprocess(frames, sampling, source_size=(info.width, info.height))
-        if video.plan != plan:  # the plan is a pure function of the same inputs: a bug if not
-            raise InvalidVideo(
+        if video.plan != plan:  # the plan is a pure function of the same inputs: a vitserve bug (500) if not
+            raise VitserveError(
                 f"the video's plan changed between decoding and preprocessing: {plan} {video.plan}"
             )
         content = f"{video_id}|{list(sampling.frame_indices)}|{list(plan.resized_size)}"
