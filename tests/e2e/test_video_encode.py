@@ -1,7 +1,8 @@
 """Videos through POST /encode on a real uvicorn server over the REAL Engine (spawned ranks, tiny real
-checkpoints): each Qwen family's video embedding equals transformers' own full video forward
-(`model.visual(pixel_values_videos, grid_thw=video_grid_thw)` on the transformers video processor's output),
-a request mixes images and videos, and a video sent again is served from the cache (docs/video.md)."""
+checkpoints): every family's video embedding equals transformers' own full video forward
+(`model.visual(pixel_values_videos, grid_thw=video_grid_thw)` on the transformers video processor's output;
+InternVL: `get_image_features` on its frames), at TP=1 and TP=2; a request mixes images and videos; a video
+sent again is served from the cache; each group reaches the LLM receiver in order (docs/video.md)."""
 
 from __future__ import annotations
 
