@@ -3,12 +3,16 @@
     python bench/latency.py                          # 224-px JPEGs (150 rounds) and 640x480 (20 rounds)
     python bench/latency.py --quick                  # a smoke run (20 and 2 rounds)
     python bench/latency.py --before /tmp/old        # also an older vitserve tree, interleaved
+    python bench/latency.py --rounds 24 --large_rounds 0   # issue 23's test: 24 small images, one by one
 
 Starts `vitserve --model demo --visual_batch_max_tokens 4096` (the real CLI) and bench/baseline_server.py
 at the same budget (same seeded weights), and with --before a second vitserve run from another tree (e.g.
 `git archive <commit> | tar -x -C /tmp/old`; its own code on PYTHONPATH), so a change is measured before
-and after in one sitting. Each round sends one request to each server in turn, rotating which goes first,
-so every server sees the same background load. Stages per request, median and p90 in ms:
+and after in one sitting. Beside them, `inprocess`: plain transformers in this process, no HTTP (PIL decode,
+the HF processor, `model.visual`, the same thread count), what a user compares against first. Each round
+runs each of them once in turn, rotating which goes first, so every one sees the same background load, with
+a pause after each (GAP_S) so that no one's idle OpenMP threads still spin into the next one's request.
+Stages per request, median and p90 in ms:
 
 - client side, a raw socket (no HTTP library): connect, request written, first response byte, headers,
   body complete. The headers -> body gap is where a Nagle stall would show (~40 ms): a server-side timer
@@ -16,9 +20,18 @@ so every server sees the same background load. Stages per request, median and p9
 - server side, vitserve's own vitserve_stage_seconds: /metrics is scraped before and after every request,
   and with one request at a time the increase of a stage's _sum is that request's time
   (vitserve/api/encode.py; `forward` is rank 0's own timer); the naive server's own timing_ms;
+- in-process: decode + preprocess (prep) and the forward, timed around the calls;
 - derived: pool hops = prepare - decode - preprocess; ZMQ + rank hop = encode (dispatch -> result) -
   forward; outside the handler = client total - request (HTTP parse, middleware, response write, kernel);
   outside the forward = client total - forward - decode - preprocess (target <= 5 ms median).
+
+Issue 23's two ratios are printed per size and recorded (`vs_inprocess`): vitserve's client p50 over the
+in-process p50 (target <= 1.0 on small images) and its `encode` stage (dispatch -> result, the rank's
+forward and the hop) over the in-process forward (target <= 0.95).
+
+OpenMP: the servers get `OMP_WAIT_POLICY=PASSIVE` unless it is set (what the CLI gives its ranks,
+vitserve/cli.py, so the naive server sleeps its idle threads alike); this process keeps the environment it
+was started with, so the in-process baseline runs as a user's script would (libgomp's default: spin ~ms, then sleep).
 
 The record (bench/record.py) goes to bench/out/latency.jsonl; bench/report.py prints its table.
 """
@@ -27,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import re
@@ -37,7 +51,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # what the CLI gives its ranks (vitserve/cli.py)
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -47,6 +60,8 @@ from bench.serve import launched as serve_launched  # noqa: E402
 from bench.workloads import jpeg_bytes, photo_like  # noqa: E402
 
 BUDGET = 4096
+GAP_S = 0.05  # after each request: libgomp's default spin (~3 ms, more on a slow core) is over by then
+SERVER_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}  # what the CLI gives its ranks
 SERVER_STAGES = ("read", "parse", "prepare", "decode", "preprocess", "engine", "queue", "encode", "forward",
                  "respond", "request")  # fmt: skip
 _STAGE_SUM = re.compile(r'^vitserve_stage_seconds_sum\{stage="(\w+)"\}\s+(\S+)$', re.MULTILINE)
@@ -55,8 +70,45 @@ _STAGE_SUM = re.compile(r'^vitserve_stage_seconds_sum\{stage="(\w+)"\}\s+(\S+)$'
 @contextlib.contextmanager
 def launched(kind: str, budget: int, log_path: Path, tree: Path = ROOT) -> Iterator[int]:
     """One server as a subprocess, its code from `tree` (this checkout unless --before); yields its port."""
-    with serve_launched(kind, budget, max(1, os.cpu_count() or 1), log_path, tree=tree) as url:
+    with serve_launched(kind, budget, threads(), log_path, tree=tree, env=SERVER_ENV) as url:
         yield int(url.rsplit(":", 1)[1])
+
+
+def threads() -> int:
+    """Torch threads for the naive server and the in-process baseline: all cores, as the rank gets at tp=dp=1."""
+    return max(1, os.cpu_count() or 1)
+
+
+class InProcess:
+    """Plain transformers in this process, no HTTP: PIL decode, the HF processor, `model.visual`.
+
+    The same processor settings (bench/baseline_server.py naive_processor) and seeded weights as the naive
+    server, unmodified HF code; torch threads as the servers'.
+    """
+
+    def __init__(self, budget: int) -> None:
+        import torch
+
+        from bench.baseline_server import naive_processor
+        from vitserve.model.demo import build_demo_visual
+
+        torch.set_num_threads(threads())
+        self.processor = naive_processor(budget)
+        self.model = build_demo_visual()
+
+    def __call__(self, jpeg: bytes) -> dict[str, float]:
+        import torch
+        from PIL import Image
+
+        t0 = time.perf_counter()
+        pil = Image.open(io.BytesIO(jpeg)).convert("RGB")
+        inputs = self.processor(images=pil, return_tensors="pt")
+        with torch.inference_mode():
+            t1 = time.perf_counter()
+            emb = self.model(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
+            t2 = time.perf_counter()
+        return {"total": (t2 - t0) * 1e3, "prep": (t1 - t0) * 1e3, "forward": (t2 - t1) * 1e3,
+                "num_tokens": float(emb.shape[0])}  # fmt: skip
 
 
 def raw_post(port: int, path: str, body: bytes) -> tuple[dict[str, float], bytes]:
@@ -125,16 +177,28 @@ def one_request(name: str, port: int, body: bytes) -> dict[str, float]:
     return row
 
 
-def run_size(ports: dict[str, int], images: list[bytes], rounds: int) -> dict:
+def run_size(
+    ports: dict[str, int], images: list[bytes], rounds: int, inprocess: InProcess | None = None
+) -> dict:
     bodies = json_bodies(images)
-    rows: dict[str, list[dict[str, float]]] = {name: [] for name in ports}
-    names = list(ports)
+
+    def one(name: str, k: int) -> dict[str, float]:
+        if name == "inprocess":
+            assert inprocess is not None
+            row = inprocess(images[k % len(images)])
+        else:
+            row = one_request(name, ports[name], bodies[k % len(bodies)])
+        time.sleep(GAP_S)
+        return row
+
+    names = list(ports) + (["inprocess"] if inprocess is not None else [])
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for name in names:  # one unrecorded request each: first-request costs out of the way
-        one_request(name, ports[name], bodies[0])
+        one(name, 0)
     for k in range(rounds):
         shift = k % len(names)
         for name in names[shift:] + names[:shift]:
-            rows[name].append(one_request(name, ports[name], bodies[k % len(bodies)]))
+            rows[name].append(one(name, k))
     return {"loadavg": list(os.getloadavg()), "summary": summarize(rows),
             "rows": {n: [{k: round(v, 3) for k, v in r.items()} for r in rs] for n, rs in rows.items()}}  # fmt: skip
 
@@ -146,6 +210,8 @@ def _q(xs: list[float], q: float) -> float:
 
 def derived(name: str, r: dict[str, float]) -> dict[str, float]:
     """Stages computed from the measured ones, per request."""
+    if name == "inprocess":
+        return {"outside_forward": r["total"] - r["forward"] - r["prep"]}
     if name == "naive":
         return {
             "outside_handler": r["total"] - r["server"],
@@ -167,8 +233,17 @@ def summarize(rows: dict[str, list[dict[str, float]]]) -> dict:
         out[name] = {
             k: {"p50": _q([r[k] for r in full], 0.5), "p90": _q([r[k] for r in full], 0.9)} for k in full[0]
         }
-    naive_p50 = out["naive"]["total"]["p50"]
-    out["p50_vs_naive"] = {n: round(out[n]["total"]["p50"] / naive_p50, 3) for n in rows if n != "naive"}
+    servers = [n for n in rows if n not in ("naive", "inprocess")]
+    if "naive" in rows:
+        naive_p50 = out["naive"]["total"]["p50"]
+        out["p50_vs_naive"] = {n: round(out[n]["total"]["p50"] / naive_p50, 3) for n in rows if n != "naive"}
+    if "inprocess" in rows:  # issue 23's two ratios
+        base = out["inprocess"]
+        out["vs_inprocess"] = {
+            n: {"p50": round(out[n]["total"]["p50"] / base["total"]["p50"], 3),
+                "encode_vs_forward": round(out[n]["encode"]["p50"] / base["forward"]["p50"], 3)}
+            for n in servers
+        }  # fmt: skip
     return out
 
 
@@ -179,6 +254,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=BUDGET, help="--visual_batch_max_tokens (default 4096)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 20 and 2 rounds")
     ap.add_argument("--before", type=Path, help="another checkout of vitserve to run beside this one")
+    ap.add_argument("--no_inprocess", action="store_true", help="skip the in-process transformers baseline")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
     if args.quick:
@@ -195,17 +271,23 @@ def main() -> None:
             before = launched("vitserve", args.budget, args.out / "lat-before.log", args.before.resolve())
             ports["before"] = stack.enter_context(before)
         ports["naive"] = stack.enter_context(launched("baseline", args.budget, args.out / "lat-naive.log"))
+        inprocess = None if args.no_inprocess else InProcess(args.budget)
+        names = [*ports, *(["inprocess"] if inprocess is not None else [])]
         results = {}
         for label, ((w, h), rounds) in sizes.items():
             if rounds <= 0:
                 continue
             images = [jpeg_bytes(photo_like(w, h, seed)) for seed in range(8)]
-            results[label] = run_size(ports, images, rounds)
+            results[label] = run_size(ports, images, rounds, inprocess)
             s = results[label]["summary"]
-            print(f"{label}: p50 ms " + ", ".join(f"{n} {s[n]['total']['p50']:.1f}" for n in ports)
+            print(f"{label} (load {os.getloadavg()[0]:.1f}): p50 ms "
+                  + ", ".join(f"{n} {s[n]['total']['p50']:.1f}" for n in names)
                   + f"; vs naive {s['p50_vs_naive']}; outside forward p50 "
-                  + ", ".join(f"{n} {s[n]['outside_forward']['p50']:.2f}" for n in ports), flush=True)  # fmt: skip
-    record.finish(run, {"budget": args.budget, "servers": list(ports), "sizes": results}, args.out)
+                  + ", ".join(f"{n} {s[n]['outside_forward']['p50']:.2f}" for n in names), flush=True)  # fmt: skip
+            for n, r in s.get("vs_inprocess", {}).items():
+                print(f"{label} {n} vs in-process transformers: p50 {r['p50']:.3f}x (target <= 1.0), "
+                      f"encode / HF forward {r['encode_vs_forward']:.3f}x (target <= 0.95)", flush=True)  # fmt: skip
+    record.finish(run, {"budget": args.budget, "servers": names, "sizes": results}, args.out)
 
 
 if __name__ == "__main__":

@@ -111,14 +111,21 @@ def server_command(
 
 @contextlib.contextmanager
 def launched(
-    kind: str, budget: int, threads: int, log_path: Path, extra: tuple[str, ...] = (), tree: Path = ROOT
+    kind: str,
+    budget: int,
+    threads: int,
+    log_path: Path,
+    extra: tuple[str, ...] = (),
+    tree: Path = ROOT,
+    env: dict[str, str] | None = None,
 ):
     """Run one server as a subprocess; yield its URL once ready; always stop it.
 
-    ``tree``: the checkout whose code it runs (bench/latency.py --before points it at an older tree).
+    ``tree``: the checkout whose code it runs (bench/latency.py --before points it at an older tree);
+    ``env``: variables set for the server on top of this process's environment.
     """
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(tree)}
     with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as runtime_dir:
         server = Cli(
             server_command(kind, port, budget, threads, runtime_dir, extra), env=env, command=(), cwd=tree,

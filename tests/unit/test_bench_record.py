@@ -111,3 +111,27 @@ def test_latency_stages_are_derived_per_request_and_tabulated(tmp_path):
     text = report.section("latency", tmp_path)
     assert "| **_outside the forward_** | 7.00 / 8.00 | 2.00 / 2.00 |" in text
     assert "vitserve **1.023x**" in text
+
+
+def test_latency_ratios_against_in_process_transformers(tmp_path):
+    """Issue 23's two ratios: client p50 over the in-process p50, encode stage over the in-process forward."""
+    from bench import latency
+
+    server = {"read": 0.1, "parse": 0.3, "prepare": 6.0, "decode": 1.0, "preprocess": 4.5, "engine": 93.0,
+              "queue": 0.1, "encode": 92.0, "forward": 90.0, "respond": 0.2, "request": 100.0}  # fmt: skip
+    client = {"connect": 0.1, "write": 0.05, "first_byte": 101.0, "headers": 0.01, "body_gap": 0.05}
+    vit = [{**client, **server, "total": 101.5, "num_tokens": 64}] * 3
+    naive = [{**client, "total": 110.0, "server": 109.0, "prep": 4.0, "forward": 104.0, "num_tokens": 64}] * 3
+    inproc = [{"total": 105.0 + k, "prep": 5.0, "forward": 100.0 + k, "num_tokens": 64} for k in range(3)]
+    summary = latency.summarize({"vitserve": vit, "naive": naive, "inprocess": inproc})
+    assert summary["inprocess"]["outside_forward"]["p50"] == pytest.approx(0.0)  # total - forward - prep
+    assert summary["vs_inprocess"] == {
+        "vitserve": {"p50": pytest.approx(101.5 / 106.0, abs=1e-3), "encode_vs_forward": pytest.approx(0.911)}
+    }
+    sizes = {"224x224": {"loadavg": [1.0] * 3, "summary": summary,
+                         "rows": {"vitserve": vit, "naive": naive, "inprocess": inproc}}}  # fmt: skip
+    servers = ["vitserve", "naive", "inprocess"]
+    record.finish(record.begin("latency", {}), {"budget": 4096, "servers": servers, "sizes": sizes}, tmp_path)
+    text = report.section("latency", tmp_path)
+    assert "| server: encode (dispatch -> result) | 92.00 / 92.00 | - | - |" in text
+    assert "vitserve p50 **0.958x**, encode / HF forward **0.911x**" in text

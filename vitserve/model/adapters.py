@@ -40,6 +40,16 @@ def _qwen_forward(
     return out.pooler_output, list(deepstack)
 
 
+def _qwen_windowed_forward(
+    visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """_qwen_forward with the per-grid set-up (position ids, cu_seqlens, window index) passed precomputed."""
+    from vitserve.model.grid_setup import grid_setups
+
+    out = visual(pixel_values, grid_thw=grid_thw, **grid_setups(visual).kwargs(visual, grid_thw))
+    return out.pooler_output, []
+
+
 def _internvl_forward(
     visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -112,13 +122,14 @@ def _qwen(
     vision_class: str,
     embed_dim: Callable[[PreTrainedConfig], int],
     deepstack: Callable[[PreTrainedConfig], int] = lambda c: 0,
+    forward: ForwardFn = _qwen_forward,
 ) -> FamilyAdapter:
     return FamilyAdapter(
         family=family,
         config_class=config_class,
         build=_hf_tower(vision_class),
         key_prefixes=_QWEN_KEYS,
-        forward=_qwen_forward,
+        forward=forward,
         embed_dim=lambda config: embed_dim(config.vision_config),
         num_deepstack=lambda config: deepstack(config.vision_config),
     )
@@ -137,6 +148,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
         "Qwen2_5_VLConfig",
         "qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
         _out_hidden,
+        forward=_qwen_windowed_forward,
     ),
     "qwen3_vl": _qwen(
         "qwen3_vl", "Qwen3VLConfig", "qwen3_vl.modeling_qwen3_vl:Qwen3VLVisionModel", _out_hidden, _deepstack
