@@ -92,6 +92,7 @@ def kill_everything(cli: Cli, pids: list[int]) -> None:
     cli.proc.wait(30)
 
 
+@pytest.mark.solo  # STOP_LIMIT_S is a contract (Docker's stop timeout): no neighbour test slows the exit
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_during_startup_ends_every_process_within_5s(tmp_path, sig):
     # The default budget: the ranks' start-up (torch import, weights, the memory measurement) takes far
@@ -114,6 +115,7 @@ def test_signal_during_startup_ends_every_process_within_5s(tmp_path, sig):
         assert "Traceback" not in out, out[-3000:]
 
 
+@pytest.mark.solo  # STOP_LIMIT_S, as above
 @pytest.mark.parametrize("delay_s", [0.5, 1.0, 1.5, 2.0, 3.0])
 def test_sigterm_before_any_rank_exits_at_once(tmp_path, delay_s):
     # Importing torch and transformers, reading the checkpoint: the handler is installed first thing. A
