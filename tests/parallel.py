@@ -12,7 +12,7 @@ on servers); workers keep both busy. What the workers must not do, and how it is
   its renaming of the node ids has no effect: xdist 3.8 sets `item._nodeid`, which pytest no longer reads.)
 - leave the longest unit for last. Units are handed out in collection order (--no-loadscope-reorder), which
   `order` sorts longest first: tests/vllm (minutes of vLLM start-ups), then the process-starting folders,
-  then the unit tests, whose short tests fill the end.
+  then the unit tests, whose short tests fill the end; then the `solo` tests.
 - run a timing-sensitive test beside a busy neighbour. A test marked `solo` (e.g. "every process is gone
   within 5 s of SIGTERM", a contract with Docker's stop timeout) runs while no other test runs: `turn` is a
   readers-writer lock between the workers, shared for every other test, exclusive for a solo one. Its limit
@@ -75,9 +75,15 @@ def _folder(item: pytest.Item) -> str:
 
 
 def order(items: list[pytest.Item]) -> None:
-    """Sort by folder (FOLDER_ORDER), keeping the collection order inside each folder (a stable sort)."""
+    """Sort by folder (FOLDER_ORDER), keeping the collection order inside each folder (a stable sort); the
+    `solo` tests last, one after another: handed out among the others, each would wait for its neighbours'
+    running tests (a vLLM start-up among them) while every worker idles behind it."""
     rank = {folder: i for i, folder in enumerate(FOLDER_ORDER)}
-    items.sort(key=lambda item: rank.get(_folder(item), len(rank)))
+    items.sort(key=lambda item: (_is_solo(item), rank.get(_folder(item), len(rank))))
+
+
+def _is_solo(item: pytest.Item) -> bool:
+    return item.get_closest_marker("solo") is not None
 
 
 def _lock_dir(config: pytest.Config) -> Path | None:
@@ -96,7 +102,7 @@ def turn(item: pytest.Item) -> Iterator[None]:
     if folder is None:
         yield
         return
-    solo = item.get_closest_marker("solo") is not None
+    solo = _is_solo(item)
     with open(folder / "turn.gate", "a") as gate, open(folder / "turn.room", "a") as room:
         fcntl.flock(gate, fcntl.LOCK_EX)
         try:

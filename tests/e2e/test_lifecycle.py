@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,10 +55,13 @@ def rank_pids(pid: int) -> list[int]:
 
 
 def start_cli(tmp_path: Path, *args: str) -> Cli:
-    (tmp_path / "tmp").mkdir()
-    # TMPDIR: where the engine makes its private ipc dir; its own process group, so SIGINT can go to all
-    # of it like Ctrl-C
-    return Cli(args, tmp_path, extra_env={"TMPDIR": str(tmp_path / "tmp")}, session=True)
+    # TMPDIR: where the engine makes its private ipc dir, whose socket paths must stay under AF_UNIX's 108
+    # bytes: a short directory (tmp_path under an xdist worker is too long), seen as tmp_path / "tmp" (an
+    # empty directory of the system's temp dir is left). Its own process group, so SIGINT can go to all of
+    # it like Ctrl-C
+    short = Path(tempfile.mkdtemp(prefix="lc-"))
+    (tmp_path / "tmp").symlink_to(short)
+    return Cli(args, tmp_path, extra_env={"TMPDIR": str(short)}, session=True)
 
 
 def wait_for_ranks(cli: Cli, count: int, limit_s: float = 180) -> None:
