@@ -1,4 +1,4 @@
-"""How the suite shares the machine between pytest-xdist workers (pyproject addopts: `-n 3 --dist loadscope`).
+"""How the suite shares the machine between pytest-xdist workers (`-n 3 --dist loadscope --no-loadscope-reorder`).
 
 Measured on 2 cores (README "Tests"): serial, the suite used 52-68% of them (start-ups of subprocesses, waits
 on servers); workers keep both busy. What the workers must not do, and how it is prevented here:
