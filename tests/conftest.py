@@ -10,6 +10,7 @@ import pytest
 from hypothesis import settings
 
 import tests.profiles  # noqa: F401  (registers the Hypothesis profiles)
+from tests import parallel
 
 # Two cores here: keep each process to one intra-op thread unless a test says otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -26,6 +27,8 @@ UNIT_TIMEOUT_S = 60
 
 
 def pytest_collection_modifyitems(config, items):
+    if "PYTEST_XDIST_WORKER" in os.environ:  # a worker of `-n N`: the longest units first (tests/parallel.py)
+        parallel.order(items)
     for item in items:
         folder = Path(str(item.fspath)).parent.name
         mark = _FOLDER_MARKS.get(folder)
@@ -33,6 +36,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(mark)
         if folder == "unit" and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent with -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadscope with tests/parallel.py's units of work."""
+    return parallel.Scheduling(config, log) if config.getvalue("dist") == "loadscope" else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with parallel.turn(item):  # a `solo` test runs with no other test beside it
+        return (yield)
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from vitserve.metrics import Metrics
 from vitserve.processors import load_image_processor
 
 TEST_CONFIG = Config(port=0, visual_batch_max_tokens=256, request_timeout_s=30)
+START_LIMIT_S = 300  # a real engine's ranks on a loaded 2-core machine; a failed start is seen at once
 
 
 @dataclass
@@ -63,12 +64,15 @@ def live_server(
     result: dict = {}
 
     def run() -> None:
-        result["code"] = asyncio.run(service.run())
+        try:
+            result["code"] = asyncio.run(service.run())
+        except BaseException as exc:  # seen by _wait_started, which raises it in the test
+            result["error"] = exc
+            raise
 
     thread = threading.Thread(target=run, name="live-server", daemon=True)
     thread.start()
-    if not service.started.wait(300):
-        raise RuntimeError(f"server did not start: {result}")
+    _wait_started(service, thread, result)
     live = Live(f"http://127.0.0.1:{service.port}", service, engine, metrics, config, result, gate)
     try:
         yield live
@@ -76,6 +80,17 @@ def live_server(
         gate.set()
         service.request_stop()
         thread.join(60)
+
+
+def _wait_started(service: Service, thread: threading.Thread, result: dict) -> None:
+    """Until the service is serving; at once when its thread has ended instead (a start-up that failed
+    returns an exit code or raises: waiting START_LIMIT_S for it would only delay the failure)."""
+    end = time.monotonic() + START_LIMIT_S
+    while not service.started.wait(0.05):
+        if not thread.is_alive():
+            raise RuntimeError(f"the server ended during start-up: {result}") from result.get("error")
+        if time.monotonic() > end:
+            raise RuntimeError(f"server did not start within {START_LIMIT_S} s: {result}")
 
 
 def png_bytes(width: int, height: int, color=(200, 30, 60), mode="RGB", fmt="PNG") -> bytes:

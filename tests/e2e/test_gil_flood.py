@@ -23,7 +23,8 @@ from PIL import Image
 from tests.e2e.live import live_server
 from vitserve.client import VitserveClient
 
-pytestmark = pytest.mark.timeout(600)
+# solo: /health's latency is what it measures; a test on another xdist worker would add its own load
+pytestmark = [pytest.mark.timeout(600), pytest.mark.solo]
 
 SIDE = 6000  # 36 MP
 FLOOD = 4  # images, sent by 2 clients at once

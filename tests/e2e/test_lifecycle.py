@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,10 +55,13 @@ def rank_pids(pid: int) -> list[int]:
 
 
 def start_cli(tmp_path: Path, *args: str) -> Cli:
-    (tmp_path / "tmp").mkdir()
-    # TMPDIR: where the engine makes its private ipc dir; its own process group, so SIGINT can go to all
-    # of it like Ctrl-C
-    return Cli(args, tmp_path, extra_env={"TMPDIR": str(tmp_path / "tmp")}, session=True)
+    # TMPDIR: where the engine makes its private ipc dir, whose socket paths must stay under AF_UNIX's 108
+    # bytes: a short directory (tmp_path under an xdist worker is too long), seen as tmp_path / "tmp" (an
+    # empty directory of the system's temp dir is left). Its own process group, so SIGINT can go to all of
+    # it like Ctrl-C
+    short = Path(tempfile.mkdtemp(prefix="lc-"))
+    (tmp_path / "tmp").symlink_to(short)
+    return Cli(args, tmp_path, extra_env={"TMPDIR": str(short)}, session=True)
 
 
 def wait_for_ranks(cli: Cli, count: int, limit_s: float = 180) -> None:
@@ -92,6 +96,7 @@ def kill_everything(cli: Cli, pids: list[int]) -> None:
     cli.proc.wait(30)
 
 
+@pytest.mark.solo  # STOP_LIMIT_S is a contract (Docker's stop timeout): no neighbour test slows the exit
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_during_startup_ends_every_process_within_5s(tmp_path, sig):
     # The default budget: the ranks' start-up (torch import, weights, the memory measurement) takes far
@@ -114,6 +119,7 @@ def test_signal_during_startup_ends_every_process_within_5s(tmp_path, sig):
         assert "Traceback" not in out, out[-3000:]
 
 
+@pytest.mark.solo  # STOP_LIMIT_S, as above
 @pytest.mark.parametrize("delay_s", [0.5, 1.0, 1.5, 2.0, 3.0])
 def test_sigterm_before_any_rank_exits_at_once(tmp_path, delay_s):
     # Importing torch and transformers, reading the checkpoint: the handler is installed first thing. A

@@ -23,6 +23,9 @@ from vitserve.errors import ConfigError, EncoderFailed
 
 HEARTBEAT_S = 1.0  # 2 x 1 s of silence = hung; shorter flakes on a loaded 2-core machine
 DIST_TIMEOUT_S = 10.0
+# solo: failures must be found within heartbeats and well before DIST_TIMEOUT_S; a test on another xdist
+# worker would add its own load to those limits
+pytestmark = pytest.mark.solo
 
 
 def _config(tmp_path, **kw):

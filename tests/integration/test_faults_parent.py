@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.integration.engine_helpers import assert_gone, kill_quietly, pid_running
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.solo  # gone within 5 s of the parent's death: no neighbour test slows their exit
 def test_workers_exit_when_the_parent_is_sigkilled(tmp_path):
     parent = subprocess.Popen(
         [sys.executable, "-m", "tests.integration.engine_child", str(tmp_path)],

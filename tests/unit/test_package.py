@@ -57,3 +57,29 @@ def test_version_flag_needs_no_heavy_dependency(tmp_path):
     assert _loaded_after("import vitserve.cli") == dict.fromkeys(HEAVY, False)
     out = Cli.run(["--version"], tmp_path)
     assert (out.returncode, out.stdout.strip()) == (0, f"vitserve {vitserve.__version__}")
+
+
+@pytest.mark.parametrize("module", ["vitserve.video.decoder", "vitserve.processors.pixels"])
+def test_a_decoder_process_imports_no_transformers(module):
+    """The video decoder processes (spawned) import these two; the package `__init__`s load their names
+    lazily, so transformers (~10 s of a decoder's start on 2 cores) is not imported through them."""
+    assert not _loaded_after(f"import {module}")["transformers"]
+
+
+def test_the_video_processor_does_load_transformers():
+    """The check above could pass by never loading anything: the lazy name that needs it loads it."""
+    assert _loaded_after("from vitserve.video import load_video_processor")["transformers"]
+
+
+@pytest.mark.parametrize("package", ["vitserve.video", "vitserve.processors"])
+def test_the_packages_lazy_names_are_the_defined_ones(package):
+    import importlib
+
+    module = importlib.import_module(package)
+    assert set(module.__all__) <= set(dir(module))
+    for public in module.__all__:
+        defined = getattr(module, public)
+        assert defined.__name__ == public
+        assert defined.__module__.startswith(package + ".")
+    with pytest.raises(AttributeError, match="NoSuchThing"):
+        _ = module.NoSuchThing

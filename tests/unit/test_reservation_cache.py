@@ -4,6 +4,7 @@ tests/e2e/test_startup_cache.py."""
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -86,6 +87,9 @@ def test_an_unreadable_file_measures_again(tmp_path, content):
 def test_a_live_peak_above_the_reservation_warns_once_and_drops_the_entry(tmp_path, caplog):
     path = cache.cache_path(tmp_path, "cpu", 0)
     cache.store(path, _key(), ENTRY)
+    # freed now, not after the baseline: garbage of earlier tests in this process (whichever ran before it on
+    # its xdist worker), collected between the two reads, would shrink the RSS under the 64 MiB ballast
+    gc.collect()
     rss = proc_status_kib("VmRSS") * 1024
     within = cache.PeakWatch(CPU, baseline=rss, published=1 << 40, cache_file=path)
     within.check()

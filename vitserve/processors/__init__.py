@@ -2,42 +2,27 @@
 
 Usage: ``proc = load_image_processor(Checkpoint | checkpoint_dir | family, budget_tokens=8192)``, then
 ``proc.count_tokens(width, height) -> int`` and ``proc.preprocess(pil_image) -> ProcessedImage``.
+
+The names load on first use (PEP 562): importing one module of the package, as the video decoder processes
+import vitserve.processors.pixels, does not import transformers through this file.
 """
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from vitserve.checkpoint import Checkpoint
-from vitserve.errors import ConfigError
-from vitserve.families import FAMILIES, FAMILY_CHOICES, check_geometry
-from vitserve.processors.base import VisionProcessor
-from vitserve.processors.budget import Plan
-from vitserve.processors.hf_config import internvl_hf_processor, qwen_hf_processor
-from vitserve.processors.internvl import InternVLProcessor
-from vitserve.processors.pixels import Backend
-from vitserve.processors.qwen import QwenProcessor
+if TYPE_CHECKING:
+    from vitserve.processors.base import VisionProcessor
+    from vitserve.processors.budget import Plan
+    from vitserve.processors.load import load_image_processor
 
-
-def _patches(
-    family: str, checkpoint: Checkpoint | None, budget_tokens: int, resize: Backend
-) -> VisionProcessor:
-    return QwenProcessor(family, qwen_hf_processor(family, checkpoint), budget_tokens, resize)
-
-
-def _tiles(
-    family: str, checkpoint: Checkpoint | None, budget_tokens: int, resize: Backend
-) -> VisionProcessor:
-    hf, patch, tokens_per_tile = internvl_hf_processor(family, checkpoint)
-    return InternVLProcessor(
-        family, hf, budget_tokens, patch_size=patch, tokens_per_tile=tokens_per_tile, resize=resize
-    )
-
-
-# One builder per registry layout; every model_type the registry accepts resolves to one of these.
-_BUILDERS = {"patches": _patches, "tiles": _tiles}
-assert {f.layout for f in FAMILIES.values()} <= set(_BUILDERS), "a registry layout has no processor"
+# public name -> module that defines it
+_LAZY = {
+    "Plan": "vitserve.processors.budget",
+    "VisionProcessor": "vitserve.processors.base",
+    "load_image_processor": "vitserve.processors.load",
+}
 
 __all__ = [
     "Plan",
@@ -45,65 +30,14 @@ __all__ = [
     "load_image_processor",
 ]
 
-log = logging.getLogger(__name__)
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'vitserve.processors' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
 
 
-IMAGE_RESIZE_CHOICES = ("auto", "torch", "pil")
-
-
-def resolved_resize(resize: str) -> Backend:
-    """--image_resize: auto is torch, the processor vLLM and SGLang use (docs/processing.md)."""
-    if resize not in IMAGE_RESIZE_CHOICES:
-        raise ConfigError(f"--image_resize {resize!r} is not one of {', '.join(IMAGE_RESIZE_CHOICES)}")
-    return "pil" if resize == "pil" else "torch"
-
-
-def load_image_processor(
-    source: Checkpoint | str | Path,
-    budget_tokens: int = 0,
-    *,
-    family: str = "auto",
-    resize: str = "auto",
-) -> VisionProcessor:
-    """A family processor clamped to ``budget_tokens`` image tokens per image (0 = exactly as HF ships it).
-
-    ``source``: the opened checkpoint, a --model value (vitserve/checkpoint.py opens it), or a family name
-    (the family's public defaults).
-    ``family``: --model_family, for a --model value ("auto": config.json's model_type decides).
-    ``resize`` (--image_resize): "torch" (= "auto") gives the pixels of transformers' torchvision ("fast")
-    processor, "pil" those of its PIL processor.
-    """
-    if budget_tokens < 0:
-        raise ConfigError(f"--visual_batch_max_tokens must be >= 0, got {budget_tokens}")
-    checkpoint, family = _resolve(source, family)
-    proc = _BUILDERS[FAMILIES[family].layout](family, checkpoint, budget_tokens, resolved_resize(resize))
-    if checkpoint is not None:
-        check_geometry(proc.clamp_info(), checkpoint.stated_grid())  # before any rank starts
-    proc.checkpoint = checkpoint
-    _warn_if_minimum_above_budget(proc)
-    return proc
-
-
-def _resolve(source: Checkpoint | str | Path, family: str) -> tuple[Checkpoint | None, str]:
-    """(the checkpoint, or None for a family's defaults; the family name)."""
-    if family not in FAMILY_CHOICES:
-        raise ConfigError(f"--model_family {family!r} is not one of {', '.join(FAMILY_CHOICES)}")
-    if isinstance(source, Checkpoint):
-        return source, source.family.name
-    if str(source) in FAMILIES:
-        return None, str(source)
-    checkpoint = Checkpoint.open(source, family)
-    return checkpoint, checkpoint.family.name
-
-
-def _warn_if_minimum_above_budget(proc: VisionProcessor) -> None:
-    info = proc.clamp_info()
-    minimum = info.get("min_tokens") or info.get("tokens_per_tile")
-    if proc.budget_tokens > 0 and minimum and minimum > proc.budget_tokens:
-        log.warning(
-            "the %s processor's minimum of %d tokens per image is above --visual_batch_max_tokens=%d: "
-            "images it must grow (or every image, for tiles) will be refused with 413 over_token_budget",
-            proc.family,
-            minimum,
-            proc.budget_tokens,
-        )
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

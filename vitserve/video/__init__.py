@@ -6,15 +6,36 @@ Usage: ``proc = load_video_processor(checkpoint_dir | family | "demo", budget_to
 ``video = proc.preprocess(frames, sampling)``, ``for group in proc.groups(video): ...``.
 Decoding: ``decoder = VideoDecoder(slots, limits=VideoLimits.from_config(config))``, ``info =
 decoder.probe(data, deadline_s=...)``, ``frames = decoder.decode(data, indices, size, deadline_s=...)``.
+
+The names load on first use (PEP 562): a decoder process, spawned, imports vitserve.video.decoder without
+transformers and the processors coming in through this file (they doubled its start-up).
 """
 
 from __future__ import annotations
 
-from vitserve.video.decode import VideoInfo, VideoLimits
-from vitserve.video.decoder import VideoDecoder
-from vitserve.video.plan import VideoPlan
-from vitserve.video.processor import ProcessedVideo, VideoGroup, VideoProcessor, load_video_processor
-from vitserve.video.sampling import Sampling, SamplingRules
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vitserve.video.decode import VideoInfo, VideoLimits
+    from vitserve.video.decoder import VideoDecoder
+    from vitserve.video.plan import VideoPlan
+    from vitserve.video.processor import ProcessedVideo, VideoGroup, VideoProcessor, load_video_processor
+    from vitserve.video.sampling import Sampling, SamplingRules
+
+# public name -> module that defines it (one line a name; __all__ below lists the same names)
+_LAZY = {
+    "ProcessedVideo": "vitserve.video.processor",
+    "Sampling": "vitserve.video.sampling",
+    "SamplingRules": "vitserve.video.sampling",
+    "VideoDecoder": "vitserve.video.decoder",
+    "VideoGroup": "vitserve.video.processor",
+    "VideoInfo": "vitserve.video.decode",
+    "VideoLimits": "vitserve.video.decode",
+    "VideoPlan": "vitserve.video.plan",
+    "VideoProcessor": "vitserve.video.processor",
+    "load_video_processor": "vitserve.video.processor",
+}
 
 __all__ = [
     "ProcessedVideo",
@@ -28,3 +49,15 @@ __all__ = [
     "VideoProcessor",
     "load_video_processor",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'vitserve.video' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
