@@ -185,7 +185,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         elif item in waiting:
             for stream in self.streams:
                 stream["waiting"] = [(i, t) for i, t in stream["waiting"] if i != item]
-            self.streams = [st_ for st_ in self.streams if st_["waiting"] or st_["queued"]]
+            self._refill()  # the groups behind it may fit now
         if item in live or item in waiting:
             self.cancelled.append(item)
 
@@ -271,3 +271,12 @@ SchedulerMachine.TestCase.settings = settings(
     max_examples=examples(300), stateful_step_count=60, deadline=None
 )
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+def test_cancelling_a_waiting_group_that_did_not_fit_lets_the_groups_behind_it_enter_at_once():
+    s = Scheduler(budget_tokens=10, max_batch_images=8)
+    s.add_stream([("a", 6), ("b", 6), ("c", 1)])  # b does not fit beside a: b and c wait
+    s.add("image", 1)
+    assert s.cancel("b")
+    assert s.next_batch() == ["a", "image", "c"]  # c entered when b left, behind the image
+    assert s.next_batch() is None

@@ -127,7 +127,10 @@ class Scheduler:
         """Forget a queued item. True if it was queued; False if unknown, already batched or cancelled."""
         if item_id in self._waiting:  # its slot in the stream's deque is skipped at refill
             self._queued_tokens -= self._waiting.pop(item_id)
-            self._leave_stream(item_id, 0, count=False)
+            # It may have been the stream's head that did not fit: the groups behind it may enter now, as
+            # they would at any later refill (every stream is kept as full as its window allows).
+            self._dirty.add(self._stream_of.pop(item_id))
+            self._refill()
             return True
         entry = self._live.pop(item_id, None)
         if entry is None:
@@ -161,10 +164,10 @@ class Scheduler:
         self._refill()
         return batch or None
 
-    def _leave_stream(self, item_id: Hashable, tokens: int, *, count: bool = True) -> None:
+    def _leave_stream(self, item_id: Hashable, tokens: int) -> None:
         """An item left the queue (batched or cancelled): its stream's window shrank."""
         stream = self._stream_of.pop(item_id, None)
-        if stream is None or not count:
+        if stream is None:
             return
         window = self._window[stream]
         window[0] -= 1
