@@ -4,10 +4,13 @@
 
 A property states its thorough count as `@settings(max_examples=examples(N))`; the quick profile runs a
 tenth of it (at least 10). tests/conftest.py registers both and loads `quick`; pytest's
---hypothesis-profile option, read after it, switches.
+--hypothesis-profile option, read after it, switches. In CI (CI set) `quick` is derandomized: the same examples
+on every run, so a run's verdict does not depend on its seed; locally and under `slow` each run draws anew.
 """
 
 from __future__ import annotations
+
+import os
 
 from hypothesis import settings
 
@@ -15,7 +18,9 @@ QUICK_SHARE = 10  # the quick profile runs 1/QUICK_SHARE of each property's thor
 QUICK_FLOOR = 10
 THOROUGH = 1000  # max_examples of a property that names no count, under `slow`
 
-settings.register_profile("quick", max_examples=THOROUGH // QUICK_SHARE, deadline=None)
+settings.register_profile(
+    "quick", max_examples=THOROUGH // QUICK_SHARE, deadline=None, derandomize=bool(os.environ.get("CI"))
+)
 settings.register_profile("slow", max_examples=THOROUGH, deadline=None)
 
 
