@@ -40,6 +40,7 @@ class Config:
     max_video_bytes: int = 256 * MIB
     max_video_duration_s: float = 3600.0
     max_video_frames: int = 36_000  # frames in the video (counted by demuxing)
+    video_decoders: int = 2  # decoder processes: videos decoded at a time (docs/video.md); 0 = no videos
     request_timeout_s: float = 120.0
     heartbeat_s: float = 60.0
     dist_timeout_s: float = 1800.0

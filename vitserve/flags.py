@@ -23,6 +23,9 @@ from vitserve.errors import ConfigError
 from vitserve.families import FAMILY_CHOICES
 
 T = TypeVar("T")
+# Each video decoder is a process that may map up to 4 GiB (vitserve/video/decoder.py): more than this many is a
+# typo on any machine, not a setting.
+MAX_VIDEO_DECODERS = 64
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -130,6 +133,12 @@ FLAGS: dict[str, Flag] = {
         parse_int,
         "budget and limits",
         "a video with more frames -> 413 (counted by demuxing, before decoding)",
+    ),
+    "video_decoders": Flag(
+        parse_int,
+        "budget and limits",
+        f"video decoder processes: videos decoded at a time, the rest wait (1..{MAX_VIDEO_DECODERS}); "
+        "0 = this server takes no videos",
     ),
     "request_timeout_s": Flag(float, "budget and limits", "end-to-end deadline (504 after it)"),
     "image_resize": Flag(
@@ -319,6 +328,10 @@ def validate(config: Config) -> None:
         "node_rank",
         allow_zero=True,
     )
+    if not 0 <= config.video_decoders <= MAX_VIDEO_DECODERS:
+        raise ConfigError(
+            f"--video_decoders must be 0..{MAX_VIDEO_DECODERS} (0: no videos), got {config.video_decoders}"
+        )
     if not 0 <= config.port <= 65535:
         raise ConfigError(f"--port must be 0..65535, got {config.port}")
     if config.model_family not in FAMILY_CHOICES:

@@ -40,6 +40,11 @@ def test_budget_below_the_smallest_image(tmp_path):
     assert "use --visual_batch_max_tokens 4 or more" in line
 
 
+def test_video_decoders_out_of_range(tmp_path):
+    line = refuse(tmp_path, "--video_decoders", "-2")
+    assert line.endswith("--video_decoders must be 0..64 (0: no videos), got -2"), line
+
+
 def test_tp_that_does_not_divide_the_demo(tmp_path):
     line = refuse(tmp_path, "--model", "demo", "--tp", "3")
     assert line.endswith(

@@ -149,6 +149,9 @@ def test_sizes_and_optional_values():
         (["--llm_endpoint", "http://x"], {}, "--llm_endpoint"),
         (["--visual_batch_max_tokens", "-1"], {}, "--visual_batch_max_tokens"),
         (["--max_request_bytes", "lots"], {}, "--max_request_bytes"),
+        (["--video_decoders", "-1"], {}, r"--video_decoders must be 0\.\.64 \(0: no videos\), got -1"),
+        (["--video_decoders", "65"], {}, r"--video_decoders must be 0\.\.64"),
+        ([], {"VITSERVE_VIDEO_DECODERS": "two"}, "VITSERVE_VIDEO_DECODERS"),
         ([], {"VITSERVE_ALLOW_IMAGE_URLS": "maybe"}, "VITSERVE_ALLOW_IMAGE_URLS"),
     ],
 )

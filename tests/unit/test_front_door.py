@@ -1,5 +1,5 @@
-"""The front door's pure parts (docs/vllm.md): finding image parts, the LLM's embedding part per family, the
-check before anything goes upstream, OpenAI's error shape, the width the LLM expects, the flags."""
+"""The front door's pure parts (docs/vllm.md): finding image and video parts, the LLM's embedding part per
+family, the check before anything goes upstream, OpenAI's error shape, the width the LLM expects, the flags."""
 
 from __future__ import annotations
 
@@ -13,13 +13,20 @@ import torch
 
 from tests.checkpoints import make_checkpoint
 from vitserve import preflight
-from vitserve.api.chat import image_parts
-from vitserve.api.embeds import EmbeddingMismatch, EmbedsLayout, embeds_part, npy_b64
+from vitserve.api.chat_parts import media_parts
+from vitserve.api.embeds import EmbeddingMismatch, EmbedsLayout, embeds_part, npy_b64, video_embeds_part
 from vitserve.api.upstream import api_base
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import redacted_url
-from vitserve.contract import ImageResult, PreparedImage, ProcessedImage
-from vitserve.errors import ConfigError, InvalidRequest, LLMUnavailable, QueueFull, openai_error
+from vitserve.contract import ImageResult, PreparedImage, PreparedVideo, ProcessedImage
+from vitserve.errors import (
+    ConfigError,
+    InvalidRequest,
+    InvalidVideoSampling,
+    LLMUnavailable,
+    QueueFull,
+    openai_error,
+)
 from vitserve.flags import build_config
 
 PNG_B64 = base64.b64encode(b"\x89PNG fake bytes").decode()
@@ -38,6 +45,10 @@ def _chat(*contents) -> dict:
     return {"model": "m", "messages": [{"role": "user", "content": c} for c in contents]}
 
 
+def _video_chat(**fields) -> dict:
+    return {**_chat([{"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}]), **fields}
+
+
 def test_image_parts_in_message_order_with_their_json_paths():
     payload = _chat(
         "plain text content",
@@ -47,11 +58,37 @@ def test_image_parts_in_message_order_with_their_json_paths():
         ],
         [{"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}],
     )
-    parts = image_parts(payload)
+    parts = media_parts(payload).images
     assert [p.param for p in parts] == ["messages[1].content[1]", "messages[2].content[0]"]
     assert parts[0].source.data == b"\x89PNG fake bytes"
     assert parts[1].source.url == "https://example.com/x.png"
     assert parts[0].part is payload["messages"][1]["content"][1]  # rewritten in place later
+
+
+def test_video_parts_take_the_requests_sampling_and_consume_it():
+    payload = _video_chat(mm_processor_kwargs={"fps": 4, "max_pixels": 9999})
+    payload["messages"][0]["content"].insert(
+        0, {"type": "image_url", "image_url": {"url": "https://e.com/a"}}
+    )
+    payload["messages"][0]["content"].append(
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + PNG_B64}}
+    )
+    parts = media_parts(payload)
+    assert [p.param for p in parts.images] == ["messages[0].content[0]"]
+    assert [p.param for p in parts.videos] == ["messages[0].content[1]", "messages[0].content[2]"]
+    assert [(p.source.url, p.source.data) for p in parts.videos] == [
+        ("https://example.com/v.mp4", None),
+        (None, b"\x89PNG fake bytes"),
+    ]
+    assert [(p.source.fps, p.source.num_frames) for p in parts.videos] == [(4.0, None)] * 2
+    # fps was vitserve's to use; what it does not read goes upstream as it came
+    assert payload["mm_processor_kwargs"] == {"max_pixels": 9999}
+    only_sampling = _video_chat(mm_processor_kwargs={"num_frames": 8})
+    assert media_parts(only_sampling).videos[0].source.num_frames == 8
+    assert "mm_processor_kwargs" not in only_sampling  # vLLM refuses the field unless it trusts requests
+    images_only = {**_chat([{"type": "text", "text": "x"}]), "mm_processor_kwargs": {"fps": 4}}
+    assert not media_parts(images_only)
+    assert images_only["mm_processor_kwargs"] == {"fps": 4}  # no video: not vitserve's to touch
 
 
 @pytest.mark.parametrize(
@@ -67,11 +104,21 @@ def test_image_parts_in_message_order_with_their_json_paths():
         ),
         (_chat([{"type": "image_embeds", "image_embeds": "AAAA"}]), "image_embeds parts are not accepted"),
         (_chat([{"type": "video_embeds", "video_embeds": {}}]), "video_embeds parts are not accepted"),
+        (
+            _chat([{"type": "video_url", "video_url": "https://x"}, {"type": "video_url"}]),
+            "content[1].video_url",
+        ),
+        (_chat([{"type": "video_url", "video_url": {"url": "data:video/mp4,raw"}}]), "data:video/...;base64"),
+        (_video_chat(mm_processor_kwargs=[2]), "mm_processor_kwargs must be an object"),
+        (_video_chat(mm_processor_kwargs={"fps": 0}), "mm_processor_kwargs.fps must be a number > 0"),
+        (_video_chat(mm_processor_kwargs={"fps": "2"}), "mm_processor_kwargs.fps must be a number > 0"),
+        (_video_chat(mm_processor_kwargs={"num_frames": 2.5}), "num_frames must be a whole number >= 1"),
+        (_video_chat(mm_processor_kwargs={"num_frames": True}), "num_frames must be a whole number >= 1"),
     ],
 )
 def test_malformed_parts_are_400_naming_the_part(payload, needle):
     with pytest.raises(InvalidRequest) as err:
-        image_parts(payload)
+        media_parts(payload)
     assert needle in err.value.message
     assert err.value.status == 400
 
@@ -178,3 +225,71 @@ def test_front_door_flags(tmp_path):
     assert api_base(config.llm_url) == "http://u:pw@127.0.0.1:8000" == api_base("http://u:pw@127.0.0.1:8000/")
     with pytest.raises(ConfigError, match="demo has no language model"):
         preflight.check(build_config(["--llm_url", "http://127.0.0.1:8000"], {}))
+
+
+def _video(grid, group_rows, **metadata) -> PreparedVideo:
+    groups = tuple(_prepared((1, grid[1], grid[2]), group_rows) for _ in range(grid[0]))
+    return PreparedVideo(groups, "vid", {"grid_thw": list(grid), **metadata}, (), 0.0, 0.0)
+
+
+def test_video_part_joins_the_groups_in_time_order_with_the_flat_grid():
+    layout = EmbedsLayout("qwen2_5_vl", merge_size=2, width=48)
+    groups = [torch.randn(6, 48) for _ in range(3)]
+    video = _video((3, 4, 6), 6, second_per_grid_t=1.0)
+    part = video_embeds_part(layout, video, [ImageResult(6, g) for g in groups], 0)
+    assert part["type"] == "video_embeds"
+    assert part["video_embeds"]["video_grid_thw"] == [3, 4, 6]
+    assert set(part["video_embeds"]) == {"video_embeds", "video_grid_thw"}  # vLLM takes no second_per_grid_ts
+    assert torch.equal(torch.from_numpy(_npy(part["video_embeds"]["video_embeds"])), torch.cat(groups))
+
+
+def test_qwen3_video_part_has_each_groups_timestamp_and_deepstack_after_the_main_rows():
+    layout = EmbedsLayout("qwen3_vl", merge_size=2, width=2 * 48)
+    main, deep = [torch.randn(4, 48) for _ in range(2)], [torch.randn(4, 48) for _ in range(2)]
+    video = _video((2, 4, 4), 4, timestamps_s=[0.25, 1.25])
+    results = [ImageResult(4, m, (d,)) for m, d in zip(main, deep, strict=True)]
+    part = video_embeds_part(layout, video, results, 0)["video_embeds"]
+    assert part["timestamps"] == [0.25, 1.25]
+    want = torch.cat([torch.cat(main), torch.cat(deep)], dim=1)
+    assert torch.equal(torch.from_numpy(_npy(part["video_embeds"])), want)
+
+
+def test_a_video_tensor_the_llm_would_misread_is_refused():
+    layout = EmbedsLayout("qwen2_5_vl", merge_size=2, width=48)
+    video = _video((2, 4, 6), 6, second_per_grid_t=1.0)
+    with pytest.raises(EmbeddingMismatch, match=r"video 1: .* expects \(12, 48\)"):
+        video_embeds_part(
+            layout, video, [ImageResult(6, torch.zeros(6, 48)), ImageResult(5, torch.zeros(5, 48))], 1
+        )
+
+
+@pytest.mark.parametrize(
+    ("spg", "groups", "tps", "served"),
+    [
+        (1.0, 9, 2, True),  # one second per group: what vLLM assumes
+        (1.001, 9, 2, True),  # 29.97 fps sampled at fps 2: int(t * 2.002) = 2t for t < 500
+        (1.25, 2, 2, True),  # positions 0, 2 either way
+        (1.25, 3, 2, False),  # group 2 at int(5.0) = 5, vLLM would put it at 4
+        (0.999, 2, 2, False),  # int(1.998) = 1 != 2
+        (0.5, 4, 4, False),
+        (1.0, 4, None, True),
+        (1.001, 4, None, False),  # no time scale named: only exactly 1 s is safe
+    ],
+)
+def test_qwen2_5_video_time_is_served_only_where_vllms_positions_equal_its_own(spg, groups, tps, served):
+    layout = EmbedsLayout("qwen2_5_vl", merge_size=2, width=48, tokens_per_second=tps)
+    video = _video((groups, 4, 6), 6, second_per_grid_t=spg)
+    if served:
+        layout.check_video_time(video)
+    else:
+        with pytest.raises(InvalidVideoSampling, match="second_per_grid_ts") as err:
+            layout.check_video_time(video)
+        assert err.value.status == 400
+        assert f"{spg:.4g} s apart" in err.value.message
+    EmbedsLayout("qwen3_vl", merge_size=2, width=48).check_video_time(video)  # timestamps: always served
+
+
+def test_internvl_video_is_refused_before_decoding_naming_why():
+    with pytest.raises(InvalidRequest, match="not served for internvl.*send the video to /encode"):
+        EmbedsLayout("internvl", merge_size=1, width=48).check_video_served()
+    EmbedsLayout("qwen2_vl", merge_size=2, width=48).check_video_served()

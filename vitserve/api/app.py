@@ -91,7 +91,9 @@ def create_app(
         processor, max_image_pixels=config.max_image_pixels, metrics=metrics, jpeg_draft=config.jpeg_draft
     )
     app.state.tracing = tracing = make_tracing(config.otlp_endpoint, handoff=config.llm_endpoint is not None)
-    app.state.videos = videos = VideoFrontEnd(config, processor)  # decoders start with the first video
+    # decoders start with the first video; --video_decoders 0: the server takes no videos
+    videos = VideoFrontEnd(config, processor) if config.video_decoders else None
+    app.state.videos = videos
     encode = EncodeHandler(config, engine, pre, metrics, tracing, videos)
     for exc_type in (VitserveError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _handle)
@@ -102,7 +104,7 @@ def create_app(
         return await encode(request)
 
     if config.llm_url is not None:
-        _add_front_door(app, config, engine, processor, metrics, tracing)
+        _add_front_door(app, config, engine, processor, metrics, tracing, videos)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -135,6 +137,7 @@ def _add_front_door(
     processor: VisionProcessor,
     metrics: Metrics,
     tracing: Tracing,
+    videos: VideoFrontEnd | None,
 ) -> None:
     """POST /v1/chat/completions and GET /v1/models in front of --llm_url (api/chat.py, docs/vllm.md)."""
     assert config.llm_url is not None
@@ -142,19 +145,20 @@ def _add_front_door(
         config.llm_url, api_key=config.llm_api_key, timeout_s=config.llm_timeout_s, metrics=metrics
     )
     app.state.upstream = upstream
+    # the checkpoint the processor was built from (a family's defaults know no LLM: open --model)
+    checkpoint = processor.checkpoint or Checkpoint.open(config.model, config.model_family)
     layout = EmbedsLayout(
         family=processor.family,
         merge_size=int(processor.clamp_info().get("merge_size", 1)),
-        # the checkpoint the processor was built from (a family's defaults know no LLM: open --model)
-        width=preflight.llm_embeds_width(
-            processor.checkpoint or Checkpoint.open(config.model, config.model_family)
-        ),
+        width=preflight.llm_embeds_width(checkpoint),
+        tokens_per_second=(checkpoint.config.get("vision_config") or {}).get("tokens_per_second"),
     )
-    chat = ChatHandler(config, engine, app.state.preprocessor, metrics, tracing, upstream, layout)
+    chat = ChatHandler(config, engine, app.state.preprocessor, metrics, tracing, upstream, layout, videos)
 
     @app.post(CHAT_ROUTE, responses=ERROR_RESPONSES)
     async def chat_completions(request: Request) -> Response:
-        """OpenAI chat completions: image parts are encoded here and sent to the LLM server as embeddings."""
+        """OpenAI chat completions: image and video parts are encoded here and sent to the LLM server as
+        embeddings."""
         return await chat(request)
 
     @app.get(MODELS_ROUTE)
@@ -167,7 +171,8 @@ async def close_app(app: FastAPI) -> None:
     """Release what create_app made: the preprocessing pool, the video decoders and the upstream
     connections."""
     app.state.preprocessor.close()
-    app.state.videos.close()
+    if app.state.videos is not None:
+        app.state.videos.close()
     upstream: Upstream | None = getattr(app.state, "upstream", None)
     if upstream is not None:
         await upstream.aclose()

@@ -1,10 +1,11 @@
 """POST /v1/chat/completions in front of an OpenAI-compatible LLM server (--llm_url; docs/vllm.md).
 
-read -> parse -> find the image parts -> fetch + decode + preprocess ALL -> engine (one request, every
-image together: queue, budget, cache, dedup) -> replace each part by the LLM's embedding part, checked ->
-forward -> relay the answer (server-sent events as they arrive, unchanged).
+read -> parse -> find the image and video parts -> fetch + decode + preprocess ALL (videos as /encode does
+them, api/videos.py) -> engine (one request, every image and video group together: queue, budget, cache,
+dedup) -> replace each part by the LLM's embedding part, checked -> forward -> relay the answer (server-sent
+events as they arrive, unchanged).
 
-All-or-nothing as /encode: a bad image anywhere means nothing is encoded and nothing reaches the LLM
+All-or-nothing as /encode: a bad image or video anywhere means nothing is encoded and nothing reaches the LLM
 server. vitserve's own errors come in OpenAI's shape (errors.openai_error) with /encode's codes; the LLM
 server's statuses and bodies pass through unchanged.
 """
@@ -16,7 +17,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -24,78 +24,24 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from vitserve.api.body import ClientGone, read_body
-from vitserve.api.embeds import EmbedsLayout, embeds_part
+from vitserve.api.chat_parts import ChatParts, media_parts
+from vitserve.api.embeds import EmbedsLayout, embeds_part, video_embeds_part
 from vitserve.api.encode import INLINE_BODY_BYTES, count_accepted, unless_gone
-from vitserve.api.inputs import ImageSource, check_count, decode_b64, fetch_sources
+from vitserve.api.inputs import VideoSource, check_count, fetch_sources
 from vitserve.api.pipeline import Preprocessor
 from vitserve.api.tracing import Tracing
 from vitserve.api.upstream import Upstream, relayed_headers
+from vitserve.api.videos import VideoFrontEnd
 from vitserve.config import Config
-from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage
+from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo
 from vitserve.errors import InvalidRequest, LLMTimeout, Timeout, VitserveError, openai_error
 from vitserve.metrics import Metrics
 
 log = logging.getLogger(__name__)
 CHAT_ROUTE = "/v1/chat/completions"
 MODELS_ROUTE = "/v1/models"
-# Parts the client may not send: an embedding from outside would reach the LLM server unchecked, and some
-# malformed ones kill its engine (docs/vllm.md). vitserve makes them from images.
-_EMBEDS_PARTS = frozenset({"image_embeds", "video_embeds"})
 # The request headers that go upstream besides content type, authorization and traceparent.
 _FORWARDED = ("accept", "x-request-id", "tracestate")
-
-
-@dataclass
-class ImagePart:
-    """One `image_url` content part of the request: where it is, and the dict that will be rewritten."""
-
-    param: str  # its JSON path, e.g. messages[1].content[0], for OpenAI's `param`
-    part: dict[str, Any]
-    source: ImageSource
-
-
-def image_parts(payload: Any) -> list[ImagePart]:
-    """Every image_url part, in message order; InvalidRequest (with its path) for a malformed one."""
-    if not isinstance(payload, dict) or not isinstance(payload.get("messages"), list):
-        raise InvalidRequest(
-            "the body must be a JSON object with a 'messages' list (OpenAI chat completions)"
-        )
-    found = []
-    for i, message in enumerate(payload["messages"]):
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            continue  # a string or no content: nothing to encode
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            param = f"messages[{i}].content[{j}]"
-            if kind in _EMBEDS_PARTS:
-                raise InvalidRequest(
-                    f"{param}: {kind} parts are not accepted; send the image itself (image_url) and "
-                    "vitserve encodes it"
-                )
-            if kind == "image_url":
-                found.append(ImagePart(param, part, _source(part, param)))
-    return found
-
-
-def _source(part: dict[str, Any], param: str) -> ImageSource:
-    spec = part.get("image_url")
-    url = spec.get("url") if isinstance(spec, dict) else spec
-    if not isinstance(url, str) or not url:
-        raise InvalidRequest(f"{param}.image_url must be an object with a 'url' (a data: URL or http(s) URL)")
-    if url.startswith("data:"):
-        return ImageSource(data=_data_url_bytes(url, param))
-    return ImageSource(url=url)
-
-
-def _data_url_bytes(url: str, param: str) -> bytes:
-    head, sep, _ = url.partition(",")
-    if not sep or not head.endswith(";base64"):
-        raise InvalidRequest(f"{param}.image_url.url: a data: URL must be base64 (data:image/...;base64,...)")
-    try:
-        return decode_b64(url, 0)
-    except InvalidRequest:
-        raise InvalidRequest(f"{param}.image_url.url is not valid base64") from None
 
 
 class ChatHandler:
@@ -108,6 +54,7 @@ class ChatHandler:
         tracing: Tracing,
         upstream: Upstream,
         layout: EmbedsLayout,
+        videos: VideoFrontEnd | None = None,
     ):
         self.config = config
         self.engine = engine
@@ -116,6 +63,7 @@ class ChatHandler:
         self.tracing = tracing
         self.upstream = upstream
         self.layout = layout
+        self.videos = videos  # None: this server takes no videos (--video_decoders 0)
 
     async def __call__(self, request: Request) -> Response:
         trace = self.tracing.start(request.headers.get("traceparent"))
@@ -137,14 +85,15 @@ class ChatHandler:
         deadline = time.monotonic() + self.config.request_timeout_s
         body = await read_body(request, self.config.max_request_bytes)
         payload = await self._parsed(body)
-        parts = image_parts(payload)
+        parts = media_parts(payload)
         if parts:
-            check_count(len(parts), self.config)
-            results, prepared = await self._encode(request, parts, deadline, traceparent, param)
+            self._check_videos_served(parts, param)
+            check_count(len(parts.images), self.config, len(parts.videos))
+            results, prepared, videos = await self._encode(request, parts, deadline, traceparent, param)
             if results is None:
                 log.info("chat request: client disconnected while its images queued; withdrawn")
                 return Response(status_code=499)
-            await self.pre.run(self._rewrite, parts, prepared, results, param)
+            await self.pre.run(self._rewrite, parts, prepared, videos, results, param)
             body = await self.pre.run(_dumps, payload)
         return await self._forward(request, body, payload.get("stream") is True, traceparent)
 
@@ -153,24 +102,46 @@ class ChatHandler:
             return _loads(body)
         return await self.pre.run(_loads, body)
 
+    def _check_videos_served(self, parts: ChatParts, param: list[str | None]) -> None:
+        """A request with a video this server cannot hand the LLM is refused before anything is decoded."""
+        if not parts.videos:
+            return
+        param[0] = parts.videos[0].param
+        if self.videos is None:
+            raise InvalidRequest("this server takes no videos (--video_decoders 0)")
+        self.layout.check_video_served()
+        param[0] = None
+
     async def _encode(
         self,
         request: Request,
-        parts: list[ImagePart],
+        parts: ChatParts,
         deadline: float,
         traceparent: str,
         param: list[str | None],
-    ) -> tuple[list[ImageResult] | None, list[PreparedImage]]:
-        """Every image of the request, prepared together and handed to the engine as one request."""
+    ) -> tuple[list[ImageResult] | None, list[PreparedImage], list[PreparedVideo]]:
+        """Every image and video of the request, prepared together and handed to the engine as one request."""
         try:
             self.engine.admit(None)  # a full queue refuses before any decoding is spent
-            blobs = await fetch_sources([p.source for p in parts], self.config, deadline)
+            sources = [p.source for p in parts.videos if isinstance(p.source, VideoSource)]
+            blobs = await fetch_sources([p.source for p in parts.images], self.config, deadline)
+            video_blobs = await fetch_sources(sources, self.config, deadline)
             prepared = await self.pre.prepare(blobs, deadline)
+            videos: list[PreparedVideo] = []
+            if sources and self.videos is not None:
+                videos = await self.videos.prepare_all(video_blobs, sources, deadline)
+            for index, video in enumerate(videos):  # before any encoding: a time vLLM would misplace
+                try:
+                    self.layout.check_video_time(video)
+                except VitserveError as err:
+                    raise err.with_video_index(index) from None
             count_accepted(self.metrics, prepared)
         except VitserveError as err:
             if err.image_index is not None:
-                param[0] = parts[err.image_index].param
-            self.metrics.images_total.labels(outcome="rejected").inc(len(parts))
+                param[0] = parts.images[err.image_index].param
+            elif err.video_index is not None:
+                param[0] = parts.videos[err.video_index].param
+            self.metrics.images_total.labels(outcome="rejected").inc(len(parts.images))
             raise
         encode = EncodeRequest(
             request_id=f"chat-{uuid.uuid4()}",
@@ -178,22 +149,33 @@ class ChatHandler:
             deadline=deadline,
             return_embeddings=True,
             traceparent=traceparent,
+            videos=tuple(videos),
         )
         late = lambda: Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")  # noqa: E731
         timeout_s = deadline - time.monotonic() + 5.0  # the engine enforces the deadline; this is a backstop
-        return await unless_gone(request, self.engine.encode(encode), timeout_s, late), prepared
+        return await unless_gone(request, self.engine.encode(encode), timeout_s, late), prepared, videos
 
     def _rewrite(
         self,
-        parts: list[ImagePart],
+        parts: ChatParts,
         prepared: list[PreparedImage],
+        videos: list[PreparedVideo],
         results: list[ImageResult],
         param: list[str | None],
     ) -> None:
-        """Each image_url part becomes the LLM's embedding part, in place (CPU: .npy + base64, on the pool)."""
-        for index, (part, image, result) in enumerate(zip(parts, prepared, results, strict=True)):
+        """Each image_url and video_url part becomes the LLM's embedding part, in place (CPU: .npy + base64,
+        on the pool). The engine's results are the images', then each video's groups in time order."""
+        for index, (part, image, result) in enumerate(
+            zip(parts.images, prepared, results[: len(prepared)], strict=True)
+        ):
             param[0] = part.param
             new = embeds_part(self.layout, image, result, index)
+            part.part.clear()
+            part.part.update(new)
+        groups = iter(results[len(prepared) :])
+        for index, (part, video) in enumerate(zip(parts.videos, videos, strict=True)):
+            param[0] = part.param
+            new = video_embeds_part(self.layout, video, [next(groups) for _ in video.groups], index)
             part.part.clear()
             part.part.update(new)
         param[0] = None

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitserve.contract import ImageResult, PreparedImage
-from vitserve.errors import VitserveError
+from vitserve.contract import ImageResult, PreparedImage, PreparedVideo
+from vitserve.errors import InvalidRequest, InvalidVideoSampling, VitserveError
 from vitserve.families import FAMILIES
 
 
@@ -46,10 +46,54 @@ class EmbedsLayout:
     family: str
     merge_size: int  # patch layouts: rows = t*h*w / merge_size**2; tiles: unused
     width: int  # the row width the LLM expects: its hidden size times (1 + DeepStack levels)
+    # the vision config's tokens_per_second (Qwen2.5-VL's M-RoPE time scale); None: the checkpoint names none
+    tokens_per_second: float | None = None
 
     @property
     def tiles(self) -> bool:
         return FAMILIES[self.family].layout == "tiles"
+
+    @property
+    def video_time(self) -> str:
+        """What the LLM is told of a video's time: "none", "second_per_grid" or "timestamps"."""
+        return FAMILIES[self.family].video_time
+
+    def check_video_served(self) -> None:
+        """400 before any decoding for a family whose video embeddings vLLM takes in another form."""
+        if self.tiles:
+            raise InvalidRequest(
+                f"video_url parts are not served for {self.family} through /v1/chat/completions: vLLM takes "
+                "this family's video embeddings per frame with its own prompt layout, which vitserve does not "
+                "build (docs/vllm.md); send the video to /encode"
+            )
+
+    def check_video_time(self, video: PreparedVideo) -> None:
+        """400 for a Qwen2.5-VL video whose time positions vLLM would get wrong.
+
+        vLLM (0.32) takes no `second_per_grid_ts` with `video_embeds` (a number fails the request, a tensor is
+        dropped) and places group t at M-RoPE time int(t * 1.0 * tokens_per_second), as for one second per
+        group. The video's own positions are int(t * second_per_grid_t * tokens_per_second) (transformers'
+        and vLLM's raw-video rule); where the two differ for any group, the answer would not be the model's,
+        so the video is refused, naming its second_per_grid_t."""
+        if self.video_time != "second_per_grid":
+            return
+        spg = float(video.metadata["second_per_grid_t"])  # type: ignore[arg-type]
+        groups = np.arange(int(video.metadata["grid_thw"][0]))  # type: ignore[index]
+        tps = self.tokens_per_second
+        if tps is None:  # the checkpoint names no time scale: only exactly one second per group is safe
+            same = spg == 1.0
+        else:
+            same = bool(
+                np.array_equal((groups * (spg * tps)).astype(np.int64), (groups * tps).astype(np.int64))
+            )
+        if not same:
+            raise InvalidVideoSampling(
+                f"the video's temporal groups are {spg:.4g} s apart (second_per_grid_ts = temporal_patch_size / "
+                "sampled fps), but vLLM's video_embeds input takes no second_per_grid_ts and assumes 1 s per "
+                "group, which would give the LLM wrong time positions; sample the video so that its groups are "
+                "1 s apart (mm_processor_kwargs.fps = 2 for 2-frame groups, or a num_frames of 2 per second), "
+                "or send it to a server that decodes it itself (docs/vllm.md, 'Video')"
+            )
 
     def expected_rows(self, image: PreparedImage) -> int:
         if self.tiles:  # tiles x tokens per tile: the count the processor planned
@@ -99,3 +143,34 @@ def embeds_part(
         "type": "image_embeds",
         "image_embeds": {"image_embeds": npy_b64(tensor), "image_grid_thw": list(image.item.grid_thw)},
     }
+
+
+def video_tensor(layout: EmbedsLayout, video: PreparedVideo, results: list[ImageResult]) -> torch.Tensor:
+    """The video's rows in time order, its groups joined (each DeepStack level joined the same way, then
+    concatenated after the main rows as for an image)."""
+    if any(r.embedding is None for r in results):
+        raise EmbeddingMismatch("the engine returned no embedding for a video group of a chat request")
+    main = torch.cat([r.embedding for r in results if r.embedding is not None])
+    levels = len(results[0].deepstack) if results else 0
+    deep = [torch.cat([r.deepstack[k] for r in results]) for k in range(levels)]
+    return torch.cat([main, *deep], dim=1) if deep else main
+
+
+def video_embeds_part(
+    layout: EmbedsLayout, video: PreparedVideo, results: list[ImageResult], index: int
+) -> dict[str, Any]:
+    """The content part that replaces video `index`'s `video_url` part, checked: `video_grid_thw` [T, h, w],
+    and for Qwen3-VL / Qwen3.5 each group's `timestamps` (the "<t seconds>" text vLLM puts before it).
+    Qwen2.5-VL's second_per_grid_ts is not sent: vLLM takes none (check_video_time)."""
+    tensor = video_tensor(layout, video, results)
+    grid = [int(x) for x in video.metadata["grid_thw"]]  # type: ignore[attr-defined]
+    rows = grid[0] * grid[1] * grid[2] // (layout.merge_size * layout.merge_size)
+    if tensor.dim() != 2 or tuple(tensor.shape) != (rows, layout.width):
+        raise EmbeddingMismatch(
+            f"video {index}: embedding of shape {tuple(tensor.shape)}, but the LLM server expects "
+            f"({rows}, {layout.width}) for grid {grid} ({layout.family}); nothing was sent to it"
+        )
+    embeds: dict[str, Any] = {"video_embeds": npy_b64(tensor), "video_grid_thw": grid}
+    if layout.video_time == "timestamps":
+        embeds["timestamps"] = video.metadata["timestamps_s"]
+    return {"type": "video_embeds", "video_embeds": embeds}

@@ -130,7 +130,7 @@ class EncodeHandler:
         if not parsed.videos:
             return
         if self.videos is None:
-            raise InvalidRequest("this server takes no videos on /encode")
+            raise InvalidRequest("this server takes no videos (--video_decoders 0)")
 
     async def _parse_within(self, request: Request, deadline: float, clock: _StageClock) -> ParsedRequest:
         """A body that trickles in (slowloris) is bounded by the request deadline too."""

@@ -15,6 +15,7 @@ from typing import Any
 import vitserve
 from vitserve.config import Config, redacted_url
 from vitserve.contract import Engine
+from vitserve.errors import ConfigError
 from vitserve.processors.base import VisionProcessor
 
 # The banner's lines: a label and the info keys it shows, in order.
@@ -28,6 +29,7 @@ BANNER_LINES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("reserved_memory_bytes", "reserved_source", "visual_reserved_mem_gb", "runtime_dir"),
     ),
     ("limits", ("limits",)),
+    ("video", ("video_decoders", "video_processor")),
     ("liveness", ("heartbeat_s", "dist_timeout_s")),
     ("LLM", ("llm_endpoint", "llm_url", "llm_timeout_s")),
     ("security", ("security",)),
@@ -78,6 +80,8 @@ def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dic
             "max_video_duration_s": config.max_video_duration_s,
             "max_video_frames": config.max_video_frames,
         },
+        "video_decoders": config.video_decoders,  # videos decoded at a time; 0: the server takes no videos
+        "video_processor": video_defaults(config, processor),
         "heartbeat_s": config.heartbeat_s,  # a rank silent for 2x this is failed; /ready says so
         "dist_timeout_s": config.dist_timeout_s,
         "llm_endpoint": config.llm_endpoint,
@@ -98,6 +102,33 @@ def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dic
         "exact": not config.jpeg_draft,  # what may make embeddings differ from transformers'
         "image_resize": processor.clamp_info()["image_resize"],  # whose pixels: resolved from --image_resize
         "version": vitserve.__version__,
+    }
+
+
+def video_defaults(config: Config, processor: VisionProcessor) -> dict[str, Any] | None:
+    """The checkpoint's video processor as vitserve resolved it (docs/video.md): how a video is sampled when a
+    request sets neither fps nor num_frames, and the pixel bounds of its frames. None when the server takes no
+    videos; {"error": ...} when the checkpoint's video processor config cannot be served (each video is then
+    refused with the same message)."""
+    if not config.video_decoders:
+        return None
+    from vitserve.video.settings import video_settings
+
+    try:
+        s = video_settings(processor.family, processor.checkpoint, processor)
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    return {
+        "default_fps": s.sampling.default_fps,
+        "sampler": s.sampling.sampler,
+        "min_frames": s.sampling.min_frames,
+        "max_frames": s.sampling.max_frames,
+        "temporal_patch_size": s.temporal_patch_size,
+        "min_pixels": s.min_pixels,
+        "max_pixels": s.max_pixels,  # as shipped; each video's clamp is in its plan (resized_size, clamped)
+        "pixels_bound": s.resize,
+        "cap_pixels_per_frame": s.cap_pixels_per_frame,
+        "settings_from": s.source,
     }
 
 

@@ -33,8 +33,6 @@ from vitserve.processors.base import VisionProcessor
 from vitserve.video import VideoDecoder, VideoGroup, VideoLimits, VideoProcessor
 from vitserve.video.settings import video_settings
 
-DECODER_SLOTS = 2  # decoder processes per server: videos decode two at a time, the rest wait for a slot
-
 
 class VideoFrontEnd:
     """The server's video processor and decoder pool, both made on first use; thread-safe."""
@@ -45,8 +43,10 @@ class VideoFrontEnd:
         self._lock = threading.Lock()
         self._processor: VideoProcessor | None = None
         self._decoder: VideoDecoder | None = None
-        # its threads start with the first video, one per decoder slot (more would only queue for a slot)
-        self._pool = ThreadPoolExecutor(max_workers=DECODER_SLOTS, thread_name_prefix="vitserve-video")
+        # decoder processes (--video_decoders): videos decode that many at a time, the rest wait for a slot.
+        # The threads start with the first video, one per decoder slot (more would only queue for a slot).
+        self.slots = config.video_decoders
+        self._pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="vitserve-video")
 
     def processor(self) -> VideoProcessor:
         with self._lock:
@@ -61,7 +61,7 @@ class VideoFrontEnd:
     def decoder(self) -> VideoDecoder:
         with self._lock:
             if self._decoder is None:
-                self._decoder = VideoDecoder(DECODER_SLOTS, limits=VideoLimits.from_config(self.config))
+                self._decoder = VideoDecoder(self.slots, limits=VideoLimits.from_config(self.config))
             return self._decoder
 
     def prepare(self, data: bytes, source: VideoSource, deadline: float) -> PreparedVideo:
