@@ -49,7 +49,14 @@ def _free_port() -> int:
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` on a free 127.0.0.1 port, ready when started."""
 
-    def __init__(self, checkpoint: Path, log_dir: Path, *, limit_mm: dict[str, int] | None = None):
+    def __init__(
+        self,
+        checkpoint: Path,
+        log_dir: Path,
+        *,
+        limit_mm: dict[str, int] | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
         self.checkpoint = Path(checkpoint)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -75,6 +82,7 @@ class VllmServer:
             "--limit-mm-per-prompt",
             json.dumps(limit),
             "-O0",
+            *extra_args,
         ]
         env = {
             **os.environ,

@@ -35,6 +35,8 @@ NON_VITSERVE_FLAGS = {
     "max_restarts": "torchrun --max_restarts (docs/engine.md, Nodes)",
     "enable-mm-embeds": "vllm serve --enable-mm-embeds (docs/vllm.md)",
     "limit-mm-per-prompt": "vllm serve --limit-mm-per-prompt (docs/vllm.md)",
+    "media-io-kwargs": "vllm serve --media-io-kwargs (docs/vllm.md, Video)",
+    "trust-request-mm-kwargs": "vllm serve --trust-request-mm-kwargs (docs/vllm.md, Video)",
     "gpu-memory-utilization": "vllm serve --gpu-memory-utilization (docs/vllm.md)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")

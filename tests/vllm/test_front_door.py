@@ -10,14 +10,20 @@ arithmetic in another order; resizing like the PIL processor instead moves them 
 
 vitserve's budget (256 tokens) is half the checkpoints' own max_pixels (512 merge units), so an image
 between the two is clamped by vitserve alone, and vLLM's usage.prompt_tokens shows the clamped count.
+
+The same vLLM takes one video per prompt (`--limit-mm-per-prompt` video 1, which changes nothing for images)
+and loads every frame of a raw video (`--media-io-kwargs` num_frames -1, not its 32-frame default), so its
+own video path and vitserve sample the same frames of a short clip.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import httpx
@@ -29,12 +35,14 @@ from PIL import Image
 from tests.checkpoints import SERVABLE_FAMILIES, hf_reference, make_servable_checkpoint
 from tests.cli import Cli
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
+from tests.videos import make_clip
 from tests.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 BUDGET = 256  # vitserve's per-image budget, below the checkpoints' own limit
 CHECKPOINT_MAX_UNITS = 512  # the checkpoints' max_pixels in merge units (what vLLM alone allows)
 SIZES = {"exact": (112, 84), "resized": (301, 203), "clamped": (1500, 1000)}
+RAW_VIDEO_TOL = 1e-4  # vLLM's own video path against vitserve's video_embeds
 
 
 def _png(width: int, height: int, seed: int = 0) -> bytes:
@@ -83,7 +91,12 @@ def stack(request, tmp_path_factory):
     family = request.param
     tmp = tmp_path_factory.mktemp(f"vllm-{family}")
     ckpt = make_servable_checkpoint(family, tmp / family, max_units=CHECKPOINT_MAX_UNITS)
-    vllm = VllmServer(ckpt, tmp)
+    vllm = VllmServer(
+        ckpt,
+        tmp,
+        limit_mm={"image": 4, "video": 1},
+        extra_args=("--media-io-kwargs", json.dumps({"video": {"num_frames": -1}})),
+    )
     try:
         vitserve = _vitserve(ckpt, vllm.url, tmp / "vs", "--cache_gb", "1")
     except BaseException:
@@ -208,7 +221,7 @@ def test_pil_resize_equals_vllm_given_transformers_pil_pixels(stack):
 
 
 @pytest.mark.parametrize("stack", ["qwen2_5_vl"], indirect=True)
-def test_vllm_without_its_vision_tower_gives_the_same_answers(stack):
+def test_vllm_without_its_vision_tower_gives_the_same_answers(stack, clip):
     """vLLM with --limit-mm-per-prompt image 0 builds no tower: the memory the sidecar frees. Qwen2.5-VL
     only: for Qwen3-VL vLLM then turns DeepStack off too (docs/vllm.md), so it keeps its tower there."""
     bare = VllmServer(stack.ckpt, stack.tmp, limit_mm={"image": 0, "video": 0})
@@ -222,6 +235,12 @@ def test_vllm_without_its_vision_tower_gives_the_same_answers(stack):
             # above vitserve's budget, vLLM alone would not clamp: compare with vitserve before the full vLLM
             body = chat_request(stack.model, image_url_part(_png(*SIZES["clamped"], seed=11)))
             assert_same_answer(complete(stack.vitserve.url, body), complete(vitserve.url, body))
+            # video_embeds need no tower either (video 0 in the limit)
+            video = {
+                **chat_request(stack.model, _video_url_part(clip)),
+                "mm_processor_kwargs": VIDEO_SAMPLING,
+            }
+            assert_same_answer(complete(stack.vitserve.url, video), complete(vitserve.url, video))
             refused = httpx.post(
                 bare.url + "/v1/chat/completions",
                 json=chat_request(stack.model, image_url_part(_png(64, 64))),
@@ -240,6 +259,83 @@ def test_vllm_without_its_vision_tower_gives_the_same_answers(stack):
             assert vitserve.terminate() == 0
     finally:
         bare.stop()
+
+
+# A clip at 2 fps, 8 frames: 4 temporal groups 1 s apart, so Qwen2.5-VL's second_per_grid_t is 1.0, the time
+# vLLM assumes for video_embeds (docs/vllm.md, "Video"); both sides sample all 8 frames.
+CLIP_FRAMES, CLIP_FPS = 8, 2
+VIDEO_SAMPLING = {"num_frames": CLIP_FRAMES}
+
+
+@pytest.fixture(scope="module")
+def clip() -> bytes:
+    return make_clip(CLIP_FRAMES, "mp4", fps=Fraction(CLIP_FPS), size=(160, 96))
+
+
+def _video_url_part(data: bytes) -> dict:
+    return {
+        "type": "video_url",
+        "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()},
+    }
+
+
+def _transformers_video_embeds(stack: Stack, data: bytes) -> dict:
+    """vLLM's video_embeds part made by transformers alone: its video processor on every frame (decoded as
+    its PyAV loader does), model.visual on the result (DeepStack after the main rows), Qwen3-VL's timestamps
+    as vLLM computes them from the sampled frames (the mean time of each group's two frames)."""
+    import av
+    from transformers import AutoVideoProcessor
+
+    with av.open(io.BytesIO(data)) as container:
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    processed = AutoVideoProcessor.from_pretrained(str(stack.ckpt), local_files_only=True)(
+        videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)],
+        video_metadata=[{"total_num_frames": len(frames), "fps": float(CLIP_FPS)}],
+        do_sample_frames=True,
+        return_metadata=True,
+        return_tensors="pt",
+        **VIDEO_SAMPLING,
+    )
+    embeds, deepstack = hf_reference(stack.ckpt, stack.family)(
+        processed["pixel_values_videos"], processed["video_grid_thw"]
+    )
+    buf = io.BytesIO()
+    np.save(buf, torch.cat([embeds, *deepstack], dim=1).numpy(), allow_pickle=False)
+    part = {
+        "video_embeds": base64.b64encode(buf.getvalue()).decode(),
+        "video_grid_thw": processed["video_grid_thw"][0].tolist(),
+    }
+    if stack.family == "qwen3_vl":
+        seconds = [int(i) / CLIP_FPS for i in processed["video_metadata"][0].frames_indices]
+        part["timestamps"] = [(a + b) / 2 for a, b in zip(seconds[::2], seconds[1::2], strict=True)]
+    return {"type": "video_embeds", "video_embeds": part}
+
+
+def test_a_video_gives_the_answer_of_vllm_given_transformers_video_embeddings(stack, clip):
+    body = chat_request(stack.model, _video_url_part(clip))
+    through = complete(stack.vitserve.url, {**body, "mm_processor_kwargs": VIDEO_SAMPLING})
+    given = complete(stack.vllm.url, chat_request(stack.model, _transformers_video_embeds(stack, clip)))
+    assert_same_answer(given, through)  # prompt_tokens included: the video's placeholder count
+
+
+def test_a_video_gives_the_answer_of_vllms_own_video_path(stack, clip):
+    """vLLM decodes the raw clip itself (OpenCV, every frame by --media-io-kwargs) and runs its own tower."""
+    body = chat_request(stack.model, _video_url_part(clip))
+    direct = complete(stack.vllm.url, body)
+    through = complete(stack.vitserve.url, {**body, "mm_processor_kwargs": VIDEO_SAMPLING})
+    assert_same_answer(direct, through, tol=RAW_VIDEO_TOL)
+
+
+def test_a_corrupt_video_is_400_and_vllm_never_sees_it(stack, clip):
+    before = (_vllm_requests(stack), _metric(stack.vitserve.url, "vitserve_upstream_requests_total"))
+    body = chat_request(stack.model, _video_url_part(clip[: len(clip) // 3]))
+    r = httpx.post(stack.vitserve.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["code"] == "invalid_video"
+    assert error["param"] == "messages[0].content[0]"
+    after = (_vllm_requests(stack), _metric(stack.vitserve.url, "vitserve_upstream_requests_total"))
+    assert after == before
 
 
 def test_vllm_stayed_alive_through_every_test(stack):
