@@ -294,6 +294,8 @@ def _transformers_video_embeds(stack: Stack, data: bytes) -> dict:
         do_sample_frames=True,
         return_metadata=True,
         return_tensors="pt",
+        fps=None,  # Qwen3-VL's class default (2) would clash with num_frames
+        cap_pixels_per_frame=False,  # transformers' current default, said so (vitserve's too)
         **VIDEO_SAMPLING,
     )
     embeds, deepstack = hf_reference(stack.ckpt, stack.family)(
