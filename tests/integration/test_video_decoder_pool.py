@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.videos import KINDS, frame_number, make_clip, reference_frames
+from tests.videos import KINDS, frame_number, make_clip, mutants, reference_frames
 from vitserve.errors import InvalidVideo, PayloadTooLarge, UnsupportedVideo, VideoDecodeTimeout, VitserveError
 from vitserve.processors.pixels import resize_uint8
 from vitserve.video.decode import VideoLimits
@@ -160,26 +160,10 @@ def test_the_memory_limit_stops_a_decoder(clip, heavy):
         _serves(pool, clip)
 
 
-def _mutants(data: bytes, count: int, seed: int) -> list[bytes]:
-    """Truncations and 1-8 bit flips (after the first 12 bytes, so the container is still recognised)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(count):
-        if i % 3 == 0:
-            out.append(data[: int(rng.integers(12, len(data)))])
-            continue
-        blob = bytearray(data)
-        for _ in range(int(rng.integers(1, 9))):
-            at = int(rng.integers(12, len(blob)))
-            blob[at] ^= 1 << int(rng.integers(0, 8))
-        out.append(bytes(blob))
-    return out
-
-
 def _fuzz(pool: VideoDecoder, per_kind: int) -> dict[str, int]:
     outcomes: dict[str, int] = {}
     for seed, kind in enumerate(("mp4", "mkv", "webm")):
-        for blob in _mutants(make_clip(31, kind), per_kind, seed):
+        for blob in mutants(make_clip(31, kind), per_kind, seed):
             try:
                 info = pool.probe(blob, deadline_s=DEADLINE_S)
                 frames = pool.decode(blob, tuple(range(info.total_frames)), (40, 24), deadline_s=DEADLINE_S)
