@@ -13,7 +13,7 @@ The clip: 300 frames of tests/videos.py's numbered pictures (a moving pattern, s
   threads, every frame decoded up to the last index, the sampled ones converted to RGB at full size.
 - `vitserve`: what a server's decoder process does (vitserve/video/decode.py, its two FFmpeg threads, torch
   at one thread): `probe` (demux, count) then `decode_frames` of the sampled indices, resized in place to the
-  size Qwen2.5-VL's processor gives the frames (`smart_resize`, 1036x588 for 720p).
+  size Qwen2.5-VL's processor gives the frames (`smart_resize`: 1008x560 for 720p).
 - `vitserve_full`: the same without the resize (full-size frames, as `hf` returns them).
 - `vitserve_pool`: the resized decode through `VideoDecoder` (a spawned decoder process, the frames back over
   its pipe): the path `/encode` takes.
