@@ -126,7 +126,6 @@ def mutant_blobs(clips: dict[str, bytes], per_kind: int) -> list[tuple[str, byte
 def test_fuzzed_containers_get_200s_or_documented_4xx_quick(server, clips):
     blobs = [(f"crafted {i}", blob) for i, blob in enumerate(crafted(clips))] + mutant_blobs(clips, 6)
     outcomes = fuzz(server.url, blobs)
-    print(outcomes)
     assert sum(outcomes.values()) == len(blobs) == 28
     assert outcomes.get("invalid_video", 0) > 0  # the corpus does reach the decoder's refusals
     still_serves(server.url, clips["mp4"])
