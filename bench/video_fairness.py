@@ -2,6 +2,7 @@
 
     python bench/video_fairness.py            # 4 image clients, 2 video clients, 3 rounds of 30 s + 30 s
     python bench/video_fairness.py --quick    # 1 round of 15 s + 15 s
+    python bench/video_fairness.py --tree /tmp/old   # the server from another checkout (before/after)
 
 Starts the real CLI (`vitserve --model <ckpt>`) on a tiny Qwen2.5-VL checkpoint written by
 tests/checkpoints.py (vision tower: depth 2, width 32; at most 64 merged tokens per image or frame), then runs
@@ -67,14 +68,14 @@ def video_clip(out: Path) -> bytes:
 
 
 @contextlib.contextmanager
-def server(ckpt: Path, log: Path):
-    """The real CLI on the tiny checkpoint; yields (url, pid)."""
+def server(ckpt: Path, log: Path, tree: Path = ROOT):
+    """The real CLI on the tiny checkpoint, its code from ``tree``; yields (url, pid)."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="vitserve-fair-") as runtime:
         argv = [*CLI, "--model", str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--runtime_dir", runtime,
                 "--log_level", "warning", "--request_timeout_s", str(int(TIMEOUT_S)),
                 "--max_queue_tokens", "1000000"]  # fmt: skip
-        proc = Cli(argv, env={**os.environ, "PYTHONPATH": str(ROOT)}, command=(), cwd=ROOT, log=log)
+        proc = Cli(argv, env={**os.environ, "PYTHONPATH": str(tree)}, command=(), cwd=tree, log=log)
         url = f"http://127.0.0.1:{port}"
         try:
             wait_ready(url, "/ready", READY_TIMEOUT_S, proc.proc)
@@ -214,6 +215,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alone, then with videos, this many times")
     ap.add_argument("--quick", action="store_true", help="1 round of 15 s phases")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    ap.add_argument(
+        "--tree", type=Path, default=ROOT, help="the checkout whose server runs (an older one: A/B)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.seconds = 1, 15.0
@@ -227,7 +231,7 @@ def main() -> None:
         from tests.checkpoints import make_checkpoint
 
         ckpt = make_checkpoint("qwen2_5_vl", Path(tmp) / "ckpt")
-        with server(ckpt, args.out / "video-fairness-server.log") as (url, pid):
+        with server(ckpt, args.out / "video-fairness-server.log", args.tree.resolve()) as (url, pid):
             args.server_pid = pid
             asyncio.run(
                 phase(url, images[:2], video, argparse.Namespace(**{**vars(args), "seconds": 1}))
