@@ -22,7 +22,7 @@ from tests.videos import KINDS, frame_number, make_clip, mutants, reference_fram
 from vitserve.errors import InvalidVideo, PayloadTooLarge, UnsupportedVideo, VideoDecodeTimeout, VitserveError
 from vitserve.processors.pixels import resize_uint8
 from vitserve.video.decode import VideoLimits
-from vitserve.video.decoder import VideoDecoder
+from vitserve.video.decoder import DECODER_NICE, VideoDecoder
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 DEADLINE_S = 120.0  # generous: the machine running the suite may be busy
@@ -66,6 +66,18 @@ def test_probe_and_decode_in_the_pool_equal_the_straight_decode(pool):
         frames = pool.decode(data, (0, 4, 8), (64, 40), deadline_s=DEADLINE_S)
         for frame, index in zip(frames, (0, 4, 8), strict=True):
             np.testing.assert_array_equal(frame, resize_uint8(reference[index], (64, 40)))
+
+
+def test_decoder_processes_yield_the_cpu_to_the_server(pool, clip):
+    """Every thread of every decoder process runs at the server's nice value + DECODER_NICE (at most 19)."""
+    _serves(pool, clip)  # each slot has started (and decoded: FFmpeg's threads inherit the value)
+    _serves(pool, clip)
+    expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + DECODER_NICE)
+    for pid in pool.pids():
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                nice = int(stat.read().rsplit(")", 1)[1].split()[16])
+            assert nice == expected, (pid, task, nice)
 
 
 def test_bad_inputs_are_400s_and_limits_413s(pool, clip):
