@@ -48,9 +48,8 @@ from vitserve.errors import (
 )
 from vitserve.video.decode import VideoInfo, VideoLimits
 
-DECODER_NICE = (
-    10  # added to a decoder process's nice value: a CFS weight of about 1/10 of the server's threads
-)
+# added to a decoder process's nice value: a CFS weight of about 1/10 of the server's threads
+DECODER_NICE = 10
 _READY = "ready"  # a slot's first message, once its imports are done and its limits set
 _ERRORS: dict[str, type[VitserveError]] = {
     cls.code: cls for cls in (InvalidVideo, UnsupportedVideo, PayloadTooLarge, VideoDecodeTimeout)
