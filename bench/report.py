@@ -3,10 +3,10 @@
     python bench/report.py            # print each table under its header line (commit, machine, load)
     python bench/report.py --write    # also put them into bench/RESULTS.md, between its report markers
 
-Reads the last line of bench/out/<bench>.jsonl (written by bench/record.py) for encoder, serve, transfer,
-cache and jpeg_draft, and redraws bench/serve_throughput.png and bench/serve_latency_cdf.png from that serve
-run, so the plots and the tables always come from the same run. A benchmark that never ran here is reported
-as such, never filled from an older file.
+Reads the last line of bench/out/<bench>.jsonl (written by bench/record.py) for each of BENCHES, and redraws
+bench/serve_throughput.png and bench/serve_latency_cdf.png from the serve run, so the plots and the tables
+always come from the same run. A benchmark that never ran here is reported as such, never filled from an
+older file.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ BENCHES = (
     "preprocess",
     "latency",
     "gateway",
+    "video_decode",
+    "video_fairness",
 )
 RESULTS = ROOT / "bench" / "RESULTS.md"
 
@@ -256,9 +258,43 @@ def gateway_table(res: dict) -> list[str]:
             "ratio at 8 clients >= 0.9 (unique) and >= 1.5 (repeated)."]  # fmt: skip
 
 
+def video_decode_table(res: dict) -> list[str]:
+    modes = ("hf", "vitserve", "vitserve_full", "vitserve_pool")
+    rows = []
+    for r in res["rows"]:
+        wall, cpu = r["wall_s"], r["cpu_s"]
+        rows.append([r["gop"], r["repeats"], *(f"{_f(wall[m]['median'])} / {_f(cpu[m])}" for m in modes),
+                     f"**{_f(r['vs_hf']['vitserve'])}x**", f"{_f(r['vs_hf']['vitserve_full'])}x",
+                     f"{_f(r['vs_hf']['vitserve_pool'])}x", f"{_f(cpu['hf'] / cpu['vitserve'])}x"])  # fmt: skip
+    head = ["GOP", "repeats", *(f"{m} wall / CPU s" for m in modes), "vitserve x hf", "full x hf", "pool x hf",
+            "CPU: hf / vitserve"]  # fmt: skip
+    r0 = res["rows"][0]
+    return [*_table(head, rows), "",
+            f"{res['clip']}, {len(r0['indices'])} frames sampled ({r0['indices'][:3]}...), resized to "
+            f"{r0['resized_size'][0]}x{r0['resized_size'][1]}. Wall: median; CPU: median seconds of the decoding "
+            "process. Target: vitserve >= 1.5x hf."]  # fmt: skip
+
+
+def video_fairness_table(res: dict) -> list[str]:
+    s, rows = res["summary"], []
+    for kind in ("alone", "videos"):
+        k, ms = s[kind], s[kind]["ms"]
+        rows.append([kind, k["requests"], _f(k["images_per_s"]), *(f"{_f(ms[p]['p50'], 1)} / {_f(ms[p]['p99'], 1)}"
+                     for p in ("total", "queue", "decode_preprocess", "encode", "rest")),
+                     _f(k["mean_batch_fill"], 3), _f(k["mean_batch_items"]), _f(k["server_cores_busy"]),
+                     k["videos_done"], _f(k["video_s_p50"], 1), sum(k["errors"].values())])  # fmt: skip
+    head = ["phase", "images", "img/s", "image ms p50 / p99", "queue", "decode + prep", "encode", "rest",
+            "batch fill", "items / batch", "server cores", "videos", "video s p50", "errors"]  # fmt: skip
+    v = res["video"]
+    return [*_table(head, rows), "",
+            f"p99 with videos / alone: **{_f(s.get('p99_ratio'))}x** (target <= 1.5); p50: {_f(s.get('p50_ratio'))}x. "
+            f"Videos: {v['seconds']} s of {v['size'][0]}x{v['size'][1]} at {v['fps']} fps, GOP {v['gop']}."]  # fmt: skip
+
+
 TABLES = {"encoder": encoder_table, "serve": serve_table, "transfer": transfer_table, "cache": cache_table,
           "jpeg_draft": jpeg_draft_table, "startup": startup_table, "scaling": scaling_table,
-          "preprocess": preprocess_table, "latency": latency_table, "gateway": gateway_table}  # fmt: skip
+          "preprocess": preprocess_table, "latency": latency_table, "gateway": gateway_table,
+          "video_decode": video_decode_table, "video_fairness": video_fairness_table}  # fmt: skip
 
 
 def section(bench: str, out_dir: Path | None) -> str:

@@ -108,3 +108,20 @@ def with_packet_replaced(data: bytes, which: int, payload: bytes) -> bytes:
             packet.stream = copy
             dst.mux(packet)
     return out.getvalue()
+
+
+def mutants(data: bytes, count: int, seed: int) -> list[bytes]:
+    """Truncations (every third) and 1-8 bit flips of ``data``, after its first 12 bytes so that the container
+    is still recognised: the decoder pool's fuzz test and the server's (tests/e2e/test_video_fuzz.py)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        if i % 3 == 0:
+            out.append(data[: int(rng.integers(12, len(data)))])
+            continue
+        blob = bytearray(data)
+        for _ in range(int(rng.integers(1, 9))):
+            at = int(rng.integers(12, len(blob)))
+            blob[at] ^= 1 << int(rng.integers(0, 8))
+        out.append(bytes(blob))
+    return out

@@ -18,11 +18,11 @@ import time
 import numpy as np
 import pytest
 
-from tests.videos import KINDS, frame_number, make_clip, reference_frames
+from tests.videos import KINDS, frame_number, make_clip, mutants, reference_frames
 from vitserve.errors import InvalidVideo, PayloadTooLarge, UnsupportedVideo, VideoDecodeTimeout, VitserveError
 from vitserve.processors.pixels import resize_uint8
 from vitserve.video.decode import VideoLimits
-from vitserve.video.decoder import VideoDecoder
+from vitserve.video.decoder import DECODER_NICE, VideoDecoder
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 DEADLINE_S = 120.0  # generous: the machine running the suite may be busy
@@ -66,6 +66,18 @@ def test_probe_and_decode_in_the_pool_equal_the_straight_decode(pool):
         frames = pool.decode(data, (0, 4, 8), (64, 40), deadline_s=DEADLINE_S)
         for frame, index in zip(frames, (0, 4, 8), strict=True):
             np.testing.assert_array_equal(frame, resize_uint8(reference[index], (64, 40)))
+
+
+def test_decoder_processes_yield_the_cpu_to_the_server(pool, clip):
+    """Every thread of every decoder process runs at the server's nice value + DECODER_NICE (at most 19)."""
+    _serves(pool, clip)  # each slot has started (and decoded: FFmpeg's threads inherit the value)
+    _serves(pool, clip)
+    expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + DECODER_NICE)
+    for pid in pool.pids():
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                nice = int(stat.read().rsplit(")", 1)[1].split()[16])
+            assert nice == expected, (pid, task, nice)
 
 
 def test_bad_inputs_are_400s_and_limits_413s(pool, clip):
@@ -160,26 +172,10 @@ def test_the_memory_limit_stops_a_decoder(clip, heavy):
         _serves(pool, clip)
 
 
-def _mutants(data: bytes, count: int, seed: int) -> list[bytes]:
-    """Truncations and 1-8 bit flips (after the first 12 bytes, so the container is still recognised)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(count):
-        if i % 3 == 0:
-            out.append(data[: int(rng.integers(12, len(data)))])
-            continue
-        blob = bytearray(data)
-        for _ in range(int(rng.integers(1, 9))):
-            at = int(rng.integers(12, len(blob)))
-            blob[at] ^= 1 << int(rng.integers(0, 8))
-        out.append(bytes(blob))
-    return out
-
-
 def _fuzz(pool: VideoDecoder, per_kind: int) -> dict[str, int]:
     outcomes: dict[str, int] = {}
     for seed, kind in enumerate(("mp4", "mkv", "webm")):
-        for blob in _mutants(make_clip(31, kind), per_kind, seed):
+        for blob in mutants(make_clip(31, kind), per_kind, seed):
             try:
                 info = pool.probe(blob, deadline_s=DEADLINE_S)
                 frames = pool.decode(blob, tuple(range(info.total_frames)), (40, 24), deadline_s=DEADLINE_S)

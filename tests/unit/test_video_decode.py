@@ -66,14 +66,16 @@ def test_probe_counts_frames_by_demuxing(kind, clips, references):
             assert container.streams.video[0].frames == 0  # why the count is demuxed
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_decoded_frames_equal_a_straight_decode(kind, clips, references):
-    """Any indices (across keyframes, backwards, repeated): the oracle's bytes, in the order asked."""
+def test_decoded_frames_equal_a_straight_decode(kind, threads, clips, references):
+    """Any indices (across keyframes, backwards, repeated): the oracle's bytes, in the order asked, with one
+    decoding thread and with the decoder pool's two (frame threads: a skipped packet's setting travels with it)."""
     rng = np.random.default_rng(0)
     index_sets = [[0], [30], list(range(31)), [0, 12, 24, 30], [5, 6, 7, 13, 29], [29, 3, 3, 17]]
     index_sets += [sorted(rng.choice(31, size=int(rng.integers(1, 12)), replace=False)) for _ in range(6)]
     for indices in index_sets:
-        frames = decode_frames(clips[kind], indices, None, LIMITS)
+        frames = decode_frames(clips[kind], indices, None, LIMITS, threads)
         assert frames.shape == (len(indices), 96, 160, 3)
         assert frames.dtype == np.uint8
         for frame, index in zip(frames, indices, strict=True):
@@ -109,9 +111,9 @@ def test_seeks_only_when_a_keyframe_lies_between(monkeypatch):
     seeks: list[int] = []
     real_seek = decode._seek
 
-    def counting_seek(container, stream, pts):
+    def counting_seek(container, stream, pts, keep):
         seeks.append(pts)
-        return real_seek(container, stream, pts)
+        return real_seek(container, stream, pts, keep)
 
     monkeypatch.setattr(decode, "_seek", counting_seek)
     decode_frames(data, [0, 1, 2, 3, 4], None, LIMITS)
@@ -120,6 +122,29 @@ def test_seeks_only_when_a_keyframe_lies_between(monkeypatch):
     decode_frames(data, list(range(2, 125, 10)), None, LIMITS)
     assert len(seeks) == 13  # a keyframe between every two targets
     assert len(set(seeks)) == 13
+
+
+@pytest.mark.parametrize(("kind", "skips"), [("mp4", True), ("hevc", True), ("webm", False), ("av1", False)])
+def test_non_reference_frames_between_targets_are_not_decoded(kind, skips, clips, references, monkeypatch):
+    """H.264/H.265: the B-frames no frame refers to are dropped unless asked for, and the asked ones (B-frames
+    among them) still equal the straight decode; other codecs decode every frame up to the last target."""
+    decoded: list[int] = []
+    real = decode._decode_kept
+
+    def counting(container, stream, keep):
+        for frame in real(container, stream, keep):
+            decoded.append(frame.pts)
+            yield frame
+
+    monkeypatch.setattr(decode, "_decode_kept", counting)
+    indices = [1, 2, 3, 9, 10, 11]  # one keyframe interval (12): a single pass from frame 0
+    frames = decode_frames(clips[kind], indices, None, LIMITS)
+    for frame, index in zip(frames, indices, strict=True):
+        np.testing.assert_array_equal(frame, references[kind][index])
+    if skips:
+        assert 7 <= len(decoded) < 12  # the references (frame 0 and the P/reference B-frames) and the asked
+    else:
+        assert len(decoded) >= 12  # frames 0..11, and whatever the decoder had in flight
 
 
 def test_one_frame_clip():

@@ -13,7 +13,8 @@ Usage (inside a decoder process: vitserve/video/decoder.py runs these in spawned
   video stream's packets (one frame each), demuxed without decoding, and stops at ``--max_video_frames``.
 - Frame k is the frame with the k-th smallest pts. A sampled frame is reached by seeking to the keyframe at
   or before its pts when a keyframe lies between the decoder and it, else by decoding on; this equals a
-  straight decode of every frame (tests/unit/test_video_decode.py) at a fraction of the work.
+  straight decode of every frame (tests/unit/test_video_decode.py) at a fraction of the work. H.264 and
+  H.265 frames that nothing refers to are dropped undecoded on the way unless asked for (``_decode_kept``).
 - Frames are converted as transformers' PyAV loader converts them (``to_ndarray(format="rgb24")``) and resized
   with the torch resize of ``--image_resize torch`` (vitserve/processors/pixels.py), so full-size frames
   never leave the decoding process.
@@ -39,6 +40,8 @@ from vitserve.processors.pixels import resize_uint8
 
 # The video codecs SPEC §9 accepts, by FFmpeg codec (not decoder) name.
 CODECS = ("h264", "hevc", "vp8", "vp9", "av1")
+# Codecs whose non-reference frames are skipped unless asked for (_decode_kept).
+_SKIP_NONREF = ("h264", "hevc")
 _MP4_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip", b"pnot")  # a QuickTime file's first box
 _EBML_MAGIC = b"\x1a\x45\xdf\xa3"  # Matroska and WebM
 # What PyAV and FFmpeg raise on bad data; each becomes InvalidVideo (a decoder crash is the pool's business).
@@ -259,16 +262,17 @@ def _decode_seeking(
     the keyframe before a target when one lies between the last decoded frame and it, else decode on."""
     frames: Iterator[Any] | None = None
     position: int | None = None  # pts of the last decoded frame; None right after a seek
+    keep = frozenset(table.pts[index] for index in wanted)
     for index in wanted:
         target = table.pts[index]
         keyframe = table.keyframe_before(target)
         sought = frames is None or position is None or keyframe > position
         if sought or frames is None:
-            frames = _seek(container, stream, keyframe)
+            frames = _seek(container, stream, keyframe, keep)
         frame, position = _advance(frames, target)
         if frame is None and sought and position is not None and keyframe > table.keyframes[0]:
             # the demuxer's seek landed past the target (an index it lacks): decode from the first keyframe
-            frames = _seek(container, stream, table.keyframes[0])
+            frames = _seek(container, stream, table.keyframes[0], keep)
             frame, position = _advance(frames, target)
         if frame is None:
             return
@@ -286,9 +290,23 @@ def _advance(frames: Iterator[Any], target: int) -> tuple[Any | None, int | None
     return None, None
 
 
-def _seek(container: Any, stream: Any, pts: int) -> Iterator[Any]:
+def _seek(container: Any, stream: Any, pts: int, keep: frozenset[int]) -> Iterator[Any]:
     container.seek(pts, stream=stream, backward=True, any_frame=False)  # flushes the decoder
-    return iter(container.decode(stream))
+    return _decode_kept(container, stream, keep)
+
+
+def _decode_kept(container: Any, stream: Any, keep: frozenset[int]) -> Iterator[Any]:
+    """The frames decoded from the demuxer's position on, less the non-reference frames (those no other frame
+    is predicted from: most B-frames) whose pts is not in ``keep``: their packets are dropped undecoded
+    (FFmpeg's AVDISCARD_NONREF, set per packet), which changes no other frame and saves their decoding.
+    Only for H.264 and H.265, where a packet is one frame and "non-reference" is the bitstream's own flag;
+    AV1 packets can carry a hidden reference frame beside the shown one, so every other codec decodes all."""
+    context = stream.codec_context
+    skipping = _codec_name(stream) in _SKIP_NONREF
+    for packet in container.demux(stream):
+        if skipping:
+            context.skip_frame = "DEFAULT" if packet.pts is None or packet.pts in keep else "NONREF"
+        yield from packet.decode()
 
 
 def _decode_all(container: Any, wanted: list[int]) -> Iterator[tuple[int, Any]]:

@@ -14,6 +14,8 @@ A decoder runs foreign bitstreams through FFmpeg: a bug there must cost one requ
 - CPU: RLIMIT_CPU, reset before each call to the CPU time used so far + ``cpu_s``; past it the kernel's
   SIGXCPU ends the process: a 504, as is the wall deadline (the parent waits ``deadline_s``, then kills it);
 - a process that dies on a call (a signal, an exit) costs that call a 400 naming the signal;
+- priority: nice +``DECODER_NICE``, so a core the decoders share with the API process and the ranks goes to
+  images first (a video's decode takes seconds of CPU; an image's preprocess and encode, milliseconds);
 - a killed or dead process is replaced at once; the replacement starts in the background and the next call
   on its slot waits for its ready message.
 Messages are the typed ``Job`` and ``Reply``; errors cross as (code, message), never pickled exceptions.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import enum
 import math
 import multiprocessing as mp
+import os
 import queue
 import resource
 import signal
@@ -45,6 +48,8 @@ from vitserve.errors import (
 )
 from vitserve.video.decode import VideoInfo, VideoLimits
 
+# added to a decoder process's nice value: a CFS weight of about 1/10 of the server's threads
+DECODER_NICE = 10
 _READY = "ready"  # a slot's first message, once its imports are done and its limits set
 _ERRORS: dict[str, type[VitserveError]] = {
     cls.code: cls for cls in (InvalidVideo, UnsupportedVideo, PayloadTooLarge, VideoDecodeTimeout)
@@ -93,6 +98,7 @@ def _child_main(conn: Connection, limits: ProcessLimits) -> None:
     from vitserve.video.decode import decode_frames, error_reply, probe
 
     torch.set_num_threads(1)  # a per-frame resize; the pool's slots are the parallelism
+    os.nice(DECODER_NICE)  # before FFmpeg starts its threads, which inherit it
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash leaves no core file
     address_space = _address_space() + limits.memory_bytes
     resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
