@@ -1,7 +1,7 @@
 """Peak memory of the service while it encodes a short and a long video: does it stay flat with length?
 
     python bench/video_memory.py [--short_s 10] [--long_s 600] [--source_fps 2] [--fps 0.5] [--size 336]
-                                 [--budget 8192] [--quick] [--out bench/out]
+                                 [--budget 288] [--quick] [--out bench/out]
 
 For each clip, a fresh real server (`python -m vitserve.cli --model demo`, the CLI as deployed, the demo
 tower on the CPU) gets one `/encode` of that one video (JSON, base64, no embeddings returned: the answer's
@@ -9,6 +9,11 @@ size grows with the video by design, the service's working memory should not). C
 (tests/videos.py: every frame differs everywhere) of `size` x `size` pixels at `source_fps`, sampled at
 `fps`, so the long clip has long_s / short_s times the sampled frames of the short one (default: 5 and
 300 frames, 2 and 150 temporal groups of 576 patches).
+
+Same batches for both: the budget (`--visual_batch_max_tokens`, default 288 = the short clip's 2 groups of
+144 tokens) is one the short clip fills, so the encoder rank's working memory (bounded by the batch, by
+design) is the same for both and the ratio measures what grows with the video. At the server's default
+8192 a 10 s clip's one batch of 2 groups would be compared with the long clip's full batches of up to 56.
 
 Same frame size for both: `--max_video_tokens` is raised to 10,000,000 for both servers, otherwise the
 default 16,384 would shrink the long video's frames to fit and the comparison would not be at equal work
@@ -154,7 +159,7 @@ def main() -> None:
     ap.add_argument("--source_fps", type=int, default=2, help="the clips' frame rate")
     ap.add_argument("--fps", type=float, default=0.5, help="the request's sampling fps")
     ap.add_argument("--size", type=int, default=336, help="frame width and height (a multiple of 28)")
-    ap.add_argument("--budget", type=int, default=8192, help="--visual_batch_max_tokens")
+    ap.add_argument("--budget", type=int, default=288, help="--visual_batch_max_tokens (see above)")
     ap.add_argument("--quick", action="store_true", help="8 s and 60 s clips")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
