@@ -44,7 +44,7 @@ from vitserve.engine.collect import collect
 from vitserve.engine.dispatch import Dispatcher
 from vitserve.engine.feed import feed_groups
 from vitserve.engine.groups import TERM_GRACE_S, GroupState, Watchdog, WorkerGroup
-from vitserve.engine.jobs import Job, JobTable
+from vitserve.engine.jobs import Claim, Job, JobTable
 from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull
 from vitserve.metrics import Metrics
@@ -356,9 +356,13 @@ class Engine:
                 else:  # pixels a chunk at a time, only for the groups this request encodes
                     fed = [(g, c.job) for g, c in enumerate(stream) if c.fresh and c.job is not None]
                     self._start_feed(feed_groups(video.feed, fed, self._add_stream))
-            return await collect(request, every, self._push, self.metrics)
+            return await collect(request, every, self._push, self.metrics, self._release)
         finally:  # result, error, timeout or disconnect: Jobs nobody else claims leave the queue
             self._dispatch.cancel(self._jobs.release(every))
+
+    def _release(self, claim: Claim) -> None:
+        """One collected claim let go (JobTable.release is idempotent: the request's final release skips it)."""
+        self._dispatch.cancel(self._jobs.release([claim]))
 
     def _add_stream(self, jobs: list[Job]) -> None:
         if self._shared is None:
