@@ -33,6 +33,7 @@ from vitserve.contract import ImageResult, PreparedImage, PreparedVideo, Process
 from vitserve.errors import InvalidVideo, Timeout, VitserveError
 from vitserve.processors.base import VisionProcessor
 from vitserve.video import Sampling, VideoDecoder, VideoLimits, VideoPlan, VideoProcessor
+from vitserve.video.memory import pin_mmap_threshold
 from vitserve.video.settings import video_settings
 
 DECODER_SLOTS = 2  # decoder processes per server: videos decode two at a time, the rest wait for a slot
@@ -55,6 +56,7 @@ class VideoFrontEnd:
     def processor(self) -> VideoProcessor:
         with self._lock:
             if self._processor is None:
+                pin_mmap_threshold()  # the chunks a video's groups are made in are freed to the OS
                 image = self.image_processor
                 settings = video_settings(image.family, image.checkpoint, image)
                 self._processor = VideoProcessor(
