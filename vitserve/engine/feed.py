@@ -27,7 +27,7 @@ import torch
 
 from vitserve.contract import GroupFeed
 from vitserve.engine.jobs import Job
-from vitserve.errors import VitserveError
+from vitserve.errors import NotReady, VitserveError
 
 _NO_PIXELS = torch.empty(0)
 
@@ -36,11 +36,18 @@ async def feed_groups(feed: GroupFeed, jobs: list[tuple[int, Job]], add: Callabl
     """Fill and queue ``jobs`` = (group index, Job) in time order, a chunk at a time (see the module doc)."""
     try:
         await _feed(feed, jobs, add)
+    except asyncio.CancelledError:  # the engine is shutting down
+        _settle_unfed(jobs, NotReady("the server shut down before this video was encoded"))
+        raise
     except Exception as exc:
         error = exc if isinstance(exc, VitserveError) else VitserveError(f"the video feed failed: {exc!r}")
-        for _, job in jobs:
-            if not job.item.pixel_values.numel():  # never fed: nobody else will settle it
-                job.settle(exc=error)
+        _settle_unfed(jobs, error)
+
+
+def _settle_unfed(jobs: list[tuple[int, Job]], error: VitserveError) -> None:
+    for _, job in jobs:
+        if not job.item.pixel_values.numel():  # never fed: nobody else will settle it
+            job.settle(exc=error)
 
 
 async def _feed(feed: GroupFeed, jobs: list[tuple[int, Job]], add: Callable[[list[Job]], None]) -> None:
