@@ -3,11 +3,11 @@
 
 A PreparedVideo with a feed arrives with its groups' ids and token counts but no pixels. Engine.encode
 claims every group first (cache hits and groups another request is encoding need no pixels), then starts
-one FeedTask for the groups this request must encode. The task asks the feed for one chunk's pixels,
-then for the next while it waits for the chunk before to leave the queue, and only then adds the chunk as
-a stream (Scheduler.add_stream: the fairness window holds within it). So at most about three chunks of a
-video are in memory (one encoding, one ready, one being made), and a group's pixels are dropped once it
-is encoded.
+one task (feed_groups) for the groups this request must encode. The task asks the feed for one chunk's
+pixels, adds the chunk as a stream (Scheduler.add_stream: the fairness window holds within it) once the
+chunk before it left the queue, then asks for the next chunk while this one waits in the queue. So at most
+about three chunks of a video are in memory (one encoding per encoder group, one queued, one being made),
+and a group's pixels are dropped once it is encoded.
 
 The task belongs to the groups, not to the request that made them: a later request may join a group, so
 the task runs until every group it feeds is settled (encoded, failed, or cancelled because no request
@@ -60,13 +60,13 @@ async def _feed(feed: GroupFeed, jobs: list[tuple[int, Job]], add: Callable[[lis
             pixels = await (making or _make(feed, chunk))
             making = None
             _fill(chunk, pixels)
-            rest = chunks[k + 1 :]
-            if rest and _pending(rest):  # the next chunk is made while this one waits for the queue
-                making = _make(feed, rest[0])
             await _left_queue(previous)
             previous = [job for _, job in chunk if not job.future.done()]
             if previous:
                 add(previous)
+            rest = chunks[k + 1 :]
+            if rest and _pending(rest):  # the next chunk is made while this one waits in the queue
+                making = _make(feed, rest[0])
             if not _pending(rest):
                 return  # nobody waits for the rest (cancelled, or joined and done): no more decoding
     finally:
