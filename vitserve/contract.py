@@ -46,13 +46,32 @@ class PreparedImage:
     draft_scale: int = 1  # 1, 2, 4 or 8: the reduced JPEG decode --jpeg_draft used (1 = full decode)
 
 
+class GroupFeed(Protocol):
+    """The pixels of a video's temporal groups, made on demand a chunk at a time (docs/video.md "Memory"):
+    the engine asks only for the groups it must encode (none for a video whose groups are all cached), a
+    chunk after the one before it left the queue, so a video's pixels in memory are bounded by the chunk,
+    not by its length."""
+
+    chunk_groups: int  # groups the engine asks for at a time
+
+    async def pixels(self, groups: list[int]) -> list[torch.Tensor]:
+        """The pixel_values of these groups (indices in time order), one tensor each; raises the video's
+        VitserveError (its video_index set) when a frame cannot be decoded."""
+        ...
+
+    def times(self) -> tuple[float, float]:
+        """(decode_s, preprocess_s) spent on the chunks so far."""
+        ...
+
+
 @dataclass(frozen=True)
 class PreparedVideo:
-    """One video of a request, decoded, sampled and preprocessed: its temporal groups are queue items.
+    """One video of a request, probed, sampled and planned: its temporal groups are queue items.
 
     Each group is a PreparedImage of grid (1, h, w) whose image_id is the sha256 of the video's bytes and of
     every setting that changes the group's pixels (frame indices, resized size, group index), so the engine
-    deduplicates and caches groups as it does images (docs/video.md)."""
+    deduplicates and caches groups as it does images (docs/video.md). With a ``feed``, the groups'
+    pixel_values are empty until the engine fills them from it (and empties them again once encoded)."""
 
     groups: tuple[PreparedImage, ...]  # in time order
     video_id: str  # hex sha256 of the video bytes as received
@@ -60,10 +79,16 @@ class PreparedVideo:
     group_times: tuple[tuple[float, float], ...]  # per group: (start_s, end_s)
     decode_s: float
     preprocess_s: float
+    feed: GroupFeed | None = None  # None: every group's pixels are already there
 
     @property
     def num_tokens(self) -> int:
         return sum(g.item.num_tokens for g in self.groups)
+
+    def times(self) -> tuple[float, float]:
+        """(decode_s, preprocess_s) in all: before the engine, and the feed's chunks."""
+        decode_s, preprocess_s = self.feed.times() if self.feed is not None else (0.0, 0.0)
+        return self.decode_s + decode_s, self.preprocess_s + preprocess_s
 
 
 @dataclass(frozen=True)

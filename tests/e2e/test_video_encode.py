@@ -18,7 +18,7 @@ from transformers import AutoVideoProcessor
 from tests.checkpoints import hf_reference, make_checkpoint
 from tests.e2e.live import live_server, noise_png, wait_until
 from tests.receivers import ReceiverThread
-from tests.videos import make_clip
+from tests.videos import END_OF_SEQUENCE, make_clip, with_packet_replaced
 from vitserve.rpc.tensors import tensor_from_buffer
 
 engine_mod = pytest.importorskip("vitserve.engine")
@@ -96,6 +96,7 @@ def test_video_embedding_equals_transformers_full_video_forward(tmp_path, clip, 
             cache_gb=0.5,
             tp=tp,
             visual_reserved_mem_gb=0.5 if tp > 1 else None,  # skips only the start-up stress, never a request
+            visual_infer_batch_size=3,  # chunks of 3 groups (a batch's worth): the video's pixels made in parts
         ) as srv,
         srv.client(timeout=120) as c,
     ):
@@ -147,8 +148,46 @@ def test_video_embedding_equals_transformers_full_video_forward(tmp_path, clip, 
 @pytest.fixture(scope="module")
 def small():
     # the deadline covers the decoder processes' start (importing torch and PyAV: seconds, a minute at load 7)
-    with live_server(request_timeout_s=180) as srv:
+    with live_server(request_timeout_s=180, cache_gb=0.05) as srv:
         yield srv
+
+
+def test_a_cached_video_is_not_decoded_again(small, clip):
+    """The groups' cache keys are known from the probe, the sampling and the plan: a video whose groups are
+    all cached is answered without a frame decoded, with the same metadata and embedding."""
+    videos = small.service.app.state.videos
+    video = {"b64": b64(clip), "num_frames": 10}
+    with small.client(timeout=180) as c:
+        first = c.post("/encode", json={"videos": [video], "return_embeddings": True})
+        assert first.status_code == 200, first.text
+        decodes = videos.decodes
+        second = c.post("/encode", json={"videos": [video], "return_embeddings": True})
+    assert second.status_code == 200, second.text
+    assert decodes > 0
+    assert videos.decodes == decodes  # nothing decoded for the second
+    [a], [b] = first.json()["videos"], second.json()["videos"]
+    assert (a.pop("cached"), b.pop("cached")) == (False, True)
+    assert a == b  # the metadata, and the embedding's base64 bytes
+
+
+def test_a_frame_failing_in_a_later_chunk_fails_the_request_cleanly(small):
+    """Frames are decoded a chunk at a time while the groups before are encoded: a frame of the last chunk
+    that does not decode is still a 400 naming the video, its groups are cancelled, nothing hangs."""
+    good = make_clip(
+        50, "mkv", fps=FPS, size=(160, 96), preset="ultrafast"
+    )  # no B-frames: packet k = frame k
+    bad = with_packet_replaced(good, 46, END_OF_SEQUENCE)  # frame 46: the last sampled of 16
+    videos = small.service.app.state.videos
+    body = {"images": [{"b64": b64(noise_png(40, 30))}], "videos": [{"b64": b64(bad), "num_frames": 16}]}
+    with small.client(timeout=180) as c:
+        decodes = videos.decodes
+        r = c.post("/encode", json=body)
+        assert r.status_code == 400, r.text
+        assert videos.decodes - decodes == 8  # 8 groups, one a chunk under the budget: the 8th failed
+        assert r.json()["error"] == {**r.json()["error"], "code": "invalid_video", "video_index": 0}
+        wait_until(lambda: small.engine.queue_tokens == 0, "the failed video's groups left the queue")
+        again = c.post("/encode", json={"videos": [{"b64": b64(good), "num_frames": 16}]})
+    assert again.status_code == 200, again.text
 
 
 def test_multipart_videos_with_form_sampling_and_an_image(small, clip):

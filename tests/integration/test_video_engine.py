@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+from dataclasses import replace
 
 import torch
 
@@ -70,3 +71,62 @@ async def test_an_image_behind_a_long_video_waits_about_one_batch(tmp_path):
     for got, want in zip(video_results, alone, strict=True):  # each group's rows, in time order
         assert torch.equal(got.embedding, want.embedding)
     assert image_results[0].num_tokens == 16
+
+
+class LabelFeed:
+    """A GroupFeed whose group g's pixels are item(100 + g)'s: records each chunk asked for and how many of
+    the video's groups held pixels at that moment."""
+
+    def __init__(self, groups: tuple[PreparedImage, ...], chunk_groups: int) -> None:
+        self.groups, self.chunk_groups = groups, chunk_groups
+        self.calls: list[list[int]] = []
+        self.holding: list[int] = []
+
+    async def pixels(self, groups: list[int]) -> list[torch.Tensor]:
+        self.calls.append(groups)
+        self.holding.append(sum(g.item.pixel_values.numel() > 0 for g in self.groups))
+        return [item(100 + g, 32).item.pixel_values for g in groups]
+
+    def times(self) -> tuple[float, float]:
+        return 0.0, 0.0
+
+
+async def test_a_fed_video_makes_its_pixels_a_chunk_at_a_time_and_drops_them(tmp_path):
+    """A video from the API comes without pixels (engine/feed.py): with the encoder stalled, only the chunk in
+    flight, the one queued and the next are made (3 of 4); every group's pixels are gone once it is encoded;
+    the results equal the same groups encoded with their pixels given up front."""
+    config = make_config(tmp_path, visual_batch_max_tokens=64, visual_infer_batch_size=8)
+    gate, encoder = threading.Event(), RecordingEncoder()
+    engine = thread_engine(config, Metrics(), gate=gate, encoder=encoder)
+    await engine.start()
+    full = video(range(100, 108), tokens=32)
+    empty = tuple(  # the same groups, their pixels left to the feed (other ids: nothing shared with `full`)
+        PreparedImage(replace(g.item, pixel_values=torch.empty(0)), hashlib.sha256(g.image_id.encode()).hexdigest(),
+                      g.original_size, 0.0, 0.0)
+        for g in full.groups
+    )  # fmt: skip
+    feed = LabelFeed(empty, chunk_groups=2)
+    fed = PreparedVideo(empty, "cd" * 32, {}, full.group_times, 0.0, 0.0, feed)
+    try:
+        gate.clear()
+        task = asyncio.create_task(engine.encode(EncodeRequest("v", (), deadline(), True, videos=(fed,))))
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if len(feed.calls) == 3:
+                break
+        await asyncio.sleep(0.2)
+        assert feed.calls == [[0, 1], [2, 3], [4, 5]]  # chunk 0 in flight, 1 queued, 2 made: 3 of 4
+        gate.set()
+        results = await task
+    finally:
+        gate.set()
+        await engine.shutdown()
+    assert feed.calls == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert (
+        max(feed.holding) <= 4
+    )  # asked while two chunks hold pixels (in flight, queued), whatever the length
+    assert all(g.item.pixel_values.numel() == 0 for g in empty)  # dropped once encoded
+    assert [b for batch in encoder.batches for b in batch] == list(range(100, 108))
+    alone = TinyEncoder().encode([g.item for g in full.groups])
+    for got, want in zip(results, alone, strict=True):
+        assert torch.equal(got.embedding, want.embedding)

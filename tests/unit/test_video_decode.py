@@ -288,3 +288,16 @@ def test_a_packet_without_a_frame_is_a_400_not_a_shorter_video(clips):
     frames = decode_frames(data, [0, 15, 29], None, LIMITS)
     for frame, index in zip(frames, [0, 15, 29], strict=True):
         np.testing.assert_array_equal(frame, reference[index])
+
+
+@pytest.mark.parametrize("kind", ["mp4", "mkv", "webm"])
+def test_chunked_decodes_equal_one_decode(kind, clips):
+    """The engine asks for a video's frames a chunk at a time (engine/feed.py): each chunk's call seeks to
+    its own frames, and the chunks together are the one-shot decode's bytes, resized included."""
+    indices = [0, 2, 5, 7, 11, 12, 13, 19, 24, 25, 29, 30, 30]  # a padded last group repeats its frame
+    whole = decode_frames(clips[kind], indices, (84, 56), LIMITS)
+    for size in (1, 2, 3, 5):
+        chunks = [
+            decode_frames(clips[kind], indices[k : k + size], (84, 56), LIMITS) for k in range(0, 13, size)
+        ]
+        np.testing.assert_array_equal(np.concatenate(chunks), whole, err_msg=f"chunks of {size}")

@@ -225,6 +225,28 @@ def test_groups_cover_the_video_in_order_with_their_times(checkpoints, family):
         assert list(video.timestamps_s) == [(g.start_s + g.end_s) / 2 for g in groups]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_groups_made_a_chunk_at_a_time_equal_the_whole_videos_pixels(checkpoints, family):
+    """group_frames + group_pixels (a chunk of groups, as the engine's feed asks for them, any subset in
+    order) give each group's rows of preprocess()'s pixel_values_videos bit for bit: the last group of an
+    odd frame count padded with its last frame as transformers pads it."""
+    proc = load_video_processor(str(checkpoints[family]), 6, 0)
+    frames = clip(31, 150, 110)
+    sampling = proc.sample(31, 10.0, num_frames=7 if proc.settings.temporal_patch_size == 1 else 8)
+    sampling = Sampling(sampling.frame_indices[:-1], 31, 10.0, None, 7)  # an odd count: a padded group
+    whole = proc.preprocess(frames, sampling)
+    rows = {g.index: g.pixel_values for g in proc.groups(whole)}
+    small = {i: resize_uint8(frames[i], whole.plan.resized_size) for i in sampling.frame_indices}
+    for chunk in ([0], [0, 1], [1, 2, 3], [len(rows) - 1], [0, 2, len(rows) - 1], list(range(len(rows)))):
+        indices = proc.group_frames(sampling, chunk)
+        assert len(indices) == len(chunk) * proc.settings.temporal_patch_size
+        pixels = proc.group_pixels(np.stack([small[i] for i in indices]), whole.plan)
+        assert len(pixels) == len(chunk)
+        for g, got in zip(chunk, pixels, strict=True):
+            assert torch.equal(got, rows[g]), (family, chunk, g)
+    assert proc.times(sampling) == (whole.group_times, whole.second_per_grid_t, whole.timestamps_s)
+
+
 @pytest.fixture(scope="module")
 def towers(checkpoints):
     return {family: hf_reference(checkpoints[family], family) for family in FAMILIES}

@@ -220,8 +220,8 @@ class EncodeHandler:
         def stage(name: str) -> float:  # queue/encode/send overlap across images: the request waited the max
             return round(max((getattr(r.timing, f"{name}_ms") for r in results), default=0.0), 3)
 
-        decode_s = sum(p.decode_s for p in prepared) + sum(v.decode_s for v in videos)
-        preprocess_s = sum(p.preprocess_s for p in prepared) + sum(v.preprocess_s for v in videos)
+        decode_s = sum(p.decode_s for p in prepared) + sum(v.times()[0] for v in videos)
+        preprocess_s = sum(p.preprocess_s for p in prepared) + sum(v.times()[1] for v in videos)
         timing = {
             "decode": round(decode_s * 1000, 3),
             "preprocess": round(preprocess_s * 1000, 3),

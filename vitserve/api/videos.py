@@ -1,11 +1,13 @@
-"""The videos of an /encode request: decoded in the decoder pool, sampled and preprocessed here, cut into
-temporal groups that the engine queues as items (docs/video.md).
+"""The videos of an /encode request: probed, sampled and planned here before the engine sees them; their
+temporal groups' pixels decoded and preprocessed a chunk at a time as the engine asks (docs/video.md).
 
-Per video, on the preprocessing pool (one thread per video, the decoding itself in a decoder process):
-probe (container header, frame count: the limits of --max_video_bytes, --max_video_duration_s,
---max_video_frames, --max_image_pixels) -> the frame indices the family's transformers video processor
-samples -> the resize plan under --visual_batch_max_tokens (per group) and --max_video_tokens (the video)
--> decode only those frames, resized to the plan's size in the decoder process -> pixels -> groups.
+Per video, on the video threads (the decoding itself in a decoder process): probe (container header, frame
+count: the limits of --max_video_bytes, --max_video_duration_s, --max_video_frames, --max_image_pixels) ->
+the frame indices the family's transformers video processor samples -> the resize plan under
+--visual_batch_max_tokens (per group) and --max_video_tokens (the video) -> the groups, their ids and the
+metadata, all known before a frame is decoded. Then, per chunk the engine asks for (VideoFeed: one batch's
+worth of groups it must encode, none for cached ones) -> decode only those groups' frames, resized to the
+plan's size in the decoder process -> pixels. So a video holds a few chunks in memory, never all of it.
 
 Videos run on their own threads, one per decoder slot, not on the image pool: a thread waits on its decoder
 process for most of a video's time, and images must not wait behind that. The video processor and the
@@ -30,8 +32,11 @@ from vitserve.config import Config
 from vitserve.contract import ImageResult, PreparedImage, PreparedVideo, ProcessedImage
 from vitserve.errors import InvalidVideo, Timeout, VitserveError
 from vitserve.processors.base import VisionProcessor
-from vitserve.video import VideoDecoder, VideoGroup, VideoLimits, VideoProcessor
+from vitserve.video import Sampling, VideoDecoder, VideoLimits, VideoPlan, VideoProcessor
+from vitserve.video.memory import pin_mmap_threshold
 from vitserve.video.settings import video_settings
+
+CHUNK_GROUPS = 16  # groups per decoded chunk when no --visual_batch_max_tokens bounds a batch
 
 
 class VideoFrontEnd:
@@ -43,6 +48,7 @@ class VideoFrontEnd:
         self._lock = threading.Lock()
         self._processor: VideoProcessor | None = None
         self._decoder: VideoDecoder | None = None
+        self.decodes = 0  # decoder calls for frames (chunks) so far; a probe is not one
         # decoder processes (--video_decoders): videos decode that many at a time, the rest wait for a slot.
         # The threads start with the first video, one per decoder slot (more would only queue for a slot).
         self.slots = config.video_decoders
@@ -51,6 +57,7 @@ class VideoFrontEnd:
     def processor(self) -> VideoProcessor:
         with self._lock:
             if self._processor is None:
+                pin_mmap_threshold()  # the chunks a video's groups are made in are freed to the OS
                 image = self.image_processor
                 settings = video_settings(image.family, image.checkpoint, image)
                 self._processor = VideoProcessor(
@@ -64,26 +71,23 @@ class VideoFrontEnd:
                 self._decoder = VideoDecoder(self.slots, limits=VideoLimits.from_config(self.config))
             return self._decoder
 
-    def prepare(self, data: bytes, source: VideoSource, deadline: float) -> PreparedVideo:
-        """One video ready for the engine (blocking: prepare_all runs it on the video threads)."""
+    def prepare(self, data: bytes, source: VideoSource, deadline: float, index: int = 0) -> PreparedVideo:
+        """One video ready for the engine (blocking: prepare_all runs it on the video threads): probed,
+        sampled and planned, its groups' pixels left to its feed (made a chunk at a time as the engine
+        asks for them, and never for groups the cache holds)."""
         t0 = time.perf_counter()
         proc, decoder = self.processor(), self.decoder()
         video_id = hashlib.sha256(data).hexdigest()
         info = decoder.probe(data, deadline_s=_remaining(deadline))
         sampling = proc.sample(info.total_frames, info.fps, fps=source.fps, num_frames=source.num_frames)
         plan = proc.plan(info.width, info.height, len(sampling.frame_indices))
-        frames = decoder.decode(
-            data, sampling.frame_indices, plan.resized_size, deadline_s=_remaining(deadline)
-        )
         t1 = time.perf_counter()
-        video = proc.preprocess(frames, sampling, source_size=(info.width, info.height))
-        if video.plan != plan:  # the plan is a pure function of the same inputs: a vitserve bug (500) if not
-            raise VitserveError(
-                f"the video's plan changed between decoding and preprocessing: {plan} {video.plan}"
-            )
+        group_times, second_per_grid_t, timestamps_s = proc.times(sampling)
         content = f"{video_id}|{list(sampling.frame_indices)}|{list(plan.resized_size)}"
+        count, h, w = plan.grid_thw
         groups = tuple(
-            _group_image(group, content, plan.resized_size, plan.clamped) for group in proc.groups(video)
+            _group_image(k, count, (1, h, w), plan.group_tokens, content, plan.resized_size, plan.clamped)
+            for k in range(count)
         )
         metadata: dict[str, Any] = {
             "video_id": video_id,
@@ -92,17 +96,24 @@ class VideoFrontEnd:
             "duration_s": info.duration_s,
             "frame_indices": list(sampling.frame_indices),
             "sampled_fps": sampling.sampled_fps,
-            "grid_thw": list(video.video_grid_thw),
-            "num_tokens": video.num_tokens,
+            "grid_thw": list(plan.grid_thw),
+            "num_tokens": plan.num_tokens,
             "resized_size": list(plan.resized_size),
             "clamped": plan.clamped,
         }
-        if video.second_per_grid_t is not None:
-            metadata["second_per_grid_t"] = video.second_per_grid_t
-        if video.timestamps_s is not None:
-            metadata["timestamps_s"] = list(video.timestamps_s)
-        t2 = time.perf_counter()
-        return PreparedVideo(groups, video_id, metadata, video.group_times, t1 - t0, t2 - t1)
+        if second_per_grid_t is not None:
+            metadata["second_per_grid_t"] = second_per_grid_t
+        if timestamps_s is not None:
+            metadata["timestamps_s"] = list(timestamps_s)
+        feed = VideoFeed(self, data, sampling, plan, deadline, index)
+        return PreparedVideo(groups, video_id, metadata, group_times, t1 - t0, 0.0, feed)
+
+    def chunk_groups(self, group_tokens: int) -> int:
+        """Groups per chunk: one batch's worth (their tokens within --visual_batch_max_tokens, at most
+        --visual_infer_batch_size; CHUNK_GROUPS without a budget), at least one."""
+        config = self.config
+        fit = config.budget_tokens // max(group_tokens, 1) if config.budget_enabled else CHUNK_GROUPS
+        return max(1, min(fit, config.max_batch_images))
 
     async def prepare_all(
         self, blobs: list[bytes], sources: list[VideoSource], deadline: float
@@ -111,8 +122,8 @@ class VideoFrontEnd:
         raises, naming its index as ``video_index``."""
         loop = asyncio.get_running_loop()
         jobs = [
-            loop.run_in_executor(self._pool, self.prepare, data, src, deadline)
-            for data, src in zip(blobs, sources, strict=True)
+            loop.run_in_executor(self._pool, self.prepare, data, src, deadline, index)
+            for index, (data, src) in enumerate(zip(blobs, sources, strict=True))
         ]
         try:
             results = await asyncio.wait_for(
@@ -137,18 +148,75 @@ class VideoFrontEnd:
                 self._decoder = None
 
 
-def _group_image(group: VideoGroup, content: str, size: tuple[int, int], clamped: bool) -> PreparedImage:
-    """A temporal group as the engine's queue item. Its id hashes the video's bytes and every setting that
-    changes its pixels (the sampled frames, the resized size) with its place, so equal groups are encoded
-    once and cached, and groups of differently sampled or clamped videos never share an entry."""
+class VideoFeed:
+    """The GroupFeed of one video (contract.GroupFeed): the groups the engine asks for, decoded in the
+    decoder pool (only their frames, seeking) and preprocessed on the video threads, a chunk per call."""
+
+    def __init__(
+        self,
+        front: VideoFrontEnd,
+        data: bytes,
+        sampling: Sampling,
+        plan: VideoPlan,
+        deadline: float,
+        index: int,
+    ) -> None:
+        self._front, self._data, self._sampling, self._plan = front, data, sampling, plan
+        self._deadline, self._index = deadline, index
+        self.chunk_groups = front.chunk_groups(plan.group_tokens)
+        self._decode_s = self._preprocess_s = 0.0
+
+    async def pixels(self, groups: list[int]) -> list[torch.Tensor]:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._front._pool, self._make, groups)
+        except VitserveError as exc:
+            raise exc.with_video_index(self._index) from None
+        except Exception as exc:
+            raise InvalidVideo(
+                f"the video could not be preprocessed ({type(exc).__name__}: {exc})"
+            ).with_video_index(self._index) from exc
+
+    def times(self) -> tuple[float, float]:
+        return self._decode_s, self._preprocess_s
+
+    def _make(self, groups: list[int]) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        proc = self._front.processor()
+        indices = proc.group_frames(self._sampling, groups)
+        with self._front._lock:
+            self._front.decodes += 1
+        frames = self._front.decoder().decode(
+            self._data, indices, self._plan.resized_size, deadline_s=_remaining(self._deadline)
+        )
+        t1 = time.perf_counter()
+        pixels = proc.group_pixels(frames, self._plan)
+        self._decode_s += t1 - t0
+        self._preprocess_s += time.perf_counter() - t1
+        return pixels
+
+
+def _group_image(
+    index: int,
+    count: int,
+    grid_thw: tuple[int, int, int],
+    tokens: int,
+    content: str,
+    size: tuple[int, int],
+    clamped: bool,
+) -> PreparedImage:
+    """A temporal group as the engine's queue item, its pixels still empty (the feed fills them). Its id
+    hashes the video's bytes and every setting that changes its pixels (the sampled frames, the resized
+    size) with its place, so equal groups are encoded once and cached, and groups of differently sampled
+    or clamped videos never share an entry."""
     item = ProcessedImage(
-        pixel_values=group.pixel_values.contiguous(),
-        grid_thw=group.grid_thw,
-        num_tokens=group.num_tokens,
+        pixel_values=torch.empty(0),
+        grid_thw=grid_thw,
+        num_tokens=tokens,
         resized_size=size,
         clamped=clamped,
     )
-    image_id = hashlib.sha256(f"video|{content}|{group.index}/{group.count}".encode()).hexdigest()
+    image_id = hashlib.sha256(f"video|{content}|{index}/{count}".encode()).hexdigest()
     return PreparedImage(item, image_id, size, 0.0, 0.0)
 
 

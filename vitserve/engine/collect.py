@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from vitserve.contract import EncodedImage, EncodeRequest, ImageResult, StageTimes
 from vitserve.engine.jobs import Claim
@@ -17,9 +18,16 @@ from vitserve.metrics import Metrics
 
 
 async def collect(
-    request: EncodeRequest, claims: list[Claim], push: LLMPush | None, metrics: Metrics
+    request: EncodeRequest,
+    claims: list[Claim],
+    push: LLMPush | None,
+    metrics: Metrics,
+    release: Callable[[Claim], None] | None = None,
 ) -> list[ImageResult]:
-    """Await each claim in request order and push it to the LLM before the next (the send order)."""
+    """Await each claim in request order and push it to the LLM before the next (the send order).
+    ``release``: called with each claim once its result is built, so the encoded output it holds is kept no
+    longer than the answer needs it (without return_embeddings: not at all; a long video's groups would
+    otherwise hold every group's embedding until the last one is encoded)."""
     results = []
     for k, claim in enumerate(claims):
         encoded = claim.cached
@@ -34,6 +42,9 @@ async def collect(
             metrics.images_total.labels(outcome="cached").inc()
         delivered = push is not None  # push() returned: the receiver acknowledged it
         results.append(_result(claim, encoded, send_s, request.return_embeddings, delivered))
+        del encoded
+        if release is not None:
+            release(claim)
     return results
 
 

@@ -102,6 +102,7 @@ class Dispatcher:
         batch = Batch(self._batch_ids, jobs, time.monotonic())
         for job in jobs:
             job.queue_s = batch.started - job.enqueued_at
+            job.sent.set()
             self.metrics.stage_seconds.labels(stage="queue").observe(job.queue_s)
         self.metrics.batch_tokens.observe(batch.tokens)
         self.metrics.batch_images.observe(len(jobs))

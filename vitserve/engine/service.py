@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -42,8 +42,9 @@ from vitserve.contract import (
 from vitserve.engine.cache import make_cache
 from vitserve.engine.collect import collect
 from vitserve.engine.dispatch import Dispatcher
+from vitserve.engine.feed import feed_groups
 from vitserve.engine.groups import TERM_GRACE_S, GroupState, Watchdog, WorkerGroup
-from vitserve.engine.jobs import JobTable
+from vitserve.engine.jobs import Claim, Job, JobTable
 from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull
 from vitserve.metrics import Metrics
@@ -104,6 +105,7 @@ class Engine:
         self._stopping = False  # shutdown() began: admit() refuses, readiness() says so
         self._closed = False  # torn down (after shutdown() or a failed start())
         self._tasks: list[asyncio.Task[None]] = []
+        self._feeds: set[asyncio.Future[None]] = set()  # videos' feed tasks (engine/feed.py)
         self._ipc_dir: str | None = None
         self._push: LLMPush | None = None  # once started with --llm_endpoint
         self._shared: SharedCache | None = None  # once started with --cache_url
@@ -207,9 +209,9 @@ class Engine:
         for group in self._dispatch.groups:
             group.kill(grace_s=TERM_GRACE_S)
             remove_killed(self.config.runtime_dir, map(group.global_rank, range(self.config.tp)), group.pids)
-        for task in self._tasks:
+        for task in [*self._tasks, *self._feeds]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._feeds]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._push is not None:
@@ -346,15 +348,33 @@ class Engine:
             self.admit(sum(job.item.num_tokens for job in [*new, *itertools.chain(*new_groups)]))
             if self._shared is None:
                 self._dispatch.add(new)
-                for jobs in new_groups:
-                    self._dispatch.add_stream(jobs)
             else:  # local misses: the shared layer serves them or dispatches them
                 self._shared.submit(new, self._dispatch.add)
-                for jobs in new_groups:
-                    self._shared.submit(jobs, self._dispatch.add_stream)
-            return await collect(request, every, self._push, self.metrics)
+            for video, stream, jobs in zip(request.videos, streams, new_groups, strict=True):
+                if video.feed is None:
+                    self._add_stream(jobs)
+                else:  # pixels a chunk at a time, only for the groups this request encodes
+                    fed = [(g, c.job) for g, c in enumerate(stream) if c.fresh and c.job is not None]
+                    self._start_feed(feed_groups(video.feed, fed, self._add_stream))
+            return await collect(request, every, self._push, self.metrics, self._release)
         finally:  # result, error, timeout or disconnect: Jobs nobody else claims leave the queue
             self._dispatch.cancel(self._jobs.release(every))
+
+    def _release(self, claim: Claim) -> None:
+        """One collected claim let go (JobTable.release is idempotent: the request's final release skips it)."""
+        self._dispatch.cancel(self._jobs.release([claim]))
+
+    def _add_stream(self, jobs: list[Job]) -> None:
+        if self._shared is None:
+            self._dispatch.add_stream(jobs)
+        else:
+            self._shared.submit(jobs, self._dispatch.add_stream)
+
+    def _start_feed(self, work: Coroutine[Any, Any, None]) -> None:
+        """A video's feed runs as its own task: groups may outlive the request that made them."""
+        task = asyncio.ensure_future(work)
+        self._feeds.add(task)
+        task.add_done_callback(self._feeds.discard)
 
 
 def _startup_hint(failure: str | None) -> str:

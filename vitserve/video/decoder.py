@@ -96,9 +96,11 @@ def _child_main(conn: Connection, limits: ProcessLimits) -> None:
     import torch
 
     from vitserve.video.decode import decode_frames, error_reply, probe
+    from vitserve.video.memory import pin_mmap_threshold
 
     torch.set_num_threads(1)  # a per-frame resize; the pool's slots are the parallelism
     os.nice(DECODER_NICE)  # before FFmpeg starts its threads, which inherit it
+    pin_mmap_threshold()  # each call's frames are freed to the OS, not kept as heap (video/memory.py)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash leaves no core file
     address_space = _address_space() + limits.memory_bytes
     resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))

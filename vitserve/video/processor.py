@@ -116,31 +116,61 @@ class VideoProcessor:
         picked = _sampled_frames(frames, sampling)
         width, height = source_size or (picked[0].shape[1], picked[0].shape[0])
         plan = self.plan(width, height, len(picked))
+        group_times, second_per_grid_t, timestamps_s = self.times(sampling)
+        return ProcessedVideo(
+            pixel_values_videos=self._pixels(picked, plan),
+            video_grid_thw=plan.grid_thw,
+            sampling=sampling,
+            plan=plan,
+            group_times=group_times,
+            second_per_grid_t=second_per_grid_t,
+            timestamps_s=timestamps_s,
+        )
+
+    def times(
+        self, sampling: Sampling
+    ) -> tuple[tuple[tuple[float, float], ...], float | None, tuple[float, ...] | None]:
+        """(group_times, second_per_grid_t, timestamps_s) of ProcessedVideo: known from the sampling alone."""
+        group_times = self._group_times(sampling)
+        second_per_grid_t = (
+            self.settings.temporal_patch_size / sampling.sampled_fps
+            if self.settings.time == "second_per_grid"
+            else None
+        )
+        timestamps_s = (
+            tuple((start + end) / 2 for start, end in group_times)
+            if self.settings.time == "timestamps"
+            else None
+        )
+        return group_times, second_per_grid_t, timestamps_s
+
+    def group_frames(self, sampling: Sampling, groups: Sequence[int]) -> tuple[int, ...]:
+        """The frame indices that make these temporal groups, ``temporal_patch_size`` a group: the last group
+        of an odd count repeats the last frame, as transformers pads it."""
+        tps, indices = self.settings.temporal_patch_size, sampling.frame_indices
+        return tuple(indices[min(j, len(indices) - 1)] for g in groups for j in range(g * tps, (g + 1) * tps))
+
+    def group_pixels(self, frames: np.ndarray, plan: VideoPlan) -> list[torch.Tensor]:
+        """One pixel_values tensor per temporal group, for ``frames`` = (k * temporal_patch_size, H, W, 3)
+        uint8 (group_frames' frames, in order): each equal to that group's rows of preprocess()'s
+        pixel_values_videos, since every step is per frame or, in patchify, per group."""
+        rows = self._pixels(list(frames), plan, groups=len(frames) // self.settings.temporal_patch_size)
+        per_group = 1 if self.settings.resize == "tile" else plan.grid_thw[1] * plan.grid_thw[2]
+        return [rows[k : k + per_group] for k in range(0, rows.shape[0], per_group)]
+
+    def _pixels(
+        self, picked: Sequence[np.ndarray], plan: VideoPlan, groups: int | None = None
+    ) -> torch.Tensor:
+        """Resize, normalise and (patches) patchify frames into pixel_values_videos rows for ``groups``
+        temporal groups (None: the plan's)."""
         resized = np.stack([resize_uint8(frame, plan.resized_size) for frame in picked])  # (n, h, w, C) uint8
         normalized = np.empty((resized.shape[0], 3, *resized.shape[1:3]), dtype=np.float32)  # (n, C, h, w)
         for c in range(3):
             np.take(self.values[c], resized[..., c], out=normalized[:, c])
         pixels = torch.from_numpy(normalized)
-        if self.settings.resize != "tile":
-            pixels = self._patchify(pixels, plan)
-        group_times = self._group_times(sampling)
-        return ProcessedVideo(
-            pixel_values_videos=pixels,
-            video_grid_thw=plan.grid_thw,
-            sampling=sampling,
-            plan=plan,
-            group_times=group_times,
-            second_per_grid_t=(
-                self.settings.temporal_patch_size / sampling.sampled_fps
-                if self.settings.time == "second_per_grid"
-                else None
-            ),
-            timestamps_s=(
-                tuple((start + end) / 2 for start, end in group_times)
-                if self.settings.time == "timestamps"
-                else None
-            ),
-        )
+        if self.settings.resize == "tile":
+            return pixels
+        return self._patchify(pixels, plan, plan.grid_thw[0] if groups is None else groups)
 
     def groups(self, video: ProcessedVideo) -> Iterator[VideoGroup]:
         """The video's temporal groups in order, each of grid (1, h, w): encoding them one by one gives the
@@ -176,13 +206,13 @@ class VideoProcessor:
             "settings_from": s.source,
         }
 
-    def _patchify(self, pixels: torch.Tensor, plan: VideoPlan) -> torch.Tensor:
-        """(n, C, H, W) float32 -> (T*gh*gw, C*tps*P*P) in transformers' patchify order."""
+    def _patchify(self, pixels: torch.Tensor, plan: VideoPlan, t: int) -> torch.Tensor:
+        """(n, C, H, W) float32 -> (t*gh*gw, C*tps*P*P) in transformers' patchify order."""
         s = self.settings
         tps, p, m = s.temporal_patch_size, s.patch_size, s.merge_size
         if pad := -pixels.shape[0] % tps:  # an odd count repeats the last frame, as transformers does
             pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)])
-        t, h, w = plan.grid_thw
+        _, h, w = plan.grid_thw
         channels = pixels.shape[1]
         patches = pixels.view(t, tps, channels, h // m, m, p, w // m, m, p)
         patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (t, h/m, w/m, m, m, C, tps, p, p)
