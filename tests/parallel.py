@@ -43,7 +43,6 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 ROOT = Path(__file__).resolve().parent.parent
-_PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal this process gets when the thread that forked it ends
 # The folders in the order their units are handed out (see `order`); a folder not named goes last.
 FOLDER_ORDER = ("vllm", "e2e", "integration", "unit")
 DOC_BLOCKS = "tests/integration/test_doc_blocks.py"
@@ -135,8 +134,10 @@ def end_with_the_run(config: pytest.Config) -> None:
     if "PYTEST_XDIST_WORKER" in os.environ:
         import ctypes
 
+        from vitserve.worker.forkserver_guard import PR_SET_PDEATHSIG
+
         controller = os.getppid()
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != controller:  # it died before prctl took effect
             os.kill(os.getpid(), signal.SIGTERM)
 
