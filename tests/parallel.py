@@ -142,8 +142,14 @@ def end_with_the_run(config: pytest.Config) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+_stopping: list[int] = []  # the signals received: the first one stops the run, later ones must not interrupt
+# its teardown (not SIG_IGN: a process started during the teardown would inherit it through exec)
+
+
 def _stop(signum: int, frame: FrameType | None) -> None:
-    signal.signal(signum, signal.SIG_IGN)  # once: a second signal must not interrupt the teardown
+    _stopping.append(signum)
+    if len(_stopping) > 1:
+        return
     end_children()
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
