@@ -26,6 +26,10 @@ _RANK_FOLDERS = {"integration", "e2e"}
 UNIT_TIMEOUT_S = 60
 
 
+def pytest_configure(config):
+    parallel.end_with_the_run(config)  # SIGTERM, SIGHUP, Ctrl-C: no server a test started outlives the run
+
+
 def pytest_collection_modifyitems(config, items):
     if "PYTEST_XDIST_WORKER" in os.environ:  # a worker of `-n N`: the longest units first (tests/parallel.py)
         parallel.order(items)

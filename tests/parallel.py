@@ -17,6 +17,12 @@ on servers); workers keep both busy. What the workers must not do, and how it is
   within 5 s of SIGTERM", a contract with Docker's stop timeout) runs while no other test runs: `turn` is a
   readers-writer lock between the workers, shared for every other test, exclusive for a solo one. Its limit
   stays what it says; only its neighbours wait.
+- outlive the run. A process that runs tests ends the processes it started (servers in sessions of their own,
+  which no signal to pytest's group reaches) when it is told to stop: `end_with_the_run` makes SIGTERM and
+  SIGHUP act as Ctrl-C does (pytest's KeyboardInterrupt: fixtures tear down), after a SIGTERM to each child's
+  group first, and a worker gets that SIGTERM when the controller dies (PR_SET_PDEATHSIG), which is how a
+  SIGTERM or SIGKILL to the controller alone reaches it. xdist kills a worker 10 s after Ctrl-C; its children
+  got their SIGTERM before, so none is left behind.
 
 With `-n 0` (or `-p no:xdist`) none of this applies and the tests run one after another as before.
 """
@@ -28,8 +34,10 @@ import fcntl
 import functools
 import os
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 
 import pytest
 from xdist.scheduler import LoadScopeScheduling
@@ -113,3 +121,51 @@ def turn(item: pytest.Item) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(room, fcntl.LOCK_UN)
+
+
+def end_with_the_run(config: pytest.Config) -> None:
+    """In a process that runs tests (serial, or an xdist worker; not the controller): SIGTERM, SIGHUP and
+    SIGINT end the children's groups, then raise KeyboardInterrupt; a worker gets SIGTERM when its controller
+    dies."""
+    if "PYTEST_XDIST_WORKER" not in os.environ and getattr(config.option, "numprocesses", None):
+        return  # the controller: it runs no test, and its workers follow it (below)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, _stop)
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        import ctypes
+
+        from vitserve.worker.forkserver_guard import PR_SET_PDEATHSIG
+
+        controller = os.getppid()
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != controller:  # it died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+_stopping: list[int] = []  # the signals received: the first one stops the run, later ones must not interrupt
+# its teardown (not SIG_IGN: a process started during the teardown would inherit it through exec)
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    _stopping.append(signum)
+    if len(_stopping) > 1:
+        return
+    end_children()
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def end_children() -> None:
+    """SIGTERM to every child of this process: to its whole group when it leads one (a server started with
+    start_new_session, its ranks or engine core with it), else to the child alone (it shares pytest's group,
+    which holds the controller and the shell that started it)."""
+    me = os.getpid()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            pid = int(stat.parent.name)
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != me:  # field 4: the parent's pid
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGTERM)
+                else:
+                    os.kill(pid, signal.SIGTERM)
