@@ -29,9 +29,10 @@ Issue 23's two ratios are printed per size and recorded (`vs_inprocess`): vitser
 in-process p50 (target <= 1.0 on small images) and its `encode` stage (dispatch -> result, the rank's
 forward and the hop) over the in-process forward (target <= 0.95).
 
-OpenMP: the servers get `OMP_WAIT_POLICY=PASSIVE` unless it is set (what the CLI gives its ranks,
-vitserve/cli.py, so the naive server sleeps its idle threads alike); this process keeps the environment it
-was started with, so the in-process baseline runs as a user's script would (libgomp's default: spin ~ms, then sleep).
+OpenMP: every server gets what the CLI gives its ranks (vitserve/cli.py `openmp_defaults`: PASSIVE threads
+that spin ~30 us first) unless this process sets `OMP_WAIT_POLICY`, so the naive server's threads wait alike;
+this process keeps the environment it was started with, so the in-process baseline runs as a user's script
+would (libgomp's default: spin ~3 ms, then sleep).
 
 The record (bench/record.py) goes to bench/out/latency.jsonl; bench/report.py prints its table.
 """
@@ -58,10 +59,19 @@ from bench import record  # noqa: E402
 from bench.loadgen import json_bodies  # noqa: E402
 from bench.serve import launched as serve_launched  # noqa: E402
 from bench.workloads import jpeg_bytes, photo_like  # noqa: E402
+from vitserve.cli import openmp_defaults  # noqa: E402
 
 BUDGET = 4096
 GAP_S = 0.05  # after each request: libgomp's default spin (~3 ms, more on a slow core) is over by then
-SERVER_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}  # what the CLI gives its ranks
+
+
+def server_env() -> dict[str, str]:
+    """The OpenMP settings for every server: the CLI's defaults for its ranks, or what this process sets."""
+    env = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+    openmp_defaults(env)
+    return env
+
+
 SERVER_STAGES = ("read", "parse", "prepare", "decode", "preprocess", "engine", "queue", "encode", "forward",
                  "respond", "request")  # fmt: skip
 _STAGE_SUM = re.compile(r'^vitserve_stage_seconds_sum\{stage="(\w+)"\}\s+(\S+)$', re.MULTILINE)
@@ -70,7 +80,7 @@ _STAGE_SUM = re.compile(r'^vitserve_stage_seconds_sum\{stage="(\w+)"\}\s+(\S+)$'
 @contextlib.contextmanager
 def launched(kind: str, budget: int, log_path: Path, tree: Path = ROOT) -> Iterator[int]:
     """One server as a subprocess, its code from `tree` (this checkout unless --before); yields its port."""
-    with serve_launched(kind, budget, threads(), log_path, tree=tree, env=SERVER_ENV) as url:
+    with serve_launched(kind, budget, threads(), log_path, tree=tree, env=server_env()) as url:
         yield int(url.rsplit(":", 1)[1])
 
 

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING
 
 from vitserve import preflight
@@ -28,6 +29,8 @@ if TYPE_CHECKING:  # imported lazily below: the server pulls in uvicorn, torch a
     from vitserve.worker.reservation import StressShape
 
 log = logging.getLogger("vitserve")
+
+OPENMP_SPIN = 3000  # GOMP_SPINCOUNT for the ranks' sleeping OpenMP threads: ~30 us of spin (openmp_defaults)
 
 
 def render_banner(service: Service) -> str:
@@ -83,6 +86,21 @@ def _exit_now(signum: int, _frame: object) -> None:
     os._exit(128 + signum)
 
 
+def openmp_defaults(environ: MutableMapping[str, str]) -> None:
+    """The encoder ranks' OpenMP wait, set before they start (they inherit it); a value the user set is kept.
+
+    libgomp's default spins ~3 ms after every parallel region: idle threads then burn the cores the API's
+    preprocessing needs. Sleeping at once (PASSIVE alone) costs a futex wake per parallel region, hundreds per
+    forward: ~10% of a one-image forward. So the threads sleep, but only after a spin of GOMP_SPINCOUNT
+    iterations (~30 us, libgomp's estimate is 100,000 per ms), which covers the gaps inside one forward and
+    ends soon after it (bench/RESULTS.md, "Measurements behind the code"). GOMP_SPINCOUNT is set only
+    beside the PASSIVE this sets: with a policy the user chose, libgomp's own spin for it stays.
+    """
+    if "OMP_WAIT_POLICY" not in environ:
+        environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPIN))
+
+
 def install_stop_handlers() -> None:
     """First thing in main: a stop request ends start-up at any moment (imports, reading the checkpoint),
     not only once the event loop runs; as PID 1 in a container a signal without a handler is ignored."""
@@ -98,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     install_stop_handlers()
     try:
         config = build_config(argv, os.environ)
-        # Encoder ranks inherit this. With the default (spinning) policy their idle OpenMP threads burn the
-        # cores the API's preprocessing threads need (bench/RESULTS.md, "Measurements behind the code"). A
-        # value the user set is kept.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        openmp_defaults(os.environ)
         logging.basicConfig(
             level=config.log_level.upper(),
             stream=sys.stderr,

@@ -15,6 +15,7 @@ import pytest
 from tests.cli import Cli
 from tests.e2e.live import noise_png
 from tests.e2e.netcheck import children_of, listening_sockets
+from vitserve.cli import OPENMP_SPIN
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,6 +64,17 @@ def cli_server(tmp_path):
         srv.stop()
 
 
+OPENMP_ENV = {"OMP_WAIT_POLICY=PASSIVE", f"GOMP_SPINCOUNT={OPENMP_SPIN}"}
+
+
+def environ_of(pid: int) -> set[str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return set(f.read().decode(errors="replace").split("\0"))
+    except OSError:  # gone already
+        return set()
+
+
 def metric(url: str, name: str) -> float:
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name + " "):
@@ -80,6 +92,8 @@ def test_sigterm_under_load_drains_and_exits_0(cli_server):
     )  # loopback only (invariant 15) with the real engine: HTTP, ZMQ, distributed store
     assert found
     assert {a for a, _ in found} <= {"127.0.0.1", "::1"}, found
+    if "OMP_WAIT_POLICY" not in os.environ:  # the ranks' OpenMP wait (vitserve/cli.py openmp_defaults)
+        assert set().union(*(environ_of(pid) for pid in pids[1:])) >= OPENMP_ENV, OPENMP_ENV
 
     images = [noise_png(448, 448, seed=i) for i in range(6)]  # 6 x 256 tokens = 6 batches (~2 s each here)
     big: list = []

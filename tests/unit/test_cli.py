@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import vitserve
+from vitserve.cli import OPENMP_SPIN, openmp_defaults
 from vitserve.config import MIB, Config
 from vitserve.errors import ConfigError
 from vitserve.flags import FLAGS, GROUPS, build_config, build_parser, default_text, env_name, parse_size
@@ -245,3 +246,18 @@ def test_hidden_hyphen_aliases_still_work_for_switches():
     assert build_config(
         ["--allow-image-urls", "--allowed-url-domains", "a.test"], {}
     ).allowed_url_domains == ("a.test",)
+
+
+def test_the_ranks_openmp_threads_sleep_after_a_short_spin_unless_the_user_chose():
+    env: dict[str, str] = {}
+    openmp_defaults(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(OPENMP_SPIN)}
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}  # a policy the user chose is kept whole
+    openmp_defaults(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}  # and libgomp's own spin for it: no GOMP_SPINCOUNT beside it
+    openmp_defaults(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    env = {"GOMP_SPINCOUNT": "100"}
+    openmp_defaults(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "100"}
