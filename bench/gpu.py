@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="where the run record goes (default bench/out)"
     )
+    parser.add_argument("--random-batches", type=int, default=6, help="reserve: random compositions served")
     parser.add_argument("--commit", default=None, help="the commit, where the tree is no git checkout")
     args = parser.parse_args(argv)
     logging.getLogger("vitserve.model.demo").setLevel(logging.ERROR)  # the random-weights banner
@@ -278,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         if dtype == serve_dtype and "reserve" in args.parts:
             gc.collect()
             budgets = [64, 128, 256] if args.small else [4096, 8192, 16384]
-            results["reserve"] = gpu_reserve.run(enc, budgets, max_images=64 if not args.small else 16)
+            results["reserve"] = gpu_reserve.run(
+                enc, budgets, max_images=64 if not args.small else 16, random_batches=args.random_batches
+            )
         del enc
         gc.collect()
     results["meta"]["peak_flops"] = peak = max(

@@ -27,7 +27,6 @@ from vitserve.worker.reservation.meter import live_peak, meter_for
 from vitserve.worker.reservation.worst_case import worst_case_items, worst_case_units
 
 MAX_IMAGE_TOKENS = 16384  # the Qwen processors' default max_pixels / (patch * merge)^2
-RANDOM_BATCHES = 6
 MIB = 2**20
 
 
@@ -41,14 +40,16 @@ def _fresh(device: torch.device) -> tuple[int, int]:
     return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
 
-def serving_batches(enc: Encoder, budget: int, max_images: int, seed: int) -> list[tuple[str, list[Any]]]:
+def serving_batches(
+    enc: Encoder, budget: int, max_images: int, seed: int, random_batches: int
+) -> list[tuple[str, list[Any]]]:
     """(label, builder) of the batches served: the worst cases, then random compositions of the budget."""
     rng = random.Random(seed)
     out: list[tuple[str, Any]] = [
         ("one image of the budget", lambda: worst_case_items(enc, budget, 1)),
         (f"{max_images} equal images", lambda: worst_case_items(enc, budget // max_images, 1) * max_images),
     ]
-    for _ in range(RANDOM_BATCHES):
+    for _ in range(random_batches):
         k = rng.randint(2, max_images)
         cuts = sorted(rng.sample(range(1, budget), k - 1))
         parts = [b - a for a, b in zip([0, *cuts], [*cuts, budget], strict=True)]
@@ -57,7 +58,7 @@ def serving_batches(enc: Encoder, budget: int, max_images: int, seed: int) -> li
     return out
 
 
-def one_budget(enc: Encoder, budget: int, max_images: int) -> dict[str, Any]:
+def one_budget(enc: Encoder, budget: int, max_images: int, random_batches: int) -> dict[str, Any]:
     device = torch.device(enc.device)
     shape = StressShape(budget, max_images, max_image_tokens=MAX_IMAGE_TOKENS)
     allocated_before, reserved_before = _fresh(device)
@@ -65,7 +66,7 @@ def one_budget(enc: Encoder, budget: int, max_images: int) -> dict[str, Any]:
         res = stress.measure(enc, shape)  # the production path
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for _, build in serving_batches(enc, budget, max_images, seed=budget):
+    for _, build in serving_batches(enc, budget, max_images, budget, random_batches):
         items = build()
         enc.encode(items)
         del items  # one batch live at a time, as in the rank loop
@@ -86,7 +87,7 @@ def one_budget(enc: Encoder, budget: int, max_images: int) -> dict[str, Any]:
     row = {
         "budget_tokens": budget, "max_images": max_images, "method": res.method.value,
         "published_mib": res.bytes / MIB, "peak_allocated_mib": peak_alloc / MIB,
-        "peak_reserved_mib": peak_reserved / MIB, "published_over_peak": res.bytes / peak if peak else None,
+        "peak_reserved_mib": peak_reserved / MIB, "serving_batches": 2 + random_batches, "published_over_peak": res.bytes / peak if peak else None,
         "model_probes": len(est.probes) if est else 0,
         "model_predicted_mib": est.predicted_bytes / MIB if est else None,
         "model_reserved_mib": est.reserved_bytes / MIB if est else None,
@@ -96,8 +97,8 @@ def one_budget(enc: Encoder, budget: int, max_images: int) -> dict[str, Any]:
     return row
 
 
-def run(enc: Encoder, budgets: list[int], max_images: int) -> list[dict[str, Any]]:
-    return [one_budget(enc, b, max_images) for b in budgets]
+def run(enc: Encoder, budgets: list[int], max_images: int, random_batches: int) -> list[dict[str, Any]]:
+    return [one_budget(enc, b, max_images, random_batches) for b in budgets]
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
