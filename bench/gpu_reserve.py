@@ -64,7 +64,9 @@ def one_budget(enc: Encoder, budget: int, max_images: int, random_batches: int) 
     allocated_before, reserved_before = _fresh(device)
     with torch.inference_mode():
         res = stress.measure(enc, shape)  # the production path
+    held = 0  # what the pool holds over its baseline once the stress is over (CUDA)
     if device.type == "cuda":
+        held = torch.cuda.memory_reserved(device) - reserved_before
         torch.cuda.reset_peak_memory_stats(device)
     for _, build in serving_batches(enc, budget, max_images, budget, random_batches):
         items = build()
@@ -86,7 +88,7 @@ def one_budget(enc: Encoder, budget: int, max_images: int, random_batches: int) 
     peak = max(peak_alloc, peak_reserved)
     row = {
         "budget_tokens": budget, "max_images": max_images, "method": res.method.value,
-        "published_mib": res.bytes / MIB, "peak_allocated_mib": peak_alloc / MIB,
+        "published_mib": res.bytes / MIB, "held_mib": held / MIB, "peak_allocated_mib": peak_alloc / MIB,
         "peak_reserved_mib": peak_reserved / MIB, "serving_batches": 2 + random_batches, "published_over_peak": res.bytes / peak if peak else None,
         "model_probes": len(est.probes) if est else 0,
         "model_predicted_mib": est.predicted_bytes / MIB if est else None,
@@ -106,13 +108,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         return
     print(
         "\n| budget (tokens) | method | published MiB | peak allocated MiB | peak reserved MiB | published / peak"
-        " | model: predicted MiB (probes) | predicted / peak | model reservation MiB (x3) |"
+        " | model: predicted MiB (probes) | predicted / peak | model reservation MiB (x3) | pool held MiB |"
     )
-    print("|---" * 9 + "|")
+    print("|---" * 10 + "|")
     for r in rows:
         ratio = r["published_over_peak"]
         pred = r["model_predicted_mib"]
+        model = "- | - | - |"
+        if pred is not None:
+            model = (f"{pred:.0f} ({r['model_probes']}) | {r['model_predicted_over_peak']:.3f} | "
+                     f"{r['model_reserved_mib']:.0f} |")  # fmt: skip
         print(f"| {r['budget_tokens']} | {r['method']} | {r['published_mib']:.0f} | {r['peak_allocated_mib']:.0f} | "
-              f"{r['peak_reserved_mib']:.0f} | {ratio:.3f} | "
-              + (f"{pred:.0f} ({r['model_probes']}) | {r['model_predicted_over_peak']:.3f} | "
-                 f"{r['model_reserved_mib']:.0f} |" if pred is not None else "- | - | - |"))  # fmt: skip
+              f"{r['peak_reserved_mib']:.0f} | {ratio:.3f} | {model} {r.get('held_mib', 0):.0f} |")  # fmt: skip

@@ -37,6 +37,7 @@ HEAP_FACTOR = 2.0
 # Qwen2.5-VL-7B-shaped tower at 16,384 tokens, serving grew the pool to 1.004 times the stress's growth
 # (bench/RESULTS.md, "On a GPU (H100)"). A tenth more, held in the pool, is room for that at little cost.
 POOL_FACTOR = 1.1
+HOLD_MAX_BLOCKS = 256  # CudaMeter.hold: at most this many allocations (each one a free block, or growth)
 
 
 class Meter:
@@ -86,8 +87,17 @@ class CudaMeter(Meter):
         return max(held, peak_alloc)
 
     def hold(self, nbytes: int) -> int:
-        held = torch.cuda.memory_reserved(self.dev) - self.reserved_before
-        hold_in_cuda_pool(self.dev, nbytes - held)
+        """Grow the pool to `nbytes` over the baseline. One allocation of the shortfall is not enough: after
+        the stress the pool has free blocks, and the allocator serves it from one of them without growing.
+        So blocks of the shortfall are taken, all live at once, until the pool has grown (each one the pool
+        serves from its free blocks occupies one of them), then freed into the pool."""
+        blocks: list[torch.Tensor] = []
+        while len(blocks) < HOLD_MAX_BLOCKS:
+            short = self.reserved_before + nbytes - torch.cuda.memory_reserved(self.dev)
+            if short <= 0:
+                break
+            blocks.append(torch.empty(short, dtype=torch.uint8, device=self.dev))
+        del blocks
         return nbytes
 
 
