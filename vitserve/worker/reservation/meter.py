@@ -32,10 +32,12 @@ log = logging.getLogger(__name__)
 # bench/reservation.py). Over-reserving host RAM costs little; under-reserving breaks docs/design.md's
 # invariant 7.
 HEAP_FACTOR = 2.0
-# CUDA: published (and held) bytes per byte of the full stress's pool growth. The caching allocator reuses its
-# blocks, but batches of other compositions can still need a segment size the pool lacks: on an H100 with the
-# Qwen2.5-VL-7B-shaped tower at 16,384 tokens, serving grew the pool to 1.004 times the stress's growth
-# (bench/RESULTS.md, "On a GPU (H100)"). A tenth more, held in the pool, is room for that at little cost.
+# CUDA: published bytes per byte of the full stress's pool growth. The caching allocator reuses its blocks, but
+# batches of other compositions can still need segments the pool lacks: with the Qwen2.5-VL-7B-shaped tower at
+# 16,384 tokens, serving grew the pool to 1.004-1.006 times the stress's growth (H100 and H200; bench/RESULTS.md,
+# "On a GPU (H100)"). The pool keeps the growth; the tenth above it is published but left free on the device,
+# where the pool can grow into it: held as one large block it could not serve the segments that grew (the
+# H200 run that held it exceeded it by the same 16 MiB).
 POOL_FACTOR = 1.1
 HOLD_MAX_BLOCKS = 256  # CudaMeter.hold: at most this many allocations (each one a free block, or growth)
 
@@ -67,7 +69,7 @@ def meter_for(device: torch.device | str) -> Meter:
 
 
 class CudaMeter(Meter):
-    """Pool growth over the pool after loading; published times POOL_FACTOR (and held: hold)."""
+    """Pool growth over the pool after loading; published times POOL_FACTOR (the growth stays in the pool)."""
 
     factor = POOL_FACTOR
 
