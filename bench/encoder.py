@@ -79,19 +79,21 @@ def make_inputs(sizes: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tenso
     return pixels, grid_thw
 
 
-def matmul_flops(grid_thw: torch.Tensor) -> float:
-    """FLOPs of the matmuls in one forward of the demo tower (2 per multiply-add)."""
-    e, i, out, depth = DEMO["hidden_size"], DEMO["intermediate_size"], DEMO["out_hidden_size"], DEMO["depth"]
+def matmul_flops(grid_thw: torch.Tensor, vision: dict | None = None) -> float:
+    """FLOPs of the matmuls in one forward of a Qwen2.5-VL tower (2 per multiply-add); vision: its
+    vision_config (default the demo's; bench/gpu.py passes the 7B's)."""
+    cfg = DEMO if vision is None else vision
+    e, i, out, depth = cfg["hidden_size"], cfg["intermediate_size"], cfg["out_hidden_size"], cfg["depth"]
     sizes = grid_thw.prod(-1).tolist()
     n = sum(sizes)
-    _, cu_windows = get_vision_window_index(grid_thw, 2, DEMO["window_size"], PATCH)
+    _, cu_windows = get_vision_window_index(grid_thw, 2, cfg["window_size"], cfg["patch_size"])
     windows = (cu_windows[1:] - cu_windows[:-1]).tolist()
     per_layer_linear = 2 * n * (e * 3 * e + e * e + 3 * e * i)  # qkv, proj, gate/up/down
     full_attn = sum(4 * s * s * e for s in sizes)  # QK^T and AV over each image
     window_attn = sum(4 * s * s * e for s in windows)
-    n_full = len(DEMO["fullatt_block_indexes"])
+    n_full = len(cfg["fullatt_block_indexes"])
     blocks = depth * per_layer_linear + n_full * full_attn + (depth - n_full) * window_attn
-    patch_embed = 2 * n * (3 * 2 * PATCH * PATCH) * e
+    patch_embed = 2 * n * (3 * 2 * cfg["patch_size"] ** 2) * e
     merger = 2 * (n // 4) * (4 * e) * (4 * e + out)
     return float(blocks + patch_embed + merger)
 

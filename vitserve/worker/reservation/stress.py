@@ -63,7 +63,8 @@ def measure(
         quadratic_memory=memory_model.memory_fit_is_quadratic(torch.device(encoder.device).type),
     )
     if est is None:
-        nbytes = meter.published(meter.measure(lambda: run_full(encoder, shape, say)))  # CPU: x HEAP_FACTOR
+        # CPU: x HEAP_FACTOR; CUDA: x POOL_FACTOR, the pool keeping the growth and the rest left free (meter.py)
+        nbytes = meter.published(meter.measure(lambda: run_full(encoder, shape, say)))
         method, detail = Method.FULL, f"the full-budget stress ({full.tokens} tokens in {images} images)"
     else:
         nbytes = meter.hold(est.reserved_bytes)  # x MODEL_FACTOR, which bounds the serving peak itself
