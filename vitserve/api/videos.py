@@ -132,12 +132,8 @@ class VideoFrontEnd:
         except TimeoutError:
             raise Timeout("decoding the videos passed the deadline (--request_timeout_s)") from None
         for index, result in enumerate(results):
-            if isinstance(result, VitserveError):
-                raise result.with_video_index(index)
             if isinstance(result, BaseException):
-                raise InvalidVideo(
-                    f"the video could not be preprocessed ({type(result).__name__}: {result})"
-                ).with_video_index(index) from result
+                raise _video_error(result, index) from _cause(result)
         return results  # type: ignore[return-value]  # every exception was raised above
 
     def close(self) -> None:
@@ -170,12 +166,8 @@ class VideoFeed:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._front._pool, self._make, groups)
-        except VitserveError as exc:
-            raise exc.with_video_index(self._index) from None
         except Exception as exc:
-            raise InvalidVideo(
-                f"the video could not be preprocessed ({type(exc).__name__}: {exc})"
-            ).with_video_index(self._index) from exc
+            raise _video_error(exc, self._index) from _cause(exc)
 
     def times(self) -> tuple[float, float]:
         return self._decode_s, self._preprocess_s
@@ -218,6 +210,21 @@ def _group_image(
     )
     image_id = hashlib.sha256(f"video|{content}|{index}/{count}".encode()).hexdigest()
     return PreparedImage(item, image_id, size, 0.0, 0.0)
+
+
+def _video_error(exc: BaseException, index: int) -> VitserveError:
+    """What a video's failure answers, naming its ``video_index``: vitserve's own error as it is, anything
+    else (a bug in the preprocessing of this video) as invalid_video."""
+    if isinstance(exc, VitserveError):
+        return exc.with_video_index(index)
+    return InvalidVideo(
+        f"the video could not be preprocessed ({type(exc).__name__}: {exc})"
+    ).with_video_index(index)
+
+
+def _cause(exc: BaseException) -> BaseException | None:
+    """The traceback worth chaining: none for vitserve's own errors, the original for anything else."""
+    return None if isinstance(exc, VitserveError) else exc
 
 
 def _remaining(deadline: float) -> float:
