@@ -3,7 +3,9 @@
 What is slow in HF's packed forward (measured in bench/encoder.py, see bench/RESULTS.md and bench/history/0.1.0.md):
   * attention over packed segments loops in Python, one SDPA call per window / image;
   * patch embedding runs a Conv3d whose kernel equals its stride, i.e. a linear map on each flat patch;
-  * rotary embedding builds several full-size temporaries per layer (float copies, rotate_half's cat).
+  * rotary embedding builds several full-size temporaries per layer (float copies, rotate_half's cat);
+  * on CPU, every linear layer runs MKL's sgemm after a copy of the bias into each output row (fast_linear.py
+    routes them through oneDNN's matmul instead).
 Each replacement computes the same math, so outputs equal HF's to fp32 round-off.
 
 Contract with the tensor-parallel pass (vitserve/model/tp.py): every HF submodule keeps its name and is
@@ -19,13 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vitserve.errors import ConfigError
 from vitserve.families import FAMILIES
 from vitserve.model.fast_alloc import tune_cpu_allocator
 from vitserve.model.fast_attention import PlanCache, packed_attention
+from vitserve.model.fast_linear import linear, use_onednn_linears
 from vitserve.model.fast_mlp import inplace_activation, is_rms_norm, mlp_kind, rms_norm_forward
 
 
@@ -37,6 +39,7 @@ def optimize(visual: nn.Module, family: str) -> nn.Module:
         )
     if _on_cpu(visual):
         tune_cpu_allocator()
+        use_onednn_linears(visual)
     if FAMILIES[family].layout == "tiles":
         _use_sdpa(visual)  # a plain ViT on fixed tiles: attention is already one batched call per layer
         return visual
@@ -108,7 +111,7 @@ def linear_patch_embed_forward(self: Any, hidden_states: torch.Tensor) -> torch.
     conv = self.proj
     weight = conv.weight.reshape(conv.out_channels, -1)  # (E, C*T*P*P), a view
     x = hidden_states.reshape(-1, weight.shape[1]).to(weight.dtype)  # (N, C*T*P*P)
-    return F.linear(x, weight, conv.bias)  # (N, E)
+    return linear(x, weight, conv.bias)  # (N, E)
 
 
 def qwen_attention_forward(

@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from vitserve.errors import ConfigError
 from vitserve.families import FAMILIES
+from vitserve.model.fast_linear import linear
 
 _ATTENTION_NAMES = ("attn", "attention")
 _MLP_COLUMN = ("fc1", "gate_proj", "up_proj", "linear_fc1")
@@ -60,7 +60,7 @@ class RowParallelLinear(nn.Linear):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (..., out): this rank's partial sum
+        y = linear(x, self.weight)  # (..., out): this rank's partial sum (oneDNN on CPU: fast_linear.py)
         dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
         if self.bias is not None:
             y = y + self.bias  # once, after the sum (adding it per rank would count it tp times)
