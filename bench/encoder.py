@@ -33,6 +33,7 @@ import vitserve.model.fast as fast  # noqa: E402
 from bench import record  # noqa: E402
 from vitserve.checkpoint import Checkpoint  # noqa: E402
 from vitserve.model.demo import build_demo_visual  # noqa: E402
+from vitserve.model.fast_linear import pack_linear_weights  # noqa: E402
 
 DEMO = dict(Checkpoint.demo().vision)  # the demo tower's vision config
 PATCH = DEMO["patch_size"]
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         fast.tune_cpu_allocator = lambda: False  # type: ignore[assignment]
     hf = demo_tower()
     vs = fast.optimize(copy.deepcopy(hf), "qwen2_5_vl")
+    pack_linear_weights(vs)  # as the rank does once its weights are final (vitserve/worker/rank.py)
     peak_size = 2048 if args.quick else 4096
     peak = measure_peak(args.threads, peak_size)
     rows = [run_workload(n, s, hf, vs, repeats) for n, s in (QUICK if args.quick else WORKLOADS).items()]

@@ -12,7 +12,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from tests.unit.test_fast import assert_close, make_tower
 from vitserve.model.fast import optimize
-from vitserve.model.fast_linear import linear, onednn_linear_ok, use_onednn_linears
+from vitserve.model.fast_linear import (
+    linear,
+    onednn_linear_ok,
+    pack_linear_weights,
+    packed_weight,
+    use_onednn_linears,
+)
 from vitserve.model.tp import RowParallelLinear
 
 pytestmark = pytest.mark.skipif(not onednn_linear_ok(), reason="this torch build has no usable oneDNN linear")
@@ -67,3 +73,31 @@ def test_the_optimized_tower_runs_no_mkl_linear():
     assert "mkldnn::_linear_pointwise" in ops
     assert "aten::addmm" not in ops
     assert "aten::linear" not in ops
+
+
+def test_packed_weights_equal_f_linear_and_follow_a_replaced_weight():
+    gen = torch.Generator().manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32))
+    use_onednn_linears(model)
+    assert pack_linear_weights(model) == 2
+    assert pack_linear_weights(model) == 0  # already packed with these very weights
+    x = torch.randn(11, 64, generator=gen)
+    with torch.inference_mode():
+        assert packed_weight(model[0]) is not None
+        assert_close(
+            model(x), F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight, model[1].bias)
+        )
+        model[1].weight = nn.Parameter(torch.randn(32, 96, generator=gen))  # as the TP pass replaces a shard
+        assert packed_weight(model[1]) is None  # the stale copy is never used ...
+        assert_close(model[1](model[0](x)), F.linear(model[0](x), model[1].weight, model[1].bias))
+    assert pack_linear_weights(model) == 1  # ... and packing again packs only the replaced one
+
+
+def test_a_packed_tower_equals_hf():
+    reference = make_tower("qwen2_5_vl")
+    fast = optimize(copy.deepcopy(reference), "qwen2_5_vl")
+    assert pack_linear_weights(fast) == sum(isinstance(m, nn.Linear) for m in fast.modules())
+    grid_thw = torch.tensor([[1, 8, 8], [1, 4, 6]])
+    pixels = torch.randn(88, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        assert_close(fast(pixels, grid_thw).pooler_output, reference(pixels, grid_thw).pooler_output)

@@ -36,7 +36,7 @@ from torch.distributed import ProcessGroup
 
 from vitserve.errors import ConfigError
 from vitserve.families import FAMILIES
-from vitserve.model.fast_linear import linear
+from vitserve.model.fast_linear import linear, packed_weight
 
 _ATTENTION_NAMES = ("attn", "attention")
 _MLP_COLUMN = ("fc1", "gate_proj", "up_proj", "linear_fc1")
@@ -51,6 +51,8 @@ class RowParallelLinear(nn.Linear):
     linear layers by type, e.g. vitserve.model.fast's attention check, still does after this pass.
     """
 
+    packs_weight = True  # its forward runs vitserve.model.fast_linear.linear: pack_linear_weights may pack it
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup | None):
         nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a fresh (out, in) weight
         self.weight = nn.Parameter(weight, requires_grad=False)  # (out, in / tp)
@@ -60,7 +62,7 @@ class RowParallelLinear(nn.Linear):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)  # (..., out): this rank's partial sum (oneDNN on CPU: fast_linear.py)
+        y = linear(x, self.weight, packed=packed_weight(self))  # (..., out): this rank's partial sum
         dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
         if self.bias is not None:
             y = y + self.bias  # once, after the sum (adding it per rank would count it tp times)

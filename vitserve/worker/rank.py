@@ -205,6 +205,13 @@ class RankWorker:
             from vitserve.model.tp import apply_tp  # only needed for tp > 1
 
             apply_tp(enc.visual, enc.family)
+        visual = getattr(enc, "visual", None)
+        if isinstance(
+            visual, torch.nn.Module
+        ):  # weights final: oneDNN's layout, before the reservation's baseline
+            from vitserve.model.fast_linear import pack_linear_weights
+
+            pack_linear_weights(visual)
 
     def _init_reservation(self) -> None:
         """The stored reservation when nothing changed since it was measured, else the stress; then publish."""
