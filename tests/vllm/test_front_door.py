@@ -86,26 +86,46 @@ def _vitserve(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> Cli:
     return server
 
 
-@pytest.fixture(scope="module", params=SERVABLE_FAMILIES)
-def stack(request, tmp_path_factory):
-    family = request.param
-    tmp = tmp_path_factory.mktemp(f"vllm-{family}")
-    ckpt = make_servable_checkpoint(family, tmp / family, max_units=CHECKPOINT_MAX_UNITS)
-    vllm = VllmServer(
-        ckpt,
-        tmp,
-        limit_mm={"image": 4, "video": 1},
-        extra_args=("--media-io-kwargs", json.dumps({"video": {"num_frames": -1}})),
-    )
+@pytest.fixture(scope="module")
+def vllms(tmp_path_factory):
+    """Every vLLM this module uses, started at once, each family's checkpoint with it: (checkpoint, tmp dir,
+    server) per family, and "bare" (Qwen2.5-VL without its tower). A start-up is mostly one core's Python
+    for 25-45 s, so on 2 cores three overlap in about the time of two in a row; ~3 GiB RSS each."""
+    started: dict[str, tuple[Path, Path, VllmServer]] = {}
     try:
-        vitserve = _vitserve(ckpt, vllm.url, tmp / "vs", "--cache_gb", "1")
-    except BaseException:
-        vllm.stop()
-        raise
+        for family in SERVABLE_FAMILIES:
+            tmp = tmp_path_factory.mktemp(f"vllm-{family}")
+            ckpt = make_servable_checkpoint(family, tmp / family, max_units=CHECKPOINT_MAX_UNITS)
+            started[family] = (
+                ckpt,
+                tmp,
+                VllmServer(
+                    ckpt,
+                    tmp,
+                    limit_mm={"image": 4, "video": 1},
+                    extra_args=("--media-io-kwargs", json.dumps({"video": {"num_frames": -1}})),
+                    wait=False,
+                ),
+            )
+        ckpt, tmp, _ = started["qwen2_5_vl"]
+        bare = VllmServer(ckpt, tmp, limit_mm={"image": 0, "video": 0}, wait=False)
+        started["bare"] = ckpt, tmp, bare
+        yield started
+    finally:
+        for _, _, server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module", params=SERVABLE_FAMILIES)
+def stack(request, vllms):
+    family = request.param
+    ckpt, tmp, vllm = vllms[family]
+    vllm.wait_ready()
+    vitserve = _vitserve(ckpt, vllm.url, tmp / "vs", "--cache_gb", "1")
     print(f"{family}: vLLM ready in {vllm.ready_s:.0f} s")
     yield Stack(family, ckpt, vllm, vitserve, tmp)
     code = vitserve.terminate()
-    vllm.stop()
+    vllm.stop()  # its memory back before the next family's tests
     assert code == 0, vitserve.text[-2000:]
 
 
@@ -221,10 +241,10 @@ def test_pil_resize_equals_vllm_given_transformers_pil_pixels(stack):
 
 
 @pytest.mark.parametrize("stack", ["qwen2_5_vl"], indirect=True)
-def test_vllm_without_its_vision_tower_gives_the_same_answers(stack, clip):
+def test_vllm_without_its_vision_tower_gives_the_same_answers(stack, vllms, clip):
     """vLLM with --limit-mm-per-prompt image 0 builds no tower: the memory the sidecar frees. Qwen2.5-VL
     only: for Qwen3-VL vLLM then turns DeepStack off too (docs/vllm.md), so it keeps its tower there."""
-    bare = VllmServer(stack.ckpt, stack.tmp, limit_mm={"image": 0, "video": 0})
+    bare = vllms["bare"][2].wait_ready()  # started with the others (the vllms fixture)
     try:
         assert "vision" not in bare.log_tail(400).lower() or bare.alive()
         vitserve = _vitserve(stack.ckpt, bare.url, stack.tmp / "bare")
