@@ -60,10 +60,12 @@ def _stress_shape(config: Config, processor: VisionProcessor) -> StressShape:
 
 
 def _build_service(config: Config, checkpoint: Checkpoint) -> Service:
-    from vitserve.api.server import Service, bind_socket, warmup_image
+    from vitserve.api.listen import bind_socket
+
+    sock = bind_socket(config.host, config.port)  # before the API's imports (~7 s): a busy port fails at once
+    from vitserve.api.server import Service, warmup_image
 
     processor = _load_processor(config, checkpoint)
-    sock = bind_socket(config.host, config.port)
     from vitserve.engine import Engine  # heavy (zmq, workers): only once the cheap checks passed
 
     metrics = Metrics()

@@ -14,7 +14,8 @@ import pytest
 
 from tests.e2e.live import TEST_CONFIG, live_server, noise_png, wait_until
 from tests.fakes import ThreadGroup, TinyEncoder
-from vitserve.api.server import Service, bind_socket, warmup_image
+from vitserve.api.listen import bind_socket
+from vitserve.api.server import Service, warmup_image
 from vitserve.cli import render_banner
 from vitserve.engine import Engine
 from vitserve.flags import FLAGS

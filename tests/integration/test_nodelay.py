@@ -19,7 +19,8 @@ import socket
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from vitserve.api.server import bind_socket, http_server
+from vitserve.api.listen import bind_socket
+from vitserve.api.server import http_server
 from vitserve.errors import ConfigError
 
 HOSTS = ["127.0.0.1", "::1", "localhost", "0.0.0.0", "::"]

@@ -31,9 +31,9 @@ from starlette.types import ASGIApp
 
 from vitserve.api.app import close_app, create_app
 from vitserve.api.edge import ServerState
+from vitserve.api.listen import bind_socket
 from vitserve.config import Config
 from vitserve.contract import Engine, ProcessedImage
-from vitserve.errors import ConfigError
 from vitserve.metrics import Metrics
 from vitserve.processors.base import VisionProcessor
 
@@ -62,26 +62,6 @@ def http_server(app: ASGIApp, log_level: str) -> _Server:
         timeout_graceful_shutdown=5,
     )
     return _Server(ucfg)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before anything slow starts, so a busy port fails fast naming --port."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, socktype, proto, _, addr = infos[0]
-        # The proto from getaddrinfo (IPPROTO_TCP), not 0: asyncio sets TCP_NODELAY on accepted connections
-        # only when the listening socket's proto is IPPROTO_TCP. Without it, Nagle held each response body
-        # (uvicorn writes headers and body separately) until the client's delayed ACK: ~40 ms per response.
-        sock = socket.socket(family, socktype, proto or socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot listen on {host}:{port} ({exc.strerror or exc}); change --host/--port"
-        ) from exc
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
 
 
 def warmup_image(processor: VisionProcessor) -> ProcessedImage:
