@@ -1,4 +1,9 @@
-"""The HTTP listening socket, bound by the CLI before anything slow is imported (this module is light)."""
+"""The HTTP socket, bound by the CLI before anything slow is imported (this module is light).
+
+Bound, not yet listening: asyncio's create_server calls listen() when uvicorn starts serving it. Until then a
+connection is refused, as when nothing is bound; a listening socket would queue it unanswered for the API's
+~7 s of imports, and a client that gave up would still have its request answered, and counted, later.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from vitserve.errors import ConfigError
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before anything slow starts, so a busy port fails fast naming --port."""
+    """The socket, bound before anything slow starts, so a busy port fails fast naming --port."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, socktype, proto, _, addr = infos[0]
@@ -22,6 +27,5 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ConfigError(
             f"cannot listen on {host}:{port} ({exc.strerror or exc}); change --host/--port"
         ) from exc
-    sock.listen(2048)
     sock.setblocking(False)
     return sock
