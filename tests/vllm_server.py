@@ -103,6 +103,7 @@ class VllmServer:
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         self.ready_s: float | None = None
+        self.stopped = False
         if wait:
             self.wait_ready()
 
@@ -141,7 +142,12 @@ class VllmServer:
         return ""
 
     def stop(self) -> None:
-        """SIGTERM to the process group, SIGKILL after 20 s."""
+        """SIGTERM to the process group, SIGKILL after 20 s. Once: the tests/vllm fixtures stop a server when
+        its tests end and again at the module's end, and a second SIGKILL to the group's id could reach another
+        group once the pids have wrapped."""
+        if self.stopped:
+            return
+        self.stopped = True
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
