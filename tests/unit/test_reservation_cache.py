@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import mmap
 
 import pytest
 import torch
@@ -95,10 +96,12 @@ def test_a_live_peak_above_the_reservation_warns_once_and_drops_the_entry(tmp_pa
     within.check()
     assert path.exists()
     above = cache.PeakWatch(CPU, baseline=rss, published=0, cache_file=path)
-    with caplog.at_level(logging.WARNING, logger=cache.__name__):
-        ballast = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB touched: VmHWM grows past the baseline
+    with caplog.at_level(logging.WARNING, logger=cache.__name__), mmap.mmap(-1, 64 << 20) as ballast:
+        # 64 MiB of new pages, touched: VmHWM grows past the baseline. Not a tensor: with glibc's mmap threshold
+        # pinned by an earlier test in this process (vitserve.model.fast_alloc), it could reuse heap pages that
+        # are already resident, and the RSS would not grow (a failure seen under xdist)
+        ballast.write(b"\1" * len(ballast))
         above.check()
         above.check()
-    del ballast
     assert not path.exists()
     assert caplog.text.count("exceeds the 0 bytes reserved") == 1
