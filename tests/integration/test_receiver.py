@@ -107,6 +107,26 @@ def test_sender_connected_before_the_receiver_binds_still_delivers(short_dir):
             delivery.wait(10)
 
 
+class LateHandshakeEvents(LLMSender):
+    """A sender whose I/O thread reads the monitor's connection events only once its message was sent and
+    acknowledged: the order a loaded machine can produce, where the handshake event comes in the same poll
+    as the acknowledgement (the handshake puts the message back in the outbox first)."""
+
+    def _on_monitor(self) -> None:
+        if not self._unacked:
+            return  # not sent yet: leave the events queued (the poll returns at once) until it is
+        self._sock.poll(5000, zmq.POLLIN)  # the acknowledgement is waiting
+        super()._on_monitor()
+
+
+def test_an_acknowledgement_read_after_the_handshake_event_settles_the_message(receiver):
+    with LateHandshakeEvents(receiver.endpoint) as tx:
+        delivery = send(tx, image_index=0)
+        assert receiver.recv(timeout_s=10).image_index == 0  # acknowledged once, and read once only
+        delivery.wait(10)
+        assert (tx.delivered, tx.late_acks, tx.resent) == (1, 0, 1)
+
+
 def check_each_once_in_order(got: list[ImageEmbedding], requests: int, images: int) -> None:
     keys = [(m.request_id, m.image_index) for m in got]
     assert len(set(keys)) == len(keys) == requests * images

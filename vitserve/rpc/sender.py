@@ -290,11 +290,21 @@ class LLMSender:
             except WireError as exc:
                 log.error("ignored a reply from the LLM receiver at %s: %s", self.endpoint, exc)
                 continue
-            d = self._unacked.pop(message_id, None)
+            d = self._unacked.pop(message_id, None) or self._queued_again(message_id)
             if d is None:
                 self.late_acks += 1  # timed out (or sent twice and acknowledged already)
             elif _settle(d, None):
                 self.delivered += 1
+
+    def _queued_again(self, message_id: str) -> Delivery | None:
+        """A sent message that a handshake put back in the outbox (_resend_unacked) before its
+        acknowledgement was read: both can come in one poll. Without this, the acknowledgement counted as
+        late, the message went out again, and only a receiver that kept reading acknowledged the copy."""
+        for d in self._outbox:
+            if d.message_id == message_id and d.sent_at is not None:
+                self._outbox.remove(d)
+                return d
+        return None
 
     def _on_monitor(self) -> None:
         while self._monitor.poll(0):
