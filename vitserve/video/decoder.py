@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import math
-import multiprocessing as mp
 import os
 import queue
 import resource
@@ -37,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from vitserve import start_method
 from vitserve.config import GIB
 from vitserve.errors import (
     InvalidVideo,
@@ -206,7 +206,8 @@ class _Slot:
 
 
 class VideoDecoder:
-    """A pool of ``slots`` decoder processes (spawned), each call on one free slot."""
+    """A pool of ``slots`` decoder processes (forked from the warm forkserver, else spawned:
+    vitserve/start_method.py), each call on one free slot."""
 
     def __init__(
         self,
@@ -226,7 +227,7 @@ class VideoDecoder:
         self.cpu_s = cpu_s
         self.threads = threads
         self.start_timeout_s = start_timeout_s
-        ctx = mp.get_context("spawn")
+        ctx = start_method.context()  # forked from the ranks' warm forkserver when the CLI runs one
         process_limits = ProcessLimits(memory_bytes=memory_bytes, threads=threads)
         self._slots = [_Slot(ctx, process_limits) for _ in range(slots)]
         self._free: queue.Queue[_Slot] = queue.Queue()

@@ -25,10 +25,9 @@ import os
 import re
 from multiprocessing.context import ForkServerContext, SpawnContext
 
+from vitserve import start_method
 from vitserve.checkpoint import Checkpoint
 from vitserve.worker.forkserver_guard import SERVICE_PID_ENV  # does nothing outside the forkserver
-
-_started = False
 
 
 def preload_modules(checkpoint: Checkpoint) -> list[str]:
@@ -42,7 +41,6 @@ def preload_modules(checkpoint: Checkpoint) -> list[str]:
 
 def start(checkpoint: Checkpoint) -> None:
     """Launch the forkserver now (it returns at once; the preload runs in the background)."""
-    global _started
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(preload_modules(checkpoint))
     os.environ[SERVICE_PID_ENV] = str(os.getpid())  # read (and dropped) by the guard in the forkserver
@@ -50,9 +48,9 @@ def start(checkpoint: Checkpoint) -> None:
         forkserver.ensure_running()
     finally:
         os.environ.pop(SERVICE_PID_ENV, None)
-    _started = True
+    start_method.use_warm_forkserver()  # the video decoders fork from it too
 
 
 def context() -> ForkServerContext | SpawnContext:
     """Where ranks come from: the warm forkserver once start() ran, else a spawned interpreter."""
-    return mp.get_context("forkserver") if _started else mp.get_context("spawn")
+    return start_method.context()
