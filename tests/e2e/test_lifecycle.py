@@ -89,6 +89,22 @@ def stop_and_watch(cli: Cli, sig: signal.Signals, *, group: bool) -> list[int]:
     return [p for p in everyone if alive(p)]
 
 
+def described(cli: Cli, sig: signal.Signals, pids: list[int]) -> str:
+    """Why a stop failed: each process left, its state and command line, then the service's output."""
+    rows = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+        except OSError:
+            state, cmdline = "gone", ""
+        rows.append(f"  {pid} {state} {cmdline}")
+    return "\n".join([f"still alive {STOP_LIMIT_S} s after {sig.name} (the service is {cli.proc.pid}):", *rows,
+                      "its output:", cli.tail()])  # fmt: skip
+
+
 def kill_everything(cli: Cli, pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -107,7 +123,7 @@ def test_signal_during_startup_ends_every_process_within_5s(tmp_path, sig):
     left = stop_and_watch(cli, sig, group=sig == signal.SIGINT)
     out = ""
     try:
-        assert not left, f"still alive {STOP_LIMIT_S} s after {sig.name}: {left}"
+        assert not left, described(cli, sig, left)
         out = cli.wait_exit(30)
         assert cli.proc.returncode == 128 + sig, out[-3000:]
         assert f"stopped by {sig.name} during start-up" in out
@@ -129,7 +145,7 @@ def test_sigterm_before_any_rank_exits_at_once(tmp_path, delay_s):
     time.sleep(delay_s)
     left = stop_and_watch(cli, signal.SIGTERM, group=False)
     try:
-        assert not left
+        assert not left, described(cli, signal.SIGTERM, left)
         out = cli.wait_exit(30)
     finally:
         kill_everything(cli, left)
