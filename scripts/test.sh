@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs vitserve with its test extra into ./.venv (CPU torch) and runs the default test suite.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow`, or
-# `-n 3 --dist loadscope --no-loadscope-reorder` for pytest-xdist workers (tests/parallel.py).
+# `-n 2 --dist loadscope --no-loadscope-reorder` for pytest-xdist workers (tests/parallel.py).
 . "$(dirname "$0")/venv.sh"
 python -m pip install -q -e ".[test]"
 # The test extra's torchvision (the oracle of --image_resize torch) is PyPI's CUDA build: make it importable

@@ -1,12 +1,13 @@
-"""How the suite shares the machine between pytest-xdist workers (`-n 3 --dist loadscope --no-loadscope-reorder`).
+"""How the suite shares the machine between pytest-xdist workers (`-n 2 --dist loadscope --no-loadscope-reorder`).
 
-Measured on 2 cores (README "Tests"): serial, the suite used 52-68% of them (start-ups of subprocesses, waits
-on servers); workers keep both busy. What the workers must not do, and how it is prevented here:
+Measured on 2 cores (README "Development"): serial, the suite used 52-68% of them (start-ups of subprocesses,
+waits on servers); workers keep both busy (91-95%), which makes the run CPU-bound: two workers were the faster
+of two and three, ~1.15x over serial. What the workers must not do, and how it is prevented here:
 
 - start one expensive fixture several times. A session fixture runs once per worker; a module fixture once
   per worker that runs a test of its module. So `Scheduling` hands out work in units (`unit_of`): every
-  test under tests/vllm is one unit (each real vLLM starts once, one at a time: a vLLM server is the suite's
-  largest memory user), the blocks of one document in tests/integration/test_doc_blocks.py are one (they
+  test under tests/vllm is one unit (each real vLLM starts once, on one worker: a vLLM server is the suite's
+  largest memory user, ~3 GiB each), the blocks of one document in tests/integration/test_doc_blocks.py are one (they
   share its server), a module that defines a module-, class- or package-scoped fixture is one, and any other
   test is a unit of its own. (xdist's `--dist loadgroup` would read `xdist_group` marks, but with pytest 9.2
   its renaming of the node ids has no effect: xdist 3.8 sets `item._nodeid`, which pytest no longer reads.)
