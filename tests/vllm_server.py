@@ -31,9 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 600
 
 
+def vllm_venv_python() -> Path:
+    """Where the vLLM venv's interpreter is (or would be)."""
+    return Path(os.environ.get("VITSERVE_TEST_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+
+
 def vllm_python() -> Path:
     """The vLLM venv's interpreter; skips (fails in CI) when there is none."""
-    python = Path(os.environ.get("VITSERVE_TEST_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+    python = vllm_venv_python()
     if python.is_file():
         return python
     message = f"no vLLM venv at {python}: run `bash scripts/vllm-env.sh`"

@@ -3,7 +3,8 @@ vitserve gives the same answer.
 
 Per family (Qwen2.5-VL, and Qwen3-VL with DeepStack), one tiny checkpoint vLLM can serve
 (tests/checkpoints.py make_servable_checkpoint), one real vLLM started from scripts/vllm-env.sh's venv
-(tests/vllm_server.py), and the real vitserve CLI in front of it (--llm_url). vLLM is given the raw image
+(tests/vllm_server.py; a serial run starts them while tests/unit runs, tests/vllm/servers.py), and the real
+vitserve CLI in front of it (--llm_url). vLLM is given the raw image
 directly; vitserve sends it the embeddings instead. Greedy decoding, 12 tokens with their logprobs: the
 tokens must be identical and the logprobs within 1e-4 (measured: a few 1e-6, the float round-off of the same
 arithmetic in another order; resizing like the PIL processor instead moves them by ~1e-3).
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -32,15 +32,15 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.checkpoints import SERVABLE_FAMILIES, hf_reference, make_servable_checkpoint
+from tests.checkpoints import SERVABLE_FAMILIES, hf_reference
 from tests.cli import Cli
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
 from tests.videos import make_clip
+from tests.vllm import servers
 from tests.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 BUDGET = 256  # vitserve's per-image budget, below the checkpoints' own limit
-CHECKPOINT_MAX_UNITS = 512  # the checkpoints' max_pixels in merge units (what vLLM alone allows)
 SIZES = {"exact": (112, 84), "resized": (301, 203), "clamped": (1500, 1000)}
 RAW_VIDEO_TOL = 1e-4  # vLLM's own video path against vitserve's video_embeds
 
@@ -88,32 +88,14 @@ def _vitserve(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> Cli:
 
 @pytest.fixture(scope="module")
 def vllms(tmp_path_factory):
-    """Every vLLM this module uses, started at once, each family's checkpoint with it: (checkpoint, tmp dir,
-    server) per family, and "bare" (Qwen2.5-VL without its tower). A start-up is mostly one core's Python
-    for 25-45 s, so on 2 cores three overlap in about the time of two in a row; ~3 GiB RSS each."""
-    started: dict[str, tuple[Path, Path, VllmServer]] = {}
+    """Every vLLM this module uses (tests/vllm/servers.py): (checkpoint, tmp dir, server) per family, and
+    "bare" (Qwen2.5-VL without its tower). Started at once, or already starting since tests/unit began (a
+    serial run); on 2 cores three start-ups overlap in about the time of two in a row; ~3 GiB RSS each."""
+    started = servers.take(tmp_path_factory.mktemp("vllm"))
     try:
-        for family in SERVABLE_FAMILIES:
-            tmp = tmp_path_factory.mktemp(f"vllm-{family}")
-            ckpt = make_servable_checkpoint(family, tmp / family, max_units=CHECKPOINT_MAX_UNITS)
-            started[family] = (
-                ckpt,
-                tmp,
-                VllmServer(
-                    ckpt,
-                    tmp,
-                    limit_mm={"image": 4, "video": 1},
-                    extra_args=("--media-io-kwargs", json.dumps({"video": {"num_frames": -1}})),
-                    wait=False,
-                ),
-            )
-        ckpt, tmp, _ = started["qwen2_5_vl"]
-        bare = VllmServer(ckpt, tmp, limit_mm={"image": 0, "video": 0}, wait=False)
-        started["bare"] = ckpt, tmp, bare
         yield started
     finally:
-        for _, _, server in started.values():
-            server.stop()
+        servers.stop(started)
 
 
 @pytest.fixture(scope="module", params=SERVABLE_FAMILIES)
