@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vitserve.worker import zygote
+from vitserve import start_method
 
 
 def free_port() -> int:
@@ -36,7 +36,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 30.0) -> list:
             args=(world_size, port, timeout_s, tmp, fn, args),
             nprocs=world_size,
             join=True,
-            start_method=zygote.context().get_start_method(),
+            start_method=start_method.context().get_start_method(),
         )
         return [torch.load(Path(tmp) / f"{rank}.pt", weights_only=False) for rank in range(world_size)]
 

@@ -75,10 +75,11 @@ def test_without_start_ranks_are_spawned_and_after_it_forked_from_the_forkserver
     # A fresh interpreter: this session's tests/conftest.py may have started the forkserver here already.
     code = (
         "from vitserve.checkpoint import Checkpoint\n"
+        "from vitserve import start_method\n"
         "from vitserve.worker import zygote\n"
-        "print(zygote.context().get_start_method())\n"
+        "print(start_method.context().get_start_method())\n"
         "zygote.start(Checkpoint.demo())\n"
-        "print(zygote.context().get_start_method())\n"
+        "print(start_method.context().get_start_method())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.stdout.split() == ["spawn", "forkserver"], out.stderr

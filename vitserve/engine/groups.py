@@ -34,12 +34,12 @@ from multiprocessing.process import BaseProcess
 
 import zmq
 
+from vitserve import start_method
 from vitserve.config import Config
 from vitserve.contract import ProcessedImage
 from vitserve.engine.jobs import Job
 from vitserve.model.base import Encoder
 from vitserve.worker import messages as m
-from vitserve.worker import zygote
 from vitserve.worker.process import run_worker
 from vitserve.worker.rank import WorkerArgs
 from vitserve.worker.rendezvous import Rendezvous
@@ -139,7 +139,7 @@ class WorkerGroup:
         )
 
     def spawn(self) -> None:
-        ctx = zygote.context()  # the warm forkserver when the CLI started one, else spawn
+        ctx = start_method.context()  # the warm forkserver when the CLI started one, else spawn
         for rank in self.config.node_ranks:
             proc = ctx.Process(
                 target=run_worker,

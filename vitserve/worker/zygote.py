@@ -13,7 +13,8 @@ asks Linux to kill it when its parent exits (it would otherwise finish its prelo
 serving it exits when the service's end of its pipe closes. A rank forked from it watches the forkserver
 as its parent (process.watched_parent).
 
-Without `start()` (library use) ranks are spawned as before. The tests call `start()` once per session
+Without `start()` (library use) ranks are spawned as before; `vitserve.start_method.context()` says which,
+for the ranks (engine/groups.py) and the video decoders alike. The tests call `start()` once per session
 (tests/conftest.py), so their in-process engines fork ranks from it as the CLI's do.
 """
 
@@ -23,7 +24,6 @@ import multiprocessing as mp
 import multiprocessing.forkserver as forkserver
 import os
 import re
-from multiprocessing.context import ForkServerContext, SpawnContext
 
 from vitserve import start_method
 from vitserve.checkpoint import Checkpoint
@@ -49,8 +49,3 @@ def start(checkpoint: Checkpoint) -> None:
     finally:
         os.environ.pop(SERVICE_PID_ENV, None)
     start_method.use_warm_forkserver()  # the video decoders fork from it too
-
-
-def context() -> ForkServerContext | SpawnContext:
-    """Where ranks come from: the warm forkserver once start() ran, else a spawned interpreter."""
-    return start_method.context()
