@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -34,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
     if "PYTEST_XDIST_WORKER" in os.environ:  # a worker of `-n N`: the longest units first (tests/parallel.py)
         parallel.order(items)
     for item in items:
-        folder = Path(str(item.fspath)).parent.name
+        folder = parallel.folder(item)
         mark = _FOLDER_MARKS.get(folder)
         if mark is not None:
             item.add_marker(mark)
@@ -99,5 +98,5 @@ def _relay(read_end: int) -> None:
 
 @pytest.fixture(autouse=True)
 def _ranks_from_the_session_forkserver(request) -> None:
-    if Path(str(request.node.fspath)).parent.name in _RANK_FOLDERS:
+    if parallel.folder(request.node) in _RANK_FOLDERS:
         request.getfixturevalue("forkserver")

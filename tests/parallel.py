@@ -79,8 +79,9 @@ class Scheduling(LoadScopeScheduling):
         return unit_of(nodeid)
 
 
-def _folder(item: pytest.Item) -> str:
-    return Path(str(item.fspath)).parent.name
+def folder(node: pytest.Item | pytest.Collector) -> str:
+    """The folder a test (or its module) is in: unit, integration, e2e, vllm."""
+    return Path(str(node.fspath)).parent.name
 
 
 def order(items: list[pytest.Item]) -> None:
@@ -88,7 +89,7 @@ def order(items: list[pytest.Item]) -> None:
     `solo` tests last, one after another: handed out among the others, each would wait for its neighbours'
     running tests (a vLLM start-up among them) while every worker idles behind it."""
     rank = {folder: i for i, folder in enumerate(FOLDER_ORDER)}
-    items.sort(key=lambda item: (_is_solo(item), rank.get(_folder(item), len(rank))))
+    items.sort(key=lambda item: (_is_solo(item), rank.get(folder(item), len(rank))))
 
 
 def _is_solo(item: pytest.Item) -> bool:

@@ -26,14 +26,18 @@ pytestmark = pytest.mark.timeout(300)
 STOP_LIMIT_S = 5.0
 
 
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie (a reaped-later zombie holds no memory and runs nothing)."""
+def state_of(pid: int) -> str | None:
+    """The process's state letter (R, S, D, Z, ...), None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+        return None
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a reaped-later zombie holds no memory and runs nothing)."""
+    return state_of(pid) not in (None, "Z", "X")
 
 
 def rank_pids(pid: int) -> list[int]:
@@ -94,13 +98,11 @@ def described(cli: Cli, sig: signal.Signals, pids: list[int]) -> str:
     rows = []
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
         except OSError:
-            state, cmdline = "gone", ""
-        rows.append(f"  {pid} {state} {cmdline}")
+            cmdline = ""
+        rows.append(f"  {pid} {state_of(pid) or 'gone'} {cmdline}")
     return "\n".join([f"still alive {STOP_LIMIT_S} s after {sig.name} (the service is {cli.proc.pid}):", *rows,
                       "its output:", cli.tail()])  # fmt: skip
 

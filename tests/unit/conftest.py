@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
+from tests.parallel import folder
 from tests.vllm import servers
-
-
-def _folder(item: pytest.Item) -> str:
-    return Path(str(item.fspath)).parent.name
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -22,10 +18,8 @@ def _vllms_start_beside_the_unit_tests(request, tmp_path_factory):
     under xdist: a worker does not know whether tests/vllm will be its. Whatever tests/vllm did not take is
     stopped when the run ends."""
     items = request.session.items
-    first_unit = next((i for i, item in enumerate(items) if _folder(item) == "unit"), len(items))
-    if "PYTEST_XDIST_WORKER" not in os.environ and any(
-        _folder(item) == "vllm" for item in items[first_unit:]
-    ):
+    first_unit = next((i for i, item in enumerate(items) if folder(item) == "unit"), len(items))
+    if "PYTEST_XDIST_WORKER" not in os.environ and any(folder(item) == "vllm" for item in items[first_unit:]):
         servers.start_early(tmp_path_factory.mktemp("vllm"))
     yield
     servers.stop_early()

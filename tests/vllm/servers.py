@@ -56,14 +56,12 @@ def stop(servers: Servers) -> None:
         server.stop()
 
 
-def start_early(root: Path) -> bool:
+def start_early(root: Path) -> None:
     """Start them now for a later `take`, if the vLLM venv is there (without it tests/vllm skips, or fails in
-    CI, when it begins). True when they were started."""
+    CI, when it begins)."""
     global _early
     if _early is None and vllm_venv_python().is_file():
         _early = start(root)
-        return True
-    return False
 
 
 def take(root: Path) -> Servers:
