@@ -70,6 +70,31 @@ def test_a_slow_full_stress_is_extrapolated_from_the_probes_up_to_the_target_tim
     assert est.predicted_seconds == pytest.approx(0.005 * 8192)
 
 
+def test_the_full_stress_is_judged_by_all_of_its_forwards():
+    """The full stress runs stress_batch_count forwards of about the full shape, not one."""
+    one_second = _fake_measure(1 / 8192)  # one full-budget forward: 1 s
+    assert mm.estimate(8192, _shape(8192), one_second, full_forwards=1) is None
+    est = mm.estimate(8192, _shape(8192), one_second, full_forwards=5)
+    assert est is not None
+    assert est.stress_seconds == pytest.approx(5.0)
+
+
+def test_tiny_noisy_probes_never_predict_less_than_the_largest_probe_per_token():
+    """Probes of a few milliseconds are mostly noise: times that fall as the shape grows fit a flat line at
+    their largest value (0.3 s here), which would call an 8,192-token forward fast. The largest probe's time
+    per token bounds it from below instead (work per token does not fall as a batch grows)."""
+    times = {64: 0.3, 128: 0.2, 256: 0.1, 512: 0.2, 1024: 0.4, 2048: 0.8}
+
+    def measure(budget: int) -> Probe:
+        return Probe(budget, _shape(budget), 1000 + 10 * budget, times[budget])
+
+    assert mm.fit([(_shape(b), times[b]) for b in (64, 128, 256)]).at(_shape(8192)) == 0.3
+    est = mm.estimate(8192, _shape(8192), measure)
+    assert est is not None  # 0.1 s at 256 tokens: at least 3.2 s at 8,192, above FULL_STRESS_MAX_S
+    assert [p.budget for p in est.probes] == [64, 128, 256, 512, 1024, 2048]
+    assert est.predicted_seconds == pytest.approx(0.8 * 4)
+
+
 def test_budget_zero_predicts_max_images_of_the_largest_image():
     # per-image quadratic term: 64 images of 1024 tokens cost 64x one image, not (64 * 1024)^2
     probes = [Probe(b, _shape(b), 100 + 2 * b + b * b, 0.0) for b in (64, 128, 256)]

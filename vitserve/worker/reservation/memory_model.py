@@ -15,9 +15,10 @@ reservation.
 
 Which shapes: the worst case at max(budget/128, MIN_PROBE_TOKENS) tokens, doubling up to budget/4, until
 MIN_PROBES are in and one took PROBE_TARGET_S (budget 0: fractions of the processor's largest image).
-Seconds are fitted the same way; when the full-budget stress is predicted to take at most
-FULL_STRESS_MAX_S (a GPU, a small tower, a small budget) the rank runs the real full-budget stress instead
-and nothing is extrapolated.
+Seconds are fitted the same way, never below the largest probe's time per token (tiny probes are mostly
+noise); when the full-budget stress, all of its forwards, is predicted to take at most FULL_STRESS_MAX_S (a
+GPU, a small tower, a small budget) the rank runs the real full-budget stress instead and nothing is
+extrapolated.
 
 Why the result is safe: the reservation must hold the live peak while serving, which on CPU is above one
 forward's growth (glibc's heap fragments over batches of other shapes). MODEL_FACTOR bounds that peak over
@@ -93,6 +94,7 @@ class Estimate:
     memory: Fit
     time: Fit
     full: Shape
+    full_forwards: int = 1  # how many forwards of about the full shape the full stress runs
 
     @property
     def predicted_bytes(self) -> int:
@@ -105,7 +107,18 @@ class Estimate:
 
     @property
     def predicted_seconds(self) -> float:
-        return max(self.time.at(self.full), *(p.seconds for p in self.probes))
+        """One forward of the full budget's worst case: the fitted time, never below the largest probe's
+        time per token times the full budget's tokens. The work per token does not fall as a batch grows,
+        and probes of a few milliseconds are mostly noise: fitted alone, three of them once predicted 0.03 s
+        for a forward that took 15 s (a tiny Qwen2-VL at 8,192 tokens on a CPU)."""
+        largest = max(self.probes, key=lambda p: p.shape.tokens)
+        per_token = largest.seconds * self.full.tokens / max(largest.shape.tokens, 1)
+        return max(self.time.at(self.full), per_token, *(p.seconds for p in self.probes))
+
+    @property
+    def stress_seconds(self) -> float:
+        """The whole full-budget stress: full_forwards forwards of the worst case's time."""
+        return self.predicted_seconds * self.full_forwards
 
 
 def fit(points: Sequence[tuple[Shape, float]], *, quadratic: bool = True) -> Fit:
@@ -164,6 +177,7 @@ def estimate(
     measure: Callable[[int], Probe],
     *,
     fast_enough_s: float = FULL_STRESS_MAX_S,
+    full_forwards: int = 1,
     max_probes: int | None = None,
     quadratic_memory: bool = True,
 ) -> Estimate | None:
@@ -171,8 +185,9 @@ def estimate(
 
     scale: what the probe budgets are fractions of (the budget; with budget 0 the largest image). full: the
     shape of the full budget's worst case. measure(b): the worst case at budget b, measured like the full
-    stress. Stops once MIN_PROBES are in and either the full stress is predicted to take <= fast_enough_s
-    (None: run it) or the last probe took PROBE_TARGET_S (or max_probes are in). quadratic_memory: fit c
+    stress. Stops once MIN_PROBES are in and either the full stress, `full_forwards` forwards of about the
+    full shape (stress_batch_count), is predicted to take <= fast_enough_s (None: run it) or the last probe
+    took PROBE_TARGET_S (or max_probes are in). quadratic_memory: fit c
     for the memory (see memory_fit_is_quadratic); the time is always fitted with it (attention's compute is
     quadratic in each image whatever the kernel).
     """
@@ -184,18 +199,18 @@ def estimate(
         probes.append(measure(b))
         if len(probes) < MIN_PROBES:
             continue
-        est = _estimate(probes, full, quadratic_memory)
-        if est.predicted_seconds <= fast_enough_s:
+        est = _estimate(probes, full, quadratic_memory, full_forwards)
+        if est.stress_seconds <= fast_enough_s:
             return None
         if probes[-1].seconds >= PROBE_TARGET_S:
             break
-    return _estimate(probes, full, quadratic_memory)
+    return _estimate(probes, full, quadratic_memory, full_forwards)
 
 
-def _estimate(probes: Sequence[Probe], full: Shape, quadratic_memory: bool) -> Estimate:
+def _estimate(probes: Sequence[Probe], full: Shape, quadratic_memory: bool, full_forwards: int) -> Estimate:
     memory = fit([(p.shape, p.bytes) for p in probes], quadratic=quadratic_memory)
     time = fit([(p.shape, p.seconds) for p in probes])
-    return Estimate(probes=tuple(probes), memory=memory, time=time, full=full)
+    return Estimate(tuple(probes), memory, time, full, full_forwards)
 
 
 def describe(est: Estimate) -> str:
@@ -206,5 +221,5 @@ def describe(est: Estimate) -> str:
     return (
         f"extrapolated from {len(est.probes)} shapes ({shapes}) to {est.full.tokens} tokens: "
         f"{est.predicted_bytes / 2**20:.1f} MiB, times {MODEL_FACTOR} "
-        f"(the full stress was predicted to take ~{est.predicted_seconds:.0f} s)"
+        f"(the full stress was predicted to take ~{est.stress_seconds:.0f} s)"
     )
