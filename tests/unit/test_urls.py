@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import ipaddress
 
+import httpx
 import pytest
 
-from vitserve.api.urls import _pinned_url, check_url, domain_allowed, is_public_address, resolve_public
-from vitserve.errors import UrlNotAllowed
+from vitserve.api.urls import (
+    _pinned_url,
+    check_url,
+    domain_allowed,
+    is_public_address,
+    read_limited,
+    request_headers,
+    resolve_public,
+)
+from vitserve.errors import PayloadTooLarge, UrlNotAllowed
 
 ip = ipaddress.ip_address
 
@@ -98,3 +107,40 @@ def test_pinned_url_connects_to_the_checked_address():
     assert (
         _pinned_url("http://example.com", ip("2606:2800:220:1::1"), 80) == "http://[2606:2800:220:1::1]:80/"
     )
+
+
+def test_a_video_url_asks_for_a_video_and_an_image_url_for_an_image():
+    video = request_headers("https", "example.com", 443, video=True)
+    image = request_headers("http", "example.com", 8080, video=False)
+    assert (video["Accept"], video["Host"]) == ("video/*", "example.com")
+    assert (image["Accept"], image["Host"]) == ("image/*", "example.com:8080")
+    assert video["Accept-Encoding"] == image["Accept-Encoding"] == "identity"
+
+
+async def _body_of(content: bytes, max_bytes: int, video: bool, declared: bool) -> bytes:
+    """read_limited on a real httpx response, streamed chunk by chunk (httpx's MockTransport serves it)."""
+
+    async def chunks():
+        for i in range(0, len(content), 4):
+            yield content[i : i + 4]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if declared:
+            return httpx.Response(200, content=content)  # Content-Length set
+        return httpx.Response(200, content=chunks())  # chunked: no length to trust
+
+    async with (
+        httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client,
+        client.stream("GET", "http://example.com/v.mp4") as resp,
+    ):
+        return await read_limited(resp, max_bytes, video)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+@pytest.mark.parametrize(("video", "flag"), [(True, "--max_video_bytes"), (False, "--max_request_bytes")])
+async def test_a_body_over_its_limit_names_the_flag_of_its_kind(video, flag, declared):
+    body = bytes(range(40))
+    assert await _body_of(body, 40, video, declared) == body
+    kind = "video URL" if video else "image URL"
+    with pytest.raises(PayloadTooLarge, match=f"the {kind}'s body is larger than 39 bytes \\({flag}\\)"):
+        await _body_of(body, 39, video, declared)

@@ -211,6 +211,7 @@ async def fetch_sources(
                 allowed_domains=config.allowed_url_domains,
                 max_bytes=config.max_video_bytes if video else config.max_request_bytes,
                 deadline=deadline,
+                video=video,
             )
         except VitserveError as exc:
             raise (exc.with_video_index(index) if video else exc.with_index(index)) from None

@@ -92,21 +92,34 @@ def _pinned_url(url: str, ip: IPAddress, port: int) -> str:
     return urlunsplit((parts.scheme, f"{literal}:{port}", parts.path or "/", parts.query, ""))
 
 
+def request_headers(scheme: str, host: str, port: int, video: bool) -> dict[str, str]:
+    """The GET's headers: the checked host (the connection goes to its pinned address), the media type
+    asked for, and no compression (the size limit counts the bytes as sent)."""
+    return {
+        "Host": host if port == _DEFAULT_PORTS[scheme] else f"{host}:{port}",
+        "Accept": "video/*" if video else "image/*",
+        "Accept-Encoding": "identity",
+    }
+
+
 async def fetch_image_url(
-    url: str, *, allow: bool, allowed_domains: tuple[str, ...], max_bytes: int, deadline: float
+    url: str,
+    *,
+    allow: bool,
+    allowed_domains: tuple[str, ...],
+    max_bytes: int,
+    deadline: float,
+    video: bool = False,
 ) -> bytes:
-    """The bytes behind an image URL, under every rule in the module docstring."""
+    """The bytes behind an image URL (a video URL with `video`: its size limit is --max_video_bytes), under
+    every rule in the module docstring."""
+    what = "video URL" if video else "image URL"
     scheme, host, port = check_url(url, allow=allow, allowed_domains=allowed_domains)
     ip = await resolve_public(host, port, deadline - time.monotonic())
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        raise Timeout("fetching the image URL passed the deadline (--request_timeout_s)")
-    default_port = port == _DEFAULT_PORTS[scheme]
-    headers = {
-        "Host": host if default_port else f"{host}:{port}",
-        "Accept": "image/*",
-        "Accept-Encoding": "identity",
-    }
+        raise Timeout(f"fetching the {what} passed the deadline (--request_timeout_s)")
+    headers = request_headers(scheme, host, port, video)
     try:
         async with (
             httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=remaining) as client,
@@ -114,23 +127,25 @@ async def fetch_image_url(
                 "GET", _pinned_url(url, ip, port), headers=headers, extensions={"sni_hostname": host}
             ) as resp,
         ):
-            return await _read_limited(resp, max_bytes)
+            return await read_limited(resp, max_bytes, video)
     except httpx.TimeoutException:
-        raise Timeout("fetching the image URL passed the deadline (--request_timeout_s)") from None
+        raise Timeout(f"fetching the {what} passed the deadline (--request_timeout_s)") from None
     except httpx.HTTPError as exc:
-        raise InvalidRequest(f"fetching the image URL from {host!r} failed ({type(exc).__name__})") from None
+        raise InvalidRequest(f"fetching the {what} from {host!r} failed ({type(exc).__name__})") from None
 
 
-async def _read_limited(resp: httpx.Response, max_bytes: int) -> bytes:
+async def read_limited(resp: httpx.Response, max_bytes: int, video: bool = False) -> bytes:
+    """The body of a 200 answer, refused past `max_bytes` (--max_video_bytes for a video, else
+    --max_request_bytes) whatever Content-Length claims; a redirect or another status is refused."""
+    what = "video URL" if video else "image URL"
     if resp.is_redirect or 300 <= resp.status_code < 400:
         raise UrlNotAllowed(
-            f"the image URL answered a redirect (HTTP {resp.status_code}); redirects are not followed"
+            f"the {what} answered a redirect (HTTP {resp.status_code}); redirects are not followed"
         )
     if resp.status_code != 200:
-        raise InvalidRequest(f"the image URL answered HTTP {resp.status_code}")
-    too_large = PayloadTooLarge(
-        f"the image URL's body is larger than {max_bytes} bytes (--max_request_bytes)"
-    )
+        raise InvalidRequest(f"the {what} answered HTTP {resp.status_code}")
+    flag = "--max_video_bytes" if video else "--max_request_bytes"
+    too_large = PayloadTooLarge(f"the {what}'s body is larger than {max_bytes} bytes ({flag})")
     declared = resp.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise too_large
