@@ -45,7 +45,6 @@ import io
 import json
 import os
 import re
-import signal
 import socket
 import sys
 import time
@@ -269,7 +268,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.large_rounds = 20, 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the servers are stopped
+    record.unwind_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     run = record.begin("latency", args)
     sizes = {"224x224": ((224, 224), args.rounds), "640x480": ((640, 480), args.large_rounds)}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -56,6 +57,12 @@ def machine() -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"host": platform.node(), "cpu": cpu_model(), "nproc": os.cpu_count(), "gpu": gpu,
             "torch": torch.__version__, "python": platform.python_version()}  # fmt: skip
+
+
+def unwind_on_sigterm() -> None:
+    """A SIGTERM (`timeout`, a killed sitting) exits through the normal unwinding, code 143, so the finally
+    blocks and context managers of a benchmark stop the servers it started."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def begin(bench: str, args: Any) -> dict[str, Any]:

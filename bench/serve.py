@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import socket
 import sys
 import tempfile
@@ -298,8 +297,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1, help="encoder-only repetitions over each workload")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
-    # a SIGTERM (e.g. `timeout`) unwinds normally, so the servers' finally blocks stop them
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    record.unwind_on_sigterm()
     name = "quick" if args.quick else "full" if args.full else "standard"
     profile = dict(PROFILES[name])
     if args.budget:

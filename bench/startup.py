@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -85,7 +84,7 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=2, help="warm starts after the cold one")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the server is stopped
+    record.unwind_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     run = record.begin("startup", args)
     with tempfile.TemporaryDirectory(prefix="vitserve-bench-rt-") as tmp:

@@ -31,7 +31,6 @@ import base64
 import contextlib
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -221,7 +220,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.seconds = 1, 15.0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    record.unwind_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     video = video_clip(args.out)
     images = json_bodies([jpeg_bytes(photo_like(224, 224, seed)) for seed in range(8)])
