@@ -41,8 +41,9 @@ step preprocess "$PY" bench/preprocess.py "${quick[@]}"
 step gateway "$PY" bench/gateway.py "${quick[@]}"
 step video_decode "$PY" bench/video_decode.py "${quick[@]}"
 step video_fairness "$PY" bench/video_fairness.py "${quick[@]}"
+step video_memory "$PY" bench/video_memory.py "${quick[@]}"
 step report "$PY" bench/report.py "${write[@]}"
 echo "=== seconds per step:"
 for name in encoder transfer jpeg_draft cache serve startup scaling latency preprocess gateway video_decode \
-  video_fairness report; do printf '  %-10s %5d\n' "$name" "${took[$name]}"; done
+  video_fairness video_memory report; do printf '  %-10s %5d\n' "$name" "${took[$name]}"; done
 echo "  total      $SECONDS"

@@ -23,13 +23,17 @@ rounded up), so frames are encoded at their own size.
 Memory: every process of the service (the CLI's API process and all its descendants: the encoder rank and
 the video decoder processes), read from /proc:
 - peak_sum_rss: the highest sum of their VmRSS, polled every 20 ms during the request (a lower bound of
-  the true peak: a spike between polls is missed);
+  the true peak: a spike between polls is missed). Pages a process shares with another count in each: the
+  decoders fork from the ranks' forkserver, so its pages (torch, PyAV) count once per decoder too;
+- peak_sum_pss: the same poll of their Pss (/proc/PID/smaps_rollup: each shared page split among its
+  sharers), so memory shared after a fork counts once: the memory the service takes from the machine;
 - sum_hwm: the sum of each process's VmHWM (its own peak RSS since start) after the request: an upper
   bound of the peak of the sum (processes may peak at different times).
 - api_hwm: the API process's own VmHWM, where the frames and pixels of a video live.
 The record (commit, machine, load before and after, arguments, per clip: the numbers above and the
 request's wall time) is appended to bench/out/video_memory.jsonl; the ratios long / short are the result
-(the issue's target: peak RSS of the long video at most 1.2x that of the short one).
+(the issue's target: peak memory of the long video at most 1.2x that of the short one; peak_sum_pss is the
+like-for-like measure since the decoders fork).
 --quick: 8 s and 60 s clips.
 """
 
@@ -40,7 +44,6 @@ import base64
 import contextlib
 import json
 import os
-import signal
 import sys
 import tempfile
 import threading
@@ -76,21 +79,26 @@ def tree(root: int) -> list[int]:
     return out
 
 
-def status_kib(pid: int, field: str) -> int:
-    """A field of /proc/<pid>/status in KiB (0 when the process is gone)."""
+def status_kib(pid: int, field: str, file: str = "status") -> int:
+    """A field of /proc/<pid>/status (or smaps_rollup) in KiB (0 when the process is gone)."""
     with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/{file}").read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
 
 
+def pss_kib(pid: int) -> int:
+    return status_kib(pid, "Pss", "smaps_rollup")
+
+
 class Sampler(threading.Thread):
-    """Polls the sum of VmRSS over the server's process tree; ``peak_kib`` is the highest seen."""
+    """Polls the sums of VmRSS and of Pss over the server's process tree; ``peak_kib`` and ``peak_pss_kib``
+    are the highest seen."""
 
     def __init__(self, root: int):
         super().__init__(daemon=True)
-        self.root, self.peak_kib, self.stop = root, 0, threading.Event()
+        self.root, self.peak_kib, self.peak_pss_kib, self.stop = root, 0, 0, threading.Event()
 
     def run(self) -> None:
         pids = tree(self.root)
@@ -99,6 +107,7 @@ class Sampler(threading.Thread):
             if polls % 25 == 0:  # decoder processes start with the first video: look again now and then
                 pids = tree(self.root)
             self.peak_kib = max(self.peak_kib, sum(status_kib(pid, "VmRSS") for pid in pids))
+            self.peak_pss_kib = max(self.peak_pss_kib, sum(pss_kib(pid) for pid in pids))
             polls += 1
             time.sleep(POLL_S)
 
@@ -145,6 +154,7 @@ def one_clip(name: str, clip: bytes, args: argparse.Namespace, log: Path) -> dic
         "processes": len(pids),
         "idle_sum_rss_mib": round(base_kib * mib, 1),
         "peak_sum_rss_mib": round(sampler.peak_kib * mib, 1),
+        "peak_sum_pss_mib": round(sampler.peak_pss_kib * mib, 1),
         "sum_hwm_mib": round(sum(hwm.values()) * mib, 1),
         "api_hwm_mib": round(hwm[server.proc.pid] * mib, 1),
         "wall_s": round(wall_s, 2),
@@ -165,7 +175,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.short_s, args.long_s = 8.0, 60.0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the server is stopped
+    record.unwind_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     run = record.begin("video_memory", args)
     rows = []
@@ -178,7 +188,7 @@ def main() -> None:
         rows.append(row)
     short, long = rows
     ratios = {
-        key: round(long[key] / short[key], 3) for key in ("peak_sum_rss_mib", "sum_hwm_mib", "api_hwm_mib")
+        key: round(long[key] / short[key], 3) for key in ("peak_sum_rss_mib", "peak_sum_pss_mib", "sum_hwm_mib", "api_hwm_mib")
     }
     print(json.dumps({"long / short": ratios}))
     record.finish(run, {"clips": rows, "ratios": ratios}, args.out)
