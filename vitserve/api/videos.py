@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from vitserve.api.inputs import VideoSource
@@ -108,6 +109,18 @@ class VideoFrontEnd:
         feed = VideoFeed(self, data, sampling, plan, deadline, index)
         return PreparedVideo(groups, video_id, metadata, group_times, t1 - t0, 0.0, feed)
 
+    async def on_video_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on one of the video threads (never the image pool, never the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def decode_frames(
+        self, data: bytes, indices: tuple[int, ...], size: tuple[int, int], deadline_s: float
+    ) -> np.ndarray:
+        """The frames at `indices`, resized to `size`, from a decoder process; counted in `decodes`."""
+        with self._lock:
+            self.decodes += 1
+        return self.decoder().decode(data, indices, size, deadline_s=deadline_s)
+
     def chunk_groups(self, group_tokens: int) -> int:
         """Groups per chunk: one batch's worth (their tokens within --visual_batch_max_tokens, at most
         --visual_infer_batch_size; CHUNK_GROUPS without a budget), at least one."""
@@ -120,9 +133,8 @@ class VideoFrontEnd:
     ) -> list[PreparedVideo]:
         """Every video of a request, concurrently on the video threads; the first bad one (in request order)
         raises, naming its index as ``video_index``."""
-        loop = asyncio.get_running_loop()
         jobs = [
-            loop.run_in_executor(self._pool, self.prepare, data, src, deadline, index)
+            self.on_video_thread(self.prepare, data, src, deadline, index)
             for index, (data, src) in enumerate(zip(blobs, sources, strict=True))
         ]
         try:
@@ -163,9 +175,9 @@ class VideoFeed:
         self._decode_s = self._preprocess_s = 0.0
 
     async def pixels(self, groups: list[int]) -> list[torch.Tensor]:
-        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._front._pool, self._make, groups)
+            pixels: list[torch.Tensor] = await self._front.on_video_thread(self._make, groups)
+            return pixels
         except Exception as exc:
             raise _video_error(exc, self._index) from _cause(exc)
 
@@ -176,10 +188,8 @@ class VideoFeed:
         t0 = time.perf_counter()
         proc = self._front.processor()
         indices = proc.group_frames(self._sampling, groups)
-        with self._front._lock:
-            self._front.decodes += 1
-        frames = self._front.decoder().decode(
-            self._data, indices, self._plan.resized_size, deadline_s=_remaining(self._deadline)
+        frames = self._front.decode_frames(
+            self._data, indices, self._plan.resized_size, _remaining(self._deadline)
         )
         t1 = time.perf_counter()
         pixels = proc.group_pixels(frames, self._plan)
