@@ -188,7 +188,8 @@ def main() -> None:
         rows.append(row)
     short, long = rows
     ratios = {
-        key: round(long[key] / short[key], 3) for key in ("peak_sum_rss_mib", "peak_sum_pss_mib", "sum_hwm_mib", "api_hwm_mib")
+        key: round(long[key] / short[key], 3)
+        for key in ("peak_sum_rss_mib", "peak_sum_pss_mib", "sum_hwm_mib", "api_hwm_mib")
     }
     print(json.dumps({"long / short": ratios}))
     record.finish(run, {"clips": rows, "ratios": ratios}, args.out)
