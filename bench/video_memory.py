@@ -22,8 +22,8 @@ rounded up), so frames are encoded at their own size.
 
 Memory: every process of the service (the CLI's API process and all its descendants: the encoder rank and
 the video decoder processes), read from /proc:
-- peak_sum_rss: the highest sum of their VmRSS, polled every 20 ms during the request (a lower bound of
-  the true peak: a spike between polls is missed). Pages a process shares with another count in each: the
+- peak_sum_rss: the highest sum of their VmRSS, polled every 20 ms (plus a poll's own ~10 ms) during the
+  request (a lower bound of the true peak: a spike between polls is missed). Pages a process shares with another count in each: the
   decoders fork from the ranks' forkserver, so its pages (torch, PyAV) count once per decoder too;
 - peak_sum_pss: the same poll of their Pss (/proc/PID/smaps_rollup: each shared page split among its
   sharers), so memory shared after a fork counts once: the memory the service takes from the machine;
@@ -101,14 +101,12 @@ class Sampler(threading.Thread):
         self.root, self.peak_kib, self.peak_pss_kib, self.stop = root, 0, 0, threading.Event()
 
     def run(self) -> None:
-        pids = tree(self.root)
-        polls = 0
         while not self.stop.is_set():
-            if polls % 25 == 0:  # decoder processes start with the first video: look again now and then
-                pids = tree(self.root)
+            # every poll: the decoder processes start with the first video, and a short clip's request is
+            # over in ~1.5 s (looking again every 0.5 s missed them, and the short clip's peak lacked them)
+            pids = tree(self.root)
             self.peak_kib = max(self.peak_kib, sum(status_kib(pid, "VmRSS") for pid in pids))
             self.peak_pss_kib = max(self.peak_pss_kib, sum(pss_kib(pid) for pid in pids))
-            polls += 1
             time.sleep(POLL_S)
 
 
