@@ -70,29 +70,52 @@ def test_a_slow_full_stress_is_extrapolated_from_the_probes_up_to_the_target_tim
     assert est.predicted_seconds == pytest.approx(0.005 * 8192)
 
 
-def test_the_full_stress_is_judged_by_all_of_its_forwards():
-    """The full stress runs stress_batch_count forwards of about the full shape, not one."""
-    one_second = _fake_measure(1 / 8192)  # one full-budget forward: 1 s
-    assert mm.estimate(8192, _shape(8192), one_second, full_forwards=1) is None
-    est = mm.estimate(8192, _shape(8192), one_second, full_forwards=5)
-    assert est is not None
-    assert est.stress_seconds == pytest.approx(5.0)
-
-
-def test_tiny_noisy_probes_never_predict_less_than_the_largest_probe_per_token():
-    """Probes of a few milliseconds are mostly noise: times that fall as the shape grows fit a flat line at
-    their largest value (0.3 s here), which would call an 8,192-token forward fast. The largest probe's time
-    per token bounds it from below instead (work per token does not fall as a batch grows)."""
-    times = {64: 0.3, 128: 0.2, 256: 0.1, 512: 0.2, 1024: 0.4, 2048: 0.8}
-
+def _timed(seconds: dict[int, float], measured: list[int]):
     def measure(budget: int) -> Probe:
-        return Probe(budget, _shape(budget), 1000 + 10 * budget, times[budget])
+        measured.append(budget)
+        return Probe(budget, _shape(budget), 1000 + 10 * budget, seconds[budget])
 
-    assert mm.fit([(_shape(b), times[b]) for b in (64, 128, 256)]).at(_shape(8192)) == 0.3
-    est = mm.estimate(8192, _shape(8192), measure)
-    assert est is not None  # 0.1 s at 256 tokens: at least 3.2 s at 8,192, above FULL_STRESS_MAX_S
-    assert [p.budget for p in est.probes] == [64, 128, 256, 512, 1024, 2048]
-    assert est.predicted_seconds == pytest.approx(0.8 * 4)
+    return measure
+
+
+def test_probes_too_small_to_time_do_not_call_a_slow_full_stress_fast():
+    """Measured on a tiny Qwen2-VL at 8,192 tokens on a CPU (the full forward: 11-15 s, five of them). The first
+    three probes fit ~1.4 s per forward, under FULL_STRESS_MAX_S; only the larger ones show the quadratic cost."""
+    seconds = {64: 0.0255, 128: 0.0285, 256: 0.0564, 512: 0.1319, 1024: 0.4323, 2048: 1.675}
+    first_three = [Probe(b, _shape(b), 0, seconds[b]) for b in (64, 128, 256)]
+    early = mm.Estimate(
+        tuple(first_three), Fit(0, 0, 0), mm.fit([(p.shape, p.seconds) for p in first_three]), _shape(8192)
+    )
+    assert early.predicted_seconds <= mm.FULL_STRESS_MAX_S  # what decided "run the full stress" before
+    assert early.surely_fast_below > mm.FULL_STRESS_MAX_S  # 0.056 s at 1/32 of the tokens: up to 58 s
+    measured: list[int] = []
+    est = mm.estimate(8192, _shape(8192), _timed(seconds, measured))
+    assert est is not None  # extrapolated
+    assert measured == [64, 128, 256, 512, 1024, 2048]
+    assert est.predicted_seconds > mm.FULL_STRESS_MAX_S
+
+
+def test_fast_probes_run_the_full_stress_once_their_bound_says_so():
+    """A GPU's probes: a fixed launch cost, then linear and quadratic terms (here 0.71 s at 16,384 tokens).
+    The tiny ones cannot vouch for the full forward; the third-largest can, and the full stress runs."""
+
+    def t(n: int) -> float:
+        return 0.008 + 2e-6 * n + 2.5e-9 * n * n
+
+    seconds = {b: t(b) for b in mm.probe_budgets(16384)}
+    measured: list[int] = []
+    assert mm.estimate(16384, _shape(16384), _timed(seconds, measured)) is None
+    assert measured == [128, 256, 512, 1024, 2048]  # 2048: 0.0225 s, at most 1.44 s at 16,384
+
+
+def test_the_last_probe_decides_by_the_prediction_when_the_bound_is_loose():
+    """Probes up to budget/4 whose quadratic bound stays above the limit: the fit at the last one decides, as
+    the prediction always did (a full forward of ~1 s runs the full stress)."""
+    seconds = {b: 0.2 * b / 2048 for b in mm.probe_budgets(8192)}  # linear: 0.8 s per full forward
+    # the bound at each probe: 0.2 s at 2048 tokens times (8192 / 2048)^2 = 3.2 s, above the limit
+    measured: list[int] = []
+    assert mm.estimate(8192, _shape(8192), _timed(seconds, measured)) is None
+    assert measured == mm.probe_budgets(8192)
 
 
 def test_budget_zero_predicts_max_images_of_the_largest_image():

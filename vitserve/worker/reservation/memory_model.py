@@ -15,10 +15,10 @@ reservation.
 
 Which shapes: the worst case at max(budget/128, MIN_PROBE_TOKENS) tokens, doubling up to budget/4, until
 MIN_PROBES are in and one took PROBE_TARGET_S (budget 0: fractions of the processor's largest image).
-Seconds are fitted the same way, never below the largest probe's time per token (tiny probes are mostly
-noise); when the full-budget stress, all of its forwards, is predicted to take at most FULL_STRESS_MAX_S (a
-GPU, a small tower, a small budget) the rank runs the real full-budget stress instead and nothing is
-extrapolated.
+Seconds are fitted the same way (never below the largest probe's time per token); when the full-budget
+stress is predicted to take at most FULL_STRESS_MAX_S per forward (a GPU, a small tower, a small budget) the
+rank runs the real full-budget stress instead and nothing is extrapolated. Probes too small to time (a few
+milliseconds) do not decide that: more are measured first (see estimate).
 
 Why the result is safe: the reservation must hold the live peak while serving, which on CPU is above one
 forward's growth (glibc's heap fragments over batches of other shapes). MODEL_FACTOR bounds that peak over
@@ -94,7 +94,6 @@ class Estimate:
     memory: Fit
     time: Fit
     full: Shape
-    full_forwards: int = 1  # how many forwards of about the full shape the full stress runs
 
     @property
     def predicted_bytes(self) -> int:
@@ -107,18 +106,29 @@ class Estimate:
 
     @property
     def predicted_seconds(self) -> float:
-        """One forward of the full budget's worst case: the fitted time, never below the largest probe's
-        time per token times the full budget's tokens. The work per token does not fall as a batch grows,
-        and probes of a few milliseconds are mostly noise: fitted alone, three of them once predicted 0.03 s
-        for a forward that took 15 s (a tiny Qwen2-VL at 8,192 tokens on a CPU)."""
-        largest = max(self.probes, key=lambda p: p.shape.tokens)
+        """One forward of the full budget's worst case: the fitted time, never below the largest probe's time
+        per token times the full budget's tokens (the work per token does not fall as a batch grows)."""
+        largest = self._largest
         per_token = largest.seconds * self.full.tokens / max(largest.shape.tokens, 1)
         return max(self.time.at(self.full), per_token, *(p.seconds for p in self.probes))
 
     @property
-    def stress_seconds(self) -> float:
-        """The whole full-budget stress: full_forwards forwards of the worst case's time."""
-        return self.predicted_seconds * self.full_forwards
+    def surely_fast_below(self) -> float:
+        """An upper bound of one full forward's seconds from the largest probe alone: with
+        seconds = a + b*tokens + c*squares and a, b, c >= 0, the full shape takes at most the probe's time
+        times the larger of its ratios of tokens and of squares. Loose (quadratic where the forward is
+        mostly linear), but it cannot be fooled by probes too small to show attention's quadratic cost."""
+        largest = self._largest
+        ratio = max(
+            self.full.tokens / max(largest.shape.tokens, 1),
+            self.full.squares / max(largest.shape.squares, 1),
+            1.0,
+        )
+        return largest.seconds * ratio
+
+    @property
+    def _largest(self) -> Probe:
+        return max(self.probes, key=lambda p: p.shape.tokens)
 
 
 def fit(points: Sequence[tuple[Shape, float]], *, quadratic: bool = True) -> Fit:
@@ -177,7 +187,6 @@ def estimate(
     measure: Callable[[int], Probe],
     *,
     fast_enough_s: float = FULL_STRESS_MAX_S,
-    full_forwards: int = 1,
     max_probes: int | None = None,
     quadratic_memory: bool = True,
 ) -> Estimate | None:
@@ -185,9 +194,12 @@ def estimate(
 
     scale: what the probe budgets are fractions of (the budget; with budget 0 the largest image). full: the
     shape of the full budget's worst case. measure(b): the worst case at budget b, measured like the full
-    stress. Stops once MIN_PROBES are in and either the full stress, `full_forwards` forwards of about the
-    full shape (stress_batch_count), is predicted to take <= fast_enough_s (None: run it) or the last probe
-    took PROBE_TARGET_S (or max_probes are in). quadratic_memory: fit c
+    stress. Stops once MIN_PROBES are in and either the full stress is predicted to take <= fast_enough_s
+    (None: run it) or the last probe took PROBE_TARGET_S (or max_probes are in). The prediction is trusted
+    early only when even the quadratic bound from the largest probe (surely_fast_below) is within
+    fast_enough_s; otherwise the probes go on, and it is trusted at the last one. Probes of a few
+    milliseconds are mostly noise: three of them (a tiny Qwen2-VL at 64-256 tokens of 8,192, on a CPU)
+    once fitted ~1.3 s for a forward that takes 11-15 s, and the five-forward stress took 55 s. quadratic_memory: fit c
     for the memory (see memory_fit_is_quadratic); the time is always fitted with it (attention's compute is
     quadratic in each image whatever the kernel).
     """
@@ -199,18 +211,19 @@ def estimate(
         probes.append(measure(b))
         if len(probes) < MIN_PROBES:
             continue
-        est = _estimate(probes, full, quadratic_memory, full_forwards)
-        if est.stress_seconds <= fast_enough_s:
+        est = _estimate(probes, full, quadratic_memory)
+        last = len(probes) == len(candidates)
+        if est.predicted_seconds <= fast_enough_s and (last or est.surely_fast_below <= fast_enough_s):
             return None
         if probes[-1].seconds >= PROBE_TARGET_S:
             break
-    return _estimate(probes, full, quadratic_memory, full_forwards)
+    return _estimate(probes, full, quadratic_memory)
 
 
-def _estimate(probes: Sequence[Probe], full: Shape, quadratic_memory: bool, full_forwards: int) -> Estimate:
+def _estimate(probes: Sequence[Probe], full: Shape, quadratic_memory: bool) -> Estimate:
     memory = fit([(p.shape, p.bytes) for p in probes], quadratic=quadratic_memory)
     time = fit([(p.shape, p.seconds) for p in probes])
-    return Estimate(tuple(probes), memory, time, full, full_forwards)
+    return Estimate(probes=tuple(probes), memory=memory, time=time, full=full)
 
 
 def describe(est: Estimate) -> str:
@@ -221,5 +234,5 @@ def describe(est: Estimate) -> str:
     return (
         f"extrapolated from {len(est.probes)} shapes ({shapes}) to {est.full.tokens} tokens: "
         f"{est.predicted_bytes / 2**20:.1f} MiB, times {MODEL_FACTOR} "
-        f"(the full stress was predicted to take ~{est.stress_seconds:.0f} s)"
+        f"(the full stress was predicted to take ~{est.predicted_seconds:.0f} s)"
     )

@@ -60,7 +60,6 @@ def measure(
         full,
         lambda b: _probe(encoder, meter, shape, b, say),
         fast_enough_s=fast_enough_s,
-        full_forwards=stress_batch_count(encoder, shape.budget_tokens, shape.max_batch_images),
         quadratic_memory=memory_model.memory_fit_is_quadratic(torch.device(encoder.device).type),
     )
     if est is None:
