@@ -87,7 +87,7 @@ def test_probes_too_small_to_time_do_not_call_a_slow_full_stress_fast():
         tuple(first_three), Fit(0, 0, 0), mm.fit([(p.shape, p.seconds) for p in first_three]), _shape(8192)
     )
     assert early.predicted_seconds <= mm.FULL_STRESS_MAX_S  # what decided "run the full stress" before
-    assert early.surely_fast_below > mm.FULL_STRESS_MAX_S  # 0.056 s at 1/32 of the tokens: up to 58 s
+    assert early.upper_bound_seconds > mm.FULL_STRESS_MAX_S  # 0.056 s at 1/32 of the tokens: up to 58 s
     measured: list[int] = []
     est = mm.estimate(8192, _shape(8192), _timed(seconds, measured))
     assert est is not None  # extrapolated

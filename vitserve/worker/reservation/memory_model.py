@@ -113,7 +113,7 @@ class Estimate:
         return max(self.time.at(self.full), per_token, *(p.seconds for p in self.probes))
 
     @property
-    def surely_fast_below(self) -> float:
+    def upper_bound_seconds(self) -> float:
         """An upper bound of one full forward's seconds from the largest probe alone: with
         seconds = a + b*tokens + c*squares and a, b, c >= 0, the full shape takes at most the probe's time
         times the larger of its ratios of tokens and of squares. Loose (quadratic where the forward is
@@ -196,7 +196,7 @@ def estimate(
     shape of the full budget's worst case. measure(b): the worst case at budget b, measured like the full
     stress. Stops once MIN_PROBES are in and either the full stress is predicted to take <= fast_enough_s
     (None: run it) or the last probe took PROBE_TARGET_S (or max_probes are in). The prediction is trusted
-    early only when even the quadratic bound from the largest probe (surely_fast_below) is within
+    early only when even the quadratic bound from the largest probe (upper_bound_seconds) is within
     fast_enough_s; otherwise the probes go on, and it is trusted at the last one. Probes of a few
     milliseconds are mostly noise: three of them (a tiny Qwen2-VL at 64-256 tokens of 8,192, on a CPU)
     once fitted ~1.3 s for a forward that takes 11-15 s, and the five-forward stress took 55 s. quadratic_memory: fit c
@@ -213,7 +213,7 @@ def estimate(
             continue
         est = _estimate(probes, full, quadratic_memory)
         last = len(probes) == len(candidates)
-        if est.predicted_seconds <= fast_enough_s and (last or est.surely_fast_below <= fast_enough_s):
+        if est.predicted_seconds <= fast_enough_s and (last or est.upper_bound_seconds <= fast_enough_s):
             return None
         if probes[-1].seconds >= PROBE_TARGET_S:
             break
