@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +36,8 @@ from vitserve.processors.base import VisionProcessor
 from vitserve.video import Sampling, VideoDecoder, VideoLimits, VideoPlan, VideoProcessor
 from vitserve.video.memory import pin_mmap_threshold
 from vitserve.video.settings import video_settings
+
+T = TypeVar("T")
 
 CHUNK_GROUPS = 16  # groups per decoded chunk when no --visual_batch_max_tokens bounds a batch
 
@@ -109,7 +111,7 @@ class VideoFrontEnd:
         feed = VideoFeed(self, data, sampling, plan, deadline, index)
         return PreparedVideo(groups, video_id, metadata, group_times, t1 - t0, 0.0, feed)
 
-    async def on_video_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def on_video_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on one of the video threads (never the image pool, never the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
@@ -176,8 +178,7 @@ class VideoFeed:
 
     async def pixels(self, groups: list[int]) -> list[torch.Tensor]:
         try:
-            pixels: list[torch.Tensor] = await self._front.on_video_thread(self._make, groups)
-            return pixels
+            return await self._front.on_video_thread(self._make, groups)
         except Exception as exc:
             raise _video_error(exc, self._index) from _cause(exc)
 
