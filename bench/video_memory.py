@@ -23,8 +23,9 @@ rounded up), so frames are encoded at their own size.
 Memory: every process of the service (the CLI's API process and all its descendants: the encoder rank and
 the video decoder processes), read from /proc:
 - peak_sum_rss: the highest sum of their VmRSS, polled every 20 ms (plus a poll's own ~10 ms) during the
-  request (a lower bound of the true peak: a spike between polls is missed). Pages a process shares with another count in each: the
-  decoders fork from the ranks' forkserver, so its pages (torch, PyAV) count once per decoder too;
+  request (a lower bound of the true peak: a spike between polls is missed). Pages a process shares with
+  another count in each: the decoders fork from the ranks' forkserver, so its pages (torch, PyAV) count
+  once per decoder too;
 - peak_sum_pss: the same poll of their Pss (/proc/PID/smaps_rollup: each shared page split among its
   sharers), so memory shared after a fork counts once: the memory the service takes from the machine;
 - sum_hwm: the sum of each process's VmHWM (its own peak RSS since start) after the request: an upper

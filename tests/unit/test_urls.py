@@ -137,10 +137,12 @@ async def _body_of(content: bytes, max_bytes: int, video: bool, declared: bool) 
 
 
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
-@pytest.mark.parametrize(("video", "flag"), [(True, "--max_video_bytes"), (False, "--max_request_bytes")])
-async def test_a_body_over_its_limit_names_the_flag_of_its_kind(video, flag, declared):
+@pytest.mark.parametrize(
+    ("video", "kind", "flag"),
+    [(True, "video URL", "--max_video_bytes"), (False, "image URL", "--max_request_bytes")],
+)
+async def test_a_body_over_its_limit_names_the_flag_of_its_kind(video, kind, flag, declared):
     body = bytes(range(40))
     assert await _body_of(body, 40, video, declared) == body
-    kind = "video URL" if video else "image URL"
     with pytest.raises(PayloadTooLarge, match=f"the {kind}'s body is larger than 39 bytes \\({flag}\\)"):
         await _body_of(body, 39, video, declared)

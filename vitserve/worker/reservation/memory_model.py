@@ -199,9 +199,9 @@ def estimate(
     early only when even the quadratic bound from the largest probe (upper_bound_seconds) is within
     fast_enough_s; otherwise the probes go on, and it is trusted at the last one. Probes of a few
     milliseconds are mostly noise: three of them (a tiny Qwen2-VL at 64-256 tokens of 8,192, on a CPU)
-    once fitted ~1.3 s for a forward that takes 11-15 s, and the five-forward stress took 55 s. quadratic_memory: fit c
-    for the memory (see memory_fit_is_quadratic); the time is always fitted with it (attention's compute is
-    quadratic in each image whatever the kernel).
+    once fitted ~1.3 s for a forward that takes 11-15 s, and the five-forward stress took 55 s.
+    quadratic_memory: fit c for the memory (see memory_fit_is_quadratic); the time is always fitted with it
+    (attention's compute is quadratic in each image whatever the kernel).
     """
     candidates = probe_budgets(scale)[:max_probes]
     if len(candidates) < MIN_PROBES:
