@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,6 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import vitserve
 from vitserve import preflight
 from vitserve.api.chat import CHAT_ROUTE, MODELS_ROUTE, ChatHandler
+from vitserve.api.ec_chat import EcHandover
+from vitserve.api.ec_store import EcStore
 from vitserve.api.edge import Edge, ServerState
 from vitserve.api.embeds import EmbedsLayout
 from vitserve.api.encode import EncodeHandler
@@ -26,7 +29,7 @@ from vitserve.api.tracing import Tracing, make_tracing
 from vitserve.api.upstream import Upstream
 from vitserve.api.videos import VideoFrontEnd
 from vitserve.checkpoint import Checkpoint
-from vitserve.config import Config
+from vitserve.config import GIB, Config
 from vitserve.contract import Engine
 from vitserve.errors import InvalidRequest, NotReady, VitserveError, http_error
 from vitserve.metrics import CONTENT_TYPE, Metrics
@@ -153,7 +156,8 @@ def _add_front_door(
         width=preflight.llm_embeds_width(checkpoint),
         tokens_per_second=(checkpoint.config.get("vision_config") or {}).get("tokens_per_second"),
     )
-    chat = ChatHandler(config, engine, app.state.preprocessor, metrics, tracing, upstream, layout, videos)
+    ec = _ec_handover(config, engine, metrics, layout)
+    chat = ChatHandler(config, engine, app.state.preprocessor, metrics, tracing, upstream, layout, videos, ec)
 
     @app.post(CHAT_ROUTE, responses=ERROR_RESPONSES)
     async def chat_completions(request: Request) -> Response:
@@ -165,6 +169,19 @@ def _add_front_door(
     async def models(request: Request) -> Response:
         """The LLM server's model list, passed through."""
         return await chat.models(request)
+
+
+def _ec_handover(config: Config, engine: Engine, metrics: Metrics, layout: EmbedsLayout) -> EcHandover | None:
+    """--llm_transport ec_storage: the directory's files (an earlier run's taken over now) and the hand-over."""
+    if config.llm_transport != "ec_storage" or config.ec_storage_path is None:
+        return None
+    store = EcStore(
+        Path(config.ec_storage_path),
+        ttl_s=config.ec_ttl_s,
+        max_bytes=int(config.ec_storage_gb * GIB),
+        metrics=metrics,
+    )
+    return EcHandover(store, layout, lambda: engine.info().fingerprint)
 
 
 async def close_app(app: FastAPI) -> None:

@@ -20,11 +20,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from vitserve.api.body import ClientGone, read_body
 from vitserve.api.chat_parts import ChatParts, media_parts
+from vitserve.api.ec_chat import EcHandover, EcTicket
 from vitserve.api.embeds import EmbedsLayout, embeds_part, video_embeds_part
 from vitserve.api.encode import INLINE_BODY_BYTES, count_accepted, unless_gone
 from vitserve.api.inputs import VideoSource, check_count, fetch_sources
@@ -40,6 +42,9 @@ from vitserve.metrics import Metrics
 log = logging.getLogger(__name__)
 CHAT_ROUTE = "/v1/chat/completions"
 MODELS_ROUTE = "/v1/models"
+# What _encode hands _rewrite: the engine's results, the images it encoded, the videos, and per image its part
+# when its encoder-cache file was there already (else None).
+Encoded = tuple[list[ImageResult], list[PreparedImage], list[PreparedVideo], list[dict[str, Any] | None]]
 # The request headers that go upstream besides content type, authorization and traceparent.
 _FORWARDED = ("accept", "x-request-id", "tracestate")
 
@@ -55,6 +60,7 @@ class ChatHandler:
         upstream: Upstream,
         layout: EmbedsLayout,
         videos: VideoFrontEnd | None = None,
+        ec: EcHandover | None = None,
     ):
         self.config = config
         self.engine = engine
@@ -64,6 +70,7 @@ class ChatHandler:
         self.upstream = upstream
         self.layout = layout
         self.videos = videos  # None: this server takes no videos (--video_decoders 0)
+        self.ec = ec  # --llm_transport ec_storage (api/ec_chat.py); None: inline
 
     async def __call__(self, request: Request) -> Response:
         trace = self.tracing.start(request.headers.get("traceparent"))
@@ -86,16 +93,27 @@ class ChatHandler:
         body = await read_body(request, self.config.max_request_bytes)
         payload = await self._parsed(body)
         parts = media_parts(payload)
-        if parts:
-            self._check_videos_served(parts, param)
-            check_count(len(parts.images), self.config, len(parts.videos))
-            results, prepared, videos = await self._encode(request, parts, deadline, traceparent, param)
-            if results is None:
-                log.info("chat request: client disconnected while its images queued; withdrawn")
-                return Response(status_code=499)
-            await self.pre.run(self._rewrite, parts, prepared, videos, results, param)
-            body = await self.pre.run(_dumps, payload)
-        return await self._forward(request, body, payload.get("stream") is True, traceparent)
+        ticket = self.ec.ticket() if self.ec is not None and parts else None
+        streaming = False
+        try:
+            if parts:
+                self._check_videos_served(parts, param)
+                check_count(len(parts.images), self.config, len(parts.videos))
+                encoded = await self._encode(request, parts, deadline, traceparent, param, ticket)
+                if encoded is None:
+                    log.info("chat request: client disconnected while its images queued; withdrawn")
+                    return Response(status_code=499)
+                await self.pre.run(self._rewrite, parts, *encoded, param, ticket)
+                if ticket is not None and self.ec is not None:
+                    self.ec.strip(payload)
+                    await self.pre.run(self.ec.check, ticket)  # just before: nothing upstream if one is gone
+                body = await self.pre.run(_dumps, payload)
+            response = await self._forward(request, body, payload.get("stream") is True, traceparent, ticket)
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if ticket is not None and not streaming:  # a stream releases its files once relayed
+                ticket.release()
 
     async def _parsed(self, body: bytes) -> Any:
         if len(body) <= INLINE_BODY_BYTES:
@@ -119,14 +137,20 @@ class ChatHandler:
         deadline: float,
         traceparent: str,
         param: list[str | None],
-    ) -> tuple[list[ImageResult] | None, list[PreparedImage], list[PreparedVideo]]:
-        """Every image and video of the request, prepared together and handed to the engine as one request."""
+        ticket: EcTicket | None,
+    ) -> Encoded | None:
+        """Every image and video of the request, prepared together and handed to the engine as one request;
+        with ec_storage, an image whose file is still there is left out (its part is in `hits`)."""
         try:
             self.engine.admit(None)  # a full queue refuses before any decoding is spent
             sources = [p.source for p in parts.videos if isinstance(p.source, VideoSource)]
             blobs = await fetch_sources([p.source for p in parts.images], self.config, deadline)
             video_blobs = await fetch_sources(sources, self.config, deadline)
-            prepared = await self.pre.prepare(blobs, deadline)
+            hits: list[dict[str, Any] | None] = [None] * len(blobs)
+            if ticket is not None and self.ec is not None:
+                hits = await self.pre.run(self.ec.image_hits, ticket, blobs)
+            todo = [i for i, hit in enumerate(hits) if hit is None]
+            prepared = await self._prepare([blobs[i] for i in todo], todo, deadline)
             videos: list[PreparedVideo] = []
             if sources and self.videos is not None:
                 videos = await self.videos.prepare_all(video_blobs, sources, deadline)
@@ -143,6 +167,8 @@ class ChatHandler:
                 param[0] = parts.videos[err.video_index].param
             self.metrics.images_total.labels(outcome="rejected").inc(len(parts.images))
             raise
+        if not prepared and not videos:  # every image's file was there: nothing to encode
+            return [], prepared, videos, hits
         encode = EncodeRequest(
             request_id=f"chat-{uuid.uuid4()}",
             images=tuple(prepared),
@@ -153,34 +179,64 @@ class ChatHandler:
         )
         late = lambda: Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")  # noqa: E731
         timeout_s = deadline - time.monotonic() + 5.0  # the engine enforces the deadline; this is a backstop
-        return await unless_gone(request, self.engine.encode(encode), timeout_s, late), prepared, videos
+        results = await unless_gone(request, self.engine.encode(encode), timeout_s, late)
+        return None if results is None else (results, prepared, videos, hits)
+
+    async def _prepare(self, blobs: list[bytes], indices: list[int], deadline: float) -> list[PreparedImage]:
+        """The images to encode; an error names the image by its index in the request."""
+        try:
+            return await self.pre.prepare(blobs, deadline)
+        except VitserveError as err:
+            if err.image_index is not None:
+                err.image_index = indices[err.image_index]
+            raise
 
     def _rewrite(
         self,
         parts: ChatParts,
+        results: list[ImageResult],
         prepared: list[PreparedImage],
         videos: list[PreparedVideo],
-        results: list[ImageResult],
+        hits: list[dict[str, Any] | None],
         param: list[str | None],
+        ticket: EcTicket | None,
     ) -> None:
-        """Each image_url and video_url part becomes the LLM's embedding part, in place (CPU: .npy + base64,
-        on the pool). The engine's results are the images', then each video's groups in time order."""
-        for index, (part, image, result) in enumerate(
-            zip(parts.images, prepared, results[: len(prepared)], strict=True)
-        ):
+        """Each image_url and video_url part becomes the LLM's embedding part, in place (on the pool: .npy +
+        base64 inline, a file with ec_storage). The engine's results are the encoded images', then each
+        video's groups in time order; an image in `hits` already has its part."""
+        encoded = iter(zip(prepared, results[: len(prepared)], strict=True))
+        for index, (part, hit) in enumerate(zip(parts.images, hits, strict=True)):
             param[0] = part.param
-            new = embeds_part(self.layout, image, result, index)
+            if hit is None:
+                image, result = next(encoded)
+                hit = self._image_part(image, result, index, ticket)
             part.part.clear()
-            part.part.update(new)
+            part.part.update(hit)
         groups = iter(results[len(prepared) :])
         for index, (part, video) in enumerate(zip(parts.videos, videos, strict=True)):
             param[0] = part.param
-            new = video_embeds_part(self.layout, video, [next(groups) for _ in video.groups], index)
+            mine = [next(groups) for _ in video.groups]
+            if ticket is not None and self.ec is not None:
+                new = self.ec.video_part(ticket, video, mine, index)
+            else:
+                new = video_embeds_part(self.layout, video, mine, index)
             part.part.clear()
             part.part.update(new)
         param[0] = None
 
-    async def _forward(self, request: Request, body: bytes, stream: bool, traceparent: str) -> Response:
+    def _image_part(
+        self, image: PreparedImage, result: ImageResult, index: int, ticket: EcTicket | None
+    ) -> dict[str, Any]:
+        if ticket is not None and self.ec is not None:
+            return self.ec.image_part(ticket, image, result, index)
+        return embeds_part(self.layout, image, result, index)
+
+    async def _forward(
+        self, request: Request, body: bytes, stream: bool, traceparent: str, ticket: EcTicket | None
+    ) -> Response:
+        """Send the request on; with ec_storage (a ticket), a non-consumer's refusal becomes vitserve's 502
+        and a stream releases the request's files once it ends."""
+        self.metrics.upstream_body_bytes.observe(len(body))
         deadline = time.monotonic() + self.config.llm_timeout_s
         extra = {k: request.headers[k] for k in _FORWARDED if k in request.headers}
         extra.update({"content-type": "application/json", "traceparent": traceparent})
@@ -189,23 +245,30 @@ class ChatHandler:
             "POST", CHAT_ROUTE, content=body, headers=headers
         )
         if not stream:
-            return await self._complete(request, upstream_request, deadline)
+            return await self._complete(request, upstream_request, deadline, ticket)
         response = await self.upstream.send(CHAT_ROUTE, upstream_request, deadline)
         if response.status_code != 200:  # an error before the stream began: its body, as it came
             content = await self.upstream.read(response, deadline)
+            if ticket is not None:
+                EcHandover.check_answer(response.status_code, content)
             return Response(content, response.status_code, relayed_headers(response.headers))
         return StreamingResponse(
-            self._relay(response, deadline),
+            self._relay(response, deadline, ticket),
             status_code=200,
             headers=relayed_headers(response.headers),
+            background=BackgroundTask(ticket.release) if ticket is not None else None,
         )
 
-    async def _complete(self, request: Request, upstream_request: httpx.Request, deadline: float) -> Response:
+    async def _complete(
+        self, request: Request, upstream_request: httpx.Request, deadline: float, ticket: EcTicket | None
+    ) -> Response:
         """One non-streamed completion, abandoned (the LLM server aborts it) if the client leaves first."""
 
         async def call() -> Response:
             response = await self.upstream.send(CHAT_ROUTE, upstream_request, deadline)
             content = await self.upstream.read(response, deadline)
+            if ticket is not None:
+                EcHandover.check_answer(response.status_code, content)
             return Response(content, response.status_code, relayed_headers(response.headers))
 
         late = lambda: LLMTimeout(  # noqa: E731
@@ -214,7 +277,9 @@ class ChatHandler:
         answer = await unless_gone(request, call(), deadline - time.monotonic() + 1.0, late)
         return answer if answer is not None else Response(status_code=499)
 
-    async def _relay(self, response: httpx.Response, deadline: float) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, response: httpx.Response, deadline: float, ticket: EcTicket | None
+    ) -> AsyncIterator[bytes]:
         """The event stream unchanged. A failure after the 200 went out can only be told in the stream: one
         `data: {"error": ...}` event, as vLLM itself reports errors mid-stream, then the end."""
         try:
@@ -223,6 +288,9 @@ class ChatHandler:
         except VitserveError as err:
             log.warning("chat stream from the LLM server ended early: %s", err.message)
             yield b"data: " + openai_error(err)[2] + b"\n\n"
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     def _client_auth(self, request: Request) -> str | None:
         """The client's Authorization goes upstream only when vitserve does not use it itself (--api_key)."""

@@ -272,6 +272,7 @@ class Engine:
             dp=self.config.dp,
             reserved_memory_bytes={rank: msg.reserved_bytes for rank, msg in readies},
             reserved_source=first.reserved_source,
+            fingerprint=self._jobs.fingerprint,
         )
 
     # -------------------------------------------------------------------- views for the CLI and tests
