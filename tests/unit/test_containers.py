@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import importlib.metadata
+import json
 import re
 import subprocess
 import sys
@@ -332,3 +333,26 @@ def test_scaling_doc_points_at_the_replicas_manifest():
     text = (ROOT / "docs" / "scaling.md").read_text()
     assert "deploy/k8s/vitserve-replicas.yaml" in text
     assert "allkeys-lru" in text
+
+
+def test_compose_vllm_ec_shares_the_directory_between_producer_and_consumer():
+    """docker/compose.vllm-ec.yaml (docs/vllm.md, "The encoder-cache hand-over"): vLLM is an EC consumer of
+    the directory vitserve writes (--ec_storage_path), both mount the one volume there, and vLLM publishes no
+    port (a client that reaches it could kill its engine with a uuid)."""
+    compose = yaml.safe_load((ROOT / "docker" / "compose.vllm-ec.yaml").read_text())
+    vllm, vitserve = compose["services"]["vllm"], compose["services"]["vitserve"]
+    config = build_config(vitserve["command"], {})
+    assert config.llm_transport == "ec_storage"
+    assert config.llm_url == "http://vllm:8000"
+    (ec,) = [a.split("=", 1)[1] for a in vllm["command"] if a.startswith("--ec-transfer-config=")]
+    ec = json.loads(ec)
+    assert ec["ec_connector"] == "ECExampleConnector"
+    assert ec["ec_role"] == "ec_consumer"
+    assert ec["ec_connector_extra_config"]["shared_storage_path"] == config.ec_storage_path
+    mounts = [f"{v}:{config.ec_storage_path}" for v in compose["volumes"]]
+    assert set(mounts) <= set(vllm["volumes"]) & set(vitserve["volumes"])
+    assert "ports" not in vllm
+    assert not any(a.startswith("--media-io-kwargs") for a in vllm["command"])  # it would change every uuid
+    inline = yaml.safe_load((ROOT / "docker" / "compose.vllm.yaml").read_text())["services"]["vitserve"]
+    assert vitserve["build"] == inline["build"]
+    assert vitserve["stop_grace_period"] == inline["stop_grace_period"]

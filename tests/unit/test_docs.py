@@ -38,6 +38,7 @@ NON_VITSERVE_FLAGS = {
     "media-io-kwargs": "vllm serve --media-io-kwargs (docs/vllm.md, Video)",
     "trust-request-mm-kwargs": "vllm serve --trust-request-mm-kwargs (docs/vllm.md, Video)",
     "gpu-memory-utilization": "vllm serve --gpu-memory-utilization (docs/vllm.md)",
+    "ec-transfer-config": "vllm serve --ec-transfer-config (docs/vllm.md, The encoder-cache hand-over)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
 # The outside notes' scenario IDs ("scenario L3", test_f5_..., "(B10)"): cite docs/design.md's invariants instead.
