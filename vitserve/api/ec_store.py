@@ -74,6 +74,7 @@ class EcStore:
         self._pins: Counter[str] = Counter()
         self._bytes = 0
         self._last_sweep = clock()
+        self.root.mkdir(parents=True, exist_ok=True)  # preflight made it; it may have gone since
         self._adopt()
 
     # ------------------------------------------------------------------------------------------ use
