@@ -22,7 +22,7 @@ from vitserve.api.encode import EncodeHandler
 from vitserve.api.info import info_body
 from vitserve.api.media import MediaPipeline
 from vitserve.api.openapi import DOCS_ASSETS_URL, ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
-from vitserve.api.pipeline import Preprocessor
+from vitserve.api.preprocess import Preprocessor
 from vitserve.api.tracing import Tracing, make_tracing
 from vitserve.api.upstream import Upstream
 from vitserve.api.videos import VideoFrontEnd

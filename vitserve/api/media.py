@@ -1,6 +1,6 @@
 """The one media pipeline every route and LLM transport calls: from an admitted request to encoded items.
 
-admit (a full queue refuses before any decoding) -> fetch URLs -> prepare every image (api/pipeline.py's
+admit (a full queue refuses before any decoding) -> fetch URLs -> prepare every image (api/preprocess.py's
 pool) and every video (api/videos.py) -> the route's own checks of what was prepared -> the engine (queue,
 budget, cache claims, dedup, collect) -> `Encoded`: the request's items (EncodeRequest.items: every image,
 then every video's groups in time order) with their results.
@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from vitserve.api.inputs import ImageSource, VideoSource, fetch_sources
-from vitserve.api.pipeline import Preprocessor
+from vitserve.api.preprocess import Preprocessor
 from vitserve.api.videos import VideoFrontEnd
 from vitserve.config import Config
 from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo

@@ -11,7 +11,7 @@ dispatcher to cancel them (this module imports no dispatcher). A successful enco
 cache. Deduplication runs with --cache_gb 0 too: it costs one dict lookup per image.
 
 The key is the image bytes' sha256 (the API's image_id) plus the configuration fingerprint
-(engine/cache.py), set once the ranks reported their model, dtype and device. An image_id that is not
+(engine/local_cache.py), set once the ranks reported their model, dtype and device. An image_id that is not
 a sha256 hex digest (a caller's own label) says nothing about the content, so such an image is always
 encoded on its own. Everything here runs on the engine's event loop thread and never awaits between
 reading and updating the table, so it needs no lock.
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from vitserve.config import Config
 from vitserve.contract import EncodedImage, EngineInfo, PreparedImage, ProcessedImage
-from vitserve.engine.cache import EmbeddingCache, cache_fingerprint, cache_key
+from vitserve.engine.local_cache import EmbeddingCache, cache_fingerprint, cache_key
 
 
 @dataclass(eq=False)
