@@ -12,6 +12,7 @@ server's statuses and bodies pass through unchanged.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -28,23 +29,17 @@ from vitserve.api.body import ClientGone, read_body
 from vitserve.api.chat_parts import ChatParts, media_parts
 from vitserve.api.ec_chat import EcHandover, EcTicket
 from vitserve.api.embeds import EmbedsLayout, embeds_part, video_embeds_part
-from vitserve.api.encode import INLINE_BODY_BYTES, count_accepted, unless_gone
-from vitserve.api.inputs import VideoSource, check_count, fetch_sources
-from vitserve.api.pipeline import Preprocessor
+from vitserve.api.inputs import VideoSource, check_count
+from vitserve.api.media import INLINE_BODY_BYTES, Encoded, Media, MediaPipeline, unless_gone
 from vitserve.api.tracing import Tracing
 from vitserve.api.upstream import Upstream, relayed_headers
-from vitserve.api.videos import VideoFrontEnd
 from vitserve.config import Config
-from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo
-from vitserve.errors import InvalidRequest, LLMTimeout, Timeout, VitserveError, openai_error
-from vitserve.metrics import Metrics
+from vitserve.contract import ImageResult, PreparedImage
+from vitserve.errors import InvalidRequest, LLMTimeout, VitserveError, openai_error
 
 log = logging.getLogger(__name__)
 CHAT_ROUTE = "/v1/chat/completions"
 MODELS_ROUTE = "/v1/models"
-# What _encode hands _rewrite: the engine's results, the images it encoded, the videos, and per image its part
-# when its encoder-cache file was there already (else None).
-Encoded = tuple[list[ImageResult], list[PreparedImage], list[PreparedVideo], list[dict[str, Any] | None]]
 # The request headers that go upstream besides content type, authorization and traceparent.
 _FORWARDED = ("accept", "x-request-id", "tracestate")
 
@@ -53,23 +48,19 @@ class ChatHandler:
     def __init__(
         self,
         config: Config,
-        engine: Engine,
-        preprocessor: Preprocessor,
-        metrics: Metrics,
+        media: MediaPipeline,
         tracing: Tracing,
         upstream: Upstream,
         layout: EmbedsLayout,
-        videos: VideoFrontEnd | None = None,
         ec: EcHandover | None = None,
     ):
         self.config = config
-        self.engine = engine
-        self.pre = preprocessor
-        self.metrics = metrics
+        self.media = media
+        self.pre = media.pre
+        self.metrics = media.metrics
         self.tracing = tracing
         self.upstream = upstream
         self.layout = layout
-        self.videos = videos  # None: this server takes no videos (--video_decoders 0)
         self.ec = ec  # --llm_transport ec_storage (api/ec_chat.py); None: inline
 
     async def __call__(self, request: Request) -> Response:
@@ -103,7 +94,7 @@ class ChatHandler:
                 if encoded is None:
                     log.info("chat request: client disconnected while its images queued; withdrawn")
                     return Response(status_code=499)
-                await self.pre.run(self._rewrite, parts, *encoded, param, ticket)
+                await self.pre.run(self._rewrite, parts, encoded, param, ticket)
                 if ticket is not None and self.ec is not None:
                     self.ec.strip(payload)
                     await self.pre.run(self.ec.check, ticket)  # just before: nothing upstream if one is gone
@@ -125,8 +116,7 @@ class ChatHandler:
         if not parts.videos:
             return
         param[0] = parts.videos[0].param
-        if self.videos is None:
-            raise InvalidRequest("this server takes no videos (--video_decoders 0)")
+        self.media.check_videos_served(len(parts.videos))
         self.layout.check_video_served()
         param[0] = None
 
@@ -140,86 +130,48 @@ class ChatHandler:
         ticket: EcTicket | None,
     ) -> Encoded | None:
         """Every image and video of the request, prepared together and handed to the engine as one request;
-        with ec_storage, an image whose file is still there is left out (its part is in `hits`)."""
-        try:
-            self.engine.admit(None)  # a full queue refuses before any decoding is spent
-            sources = [p.source for p in parts.videos if isinstance(p.source, VideoSource)]
-            blobs = await fetch_sources([p.source for p in parts.images], self.config, deadline)
-            video_blobs = await fetch_sources(sources, self.config, deadline)
-            hits: list[dict[str, Any] | None] = [None] * len(blobs)
-            if ticket is not None and self.ec is not None:
-                hits = await self.pre.run(self.ec.image_hits, ticket, blobs)
-            todo = [i for i, hit in enumerate(hits) if hit is None]
-            prepared = await self._prepare([blobs[i] for i in todo], todo, deadline)
-            videos: list[PreparedVideo] = []
-            if sources and self.videos is not None:
-                videos = await self.videos.prepare_all(video_blobs, sources, deadline)
-            for index, video in enumerate(videos):  # before any encoding: a time vLLM would misplace
-                try:
-                    self.layout.check_video_time(video)
-                except VitserveError as err:
-                    raise err.with_video_index(index) from None
-            count_accepted(self.metrics, prepared)
+        with ec_storage, an image whose file is still there is left out (its part is in the ticket)."""
+        media = Media(
+            f"chat-{uuid.uuid4()}",
+            [p.source for p in parts.images],
+            [p.source for p in parts.videos if isinstance(p.source, VideoSource)],
+            return_embeddings=True,
+            traceparent=traceparent,
+        )
+        try:  # a video's time vLLM would misplace is refused before any encoding
+            reuse = functools.partial(self.ec.image_hits, ticket) if self.ec and ticket else None
+            work = await self.media.prepare(media, deadline, self.layout.check_video_time, reuse)
         except VitserveError as err:
             if err.image_index is not None:
                 param[0] = parts.images[err.image_index].param
             elif err.video_index is not None:
                 param[0] = parts.videos[err.video_index].param
-            self.metrics.images_total.labels(outcome="rejected").inc(len(parts.images))
             raise
-        if not prepared and not videos:  # every image's file was there: nothing to encode
-            return [], prepared, videos, hits
-        encode = EncodeRequest(
-            request_id=f"chat-{uuid.uuid4()}",
-            images=tuple(prepared),
-            deadline=deadline,
-            return_embeddings=True,
-            traceparent=traceparent,
-            videos=tuple(videos),
-        )
-        late = lambda: Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")  # noqa: E731
-        timeout_s = deadline - time.monotonic() + 5.0  # the engine enforces the deadline; this is a backstop
-        results = await unless_gone(request, self.engine.encode(encode), timeout_s, late)
-        return None if results is None else (results, prepared, videos, hits)
-
-    async def _prepare(self, blobs: list[bytes], indices: list[int], deadline: float) -> list[PreparedImage]:
-        """The images to encode; an error names the image by its index in the request."""
-        try:
-            return await self.pre.prepare(blobs, deadline)
-        except VitserveError as err:
-            if err.image_index is not None:
-                err.image_index = indices[err.image_index]
-            raise
+        return await self.media.encode(request, work)
 
     def _rewrite(
-        self,
-        parts: ChatParts,
-        results: list[ImageResult],
-        prepared: list[PreparedImage],
-        videos: list[PreparedVideo],
-        hits: list[dict[str, Any] | None],
-        param: list[str | None],
-        ticket: EcTicket | None,
+        self, parts: ChatParts, encoded: Encoded, param: list[str | None], ticket: EcTicket | None
     ) -> None:
         """Each image_url and video_url part becomes the LLM's embedding part, in place (on the pool: .npy +
-        base64 inline, a file with ec_storage). The engine's results are the encoded images', then each
-        video's groups in time order; an image in `hits` already has its part."""
-        encoded = iter(zip(prepared, results[: len(prepared)], strict=True))
-        for index, (part, hit) in enumerate(zip(parts.images, hits, strict=True)):
+        base64 inline, a file with ec_storage). An image the ticket already has a part for was not encoded."""
+        image_results, video_results = encoded.split()
+        done = ticket.hits if ticket is not None else [None] * len(parts.images)
+        fresh = iter(zip(encoded.images, image_results, strict=True))
+        for index, (part, new) in enumerate(zip(parts.images, done, strict=True)):
             param[0] = part.param
-            if hit is None:
-                image, result = next(encoded)
-                hit = self._image_part(image, result, index, ticket)
+            if new is None:
+                image, result = next(fresh)
+                new = self._image_part(image, result, index, ticket)
             part.part.clear()
-            part.part.update(hit)
-        groups = iter(results[len(prepared) :])
-        for index, (part, video) in enumerate(zip(parts.videos, videos, strict=True)):
+            part.part.update(new)
+        for index, (part, video, results) in enumerate(
+            zip(parts.videos, encoded.videos, video_results, strict=True)
+        ):
             param[0] = part.param
-            mine = [next(groups) for _ in video.groups]
             if ticket is not None and self.ec is not None:
-                new = self.ec.video_part(ticket, video, mine, index)
+                new = self.ec.video_part(ticket, video, results, index)
             else:
-                new = video_embeds_part(self.layout, video, mine, index)
+                new = video_embeds_part(self.layout, video, results, index)
             part.part.clear()
             part.part.update(new)
         param[0] = None

@@ -49,6 +49,7 @@ class EcTicket:
         self.store = store
         self.pinned: list[str] = []
         self.expected: list[tuple[str, int, int]] = []  # (uuid, rows, width) the request names
+        self.hits: list[dict[str, Any] | None] = []  # per image: its part when its file was there
         self._released = False
 
     def release(self) -> None:
@@ -66,9 +67,10 @@ class EcHandover:
     def ticket(self) -> EcTicket:
         return EcTicket(self.store)
 
-    def image_hits(self, ticket: EcTicket, blobs: list[bytes]) -> list[dict[str, Any] | None]:
-        """Per image, its part when its file is still there (pinned), else None: it must be encoded."""
-        out: list[dict[str, Any] | None] = []
+    def image_hits(self, ticket: EcTicket, blobs: list[bytes]) -> list[bool]:
+        """Per image, whether its file is still there (then pinned, and its part in ticket.hits); an image
+        that is not must be encoded."""
+        out = ticket.hits
         fingerprint = self.fingerprint()
         for data in blobs:
             uuid = ec_uuid(fingerprint, "image", hashlib.sha256(data).hexdigest())
@@ -81,7 +83,7 @@ class EcHandover:
                 continue
             ticket.pinned.append(uuid)
             out.append(self._named(ticket, uuid, "image", json.loads(grid)))
-        return out
+        return [hit is not None for hit in out]
 
     def image_part(
         self, ticket: EcTicket, image: PreparedImage, result: ImageResult, index: int

@@ -39,12 +39,12 @@ from vitserve.contract import (
     ProcessedImage,
     Readiness,
 )
-from vitserve.engine.cache import make_cache
 from vitserve.engine.collect import collect
 from vitserve.engine.dispatch import Dispatcher
 from vitserve.engine.feed import feed_groups
 from vitserve.engine.groups import TERM_GRACE_S, GroupState, Watchdog, WorkerGroup
 from vitserve.engine.jobs import Claim, Job, JobTable
+from vitserve.engine.local_cache import make_cache
 from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull
 from vitserve.metrics import Metrics
