@@ -62,7 +62,14 @@ class EcHandover:
     def __init__(self, store: EcStore, layout: EmbedsLayout, fingerprint: Callable[[], str]):
         self.store = store
         self.layout = layout
-        self.fingerprint = fingerprint  # the engine's, known once it is ready
+        self._engine_fingerprint = fingerprint  # the engine's, known once it is ready
+        self._fingerprint = ""
+
+    def fingerprint(self) -> str:
+        """The engine's fingerprint, asked once (the engine is ready before any chat request is served)."""
+        if not self._fingerprint:
+            self._fingerprint = self._engine_fingerprint()
+        return self._fingerprint
 
     def ticket(self) -> EcTicket:
         return EcTicket(self.store)
