@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests.cli import ROOT
 from vitserve.checkpoint import Checkpoint
 from vitserve.errors import ConfigError
 from vitserve.worker import zygote
@@ -39,47 +34,3 @@ def test_an_odd_model_type_adds_no_module(tmp_path):
         Checkpoint.open(tmp_path)
     modules = zygote.preload_modules(Checkpoint.open(tmp_path, "qwen3_vl"))
     assert all(not m.startswith("transformers.") for m in modules)
-
-
-def test_the_guard_exits_a_forkserver_whose_service_is_already_gone():
-    # The guard reads the service's pid from the environment; a pid that is not the parent means the service
-    # died before the guard could ask for PDEATHSIG, so it must leave at once (exit 0) instead of importing on.
-    code = "import vitserve.worker.forkserver_guard; print('still here')"
-    env = {"VITSERVE_FORKSERVER_PARENT": "1", "PATH": ""}
-    gone = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert gone.returncode == 0
-    assert "still here" not in gone.stdout
-    env["VITSERVE_FORKSERVER_PARENT"] = "0"  # unset: nothing to compare, carries on
-    here = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert "still here" in here.stdout, here.stderr
-
-
-def test_outside_the_forkserver_the_guard_leaves_the_process_alone():
-    # zygote.py and liveness.py import their constants from the guard: in the service (no SERVICE_PID_ENV)
-    # that import must not ask Linux to kill the service with its parent.
-    code = (
-        "import ctypes, os; import vitserve.worker.forkserver_guard; sig = ctypes.c_int(-1); "
-        "ctypes.CDLL('libc.so.6').prctl(2, ctypes.byref(sig), 0, 0, 0); print('pdeathsig', sig.value)"
-    )  # 2: PR_GET_PDEATHSIG
-    env = {"PATH": ""}
-    alone = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert "pdeathsig 0" in alone.stdout, alone.stderr
-    env["VITSERVE_FORKSERVER_PARENT"] = str(os.getpid())  # the forkserver: its parent is this process
-    guarded = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert f"pdeathsig {int(signal.SIGKILL)}" in guarded.stdout, guarded.stderr
-
-
-def test_without_start_ranks_are_spawned_and_after_it_forked_from_the_forkserver(tmp_path):
-    # A fresh interpreter: this session's tests/conftest.py may have started the forkserver here already.
-    code = (
-        "from vitserve.checkpoint import Checkpoint\n"
-        "from vitserve import start_method\n"
-        "from vitserve.worker import zygote\n"
-        "print(start_method.context().get_start_method())\n"
-        "zygote.start(Checkpoint.demo())\n"
-        "print(start_method.context().get_start_method())\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.stdout.split() == ["spawn", "forkserver"], out.stderr
