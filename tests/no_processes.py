@@ -1,9 +1,10 @@
 """The rule that keeps tests/unit quick: a unit test starts no process (no interpreter, engine, server or rank).
 
-`bash scripts/test.sh --quick` runs tests/unit alone as the quick tier (README "Development"); a test that
-needs a process belongs in tests/integration or tests/e2e. `guard` is active around each tests/unit test's
-setup, call and teardown (tests/unit/conftest.py); a process started then fails the test with
-`ProcessInUnitTest`, a BaseException so that no `except Exception` in the code under test swallows it.
+`bash scripts/test.sh --quick` runs tests/unit, less its `heavy` tests, as the quick tier (README
+"Development"); a test that needs a process belongs in tests/integration or tests/e2e. `guard` is active
+around each tests/unit test's setup, call and teardown (tests/unit/conftest.py); a process started then fails
+the test with `ProcessInUnitTest`, a BaseException so that no `except Exception` in the code under test
+swallows it.
 `allowed()` lifts it for the session fixture that starts tests/vllm's servers early in a serial run.
 
 Caught: subprocess (run, Popen, check_output), os.system, os.posix_spawn*, os.fork, and every

@@ -1,6 +1,6 @@
 """How the suite shares the machine between pytest-xdist workers (`-n 2 --dist loadscope --no-loadscope-reorder`).
 
-Measured on 2 cores (README "Development"): serial, the suite used 52-68% of them (start-ups of subprocesses,
+Measured on 2 cores (bench/RESULTS.md, "The test suite"): serial, the suite used 52-68% of them (start-ups of subprocesses,
 waits on servers); workers keep both busy (91-95%), which makes the run CPU-bound: two workers were the faster
 of two and three, ~1.15x over serial. What the workers must not do, and how it is prevented here:
 
