@@ -7,8 +7,8 @@ the test with `ProcessInUnitTest`, a BaseException so that no `except Exception`
 swallows it.
 `allowed()` lifts it for the session fixture that starts tests/vllm's servers early in a serial run.
 
-Caught: subprocess (run, Popen, check_output), os.system, os.posix_spawn*, os.fork, and every
-multiprocessing start method (fork, forkserver, spawn: they go through `BaseProcess.start`).
+Caught, in the thread that runs the test: subprocess (run, Popen, check_output), os.system, os.posix_spawn*,
+os.fork, and every multiprocessing start method (fork, forkserver, spawn: they go through `BaseProcess.start`).
 Allowed (ALLOWED_PROGRAMS): `git`, which tests/unit/test_docs.py asks for the file list, and `ldconfig`, which
 ctypes.util.find_library runs when a library (torch, glibc's malloc checks) looks for a shared object.
 """
@@ -20,6 +20,7 @@ import multiprocessing.process
 import multiprocessing.util
 import os
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ class ProcessInUnitTest(BaseException):
     """A tests/unit test started a process: move it to tests/integration or tests/e2e."""
 
 
-_active = False
+_active = False  # set while a unit test runs, for the thread that runs it (the main thread)
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
 
 
@@ -43,7 +44,9 @@ def _program(args: Any) -> str:
 
 
 def _refuse(what: str) -> None:
-    if _active:
+    # Only the test's own thread: a thread an earlier integration test left behind (a server's, a pool's) may
+    # start a process while a unit test runs in a full serial run, and that is not the unit test's doing.
+    if _active and threading.current_thread() is threading.main_thread():
         raise ProcessInUnitTest(
             f"a tests/unit test started a process ({what}); tests/unit is the quick tier "
             "(scripts/test.sh --quick): move the test to tests/integration or tests/e2e (tests/no_processes.py)"
@@ -87,7 +90,7 @@ def guard() -> Iterator[None]:
     try:
         yield
     finally:
-        _active = False
+        _active = False  # set while a unit test runs, for the thread that runs it (the main thread)
 
 
 @contextlib.contextmanager
