@@ -136,7 +136,7 @@ def end_with_the_run(config: pytest.Config) -> None:
     if "PYTEST_XDIST_WORKER" in os.environ:
         import ctypes
 
-        from vitserve.worker.forkserver_guard import PR_SET_PDEATHSIG
+        from vitserve.processes.guard import PR_SET_PDEATHSIG
 
         controller = os.getppid()
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

@@ -23,7 +23,7 @@ from vitserve.errors import ConfigError
 from vitserve.families import FAMILY_CHOICES
 
 T = TypeVar("T")
-# Each video decoder is a process that may map up to 4 GiB (vitserve/video/decoder.py): more than this many is a
+# Each video decoder is a process that may map up to 4 GiB (vitserve/video/decoder_pool.py): more than this many is a
 # typo on any machine, not a setting.
 MAX_VIDEO_DECODERS = 64
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

@@ -58,7 +58,7 @@ def test_version_flag_needs_no_heavy_dependency(tmp_path):
     assert (out.returncode, out.stdout.strip()) == (0, f"vitserve {vitserve.__version__}")
 
 
-@pytest.mark.parametrize("module", ["vitserve.video.decoder", "vitserve.processors.pixels"])
+@pytest.mark.parametrize("module", ["vitserve.video.decoder_pool", "vitserve.processors.pixels"])
 def test_a_decoder_process_imports_no_transformers(module):
     """The video decoder processes (spawned) import these two; the package `__init__`s load their names
     lazily, so transformers (~10 s of a decoder's start on 2 cores) is not imported through them."""

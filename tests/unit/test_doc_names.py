@@ -5,12 +5,13 @@ tests/unit/test_docs.py checks the files and flags the docs name; this module ch
 - every `vitserve.x.y` (a module, or a name in one) anywhere in the text imports and resolves;
 - every name in backticks that looks like code is defined in the repository's Python (vitserve/, tests/,
   bench/, scripts/, docker/): `Class.member` (the class and that member: a method, field or attribute,
-  inherited ones included), `module.name` for a vitserve module (`preflight.check`), `Name()` for a function,
-  and a CamelCase name (`GroupFeed`); a third-party name is in THIRD_PARTY with the module that defines it
-  (checked by importing it), a name that is not Python is in NOT_CODE with what it is;
+  inherited ones included), `module.name` for a vitserve module (`preflight.check`, or a member of a class
+  the module defines: `engine.failed`), `name()` for a function, and a CamelCase name (`GroupFeed`); a
+  third-party name is in THIRD_PARTY with the module that defines it (checked by importing it), a name that
+  is not Python is in NOT_CODE with what it is;
 - docs/design.md's "Package layers" table lists, in order, the layers of the import-linter contract in
   pyproject.toml, and its engine row the engine contract's order; each contract's name says the same order.
-Lower-case words and dotted names that start with a variable (`timing_ms.decode`, `engine.failed`) are prose
+Lower-case words and dotted names that start with a variable (`timing_ms.decode`, `stream.frames`) are prose
 or JSON paths: not checked.
 """
 
@@ -175,8 +176,11 @@ def missing_code_name(span: str) -> bool:
     if rest:
         if first in code.members or first[0].isupper():
             return not (first in code.members and code.has_member(first, rest[0]))
-        if first in code.module_names:
-            return rest[0] not in code.module_names[first]
+        if first in code.module_names:  # a module's name, or a member of a class it defines (`engine.failed`)
+            defined = code.module_names[first]
+            return rest[0] not in defined and not any(
+                code.has_member(cls, rest[0]) for cls in defined if cls in code.members
+            )
         return False  # a variable or a JSON path
     if call:
         return first not in code.functions
@@ -227,14 +231,14 @@ def _module(cell: str) -> str:
 
 
 def design_layers(text: str) -> list[set[str]]:
-    """The package layers, top first, from the "Package layers" table's second column (`a` > `b` is two
-    layers; `a` \\| `b` and `a`, `b` are one)."""
+    """The package layers, top first, from the "Package layers" table's second column: the names in backticks,
+    `a` > `b` two layers, `a` \\| `b` and `a`, `b` one; a parenthesis describes, it names no layer."""
     section = text.split("## Package layers", 1)[1].split("\n## ", 1)[0]
     layers: list[set[str]] = []
     for line in section.splitlines():
         if re.match(r"\| \d\w* \|", line):
-            cell = re.split(r"(?<!\\)\|", line)[2]
-            layers += [{_module(m) for m in re.split(r"\\\||,", layer)} for layer in cell.split(">")]
+            cell = re.sub(r"\([^)]*\)", "", re.split(r"(?<!\\)\|", line)[2])
+            layers += [{_module(m) for m in re.findall(r"`([^`]+)`", layer)} for layer in cell.split(">")]
     return layers
 
 
@@ -268,7 +272,7 @@ def test_each_layers_contract_is_named_for_its_order():
 
 def test_the_checks_catch_names_that_are_gone():
     assert missing_module_names(
-        "see vitserve.engine.service and vitserve.engine.nowhere, `vitserve.cli.main`"
+        "see vitserve.engine.engine and vitserve.engine.nowhere, `vitserve.cli.main`"
     ) == ["vitserve.engine.nowhere"]
     text = (
         "`Engine.admit` `Engine._nothing` `NoSuchClass.x` `preflight.check` `preflight.gone` `GroupFeed` "
@@ -288,7 +292,7 @@ def test_the_checks_catch_names_that_are_gone():
 
 
 def test_the_layer_check_reads_what_design_md_writes():
-    row = "| 5 | `cli.py` > `flags.py` | x |\n| 4 | `api/` \\| `engine/`, `client.py` | y |\n"
+    row = "| 5 | `cli.py` > `flags.py` | x |\n| 4 | `api/` \\| `engine/`, `client.py` (`a.py`, `b`) | y |\n"
     assert design_layers("## Package layers\n\n" + row) == [{"cli"}, {"flags"}, {"api", "engine", "client"}]
     order = "its imports run one way, `node` \\| `service` > `collect` > `jobs`; then"
     assert design_engine_order(order) == [{"node", "service"}, {"collect"}, {"jobs"}]

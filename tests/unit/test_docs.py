@@ -130,7 +130,7 @@ def test_doc_test_markers_are_understood(doc):
 def test_checks_catch_missing_files_and_links(tree):
     doc = ROOT / "docs" / "x.md"
     text = (
-        "See [api](api.md), [gone](nowhere.md), `vitserve/engine/service.py`, `processors/budget.py`, "
+        "See [api](api.md), [gone](nowhere.md), `vitserve/engine/engine.py`, `processors/budget.py`, "
         "`tests/integration/test_faults*.py`, `SPEC.md` and `vitserve/nothing.py`."
     )
     assert missing_paths(doc, text, tree) == ["link nowhere.md", "SPEC.md", "vitserve/nothing.py"]

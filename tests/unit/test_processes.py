@@ -1,4 +1,4 @@
-"""vitserve/worker/zygote.py: what the ranks' forkserver preloads (the lifecycle e2e tests cover its death)."""
+"""vitserve/processes/zygote.py: what the ranks' forkserver preloads (the lifecycle e2e tests cover its death)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 
 from vitserve.checkpoint import Checkpoint
 from vitserve.errors import ConfigError
-from vitserve.worker import zygote
+from vitserve.processes import zygote
 
 
 def test_the_guard_comes_first_then_the_rank_and_the_demo_family():
     modules = zygote.preload_modules(Checkpoint.demo())
-    assert modules[0] == "vitserve.worker.forkserver_guard"
+    assert modules[0] == "vitserve.processes.guard"
     assert "vitserve.worker.process" in modules  # imports vitserve.worker.rank
     assert modules[-1] == "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
     for name in modules:
