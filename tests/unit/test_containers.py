@@ -2,18 +2,16 @@
 
 No Docker engine or cluster runs here, so these read the files: the versions pinned in docker/versions.env
 against pyproject.toml's bounds, transformers' own bounds and what this suite runs on; the healthchecks
-and probes against vitserve's real routes and flags (the HEALTHCHECK script runs against an HTTP server).
+and probes against vitserve's real routes and flags (tests/integration/test_healthcheck_script.py runs the
+HEALTHCHECK script against an HTTP server).
 """
 
 from __future__ import annotations
 
-import http.server
 import importlib.metadata
 import json
 import re
-import subprocess
 import sys
-import threading
 import tomllib
 from pathlib import Path
 
@@ -126,40 +124,6 @@ def test_dockerignore_keeps_venv_git_outputs_and_caches_out():
     for entry in (".git", ".venv", "bench", "**/__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"):
         assert entry in ignored
     assert not ignored & {"vitserve", "pyproject.toml", "README.md", "docker"}, "the build needs these"
-
-
-class _ReadyHandler(http.server.BaseHTTPRequestHandler):
-    status = 503
-    seen: list[tuple[str, str | None]] = []
-
-    def do_GET(self):  # noqa: N802 (http.server's name)
-        self.seen.append((self.path, self.headers.get("Authorization")))
-        self.send_response(self.status)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
-def test_healthcheck_script_passes_only_when_ready_answers_200():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ReadyHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    env = {"VITSERVE_PORT": str(server.server_port), "VITSERVE_API_KEY": "k1"}
-
-    def check() -> int:
-        script = ROOT / "docker" / "healthcheck.py"
-        return subprocess.run([sys.executable, script], env=env, capture_output=True, timeout=30).returncode
-
-    try:
-        _ReadyHandler.status = 503
-        assert check() == 1
-        _ReadyHandler.status = 200
-        assert check() == 0
-    finally:
-        server.shutdown()
-    assert _ReadyHandler.seen == [("/ready", "Bearer k1")] * 2
-    env["VITSERVE_PORT"] = str(server.server_port)  # now closed: nothing listens
-    assert check() == 1
 
 
 def test_compose_receiver_has_its_own_healthcheck_and_build_args_come_from_versions_env():

@@ -28,6 +28,7 @@ from vitserve.flags import FLAGS, parse_bool
 NON_VITSERVE_FLAGS = {
     "bind": "python -m vitserve.rpc.receiver --bind ENDPOINT (the stand-in LLM side)",
     "check": "ruff format --check (scripts/lint.sh)",
+    "quick": "bash scripts/test.sh --quick, the quick tier (README, Development)",
     "env-file": "docker compose --env-file docker/versions.env (docs/deploy.md)",
     "build": "docker compose up --build (docs/deploy.md)",
     "nproc_per_node": "torchrun --nproc_per_node 1 (docs/engine.md, Nodes)",

@@ -341,7 +341,7 @@ class Engine:
         self.admit(0)  # refuses when stopping, failed or starting, before any image is claimed
         claims = self._jobs.claim(request.images, request.deadline)
         streams = [self._jobs.claim(video.groups, request.deadline) for video in request.videos]
-        every = claims + [claim for stream in streams for claim in stream]
+        every = claims + [claim for stream in streams for claim in stream]  # EncodeRequest.items order
         try:
             new = self._jobs.new_jobs(claims)
             new_groups = [self._jobs.new_jobs(stream) for stream in streams]

@@ -3,7 +3,7 @@
 For each image of a request, Engine.encode asks the JobTable for a Claim:
   1. a cache hit (--cache_gb > 0): the stored EncodedImage; no queue, no encoder;
   2. an image with the same key already queued or being encoded (by this or another request): the
-     claim joins that Job (refcounted) and awaits its future through asyncio.shield (in Engine._collect),
+     claim joins that Job (refcounted) and awaits its future through asyncio.shield (in engine/collect.py),
      so one request's cancellation or timeout never cancels the encode the others still wait for;
   3. otherwise a new Job, which the engine hands to the dispatcher.
 `release()` drops a request's claims and returns the Jobs nobody claims any more; the engine tells the
