@@ -59,10 +59,12 @@ def test_padded_to_bucket_equals_hf_unpadded(towers, case):
         key = runner.key_for(prep, runner.keys)
         got = runner.forward(pixels, grid_thw, pad_eagerly=True)
         want = reference(pixels, grid_thw)
-    assert key is not None and key.bucket == choose_bucket(prep.rows, BUCKETS)
+    assert key is not None
+    assert key.bucket == choose_bucket(prep.rows, BUCKETS)
     if key.bucket > prep.rows:  # the case really padded; equal rows are still checked below either way
         full, window = runner.padded_offsets(prep, key)
-        assert full[-1] == key.bucket and len(full) == key.full_slots + 1
+        assert full[-1] == key.bucket
+        assert len(full) == key.full_slots + 1
         assert window is None or (window[-1] == key.bucket and len(window) == key.window_slots + 1)
     _assert_same(got, want)
 
@@ -85,7 +87,8 @@ def test_padding_rows_never_reach_real_rows(towers):
     with torch.inference_mode():
         prep = runner.stem(pixels, grid_thw)
         key = runner.key_for(prep, runner.keys)
-        assert key is not None and key.bucket > prep.rows
+        assert key is not None
+        assert key.bucket > prep.rows
         clean = runner.tail(prep, *runner.run_padded(prep, key))
         pad = key.bucket - prep.rows
         prep.hidden = torch.cat([prep.hidden, 50 * torch.randn(pad, prep.hidden.shape[1])])
