@@ -115,6 +115,18 @@ def test_installed_runner_serves_the_adapter_forward():
     assert_close(got, want)
 
 
+def test_capture_refuses_a_cpu_tower_and_forward_stays_eager(towers):
+    _, _, fast, runner = towers
+    with pytest.raises(ValueError, match="needs a CUDA tower"):
+        runner.capture(torch.float32)
+    assert runner.graphs == {}  # nothing captured: forward without pad_eagerly runs unpadded
+
+
+def test_buckets_must_hold_whole_merge_units():
+    with pytest.raises(ValueError, match="multiples of 4"):
+        TowerRunner(make_tower("qwen2_vl"), buckets=(64, 130))
+
+
 # ---- the pure bucket logic ---------------------------------------------------------------------------
 def test_choose_bucket_is_the_smallest_that_holds():
     assert choose_bucket(1, BUCKETS) == 64

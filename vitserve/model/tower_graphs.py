@@ -38,6 +38,7 @@ from vitserve.model.buckets import (
     pad_bounds,
     pick_key,
 )
+from vitserve.model.fast_varlen import varlen_kernel
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +253,8 @@ class TowerRunner:
         device = next(self.visual.parameters()).device
         if device.type != "cuda":
             raise ValueError("TowerRunner.capture needs a CUDA tower")
+        if varlen_kernel(device, dtype) is None:  # the grouped SDPA path syncs with the host: not capturable
+            raise ValueError(f"TowerRunner.capture: no varlen attention kernel runs in {dtype} on {device}")
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_reserved(device)
         pool = torch.cuda.graph_pool_handle()
