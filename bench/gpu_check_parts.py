@@ -19,7 +19,7 @@ import torch
 from bench import gpu
 from bench.encoder import matmul_flops
 from vitserve.model.encoder import HFVisionEncoder
-from vitserve.model.tower_graphs import TowerRunner, install
+from vitserve.model.tower_graphs import TowerRunner
 
 EXACT_UNITS = {"packed": [(16, 16), (8, 12), (23, 17), (29, 19)], "alone": [(16, 16)]}
 SMALL_UNITS = {"packed": [(4, 4), (2, 3), (5, 3)], "alone": [(4, 4)]}
@@ -198,32 +198,30 @@ def speed_line(row: dict[str, Any]) -> str:
 def reserve_with_graphs(
     enc: HFVisionEncoder, run: Any, row: dict[str, Any], max_images: int
 ) -> dict[str, Any]:
-    """Graphs captured after the stress (as a rank would), then the worst case served through them: the
-    published bytes + the pool's growth against the peak reserved over the pool before the capture."""
+    """As a rank with --cuda_graphs: the graphs captured after the stress (worker/graphs.py, the published
+    bytes grown by the pool), then the worst case served through them, against the peak reserved over the
+    pool before the capture."""
     from bench import gpu_reserve
+    from vitserve.worker.graphs import capture_for_serving
+    from vitserve.worker.reservation import Method, Reservation, StressShape
 
     device, budget = enc.device, row["budget_tokens"]
     _, reserved0 = gpu_reserve._fresh(device)
     torch.cuda.reset_peak_memory_stats(device)
-    runner = TowerRunner(enc.visual, [b for b in run.buckets if b <= budget])
+    stressed = Reservation(int(row["published_mib"] * 2**20), Method.FULL)
+    published = capture_for_serving(enc, StressShape(budget, max_images), stressed, None).bytes
+    served = 0
     with torch.inference_mode():
-        warm = gpu.inputs(
-            px([(16, 16)], int(enc.visual.config.patch_size)), int(enc.visual.config.patch_size)
-        )
-        runner.forward(warm[0].to(device, enc.dtype), warm[1].to(device))
-        grown = runner.capture(enc.dtype)
-        install(enc.visual, runner)
-        served = 0
         for _, make in gpu_reserve.serving_batches(enc, budget, max_images, budget, run.args.random_batches):
             enc.encode(make())
             served += 1
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device) - reserved0
-    published = row["published_mib"] * 2**20 + grown
-    enc.visual.__dict__.pop("_vitserve_runner", None)
-    return {"budget_tokens": budget, "graphs": len(runner.graphs), "pool_mib": grown / 2**20,
-            "published_plus_pool_mib": published / 2**20, "peak_reserved_mib": peak / 2**20,
-            "ratio": published / peak if peak else None, "serving_batches": served}  # fmt: skip
+    runner = enc.visual.__dict__.pop("_vitserve_runner", None)
+    return {"budget_tokens": budget, "graphs": len(runner.graphs) if runner else 0,
+            "pool_mib": (published - stressed.bytes) / 2**20, "published_plus_pool_mib": published / 2**20,
+            "peak_reserved_mib": peak / 2**20, "ratio": published / peak if peak else None,
+            "serving_batches": served}  # fmt: skip
 
 
 def handoff(run: Any) -> list[dict[str, Any]]:

@@ -213,3 +213,42 @@ def test_cuda_graph_replay_equals_eager(family):
         scale = eager[0].float().abs().max().item()
         assert (merged.float() - eager[0].float()).abs().max().item() <= 2e-2 * scale
         assert len(levels) == len(eager[1])
+
+
+# ---- --cuda_graphs at start-up ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"device": "cpu"}, "--device cpu"),
+        ({"dtype": "float32"}, "--dtype float32"),
+        ({"tp": 2}, "--tp 2"),
+    ],
+)
+def test_cuda_graphs_refused_where_they_cannot_work(overrides, named):
+    from vitserve import preflight
+    from vitserve.config import Config
+    from vitserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"--cuda_graphs does not work with {named}"):
+        preflight.check(Config(model="demo", cuda_graphs=True, **overrides))
+    preflight.check(Config(model="demo", cuda_graphs=True, device="cuda", dtype="bfloat16"))  # accepted
+
+
+def test_serving_buckets_end_at_the_budget_and_the_image_cap():
+    from vitserve.worker.graphs import serving_buckets
+    from vitserve.worker.reservation import StressShape
+
+    assert serving_buckets(StressShape(16384, 64)) == ([1024, 2048, 4096, 8192, 16384], [1, 4, 16, 64])
+    assert serving_buckets(StressShape(3000, 8)) == ([1024, 2048, 3000], [1, 4, 8])
+    assert serving_buckets(StressShape(0, 2))[0] == [1024, 2048, 4096, 8192, 16384]
+
+
+def test_capture_for_serving_refuses_a_cpu_rank():
+    from vitserve.errors import ConfigError
+    from vitserve.model import load_encoder
+    from vitserve.worker.graphs import capture_for_serving
+    from vitserve.worker.reservation import Method, Reservation, StressShape
+
+    enc = load_encoder("demo")
+    with pytest.raises(ConfigError, match="needs a Qwen tower on a CUDA device"):
+        capture_for_serving(enc, StressShape(1024, 4), Reservation(1, Method.FULL), None)

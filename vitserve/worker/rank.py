@@ -225,6 +225,10 @@ class RankWorker:
             self.args.global_rank,
             self._say,
         )
+        if self.cfg.cuda_graphs:  # the graphs' pool joins the published bytes (worker/graphs.py)
+            from vitserve.worker.graphs import capture_for_serving
+
+            res = capture_for_serving(self.encoder, self.args.stress_shape, res, self.peak_watch)
         self._say(f"publishing: {res.bytes / 2**20:.0f} MiB reserved ({res.method.value})")
         publish_reservation(
             self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source
