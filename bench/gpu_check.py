@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-batches", type=int, default=6, help="reserve: random compositions served")
     parser.add_argument("--compile", action="store_true", help="speed: also torch.compile'd blocks (CUDA)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_check"))
+    parser.add_argument("--commit", default=None, help="the commit, where the tree is no git checkout")
     args = parser.parse_args(argv)
     logging.getLogger("vitserve.model.demo").setLevel(logging.ERROR)  # the random-weights banner
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32 (the exactness check)

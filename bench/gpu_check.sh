@@ -7,7 +7,8 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl transformers==5.23.0
 # then the device tool's run, exactly (one call, at most 8 minutes of the 10):
-#   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=560)
+#   run(command="bash bench/gpu_check.sh --commit COMMIT", carry=[".whl"], timeout_s=560)
+# with COMMIT the output of `git rev-parse --short HEAD` here (the device's copy of the tree has no .git).
 # What comes back: $OUT/gpu_check.json, $OUT/check.log, $OUT/pytest.log. Fetch them before the next run.
 # Extra arguments go to bench/gpu_check.py (e.g. --parts speed --towers qwen3_vl-8b, or --compile).
 #

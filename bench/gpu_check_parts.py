@@ -42,6 +42,14 @@ def meta(device: torch.device, args: Any) -> dict[str, Any]:
         "cpu": platform.processor() or platform.machine(), "load_before": os.getloadavg(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }  # fmt: skip
+    from bench import record
+
+    try:
+        out |= record.git_state() | {"machine": record.machine()}
+    except Exception:  # noqa: BLE001 (the device's copy of the tree has no .git: --commit says which)
+        out["commit"] = None
+    if args.commit:
+        out |= {"commit": args.commit, "dirty": False}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         out |= {
