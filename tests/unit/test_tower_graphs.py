@@ -252,3 +252,24 @@ def test_capture_for_serving_refuses_a_cpu_rank():
     enc = load_encoder("demo")
     with pytest.raises(ConfigError, match="needs a Qwen tower on a CUDA device"):
         capture_for_serving(enc, StressShape(1024, 4), Reservation(1, Method.FULL), None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_rank_without_a_gpu_refuses_cuda_graphs_before_loading():
+    from types import SimpleNamespace
+
+    from vitserve.config import Config
+    from vitserve.errors import ConfigError
+    from vitserve.worker.rank import RankWorker
+
+    worker = object.__new__(RankWorker)  # only _init_device: no sockets, no engine
+    worker.cfg, worker.args, worker.distributed = (
+        Config(model="demo", cuda_graphs=True),
+        SimpleNamespace(),
+        False,
+    )
+    with pytest.raises(ConfigError, match="--cuda_graphs needs a CUDA device and none is available"):
+        worker._init_device()
+    worker.cfg = Config(model="demo")
+    worker._init_device()  # without the flag the CPU serves
+    assert worker.device.type == "cpu"

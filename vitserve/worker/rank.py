@@ -158,6 +158,8 @@ class RankWorker:
             index = self.args.local_index % torch.cuda.device_count()
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", index)
+        elif self.cfg.cuda_graphs:  # --device auto found no GPU: refuse now, not after the stress
+            raise ConfigError("--cuda_graphs needs a CUDA device and none is available; drop --cuda_graphs")
         else:
             self.device = torch.device("cpu")  # its share of the cores: run_worker
         # NCCL collectives need device tensors; gloo works on CPU tensors
