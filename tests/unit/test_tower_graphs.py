@@ -122,6 +122,12 @@ def test_capture_refuses_a_cpu_tower_and_forward_stays_eager(towers):
     assert runner.graphs == {}  # nothing captured: forward without pad_eagerly runs unpadded
 
 
+def test_compile_blocks_is_refused_on_a_cpu_tower(towers):
+    _, _, fast, _ = towers
+    with pytest.raises(ValueError, match="compile_blocks is for a CUDA tower"):
+        TowerRunner(fast, BUCKETS, LADDER, compile_blocks=True)
+
+
 def test_buckets_must_hold_whole_merge_units():
     with pytest.raises(ValueError, match="multiples of 4"):
         TowerRunner(make_tower("qwen2_vl"), buckets=(64, 130))

@@ -104,8 +104,15 @@ class TowerRunner:
         self.graphs: dict[GraphKey, _Captured] = {}
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._call_block: Callable[..., torch.Tensor] = _call_block
-        if compile_blocks:
-            self._call_block = torch.compile(_call_block, dynamic=False)
+        if compile_blocks and next(visual.parameters()).device.type != "cuda":
+            # the CPU's linear layers run oneDNN ops (fast_linear.py) that inductor cannot lower
+            raise ValueError("TowerRunner: compile_blocks is for a CUDA tower")
+        if compile_blocks:  # shapes that vary (rows, slots) turn dynamic after the first recompile
+            import torch._dynamo
+
+            limit = torch._dynamo.config.cache_size_limit
+            torch._dynamo.config.cache_size_limit = max(limit, 4 * len(self.keys))
+            self._call_block = torch.compile(_call_block)
 
     # ---- the three parts -------------------------------------------------------------------------------
     def stem(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> Prepared:
