@@ -143,6 +143,9 @@ class EngineInfo:
     dp: int
     reserved_memory_bytes: dict[int, int]  # global rank -> bytes reserved for the worst-case batch
     reserved_source: Literal["stress", "override"]
+    budget_tokens: int | None = (
+        None  # chosen by the ranks for --visual_mem_gb; None: the flag's budget stands
+    )
 
 
 @dataclass(frozen=True)

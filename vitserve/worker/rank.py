@@ -28,7 +28,7 @@ import zmq
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.contract import EncodedImage, ProcessedImage
-from vitserve.errors import ConfigError
+from vitserve.errors import ConfigError, MemoryTargetError
 from vitserve.model.base import Encoder
 from vitserve.reservation_file import publish_reservation, remove_reservation
 from vitserve.rpc.tensors import dtype_name
@@ -206,9 +206,7 @@ class RankWorker:
 
             apply_tp(enc.visual, enc.family)
         visual = getattr(enc, "visual", None)
-        if isinstance(
-            visual, torch.nn.Module
-        ):  # weights final: oneDNN's layout, before the reservation's baseline
+        if isinstance(visual, torch.nn.Module):  # weights final: oneDNN's layout, before the baseline
             from vitserve.model.fast_linear import pack_linear_weights
 
             pack_linear_weights(visual)
@@ -263,6 +261,7 @@ class RankWorker:
                     reserved_bytes=res.bytes,
                     reserved_source=res.source,
                     weights_digest=enc.weights_digest,
+                    budget_tokens=res.budget_tokens or self.cfg.budget_tokens,  # --visual_mem_gb's choice
                 )
             )
         )
@@ -357,8 +356,11 @@ class RankWorker:
     # ------------------------------------------------------------------------------------ exit paths
 
     def report_error(self, stage: str, exc: BaseException, batch_id: int = -1, *, trace: bool = True) -> None:
-        """Log and send the error; trace=False for an expected end (a peer's node went away): one line."""
-        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        """Log and send the error; trace=False for an expected end (a peer's node went away): one line. A
+        setting that can never work (MemoryTargetError) is its own one line, for the CLI's exit 2."""
+        setting = isinstance(exc, MemoryTargetError)
+        trace = trace and not setting
+        text = str(exc) if setting else "".join(traceback.format_exception_only(type(exc), exc)).strip()
         log.error("rank failed during %s: %s%s", stage, text, "\n" + traceback.format_exc() if trace else "")
         with contextlib.suppress(zmq.ZMQError):
             self.status.send_multipart(
@@ -369,6 +371,7 @@ class RankWorker:
                         stage=stage,
                         message=text,
                         batch_id=batch_id,
+                        setting=setting,
                     )
                 )
             )
