@@ -9,6 +9,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -22,6 +23,7 @@ from vitserve.engine import Engine
 from vitserve.engine.groups import WorkerGroup
 from vitserve.worker import messages as m
 from vitserve.worker.rank import RankWorker, WorkerArgs
+from vitserve.worker.reservation.meter import Meter
 
 # ------------------------------------------------------------------------------------------------------
 # FakeEncoder: a deterministic Encoder with real computation and, at tp > 1, a real collective.
@@ -286,3 +288,22 @@ def thread_engine(config, metrics, *, gate: threading.Event, encoder=None) -> En
         environ={},
         group_factory=functools.partial(ThreadGroup, gate=gate),
     )
+
+
+class InflatedMeter(Meter):
+    """A real meter (vitserve/worker/reservation/meter.py) whose published reading is `extra` bytes higher:
+    a run over --visual_mem_gb's target, injected where a real one cannot be forced (the tests of
+    vitserve/worker/reservation/sizing.py's 5% shrink). Same interface; the run itself is real."""
+
+    def __init__(self, inner: Meter, extra: int):
+        self.inner, self.extra = inner, extra
+        self.baseline, self.factor = inner.baseline, inner.factor
+
+    def measure(self, run: Callable[[], None]) -> int:
+        return self.inner.measure(run) + int(self.extra / self.factor)
+
+    def hold(self, nbytes: int) -> int:
+        return self.inner.hold(nbytes)
+
+    def report(self) -> None:
+        self.inner.report()

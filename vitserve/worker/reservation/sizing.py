@@ -9,7 +9,7 @@ memory target").
    above half of it or one that took PROBE_TARGET_S once MIN_PROBES are in, or at MAX_PROBES. (A few small
    probes alone fit the heap's noise: on a tiny tower 64 and 128 tokens read 25 and 28 MiB, and their line
    put the target at 455 tokens where 388 already needed 72 MiB of a 51 MiB target.)
-2. Target: fit the probes (memory_model.fit; linear on CPU) and take the largest budget whose fitted worst case
+2. Target: fit the probes (memory_model.fit, its quadratic term on every device) and take the largest budget whose fitted worst case
    is within the target, extrapolating at most EXTRAPOLATION times past proportional to the largest probe, and
    below any probe measured over it. It is rounded down to its worst case's own tokens (a whole grid of merged
    patches; whole tiles) and never goes below the smallest image.
@@ -196,8 +196,10 @@ def _probe(
 def _target(encoder: Encoder, shape: StressShape, knobs: Knobs, probes: list[Measured]) -> int:
     """The largest budget whose fitted worst case is within the target (2. in the module docstring)."""
     finite = [p for p in probes if math.isfinite(p.bytes)]
-    quadratic = memory_model.memory_fit_is_quadratic(torch.device(encoder.device).type)
-    fit = memory_model.fit([(_shape(encoder, shape, p.budget), p.bytes) for p in finite], quadratic=quadratic)
+    # Quadratic on CPU too (memory_model.memory_fit_is_quadratic says why the reservation's own fit is not):
+    # these probes reach past half the target, so c is measured, not guessed from noise 1/128 of the way up;
+    # on a tiny tower the full stress grew 64 -> 256 -> 407 tokens by 15 -> 38 -> 91 MiB, which a line misses.
+    fit = memory_model.fit([(_shape(encoder, shape, p.budget), p.bytes) for p in finite], quadratic=True)
     over = [p.budget for p in probes if p.bytes > knobs.target_bytes]
     if over:
         cap = min(over) - 1
