@@ -291,16 +291,16 @@ def thread_engine(config, metrics, *, gate: threading.Event, encoder=None) -> En
 
 
 class InflatedMeter(Meter):
-    """A real meter (vitserve/worker/reservation/meter.py) whose published reading is `extra` bytes higher:
-    a run over --visual_mem_gb's target, injected where a real one cannot be forced (the tests of
-    vitserve/worker/reservation/sizing.py's 5% shrink). Same interface; the run itself is real."""
+    """A real meter (vitserve/worker/reservation/meter.py) that publishes at least `reads_at_least` bytes: a run
+    over --visual_mem_gb's target, injected where a real one cannot be forced (the tests of
+    vitserve/worker/reservation/sizing.py's shrink). Same interface; the run itself is real."""
 
-    def __init__(self, inner: Meter, extra: int):
-        self.inner, self.extra = inner, extra
+    def __init__(self, inner: Meter, reads_at_least: int):
+        self.inner, self.reads_at_least = inner, reads_at_least
         self.baseline, self.factor = inner.baseline, inner.factor
 
     def measure(self, run: Callable[[], None]) -> int:
-        return self.inner.measure(run) + int(self.extra / self.factor)
+        return max(self.inner.measure(run), math.ceil(self.reads_at_least / self.factor))
 
     def hold(self, nbytes: int) -> int:
         return self.inner.hold(nbytes)

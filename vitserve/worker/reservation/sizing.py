@@ -5,17 +5,17 @@ memory target").
 
 1. Probe: the full-budget stress (stress.run_full) at budgets doubling from the family's smallest image (at
    least MIN_PROBE_TOKENS), each measured as the reservation measures it: meter.py's published bytes (CPU: RSS
-   growth x HEAP_FACTOR; CUDA: pool growth x POOL_FACTOR). Probing stops at a probe above the target, at one
-   above half of it or one that took PROBE_TARGET_S once MIN_PROBES are in, or at MAX_PROBES. (A few small
-   probes alone fit the heap's noise: on a tiny tower 64 and 128 tokens read 25 and 28 MiB, and their line
-   put the target at 455 tokens where 388 already needed 72 MiB of a 51 MiB target.)
-2. Target: fit the probes (memory_model.fit, its quadratic term on every device) and take the largest budget whose fitted worst case
-   is within the target, extrapolating at most EXTRAPOLATION times past proportional to the largest probe, and
-   below any probe measured over it. It is rounded down to its worst case's own tokens (a whole grid of merged
-   patches; whole tiles) and never goes below the smallest image.
+   growth x HEAP_FACTOR; CUDA: pool growth x POOL_FACTOR). Probing stops at the first probe above the target
+   (out of memory counts), at one that took PROBE_TARGET_S once MIN_PROBES are in, or at MAX_PROBES.
+   Extrapolating from probes below the target missed by far: a tiny tower's heap grew 38, 74, 103 MiB at 256,
+   512, 665 tokens, and a fit through the first three put a 0.1 GiB target at 778 tokens.
+2. Target (_target): between the largest run within the target and the next one over it, where the line
+   between them crosses the target; with no run over it, where memory_model.fit (its quadratic term on every
+   device) does, extrapolated at most EXTRAPOLATION times past proportional. Rounded down to the worst case's
+   own tokens (a whole grid of merged patches; whole tiles), never below the smallest image.
 3. Validate: the real full-budget stress at that budget, measured the same way. Over the target (or out of
-   memory on a GPU): SHRINK of it and again, at most MAX_SHRINKS times; then MemoryTargetError, one line that
-   names every knob.
+   memory on a GPU): SHRINK of it, or less where _target over every run so far says so, and again, at most
+   MAX_SHRINKS times; then MemoryTargetError, one line that names every knob.
 
 Every decision is taken on values agreed over the TP group (stress.agree_max: the largest bytes, so every rank
 sizes for the hungriest one and all choose the same budget).
@@ -47,8 +47,10 @@ log = logging.getLogger(__name__)
 MIN_PROBE_TOKENS = memory_model.MIN_PROBE_TOKENS  # smaller probes measure mostly noise
 MIN_PROBES = memory_model.MIN_PROBES
 MAX_PROBES = 12  # 64 .. 131,072 tokens
-PROBE_TARGET_S = memory_model.PROBE_TARGET_S
-CLOSE_ENOUGH = 0.5  # stop probing once a probe is above this share of the target
+# Stop doubling (and extrapolate) once a probe took this long; below it the probes go on until one is over the
+# target. Higher than memory_model.PROBE_TARGET_S: a tiny tower's probes take ~1 s on a loaded 2-core machine,
+# and extrapolating from them missed (1. above).
+PROBE_TARGET_S = 10.0
 EXTRAPOLATION = 2.0  # the target is at most this times the budget proportional to the largest probe
 MAX_BUDGET_TOKENS = 1 << 20
 SHRINK = 0.95  # a failed validation tries this share of its budget next ...
@@ -119,7 +121,12 @@ def size_for_memory(
         if run.bytes <= knobs.target_bytes:
             meter.report()
             return _reservation(encoder, shape, knobs, run, meter, len(probes))
-        smaller = _round(encoder, shape, knobs, int(budget * SHRINK))
+        # 5% less, or less still where the runs measured so far put the target lower (a miss of 40%: one
+        # tiny tower's heap grew by 0.074, 0.103 and 0.133 GiB at 512, 665 and 700 tokens)
+        smaller = min(
+            _round(encoder, shape, knobs, int(budget * SHRINK)),
+            _target(encoder, shape, knobs, [*probes, *tried]),
+        )
         if smaller >= budget:  # already the smallest image: shrinking cannot help
             break
         budget = smaller
@@ -183,8 +190,7 @@ def _probe(
         )
         if probe.bytes > knobs.target_bytes:  # bracketed: the target lies below this probe
             break
-        close = probe.bytes > knobs.target_bytes * CLOSE_ENOUGH
-        if len(probes) >= MIN_PROBES and (close or probe.seconds >= PROBE_TARGET_S):
+        if len(probes) >= MIN_PROBES and probe.seconds >= PROBE_TARGET_S:  # slow: extrapolate from here
             break
         bigger = _round(encoder, shape, knobs, budget * 2)
         if bigger <= budget:  # the worst case stops growing (InternVL: the batch-size cap)
@@ -193,25 +199,27 @@ def _probe(
     return probes
 
 
-def _target(encoder: Encoder, shape: StressShape, knobs: Knobs, probes: list[Measured]) -> int:
-    """The largest budget whose fitted worst case is within the target (2. in the module docstring)."""
-    finite = [p for p in probes if math.isfinite(p.bytes)]
-    # Quadratic on CPU too (memory_model.memory_fit_is_quadratic says why the reservation's own fit is not):
-    # these probes reach past half the target, so c is measured, not guessed from noise 1/128 of the way up;
-    # on a tiny tower the full stress grew 64 -> 256 -> 407 tokens by 15 -> 38 -> 91 MiB, which a line misses.
-    fit = memory_model.fit([(_shape(encoder, shape, p.budget), p.bytes) for p in finite], quadratic=True)
-    over = [p.budget for p in probes if p.bytes > knobs.target_bytes]
+def _target(encoder: Encoder, shape: StressShape, knobs: Knobs, runs: list[Measured]) -> int:
+    """The largest budget the runs say fits (2. in the module docstring): between the largest run within the
+    target and the next one over it, the line between them (the growth is convex, so its crossing is at or
+    below the real one); with none over it, the fit's, extrapolated at most EXTRAPOLATION times past
+    proportional; with none within it, the smallest image."""
+    target = knobs.target_bytes
+    over = [r for r in runs if r.bytes > target]
+    within = [r for r in runs if r.bytes <= target and (not over or r.budget < min(o.budget for o in over))]
+    if not within:
+        return knobs.min_image_tokens
+    low = max(within, key=lambda r: r.budget)
     if over:
-        cap = min(over) - 1
-    elif finite:
-        largest = max(finite, key=lambda p: p.budget)
-        cap = int(largest.budget * max(1.0, EXTRAPOLATION * knobs.target_bytes / max(largest.bytes, 1.0)))
-    else:
-        cap = knobs.min_image_tokens
+        high = min(over, key=lambda r: r.budget)
+        share = (target - low.bytes) / (high.bytes - low.bytes) if math.isfinite(high.bytes) else 0.0
+        return _round(encoder, shape, knobs, int(low.budget + share * (high.budget - low.budget)))
+    # Quadratic on CPU too (memory_model.memory_fit_is_quadratic says why the reservation's own fit is not):
+    # these runs reach past half the target, so c is measured, not guessed from noise 1/128 of the way up.
+    fit = memory_model.fit([(_shape(encoder, shape, r.budget), r.bytes) for r in runs], quadratic=True)
+    cap = int(low.budget * max(1.0, EXTRAPOLATION * target / max(low.bytes, 1.0)))
     cap = min(max(cap, knobs.min_image_tokens), MAX_BUDGET_TOKENS)
-    n = _largest_within(
-        fit, lambda b: _shape(encoder, shape, b), knobs.target_bytes, knobs.min_image_tokens, cap
-    )
+    n = _largest_within(fit, lambda b: _shape(encoder, shape, b), target, low.budget, cap)
     return _round(encoder, shape, knobs, n)
 
 
