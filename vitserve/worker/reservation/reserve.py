@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from vitserve.config import Config
@@ -29,7 +27,16 @@ def reserve_for_rank(
     the reservation's budget_tokens is the budget chosen for it."""
     if cfg.visual_reserved_mem_gb is not None:
         return stress.override(device, cfg.visual_reserved_mem_gb), None
-    key = _key(cfg, shape, encoder, device, rank)
+    key = cache.cache_key(
+        weights=encoder.weights_digest,
+        model_name=encoder.model_name,
+        family=encoder.family,
+        dtype=encoder.dtype,
+        device=device,
+        tp=cfg.tp,
+        rank=rank,
+        shape=shape,
+    )
     sized = cfg.budget_source == "visual_mem_gb"
     if sized:  # the budget is the result: the key is the target, with the search's bounds
         key["visual_mem_gb"] = cfg.visual_mem_gb
@@ -53,18 +60,3 @@ def reserve_for_rank(
     if cfg.visual_mem_gb is not None and not sized:  # both flags: the flag's budget must fit the target
         sizing.check_fits(sizing.Knobs.of(cfg, encoder, shape), res, shape.budget_tokens, device)
     return res, PeakWatch(device, res.baseline, res.bytes, path)
-
-
-def _key(
-    cfg: Config, shape: StressShape, encoder: Encoder, device: torch.device, rank: int
-) -> dict[str, Any]:
-    return cache.cache_key(
-        weights=encoder.weights_digest,
-        model_name=encoder.model_name,
-        family=encoder.family,
-        dtype=encoder.dtype,
-        device=device,
-        tp=cfg.tp,
-        rank=rank,
-        shape=shape,
-    )
