@@ -26,6 +26,9 @@ def _setup(path: str, runtime_dir: str, tp: int):
 
     from vitserve.config import GIB
     from vitserve.model import load_encoder
+    from vitserve.model.fast_alloc import tune_cpu_allocator
+
+    tune_cpu_allocator()  # as a rank's process does (vitserve/worker/process.py): its heap, its peaks
     from vitserve.worker.reservation import StressShape, sizing
 
     enc = load_encoder(path)
@@ -142,9 +145,8 @@ def _shrinks(rank: int, world: int, path: str, runtime_dir: str) -> tuple[list[i
 def test_a_validation_over_the_target_shrinks_the_budget_by_5_percent(tmp_path):
     path = str(make_checkpoint("qwen2_vl", tmp_path / "ckpt"))
     [(tries, budget, shrunk)] = run_ranks(_shrinks, 1, path, str(tmp_path / "rt"), timeout_s=300)
-    assert 2 <= len(tries) <= 4, tries  # the injected failure, then at most 3 shrinks in all
+    assert 2 <= len(tries) <= 5, tries  # the injected failure, at most 3 shrinks, then the largest probe's
     assert tries[1] == shrunk[0], f"2% over the target: 5% less ({shrunk[0]}), not {tries[1]}"
     assert 0.94 * tries[0] <= tries[1] <= 0.95 * tries[0]
-    for before, after in zip(shrunk, tries[1:], strict=False):
-        assert after <= before  # every retry at least 5% below the last
+    assert tries[1:4] == shrunk[: len(tries[1:4])]  # each shrink 5% below the last (rounded to a grid)
     assert budget == tries[-1]  # the budget that passed

@@ -14,8 +14,9 @@ memory target").
    device) does, extrapolated at most EXTRAPOLATION times past proportional. Rounded down to the worst case's
    own tokens (a whole grid of merged patches; whole tiles), never below the smallest image.
 3. Validate: the real full-budget stress at that budget, measured the same way. Over the target (or out of
-   memory on a GPU): SHRINK of it, or less where _target over every run so far says so, and again, at most
-   MAX_SHRINKS times; then MemoryTargetError, one line that names every knob.
+   memory on a GPU): SHRINK of it, and again, at most MAX_SHRINKS times; then, once, the largest probe's
+   budget that was within the target (_candidates); then MemoryTargetError, one line that names every knob. (Re-aiming from the failed runs instead was tried: on a tiny tower on a CPU the
+   heap's noise, 15-30 MiB between runs of neighbouring budgets, made it chase the noise.)
 
 Every decision is taken on values agreed over the TP group (stress.agree_max: the largest bytes, so every rank
 sizes for the hungriest one and all choose the same budget).
@@ -27,7 +28,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -109,11 +110,10 @@ def size_for_memory(
     cold start at that budget would: what earlier runs left behind (oneDNN's kernels for their shapes, the
     CUDA pool's free blocks, given back first) is not counted as the next run's activations."""
     probes = _probe(encoder, shape, knobs, new_meter, say)
-    budget = _target(encoder, shape, knobs, probes)
     tried: list[Measured] = []
-    for attempt in range(MAX_SHRINKS + 1):
+    for budget in _candidates(encoder, shape, knobs, probes, tried):
         say(
-            f"--visual_mem_gb {knobs.target_gb:g}: validating --visual_batch_max_tokens {budget} (try {attempt + 1})"
+            f"--visual_mem_gb {knobs.target_gb:g}: validating --visual_batch_max_tokens {budget} (try {len(tried) + 1})"
         )
         meter = new_meter()
         run = _stress(encoder, dataclasses.replace(shape, budget_tokens=budget), meter)
@@ -121,16 +121,27 @@ def size_for_memory(
         if run.bytes <= knobs.target_bytes:
             meter.report()
             return _reservation(encoder, shape, knobs, run, meter, len(probes))
-        # 5% less, or less still where the runs measured so far put the target lower (a miss of 40%: one
-        # tiny tower's heap grew by 0.074, 0.103 and 0.133 GiB at 512, 665 and 700 tokens)
-        smaller = min(
-            _round(encoder, shape, knobs, int(budget * SHRINK)),
-            _target(encoder, shape, knobs, [*probes, *tried]),
-        )
-        if smaller >= budget:  # already the smallest image: shrinking cannot help
-            break
-        budget = smaller
     raise MemoryTargetError(diagnostic(knobs, [*probes, *tried], "no budget fits it"))
+
+
+def _candidates(
+    encoder: Encoder, shape: StressShape, knobs: Knobs, probes: list[Measured], tried: list[Measured]
+) -> Iterator[int]:
+    """The budgets to validate, in order: the target, then SHRINK of the last, at most MAX_SHRINKS times
+    (never below the smallest image); then, once, the largest budget a probe already measured within the
+    target. That last one is for a growth with a step: on a CPU a tiny tower's stress read 74 MiB at 512
+    tokens and 101-115 MiB at 570-666, so the target between 512 and 1,024 and three 5% shrinks all missed."""
+    budget = _target(encoder, shape, knobs, probes)
+    yield budget
+    for _ in range(MAX_SHRINKS):
+        smaller = _round(encoder, shape, knobs, int(budget * SHRINK))
+        if smaller >= budget:  # already the smallest image: shrinking cannot help
+            return
+        budget = smaller
+        yield budget
+    fitted = [p.budget for p in probes if p.bytes <= knobs.target_bytes and p.budget < budget]
+    if fitted and not any(t.budget == max(fitted) for t in tried):
+        yield max(fitted)
 
 
 def fresh_meter(device: torch.device) -> Meter:
