@@ -3,7 +3,7 @@
     python bench/visual_mem_gb.py --model demo --visual_mem_gb 0.5
     python bench/visual_mem_gb.py --family qwen2_vl --visual_mem_gb 0.2   # a tiny checkpoint (tests/checkpoints.py)
 
-One process, the production encoder (load_encoder) on the CPU, fp32, one torch thread per core. The search is
+One process with a rank's allocator settings (fast_alloc), the production encoder (load_encoder) on the CPU, fp32. The search is
 vitserve/worker/reservation/sizing.py's size_for_memory, as a rank runs it. "Really fits" means the full-budget
 stress at that budget, measured as the search measures it (a fresh meter; the published bytes), is within the
 target. The largest such budget is found by bisection: up from the chosen budget, doubling while it fits,
@@ -51,6 +51,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
 
     from vitserve.config import GIB, Config
     from vitserve.model import load_encoder
+    from vitserve.model.fast_alloc import tune_cpu_allocator
+
+    tune_cpu_allocator()  # a rank's heap (vitserve/worker/process.py), so its peaks are a rank's
     from vitserve.processors import load_image_processor
     from vitserve.worker.reservation import StressShape, sizing
 

@@ -6,9 +6,9 @@ memory target").
 1. Probe: the full-budget stress (stress.run_full) at budgets doubling from the family's smallest image (at
    least MIN_PROBE_TOKENS), each measured as the reservation measures it: meter.py's published bytes (CPU: RSS
    growth x HEAP_FACTOR; CUDA: pool growth x POOL_FACTOR). Probing stops at the first probe above the target
-   (out of memory counts), at one that took PROBE_TARGET_S once MIN_PROBES are in, or at MAX_PROBES.
-   Extrapolating from probes below the target missed by far: a tiny tower's heap grew 38, 74, 103 MiB at 256,
-   512, 665 tokens, and a fit through the first three put a 0.1 GiB target at 778 tokens.
+   (out of memory counts), at one above CLOSE_ENOUGH of it or one that took PROBE_TARGET_S once MIN_PROBES are
+   in, or at MAX_PROBES. (Stopping at half the target after a few tiny probes missed by far: a tiny tower's heap
+   grew 38, 74, 103 MiB at 256, 512, 665 tokens, and a fit through the first three put 0.1 GiB at 778.)
 2. Target (_target): between the largest run within the target and the next one over it, where the line
    between them crosses the target; with no run over it, where memory_model.fit (its quadratic term on every
    device) does, extrapolated at most EXTRAPOLATION times past proportional. Rounded down to the worst case's
@@ -52,6 +52,10 @@ MAX_PROBES = 12  # 64 .. 131,072 tokens
 # target. Higher than memory_model.PROBE_TARGET_S: a tiny tower's probes take ~1 s on a loaded 2-core machine,
 # and extrapolating from them missed (1. above).
 PROBE_TARGET_S = 10.0
+# Stop doubling once a probe is above this share of the target. Probing past the target costs the longest run of
+# all and, on a CPU, leaves a heap after which every smaller run reads more (a tiny tower: 512 tokens read 81 MiB
+# as a probe and 105 MiB validated after a 2,048-token probe; 1,007 read over 0.2 GiB where 1,024 had read 0.174).
+CLOSE_ENOUGH = 0.6
 EXTRAPOLATION = 2.0  # the target is at most this times the budget proportional to the largest probe
 MAX_BUDGET_TOKENS = 1 << 20
 SHRINK = 0.95  # a failed validation tries this share of its budget next ...
@@ -201,7 +205,8 @@ def _probe(
         )
         if probe.bytes > knobs.target_bytes:  # bracketed: the target lies below this probe
             break
-        if len(probes) >= MIN_PROBES and probe.seconds >= PROBE_TARGET_S:  # slow: extrapolate from here
+        close = probe.bytes > knobs.target_bytes * CLOSE_ENOUGH
+        if len(probes) >= MIN_PROBES and (close or probe.seconds >= PROBE_TARGET_S):  # fit from here
             break
         bigger = _round(encoder, shape, knobs, budget * 2)
         if bigger <= budget:  # the worst case stops growing (InternVL: the batch-size cap)
