@@ -19,6 +19,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _FILL_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.85, 0.9, 0.95, 1.0)
+_BYTES_BUCKETS = (1024, 4096, 16384, 65536, 262144, 2**20, 2**22, 2**24, 2**26, 2**28)
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -122,6 +123,31 @@ class Metrics:
             ["phase"],
             buckets=_SECONDS_BUCKETS,
             registry=r,
+        )
+        self.upstream_body_bytes = Histogram(
+            p + "upstream_body_bytes",
+            "Bytes of each chat completion body sent to the LLM server",
+            buckets=_BYTES_BUCKETS,
+            registry=r,
+        )
+        # The encoder-cache hand-over (--llm_transport ec_storage): the files under --ec_storage_path.
+        self.ec_files = Gauge(p + "ec_files", "Encoder-cache files vitserve holds", registry=r)
+        self.ec_bytes = Gauge(p + "ec_bytes", "Bytes of the encoder-cache files vitserve holds", registry=r)
+        self.ec_writes_total = Counter(p + "ec_writes", "Encoder-cache files written", registry=r)
+        self.ec_reuses_total = Counter(
+            p + "ec_reuses",
+            "Encoder-cache files named again instead of written (their image not encoded)",
+            registry=r,
+        )
+        self.ec_evictions_total = Counter(
+            p + "ec_evictions",
+            "Encoder-cache files removed by reason: ttl (--ec_ttl_s), bytes (--ec_storage_gb), vanished "
+            "(removed by someone else)",
+            ["reason"],
+            registry=r,
+        )
+        self.ec_swept_dirs_total = Counter(
+            p + "ec_swept_dirs", "Empty directories vLLM's lookups left, removed", registry=r
         )
 
     def render(self) -> bytes:

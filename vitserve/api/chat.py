@@ -12,6 +12,7 @@ server's statuses and bodies pass through unchanged.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -20,22 +21,21 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from vitserve.api.body import ClientGone, read_body
 from vitserve.api.chat_parts import ChatParts, media_parts
+from vitserve.api.ec_chat import EcHandover, EcTicket
 from vitserve.api.embeds import EmbedsLayout, embeds_part, video_embeds_part
-from vitserve.api.encode import INLINE_BODY_BYTES, count_accepted, unless_gone
-from vitserve.api.inputs import VideoSource, check_count, fetch_sources
-from vitserve.api.pipeline import Preprocessor
+from vitserve.api.inputs import VideoSource, check_count
+from vitserve.api.media import INLINE_BODY_BYTES, Encoded, Media, MediaPipeline, unless_gone
 from vitserve.api.tracing import Tracing
 from vitserve.api.upstream import Upstream, relayed_headers
-from vitserve.api.videos import VideoFrontEnd
 from vitserve.config import Config
-from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo
-from vitserve.errors import InvalidRequest, LLMTimeout, Timeout, VitserveError, openai_error
-from vitserve.metrics import Metrics
+from vitserve.contract import ImageResult, PreparedImage
+from vitserve.errors import InvalidRequest, LLMTimeout, VitserveError, openai_error
 
 log = logging.getLogger(__name__)
 CHAT_ROUTE = "/v1/chat/completions"
@@ -48,22 +48,20 @@ class ChatHandler:
     def __init__(
         self,
         config: Config,
-        engine: Engine,
-        preprocessor: Preprocessor,
-        metrics: Metrics,
+        media: MediaPipeline,
         tracing: Tracing,
         upstream: Upstream,
         layout: EmbedsLayout,
-        videos: VideoFrontEnd | None = None,
+        ec: EcHandover | None = None,
     ):
         self.config = config
-        self.engine = engine
-        self.pre = preprocessor
-        self.metrics = metrics
+        self.media = media
+        self.pre = media.pre
+        self.metrics = media.metrics
         self.tracing = tracing
         self.upstream = upstream
         self.layout = layout
-        self.videos = videos  # None: this server takes no videos (--video_decoders 0)
+        self.ec = ec  # --llm_transport ec_storage (api/ec_chat.py); None: inline
 
     async def __call__(self, request: Request) -> Response:
         trace = self.tracing.start(request.headers.get("traceparent"))
@@ -86,16 +84,27 @@ class ChatHandler:
         body = await read_body(request, self.config.max_request_bytes)
         payload = await self._parsed(body)
         parts = media_parts(payload)
-        if parts:
-            self._check_videos_served(parts, param)
-            check_count(len(parts.images), self.config, len(parts.videos))
-            results, prepared, videos = await self._encode(request, parts, deadline, traceparent, param)
-            if results is None:
-                log.info("chat request: client disconnected while its images queued; withdrawn")
-                return Response(status_code=499)
-            await self.pre.run(self._rewrite, parts, prepared, videos, results, param)
-            body = await self.pre.run(_dumps, payload)
-        return await self._forward(request, body, payload.get("stream") is True, traceparent)
+        ticket = self.ec.ticket() if self.ec is not None and parts else None
+        streaming = False
+        try:
+            if parts:
+                self._check_videos_served(parts, param)
+                check_count(len(parts.images), self.config, len(parts.videos))
+                encoded = await self._encode(request, parts, deadline, traceparent, param, ticket)
+                if encoded is None:
+                    log.info("chat request: client disconnected while its images queued; withdrawn")
+                    return Response(status_code=499)
+                await self.pre.run(self._rewrite, parts, encoded, param, ticket)
+                if ticket is not None and self.ec is not None:
+                    self.ec.strip(payload)
+                    await self.pre.run(self.ec.check, ticket)  # just before: nothing upstream if one is gone
+                body = await self.pre.run(_dumps, payload)
+            response = await self._forward(request, body, payload.get("stream") is True, traceparent, ticket)
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if ticket is not None and not streaming:  # a stream releases its files once relayed
+                ticket.release()
 
     async def _parsed(self, body: bytes) -> Any:
         if len(body) <= INLINE_BODY_BYTES:
@@ -107,8 +116,7 @@ class ChatHandler:
         if not parts.videos:
             return
         param[0] = parts.videos[0].param
-        if self.videos is None:
-            raise InvalidRequest("this server takes no videos (--video_decoders 0)")
+        self.media.check_videos_served(len(parts.videos))
         self.layout.check_video_served()
         param[0] = None
 
@@ -119,68 +127,68 @@ class ChatHandler:
         deadline: float,
         traceparent: str,
         param: list[str | None],
-    ) -> tuple[list[ImageResult] | None, list[PreparedImage], list[PreparedVideo]]:
-        """Every image and video of the request, prepared together and handed to the engine as one request."""
-        try:
-            self.engine.admit(None)  # a full queue refuses before any decoding is spent
-            sources = [p.source for p in parts.videos if isinstance(p.source, VideoSource)]
-            blobs = await fetch_sources([p.source for p in parts.images], self.config, deadline)
-            video_blobs = await fetch_sources(sources, self.config, deadline)
-            prepared = await self.pre.prepare(blobs, deadline)
-            videos: list[PreparedVideo] = []
-            if sources and self.videos is not None:
-                videos = await self.videos.prepare_all(video_blobs, sources, deadline)
-            for index, video in enumerate(videos):  # before any encoding: a time vLLM would misplace
-                try:
-                    self.layout.check_video_time(video)
-                except VitserveError as err:
-                    raise err.with_video_index(index) from None
-            count_accepted(self.metrics, prepared)
+        ticket: EcTicket | None,
+    ) -> Encoded | None:
+        """Every image and video of the request, prepared together and handed to the engine as one request;
+        with ec_storage, an image whose file is still there is left out (its part is in the ticket)."""
+        media = Media(
+            f"chat-{uuid.uuid4()}",
+            [p.source for p in parts.images],
+            [p.source for p in parts.videos if isinstance(p.source, VideoSource)],
+            return_embeddings=True,
+            traceparent=traceparent,
+        )
+        try:  # a video's time vLLM would misplace is refused before any encoding
+            reuse = functools.partial(self.ec.image_hits, ticket) if self.ec and ticket else None
+            work = await self.media.prepare(media, deadline, self.layout.check_video_time, reuse)
         except VitserveError as err:
             if err.image_index is not None:
                 param[0] = parts.images[err.image_index].param
             elif err.video_index is not None:
                 param[0] = parts.videos[err.video_index].param
-            self.metrics.images_total.labels(outcome="rejected").inc(len(parts.images))
             raise
-        encode = EncodeRequest(
-            request_id=f"chat-{uuid.uuid4()}",
-            images=tuple(prepared),
-            deadline=deadline,
-            return_embeddings=True,
-            traceparent=traceparent,
-            videos=tuple(videos),
-        )
-        late = lambda: Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")  # noqa: E731
-        timeout_s = deadline - time.monotonic() + 5.0  # the engine enforces the deadline; this is a backstop
-        return await unless_gone(request, self.engine.encode(encode), timeout_s, late), prepared, videos
+        return await self.media.encode(request, work)
 
     def _rewrite(
-        self,
-        parts: ChatParts,
-        prepared: list[PreparedImage],
-        videos: list[PreparedVideo],
-        results: list[ImageResult],
-        param: list[str | None],
+        self, parts: ChatParts, encoded: Encoded, param: list[str | None], ticket: EcTicket | None
     ) -> None:
-        """Each image_url and video_url part becomes the LLM's embedding part, in place (CPU: .npy + base64,
-        on the pool). The engine's results are the images', then each video's groups in time order."""
-        for index, (part, image, result) in enumerate(
-            zip(parts.images, prepared, results[: len(prepared)], strict=True)
-        ):
+        """Each image_url and video_url part becomes the LLM's embedding part, in place (on the pool: .npy +
+        base64 inline, a file with ec_storage). An image the ticket already has a part for was not encoded."""
+        image_results, video_results = encoded.split()
+        done = ticket.hits if ticket is not None else [None] * len(parts.images)
+        fresh = iter(zip(encoded.images, image_results, strict=True))
+        for index, (part, new) in enumerate(zip(parts.images, done, strict=True)):
             param[0] = part.param
-            new = embeds_part(self.layout, image, result, index)
+            if new is None:
+                image, result = next(fresh)
+                new = self._image_part(image, result, index, ticket)
             part.part.clear()
             part.part.update(new)
-        groups = iter(results[len(prepared) :])
-        for index, (part, video) in enumerate(zip(parts.videos, videos, strict=True)):
+        for index, (part, video, results) in enumerate(
+            zip(parts.videos, encoded.videos, video_results, strict=True)
+        ):
             param[0] = part.param
-            new = video_embeds_part(self.layout, video, [next(groups) for _ in video.groups], index)
+            if ticket is not None and self.ec is not None:
+                new = self.ec.video_part(ticket, video, results, index)
+            else:
+                new = video_embeds_part(self.layout, video, results, index)
             part.part.clear()
             part.part.update(new)
         param[0] = None
 
-    async def _forward(self, request: Request, body: bytes, stream: bool, traceparent: str) -> Response:
+    def _image_part(
+        self, image: PreparedImage, result: ImageResult, index: int, ticket: EcTicket | None
+    ) -> dict[str, Any]:
+        if ticket is not None and self.ec is not None:
+            return self.ec.image_part(ticket, image, result, index)
+        return embeds_part(self.layout, image, result, index)
+
+    async def _forward(
+        self, request: Request, body: bytes, stream: bool, traceparent: str, ticket: EcTicket | None
+    ) -> Response:
+        """Send the request on; with ec_storage (a ticket), a non-consumer's refusal becomes vitserve's 502
+        and a stream releases the request's files once it ends."""
+        self.metrics.upstream_body_bytes.observe(len(body))
         deadline = time.monotonic() + self.config.llm_timeout_s
         extra = {k: request.headers[k] for k in _FORWARDED if k in request.headers}
         extra.update({"content-type": "application/json", "traceparent": traceparent})
@@ -189,23 +197,30 @@ class ChatHandler:
             "POST", CHAT_ROUTE, content=body, headers=headers
         )
         if not stream:
-            return await self._complete(request, upstream_request, deadline)
+            return await self._complete(request, upstream_request, deadline, ticket)
         response = await self.upstream.send(CHAT_ROUTE, upstream_request, deadline)
         if response.status_code != 200:  # an error before the stream began: its body, as it came
             content = await self.upstream.read(response, deadline)
+            if ticket is not None:
+                EcHandover.check_answer(response.status_code, content)
             return Response(content, response.status_code, relayed_headers(response.headers))
         return StreamingResponse(
-            self._relay(response, deadline),
+            self._relay(response, deadline, ticket),
             status_code=200,
             headers=relayed_headers(response.headers),
+            background=BackgroundTask(ticket.release) if ticket is not None else None,
         )
 
-    async def _complete(self, request: Request, upstream_request: httpx.Request, deadline: float) -> Response:
+    async def _complete(
+        self, request: Request, upstream_request: httpx.Request, deadline: float, ticket: EcTicket | None
+    ) -> Response:
         """One non-streamed completion, abandoned (the LLM server aborts it) if the client leaves first."""
 
         async def call() -> Response:
             response = await self.upstream.send(CHAT_ROUTE, upstream_request, deadline)
             content = await self.upstream.read(response, deadline)
+            if ticket is not None:
+                EcHandover.check_answer(response.status_code, content)
             return Response(content, response.status_code, relayed_headers(response.headers))
 
         late = lambda: LLMTimeout(  # noqa: E731
@@ -214,7 +229,9 @@ class ChatHandler:
         answer = await unless_gone(request, call(), deadline - time.monotonic() + 1.0, late)
         return answer if answer is not None else Response(status_code=499)
 
-    async def _relay(self, response: httpx.Response, deadline: float) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, response: httpx.Response, deadline: float, ticket: EcTicket | None
+    ) -> AsyncIterator[bytes]:
         """The event stream unchanged. A failure after the 200 went out can only be told in the stream: one
         `data: {"error": ...}` event, as vLLM itself reports errors mid-stream, then the end."""
         try:
@@ -223,6 +240,9 @@ class ChatHandler:
         except VitserveError as err:
             log.warning("chat stream from the LLM server ended early: %s", err.message)
             yield b"data: " + openai_error(err)[2] + b"\n\n"
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     def _client_auth(self, request: Request) -> str | None:
         """The client's Authorization goes upstream only when vitserve does not use it itself (--api_key)."""

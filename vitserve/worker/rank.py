@@ -12,6 +12,7 @@ engine's process (tests/fakes.py ThreadGroup): `serve()` returns the exit code, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -158,6 +159,8 @@ class RankWorker:
             index = self.args.local_index % torch.cuda.device_count()
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", index)
+        elif self.cfg.cuda_graphs:  # --device auto found no GPU: refuse now, not after the stress
+            raise ConfigError("--cuda_graphs needs a CUDA device and none is available; drop --cuda_graphs")
         else:
             self.device = torch.device("cpu")  # its share of the cores: run_worker
         # NCCL collectives need device tensors; gloo works on CPU tensors
@@ -223,6 +226,15 @@ class RankWorker:
             self.args.global_rank,
             self._say,
         )
+        if self.cfg.cuda_graphs:  # the graphs' pool joins the published bytes (worker/graphs.py)
+            from vitserve.worker.graphs import capture_for_serving
+
+            shape = dataclasses.replace(
+                self.args.stress_shape, budget_tokens=res.budget_tokens or self.cfg.budget_tokens
+            )
+            res = capture_for_serving(
+                self.encoder, shape, res, self.peak_watch
+            )  # at --visual_mem_gb's budget too
         self._say(f"publishing: {res.bytes / 2**20:.0f} MiB reserved ({res.method.value})")
         publish_reservation(
             self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source
