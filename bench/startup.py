@@ -2,6 +2,11 @@
 
     python bench/startup.py                    # one cold start (fresh runtime dir), then --warm warm starts
     python bench/startup.py --warm 3 --budget 8192
+    python bench/startup.py --visual_mem_gb 0.5   # --visual_mem_gb cold, then its budget given directly, cold
+
+With --visual_mem_gb: a cold start sizing the budget for it (fresh runtime dir), then a cold start with the
+budget it chose given as --visual_batch_max_tokens (another fresh runtime dir), then --warm warm starts of the
+first; the ratio of the two cold starts is issue 36's target (<= 2).
 
 Cold: a fresh --runtime_dir, so the rank measures its reservation (docs/engine.md, "Start-up"). Warm: the
 same runtime dir again, nothing changed, so the stored reservation is used and no stress runs. Each start
@@ -41,15 +46,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def one_start(runtime_dir: Path, budget: int, log_path: Path) -> dict:
-    """Launch the CLI, wait for /ready 200, stop it; seconds to ready and the phase lines with their times."""
+def one_start(runtime_dir: Path, budget_args: list[str], log_path: Path, model: str = "demo") -> dict:
+    """Launch the CLI, wait for /ready 200, stop it; seconds to ready, the budget it serves and the phase
+    lines with their times. budget_args: ["--visual_batch_max_tokens", N] or ["--visual_mem_gb", G]."""
     port = free_port()
     env = {**os.environ, "VITSERVE_RUNTIME_DIR": str(runtime_dir)}
-    args = ["--model", "demo", "--port", str(port), "--visual_batch_max_tokens", str(budget)]
+    args = ["--model", model, "--port", str(port), *budget_args]
     start = time.monotonic()
     server = Cli(args, env=env, log=log_path)
     try:
         ready_s = _wait_ready(f"http://127.0.0.1:{port}/ready", server.proc, start)
+        info = httpx.get(f"http://127.0.0.1:{port}/v1/info", timeout=10).json()
     finally:
         with contextlib.suppress(AssertionError):  # killed after 60 s
             server.terminate(60)
@@ -58,6 +65,8 @@ def one_start(runtime_dir: Path, budget: int, log_path: Path) -> dict:
     phases = [line for line in text.splitlines() if line.startswith("vitserve [group")]
     return {
         "ready_s": round(ready_s, 2),
+        "budget_tokens": info["budget_tokens"],
+        "budget_source": info["budget_source"],
         "loadavg": list(os.getloadavg()),
         "stress_skipped": any("stress: skipped" in line for line in phases),
         "phases": phases,
@@ -82,27 +91,65 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget", type=int, default=8192, help="--visual_batch_max_tokens (default 8192)")
     ap.add_argument("--warm", type=int, default=2, help="warm starts after the cold one")
+    ap.add_argument("--model", default="demo", help="--model (default demo)")
+    ap.add_argument("--visual_mem_gb", type=float, help="size the budget for this target (see above)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
     record.unwind_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     run = record.begin("startup", args)
-    with tempfile.TemporaryDirectory(prefix="vitserve-bench-rt-") as tmp:
-        runtime_dir = Path(tmp)
-        starts = []
-        for k in range(1 + args.warm):
-            kind = "cold" if k == 0 else "warm"
-            result = {"kind": kind, **one_start(runtime_dir, args.budget, args.out / f"startup-{k}.log")}
-            print(f"{kind}: ready in {result['ready_s']} s (load {result['loadavg'][0]:.2f})", flush=True)
-            starts.append(result)
-    report = {
-        "budget": args.budget,
-        "starts": starts,
-        "cold_s": starts[0]["ready_s"],
-        "warm_s": [s["ready_s"] for s in starts[1:]],
-    }
-    print(json.dumps({k: report[k] for k in ("cold_s", "warm_s")}))
+    if args.visual_mem_gb is not None:
+        report = _mem_starts(args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="vitserve-bench-rt-") as tmp:
+            budget = ["--visual_batch_max_tokens", str(args.budget)]
+            starts = _starts(Path(tmp), budget, args, ["cold"] + ["warm"] * args.warm, "startup")
+        report = {
+            "budget": args.budget,
+            "starts": starts,
+            "cold_s": starts[0]["ready_s"],
+            "warm_s": [s["ready_s"] for s in starts[1:]],
+        }
+        print(json.dumps({k: report[k] for k in ("cold_s", "warm_s")}))
     record.finish(run, report, args.out)
+
+
+def _starts(
+    runtime_dir: Path, budget: list[str], args: argparse.Namespace, kinds: list[str], tag: str
+) -> list:
+    starts = []
+    for k, kind in enumerate(kinds):
+        log = args.out / f"{tag}-{k}.log"
+        result = {"kind": kind, **one_start(runtime_dir, budget, log, args.model)}
+        print(
+            f"{tag} {kind}: ready in {result['ready_s']} s, budget {result['budget_tokens']} "
+            f"(load {result['loadavg'][0]:.2f})",
+            flush=True,
+        )
+        starts.append(result)
+    return starts
+
+
+def _mem_starts(args: argparse.Namespace) -> dict:
+    """--visual_mem_gb cold (and warm), then the budget it chose given directly, cold."""
+    with tempfile.TemporaryDirectory(prefix="vitserve-bench-rt-") as mem_dir:
+        mem = ["--visual_mem_gb", str(args.visual_mem_gb)]
+        sized = _starts(Path(mem_dir), mem, args, ["cold"], "startup-mem")
+        budget = ["--visual_batch_max_tokens", str(sized[0]["budget_tokens"])]
+        with tempfile.TemporaryDirectory(prefix="vitserve-bench-rt-") as flag_dir:
+            given = _starts(Path(flag_dir), budget, args, ["cold"], "startup-flag")
+        sized += _starts(Path(mem_dir), mem, args, ["warm"] * args.warm, "startup-mem-warm")
+    report = {
+        "visual_mem_gb": args.visual_mem_gb,
+        "budget": sized[0]["budget_tokens"],
+        "starts": sized + given,
+        "mem_cold_s": sized[0]["ready_s"],
+        "flag_cold_s": given[0]["ready_s"],
+        "mem_warm_s": [s["ready_s"] for s in sized[1:]],
+        "ratio": round(sized[0]["ready_s"] / given[0]["ready_s"], 2),
+    }
+    print(json.dumps({k: report[k] for k in ("budget", "mem_cold_s", "flag_cold_s", "mem_warm_s", "ratio")}))
+    return report
 
 
 if __name__ == "__main__":

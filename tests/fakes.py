@@ -9,6 +9,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -22,6 +23,7 @@ from vitserve.engine import Engine
 from vitserve.engine.groups import WorkerGroup
 from vitserve.worker import messages as m
 from vitserve.worker.rank import RankWorker, WorkerArgs
+from vitserve.worker.reservation.meter import Meter
 from vitserve.worker.reservation.worst_case import qwen_item
 
 # ------------------------------------------------------------------------------------------------------
@@ -281,3 +283,22 @@ def thread_engine(config, metrics, *, gate: threading.Event, encoder=None) -> En
         environ={},
         group_factory=functools.partial(ThreadGroup, gate=gate),
     )
+
+
+class InflatedMeter(Meter):
+    """A real meter (vitserve/worker/reservation/meter.py) that publishes at least `reads_at_least` bytes: a run
+    over --visual_mem_gb's target, injected where a real one cannot be forced (the tests of
+    vitserve/worker/reservation/sizing.py's shrink). Same interface; the run itself is real."""
+
+    def __init__(self, inner: Meter, reads_at_least: int):
+        self.inner, self.reads_at_least = inner, reads_at_least
+        self.baseline, self.factor = inner.baseline, inner.factor
+
+    def measure(self, run: Callable[[], None]) -> int:
+        return max(self.inner.measure(run), math.ceil(self.reads_at_least / self.factor))
+
+    def hold(self, nbytes: int) -> int:
+        return self.inner.hold(nbytes)
+
+    def report(self) -> None:
+        self.inner.report()

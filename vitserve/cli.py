@@ -8,6 +8,7 @@ the stop handlers, and the Service (or, on a node other than 0, its ranks only).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -76,7 +77,20 @@ def _build_service(config: Config, checkpoint: Checkpoint) -> Service:
         warmup_image=warmup_image(processor),
         stress_shape=_stress_shape(config, processor),
     )
-    return Service(config, engine, processor, metrics, sock=sock, banner=render_banner)
+    return Service(
+        config,
+        engine,
+        processor,
+        metrics,
+        sock=sock,
+        banner=render_banner,
+        processor_for=functools.partial(_processor_for, checkpoint),
+    )
+
+
+def _processor_for(checkpoint: Checkpoint, config: Config) -> VisionProcessor:
+    """The processor at a budget the ranks chose (--visual_mem_gb): Service._adopt_budget."""
+    return _load_processor(config, checkpoint)
 
 
 def _exit_now(signum: int, _frame: object) -> None:

@@ -54,6 +54,12 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"
     visual_reserved_mem_gb: float | None = None
+    # --visual_mem_gb (docs/engine.md, "A budget from a memory target"): each rank's worst case must fit in this
+    # many GiB. budget_source is no flag: "flag" when --visual_batch_max_tokens sets the budget (with
+    # --visual_mem_gb too, it is checked against it), "visual_mem_gb" when the ranks choose it; until they
+    # have, visual_batch_max_tokens is 0 and the engine and the service adopt their choice once it is known.
+    visual_mem_gb: float | None = None
+    budget_source: str = "flag"
     api_key: str | None = None
     allow_image_urls: bool = False
     allowed_url_domains: tuple[str, ...] = field(default_factory=tuple)

@@ -189,6 +189,9 @@ class EngineInfo:
     # everything besides an image's bytes that decides its embedding (the weights' content digest, budget,
     # resize, dtype, versions: the engine cache's fingerprint); "" until the ranks are ready
     fingerprint: str = ""
+    budget_tokens: int | None = (
+        None  # chosen by the ranks for --visual_mem_gb; None: the flag's budget stands
+    )
 
 
 @dataclass(frozen=True)

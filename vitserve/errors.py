@@ -174,3 +174,8 @@ def openai_error(err: VitserveError, param: str | None = None) -> tuple[int, dic
 
 class ConfigError(Exception):
     """A start-up setting that cannot work; the message names the flag to change."""
+
+
+class MemoryTargetError(ConfigError):
+    """--visual_mem_gb cannot be met (no budget fits it, or --visual_batch_max_tokens's does not): exit 2 with
+    the one diagnostic line a rank raised, which names every knob (docs/engine.md)."""

@@ -119,6 +119,13 @@ FLAGS: dict[str, Flag] = {
         "CUDA, bf16/fp16, --tp 1, Qwen towers: replay the tower's forward from CUDA graphs captured per token "
         "bucket at start-up (their pool is added to the reservation); not yet measured on a GPU",
     ),
+    # --visual_mem_gb (issue 36): its own block, so other flags' additions merge cleanly
+    "visual_mem_gb": Flag(
+        _optional(float),
+        "budget and limits",
+        "choose the largest budget whose worst case fits this many GiB per rank (beside the weights)",
+        "none (the budget is --visual_batch_max_tokens)",
+    ),
     "max_queue_tokens": Flag(
         _optional(parse_int), "budget and limits", "queued tokens above which requests get 503", "4 x budget"
     ),
@@ -306,9 +313,17 @@ def build_config(argv: list[str] | None, environ: Mapping[str, str]) -> Config:
             values[flag] = _convert(flag, environ[env_name(flag)], env_name(flag))
     for flag, value in preflight.torchrun_values(environ).items():
         values.setdefault(flag, value)
-    config = Config(**values)
+    config = Config(**values, **_budget_source(values))
     validate(config)
     return config
+
+
+def _budget_source(values: Mapping[str, Any]) -> dict[str, Any]:
+    """--visual_mem_gb without --visual_batch_max_tokens: the ranks choose the budget (0 until they have);
+    with it, the flag's budget stands and is checked against the target (docs/engine.md)."""
+    if values.get("visual_mem_gb") is None or "visual_batch_max_tokens" in values:
+        return {}
+    return {"visual_batch_max_tokens": 0, "budget_source": "visual_mem_gb"}
 
 
 def _positive(config: Config, *flags: str, allow_zero: bool = False) -> None:
@@ -349,6 +364,7 @@ def validate(config: Config) -> None:
         "node_rank",
         allow_zero=True,
     )
+    _check_visual_mem_gb(config)
     if not 0 <= config.video_decoders <= MAX_VIDEO_DECODERS:
         raise ConfigError(
             f"--video_decoders must be 0..{MAX_VIDEO_DECODERS} (0: no videos), got {config.video_decoders}"
@@ -373,6 +389,18 @@ def validate(config: Config) -> None:
     if config.otlp_endpoint is not None and not re.match(r"^https?://[^/]+", config.otlp_endpoint):
         raise ConfigError(
             f"--otlp_endpoint {config.otlp_endpoint!r} must be an http(s) URL, e.g. http://127.0.0.1:4318"
+        )
+
+
+def _check_visual_mem_gb(config: Config) -> None:
+    if config.visual_mem_gb is None:
+        return
+    if config.visual_mem_gb <= 0:
+        raise ConfigError(f"--visual_mem_gb must be > 0, got {config.visual_mem_gb}")
+    if config.visual_reserved_mem_gb is not None:
+        raise ConfigError(
+            "--visual_mem_gb sizes the budget by measuring it and --visual_reserved_mem_gb skips the "
+            "measurement; set one of them"
         )
 
 

@@ -21,7 +21,7 @@ from vitserve.processors.base import VisionProcessor
 # The banner's lines: a label and the info keys it shows, in order.
 BANNER_LINES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("model", "family", "embed_dim", "dtype", "device")),
-    ("budget", ("budget_tokens", "max_batch_images", "max_video_tokens")),
+    ("budget", ("budget_tokens", "budget_source", "visual_mem_gb", "max_batch_images", "max_video_tokens")),
     ("processor clamp", ("processor_clamp",)),
     ("layout", ("tp", "dp", "nnodes")),
     (
@@ -64,6 +64,8 @@ def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dic
         "dtype": info.dtype,
         "device": resolved_device(config.device),
         "budget_tokens": config.budget_tokens,
+        "budget_source": config.budget_source,  # flag, or visual_mem_gb: chosen by the ranks to fit it
+        "visual_mem_gb": config.visual_mem_gb,  # None: no memory target
         "max_batch_images": config.max_batch_images,
         "max_video_tokens": config.max_video_tokens,  # what one video may cost in all; 0: no cap
         "processor_clamp": processor.clamp_info(),

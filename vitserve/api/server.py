@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
@@ -27,13 +28,14 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 from PIL import Image
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vitserve.api.app import close_app, create_app
 from vitserve.api.edge import ServerState
 from vitserve.api.listen import bind_socket
 from vitserve.config import Config
 from vitserve.contract import Engine, ProcessedImage
+from vitserve.errors import MemoryTargetError
 from vitserve.metrics import Metrics
 from vitserve.processors.base import VisionProcessor
 
@@ -71,6 +73,17 @@ def warmup_image(processor: VisionProcessor) -> ProcessedImage:
     return processor.preprocess(Image.linear_gradient("L").resize((64, 64)).convert("RGB"))
 
 
+class _AppSwitch:
+    """The ASGI app uvicorn serves: the Service's current app, which --visual_mem_gb replaces once, when the
+    ranks have chosen the budget and before any request is admitted (Service._adopt_budget)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
 class Service:
     """One vitserve process: HTTP front door + engine. `run()` returns the process exit code."""
 
@@ -83,13 +96,18 @@ class Service:
         *,
         sock: socket.socket | None = None,
         banner: Callable[[Service], str] | None = None,
+        processor_for: Callable[[Config], VisionProcessor] | None = None,
     ):
+        """processor_for: the image processor for a config (the CLI's); --visual_mem_gb alone rebuilds the
+        processor and the app with it once the ranks have chosen the budget."""
         self.config = config
         self.engine = engine
         self.processor = processor
         self.metrics = metrics
         self.state = ServerState()
         self.app = create_app(config, engine, processor, metrics, state=self.state)
+        self._switch = _AppSwitch(self.app)
+        self._processor_for = processor_for
         self.sock = sock or bind_socket(config.host, config.port)
         self.port: int = self.sock.getsockname()[1]  # the real one when --port 0
         self.banner = banner
@@ -108,7 +126,7 @@ class Service:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self._install_signals()
-        server = http_server(self.app, self.config.log_level)
+        server = http_server(self._switch, self.config.log_level)
         serving = asyncio.create_task(server.serve(sockets=[self.sock]))
         code = await self._start_engine()
         if code is not None:
@@ -116,14 +134,30 @@ class Service:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await serving
             return code
+        await self._adopt_budget()
         if self.banner is not None:  # printed whatever --log_level says: it is the record of every guard
             print(self.banner(self), file=sys.stderr, flush=True)
         self.started.set()
         return await self._serve_until_stopped(server, serving)
 
+    async def _adopt_budget(self) -> None:
+        """--visual_mem_gb alone: the budget the ranks chose becomes the processor's clamp and every budget
+        the API applies, exactly as if --visual_batch_max_tokens had given it (docs/engine.md)."""
+        chosen = self.engine.info().budget_tokens
+        if chosen is None or chosen == self.config.budget_tokens:
+            return
+        if self._processor_for is None:
+            raise RuntimeError("--visual_mem_gb chose a budget, but the Service has no processor_for")
+        old = self.app
+        self.config = dataclasses.replace(self.config, visual_batch_max_tokens=chosen)
+        self.processor = self._processor_for(self.config)
+        self.app = create_app(self.config, self.engine, self.processor, self.metrics, state=self.state)
+        self._switch.app = self.app
+        await close_app(old)
+
     async def _start_engine(self) -> int | None:
         """Start the engine unless a stop request comes first. None once it is ready, else the exit code:
-        1 when start-up failed, 128 + the signal number when a signal stopped it (0 for request_stop)."""
+        1 when start-up failed, 2 when --visual_mem_gb cannot be met, 128 + the signal number when a signal stopped it (0 for request_stop)."""
         assert self._stop is not None
         starting = asyncio.create_task(self.engine.start(), name="vitserve-engine-start")
         stop = asyncio.create_task(self._stop.wait())
@@ -140,6 +174,10 @@ class Service:
             return 128 + self._signum if self._signum is not None else 0
         try:
             starting.result()
+        except MemoryTargetError as exc:  # a setting that can never work: one line, exit 2 (docs/api.md)
+            print(f"vitserve: start-up failed: {exc}", file=sys.stderr, flush=True)
+            await close_app(self.app)
+            return 2
         except Exception as exc:  # start-up failed: the engine's message names the knob
             log.error("start-up failed: %s", exc)
             await close_app(self.app)

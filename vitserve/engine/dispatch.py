@@ -45,6 +45,12 @@ class Dispatcher:
         self.tokens_per_s = 0.0  # EWMA of encode throughput, for Retry-After
         self._batch_ids = 0
 
+    def adopt_budget(self, config: Config) -> None:
+        """The budget the ranks chose for --visual_mem_gb, before any work is queued (Engine.start)."""
+        assert not self.queued, "the budget changes only before the first request"
+        self.config = config
+        self.scheduler = Scheduler(config.budget_tokens, config.max_batch_images)
+
     # ------------------------------------------------------------------------------------ queue
 
     def add(self, jobs: list[Job]) -> None:
@@ -229,6 +235,8 @@ class Dispatcher:
         wait a beat so the error names the root cause first, then fail the group."""
         where = f"batch {msg.batch_id}" if msg.batch_id >= 0 else msg.stage
         group.errors.append(f"rank {msg.rank} of group {group.index} failed ({where}): {msg.message}")
+        if msg.setting and group.setting_error is None:
+            group.setting_error = msg.message
         if len(group.errors) == 1:
             asyncio.get_running_loop().call_later(ERROR_GRACE_S, self.fail_group, group, None)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -46,7 +47,7 @@ from vitserve.engine.groups import TERM_GRACE_S, GroupState, Watchdog, WorkerGro
 from vitserve.engine.jobs import Claim, Job, JobTable
 from vitserve.engine.local_cache import make_cache
 from vitserve.engine.push import LLMPush
-from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull
+from vitserve.errors import ConfigError, EncoderFailed, MemoryTargetError, NotReady, QueueFull
 from vitserve.metrics import Metrics
 from vitserve.model.base import Encoder
 from vitserve.reservation_file import remove_killed
@@ -145,6 +146,7 @@ class Engine:
         except BaseException:
             await self._teardown()
             raise
+        self._adopt_budget()
         info = self.info()
         if self._push is not None:
             self._push.model = info.model  # known once the ranks loaded it
@@ -155,6 +157,16 @@ class Engine:
 
             self._shared = await open_shared_cache(self.config, self.metrics)
         self._started = True
+
+    def _adopt_budget(self) -> None:
+        """--visual_mem_gb alone: the budget the ranks chose (the smallest over the DP groups, each of which
+        agreed on one over its TP ranks) becomes the scheduler's, as if --visual_batch_max_tokens gave it."""
+        if self.config.budget_source != "visual_mem_gb":
+            return
+        chosen = min(msg.budget_tokens for g in self._dispatch.groups for msg in g.ready.values())
+        self.config = dataclasses.replace(self.config, visual_batch_max_tokens=chosen)
+        self._dispatch.adopt_budget(self.config)
+        log.info("--visual_mem_gb %g: the budget is %d tokens", self.config.visual_mem_gb, chosen)
 
     def _open_sockets(self) -> None:
         self._zmq = zmq.asyncio.Context()
@@ -174,6 +186,9 @@ class Engine:
         groups = self._dispatch.groups
         while not all(g.state is GroupState.READY for g in groups):
             failed = [g for g in groups if g.state is GroupState.FAILED]
+            setting = next((g.setting_error for g in groups if g.setting_error), None)
+            if setting is not None:  # --visual_mem_gb cannot be met: the rank's one line, exit 2
+                raise MemoryTargetError(setting)
             if failed:
                 raise ConfigError(
                     f"encoder start-up failed: {failed[0].failure}{_startup_hint(failed[0].failure)}"
@@ -273,6 +288,7 @@ class Engine:
             reserved_memory_bytes={rank: msg.reserved_bytes for rank, msg in readies},
             reserved_source=first.reserved_source,
             fingerprint=self._jobs.fingerprint,
+            budget_tokens=self.config.budget_tokens if self.config.budget_source == "visual_mem_gb" else None,
         )
 
     # -------------------------------------------------------------------- views for the CLI and tests
@@ -379,9 +395,6 @@ class Engine:
 
 
 def _startup_hint(failure: str | None) -> str:
-    if failure and "out of memory" in failure.lower():
-        return (
-            "; the worst-case reservation did not fit: lower --visual_batch_max_tokens, raise --tp, "
-            "or set --visual_reserved_mem_gb"
-        )
-    return ""
+    if not (failure and "out of memory" in failure.lower()):
+        return ""
+    return "; the worst-case reservation did not fit: lower --visual_batch_max_tokens, raise --tp, or set --visual_mem_gb"

@@ -97,6 +97,7 @@ class WorkerGroup:
         self.state = GroupState.STARTING
         self.failure: str | None = None  # why the group failed, for readiness() and errors
         self.errors: list[str] = []  # ERROR reports from its ranks, in arrival order
+        self.setting_error: str | None = None  # a rank's MemoryTargetError: a setting that can never work
         self.ready: dict[int, m.ReadyMsg] = {}  # rank -> its READY
         self.last_seen: list[float] = [time.monotonic()] * config.tp  # rank -> last ALIVE/READY/RESULT
         self.batch: Batch | None = None  # in flight; None when idle

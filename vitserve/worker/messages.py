@@ -67,6 +67,9 @@ class ReadyMsg:
     reserved_bytes: int  # activation memory reserved by the start-up stress (or the override)
     reserved_source: Literal["stress", "override"]  # worker/reservation Reservation.source
     weights_digest: str  # the content digest of the weights it loaded (checkpoint.WeightsDigest)
+    budget_tokens: int = (
+        0  # the budget it reserved for: --visual_batch_max_tokens, or chosen for --visual_mem_gb
+    )
     kind: Kind = Kind.READY
 
     def __post_init__(self) -> None:
@@ -99,6 +102,7 @@ class ErrorMsg:
     stage: str  # "startup" | "forward"
     message: str  # the exception, as text (never a pickled exception)
     batch_id: int = -1  # the batch that failed, -1 outside a forward
+    setting: bool = False  # a setting that can never work (errors.MemoryTargetError): the CLI exits 2
     kind: Kind = Kind.ERROR
 
 

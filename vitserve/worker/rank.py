@@ -12,6 +12,7 @@ engine's process (tests/fakes.py ThreadGroup): `serve()` returns the exit code, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -28,7 +29,7 @@ import zmq
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.contract import EncodedImage, ProcessedImage
-from vitserve.errors import ConfigError
+from vitserve.errors import ConfigError, MemoryTargetError
 from vitserve.model.base import Encoder
 from vitserve.reservation_file import publish_reservation, remove_reservation
 from vitserve.rpc.tensors import dtype_name
@@ -208,9 +209,7 @@ class RankWorker:
 
             apply_tp(enc.visual, enc.family)
         visual = getattr(enc, "visual", None)
-        if isinstance(
-            visual, torch.nn.Module
-        ):  # weights final: oneDNN's layout, before the reservation's baseline
+        if isinstance(visual, torch.nn.Module):  # weights final: oneDNN's layout, before the baseline
             from vitserve.model.fast_linear import pack_linear_weights
 
             pack_linear_weights(visual)
@@ -230,7 +229,12 @@ class RankWorker:
         if self.cfg.cuda_graphs:  # the graphs' pool joins the published bytes (worker/graphs.py)
             from vitserve.worker.graphs import capture_for_serving
 
-            res = capture_for_serving(self.encoder, self.args.stress_shape, res, self.peak_watch)
+            shape = dataclasses.replace(
+                self.args.stress_shape, budget_tokens=res.budget_tokens or self.cfg.budget_tokens
+            )
+            res = capture_for_serving(
+                self.encoder, shape, res, self.peak_watch
+            )  # at --visual_mem_gb's budget too
         self._say(f"publishing: {res.bytes / 2**20:.0f} MiB reserved ({res.method.value})")
         publish_reservation(
             self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source
@@ -269,6 +273,7 @@ class RankWorker:
                     reserved_bytes=res.bytes,
                     reserved_source=res.source,
                     weights_digest=enc.weights_digest,
+                    budget_tokens=res.budget_tokens or self.cfg.budget_tokens,  # --visual_mem_gb's choice
                 )
             )
         )
@@ -363,8 +368,11 @@ class RankWorker:
     # ------------------------------------------------------------------------------------ exit paths
 
     def report_error(self, stage: str, exc: BaseException, batch_id: int = -1, *, trace: bool = True) -> None:
-        """Log and send the error; trace=False for an expected end (a peer's node went away): one line."""
-        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        """Log and send the error; trace=False for an expected end (a peer's node went away): one line. A
+        setting that can never work (MemoryTargetError) is its own one line, for the CLI's exit 2."""
+        setting = isinstance(exc, MemoryTargetError)
+        trace = trace and not setting
+        text = str(exc) if setting else "".join(traceback.format_exception_only(type(exc), exc)).strip()
         log.error("rank failed during %s: %s%s", stage, text, "\n" + traceback.format_exc() if trace else "")
         with contextlib.suppress(zmq.ZMQError):
             self.status.send_multipart(
@@ -375,6 +383,7 @@ class RankWorker:
                         stage=stage,
                         message=text,
                         batch_id=batch_id,
+                        setting=setting,
                     )
                 )
             )

@@ -24,6 +24,7 @@ class Reservation:
     images: int = 0  # images in the worst-case batch
     detail: str = ""  # which shapes were measured, for the log
     baseline: int = 0  # what the bytes count from: CPU RSS / CUDA pool before the stress (PeakWatch)
+    budget_tokens: int = 0  # --visual_mem_gb: the budget chosen (sizing.py); 0: the flag's budget
 
     @property
     def source(self) -> Literal["stress", "override"]:
@@ -38,6 +39,7 @@ class Reservation:
             "tokens": self.tokens,
             "images": self.images,
             "detail": self.detail,
+            "budget_tokens": self.budget_tokens,
         }
 
     @classmethod
@@ -46,4 +48,7 @@ class Reservation:
         fields = {k: body[k] for k in ("bytes", "tokens", "images", "detail")}
         if not all(isinstance(fields[k], int) for k in ("bytes", "tokens", "images")):
             raise TypeError(f"not a stored reservation: {body!r}")
-        return cls(method=Method(body["method"]), **fields)
+        budget = body.get("budget_tokens", 0)
+        if not isinstance(budget, int):
+            raise TypeError(f"not a stored reservation: {body!r}")
+        return cls(method=Method(body["method"]), budget_tokens=budget, **fields)

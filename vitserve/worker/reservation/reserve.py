@@ -1,4 +1,5 @@
-"""A rank's reservation: the override, else the stored one when nothing changed, else the stress."""
+"""A rank's reservation: the override, else the stored one when nothing changed, else the stress; with
+--visual_mem_gb, the budget sized to it (sizing.py), or the flag's budget checked against it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 
 from vitserve.config import Config
 from vitserve.model.base import Encoder
-from vitserve.worker.reservation import cache, stress
+from vitserve.worker.reservation import cache, sizing, stress
 from vitserve.worker.reservation.cache import PeakWatch
 from vitserve.worker.reservation.record import Reservation
 from vitserve.worker.reservation.shape import StressShape
@@ -22,7 +23,8 @@ def reserve_for_rank(
     say: stress.Progress,
 ) -> tuple[Reservation, PeakWatch | None]:
     """The override, else the reservation stored under an equal key, else the stress (then stored). Also
-    the PeakWatch the rank loop runs after every batch (None for an override)."""
+    the PeakWatch the rank loop runs after every batch (None for an override). With --visual_mem_gb alone
+    the reservation's budget_tokens is the budget chosen for it."""
     if cfg.visual_reserved_mem_gb is not None:
         return stress.override(device, cfg.visual_reserved_mem_gb), None
     key = cache.cache_key(
@@ -35,6 +37,9 @@ def reserve_for_rank(
         rank=rank,
         shape=shape,
     )
+    sized = cfg.budget_source == "visual_mem_gb"
+    if sized:  # the budget is the result: the key is the target, with the search's bounds
+        key["visual_mem_gb"] = cfg.visual_mem_gb
     path = cache.cache_path(cfg.runtime_dir, device.type, global_rank)
     stored = cache.load(path, key)
     if stress.agree_max(float(stored is None), device) > 0:  # a TP group skips the stress only all together
@@ -42,8 +47,16 @@ def reserve_for_rank(
     if stored is not None:
         say(f"stress: skipped, the reservation stored in {path} matches this setup")
         res = stress.adopt(encoder, stored, str(path))
+    elif sized:
+        assert cfg.visual_mem_gb is not None
+        say(f"stress: sizing the budget for --visual_mem_gb {cfg.visual_mem_gb:g}")
+        knobs = sizing.Knobs.of(cfg, encoder, shape)
+        res = sizing.size_for_memory(encoder, shape, knobs, lambda: sizing.fresh_meter(device), say)
+        cache.store(path, key, res)
     else:
         say(f"stress: measuring the worst case at --visual_batch_max_tokens {shape.budget_tokens}")
         res = stress.measure(encoder, shape, progress=say)
         cache.store(path, key, res)
+    if cfg.visual_mem_gb is not None and not sized:  # both flags: the flag's budget must fit the target
+        sizing.check_fits(sizing.Knobs.of(cfg, encoder, shape), res, shape.budget_tokens, device)
     return res, PeakWatch(device, res.baseline, res.bytes, path)

@@ -24,6 +24,7 @@ class StressShape:
     max_batch_images: int  # --visual_infer_batch_size
     max_tiles_per_image: int | None = None  # InternVL: the processor's max_patches + the thumbnail
     max_image_tokens: int | None = None  # the processor's largest image in tokens; bounds budget 0
+    min_image_tokens: int | None = None  # the family's smallest image (one tile): --visual_mem_gb's floor
 
     @classmethod
     def of(cls, config: Config, clamp: Mapping[str, Any] | None = None) -> StressShape:
@@ -36,11 +37,18 @@ class StressShape:
         if FAMILIES[clamp["family"]].layout == "tiles":
             patches = int(clamp["max_patches"])
             tiles = patches + (1 if patches > 1 else 0)  # the thumbnail, when an image is split
+            per_tile = int(clamp["tokens_per_tile"])
             return dataclasses.replace(
-                shape, max_tiles_per_image=tiles, max_image_tokens=tiles * int(clamp["tokens_per_tile"])
+                shape,
+                max_tiles_per_image=tiles,
+                max_image_tokens=tiles * per_tile,
+                min_image_tokens=per_tile,
             )
         factor = int(clamp["patch_size"]) * int(clamp["merge_size"])
-        return dataclasses.replace(shape, max_image_tokens=int(clamp["max_pixels"]) // factor**2)
+        smallest = int(clamp.get("min_tokens") or 0) or None
+        return dataclasses.replace(
+            shape, max_image_tokens=int(clamp["max_pixels"]) // factor**2, min_image_tokens=smallest
+        )
 
     def bounds(self) -> dict[str, int | None]:
         """The processor's limits, as worst_case.py's keyword arguments."""
