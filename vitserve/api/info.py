@@ -72,6 +72,7 @@ def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dic
         "reserved_memory_bytes": {str(k): v for k, v in info.reserved_memory_bytes.items()},
         "reserved_source": info.reserved_source,
         "visual_reserved_mem_gb": config.visual_reserved_mem_gb,  # None: measured at start-up
+        "cuda_graphs": config.cuda_graphs,  # graphs per token bucket; their pool is in the reservation
         "runtime_dir": config.runtime_dir,  # where reserved_mem_<device>_<rank>.json is, for the LLM server
         "limits": {
             "max_queue_tokens": config.queue_token_limit,
