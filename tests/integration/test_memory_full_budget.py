@@ -23,7 +23,7 @@ import pytest
 from tests.checkpoints import VISION_CONFIGS, make_checkpoint
 from tests.integration.engine_helpers import deadline, encode, make_config, running_engine
 from vitserve.contract import ProcessedImage
-from vitserve.reservation_file import read_reservation
+from vitserve.worker.reservation.published import read_reservation
 from vitserve.worker.reservation.worst_case import qwen_item
 
 BUDGET = 1024  # merged tokens per batch

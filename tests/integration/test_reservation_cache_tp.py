@@ -18,7 +18,7 @@ def _twice(rank: int, world: int, path: str, runtime_dir: str) -> list[tuple[boo
     from vitserve.model import load_encoder
     from vitserve.model.tp import apply_tp
     from vitserve.worker.reservation import Method, StressShape, reserve_for_rank
-    from vitserve.worker.reservation.cache import cache_path
+    from vitserve.worker.reservation.stored import cache_path
 
     enc = load_encoder(path)
     apply_tp(enc.visual, enc.family)

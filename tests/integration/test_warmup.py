@@ -18,7 +18,7 @@ from vitserve.contract import EncodedImage, Readiness
 from vitserve.engine import Engine
 from vitserve.errors import ConfigError
 from vitserve.metrics import Metrics
-from vitserve.reservation_file import publish_reservation
+from vitserve.worker.reservation.published import publish_reservation
 
 pytestmark = pytest.mark.timeout(240)
 WARMUP = fake_item(2, 2, seed=9)

@@ -14,7 +14,9 @@ from vitserve.config import GIB
 from vitserve.errors import ConfigError
 from vitserve.families import DISABLED_BUDGET_TOKENS
 from vitserve.model import load_encoder
-from vitserve.reservation_file import (
+from vitserve.worker.reservation import Method, StressShape
+from vitserve.worker.reservation.meter import POOL_FACTOR
+from vitserve.worker.reservation.published import (
     publish_reservation,
     read_reservation,
     remove_killed,
@@ -22,8 +24,6 @@ from vitserve.reservation_file import (
     reservation_path,
     write_json_atomic,
 )
-from vitserve.worker.reservation import Method, StressShape
-from vitserve.worker.reservation.meter import POOL_FACTOR
 from vitserve.worker.reservation.stress import measure, override
 from vitserve.worker.reservation.worst_case import near_square_grid, worst_case_items
 

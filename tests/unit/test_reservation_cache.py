@@ -1,4 +1,4 @@
-"""The reservation cache (vitserve/worker/reservation/cache.py): its key, the stored file, and the live peak
+"""The stored reservation (vitserve/worker/reservation/stored.py, meter.PeakWatch): its key, the stored file, and the live peak
 check that invalidates it. The CLI round trip (a warm start skips the stress) is
 tests/e2e/test_startup_cache.py."""
 
@@ -11,7 +11,8 @@ import mmap
 import pytest
 import torch
 
-from vitserve.worker.reservation import Method, Reservation, StressShape, cache
+from vitserve.worker.reservation import Method, PeakWatch, Reservation, StressShape
+from vitserve.worker.reservation import stored as cache
 from vitserve.worker.reservation.meter import proc_status_kib
 
 CPU = torch.device("cpu")
@@ -92,10 +93,10 @@ def test_a_live_peak_above_the_reservation_warns_once_and_drops_the_entry(tmp_pa
     # its xdist worker), collected between the two reads, would shrink the RSS under the 64 MiB ballast
     gc.collect()
     rss = proc_status_kib("VmRSS") * 1024
-    within = cache.PeakWatch(CPU, baseline=rss, published=1 << 40, cache_file=path)
+    within = PeakWatch(CPU, baseline=rss, published=1 << 40, cache_file=path)
     within.check()
     assert path.exists()
-    above = cache.PeakWatch(CPU, baseline=rss, published=0, cache_file=path)
+    above = PeakWatch(CPU, baseline=rss, published=0, cache_file=path)
     with caplog.at_level(logging.WARNING, logger=cache.__name__), mmap.mmap(-1, 64 << 20) as ballast:
         # 64 MiB of new pages, touched: VmHWM grows past the baseline. Not a tensor: with glibc's mmap threshold
         # pinned by an earlier test in this process (vitserve.model.fast_alloc), it could reuse heap pages that

@@ -50,11 +50,11 @@ from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, MemoryTargetError, NotReady, QueueFull
 from vitserve.metrics import Metrics
 from vitserve.model.base import Encoder
-from vitserve.reservation_file import remove_killed
 from vitserve.worker import rendezvous
 from vitserve.worker.rank import load_configured_encoder, startup_timeout_s
 from vitserve.worker.rendezvous import Rendezvous
 from vitserve.worker.reservation import StressShape
+from vitserve.worker.reservation.published import remove_killed
 
 if TYPE_CHECKING:
     from vitserve.engine.shared_cache import SharedCache

@@ -29,11 +29,11 @@ import zmq
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.engine.groups import TERM_GRACE_S, WorkerGroup
-from vitserve.reservation_file import remove_killed
 from vitserve.worker import messages as m
 from vitserve.worker import rendezvous
 from vitserve.worker.rank import load_configured_encoder
 from vitserve.worker.reservation import StressShape
+from vitserve.worker.reservation.published import remove_killed
 
 log = logging.getLogger(__name__)
 POLL_MS = 250  # how often the ranks' processes are checked while no report comes

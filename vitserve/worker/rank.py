@@ -31,13 +31,13 @@ from vitserve.config import Config
 from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.errors import ConfigError, MemoryTargetError
 from vitserve.model.base import Encoder
-from vitserve.reservation_file import publish_reservation, remove_reservation
 from vitserve.rpc.tensors import dtype_name
 from vitserve.worker import broadcast
 from vitserve.worker import messages as m
 from vitserve.worker.liveness import LivenessThread, LoopCounters
 from vitserve.worker.rendezvous import Rendezvous, beat_for, open_store
 from vitserve.worker.reservation import PeakWatch, Reservation, StressShape, reserve_for_rank
+from vitserve.worker.reservation.published import publish_reservation, remove_reservation
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,11 @@ import ctypes.util
 import logging
 import resource
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+from vitserve.worker.reservation import stored
 
 log = logging.getLogger(__name__)
 
@@ -178,3 +181,28 @@ def proc_status_kib(key: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+class PeakWatch:
+    """After each batch: is the live peak still within the published bytes? Cheap (one /proc read on CPU,
+    one allocator counter on CUDA); warns and invalidates the cache entry once, the first time it is not."""
+
+    def __init__(self, device: torch.device, baseline: int, published: int, cache_file: Path | None):
+        self.device, self.baseline, self.published, self.cache_file = device, baseline, published, cache_file
+        self.exceeded = False
+
+    def check(self) -> None:
+        if self.exceeded:
+            return
+        growth = live_peak(self.device) - self.baseline
+        if growth <= self.published:
+            return
+        self.exceeded = True
+        log.warning(
+            "live memory peak %d bytes above the start-up baseline exceeds the %d bytes reserved; the stored "
+            "reservation is dropped so the next start measures again (or set --visual_reserved_mem_gb)",
+            growth,
+            self.published,
+        )
+        if self.cache_file is not None:
+            stored.invalidate(self.cache_file)

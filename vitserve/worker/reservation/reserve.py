@@ -7,10 +7,9 @@ import torch
 
 from vitserve.config import Config
 from vitserve.model.base import Encoder
-from vitserve.worker.reservation import cache, sizing, stress
-from vitserve.worker.reservation.cache import PeakWatch
-from vitserve.worker.reservation.record import Reservation
-from vitserve.worker.reservation.shape import StressShape
+from vitserve.worker.reservation import sizing, stored, stress
+from vitserve.worker.reservation.meter import PeakWatch
+from vitserve.worker.reservation.record import Reservation, StressShape
 
 
 def reserve_for_rank(
@@ -27,7 +26,7 @@ def reserve_for_rank(
     the reservation's budget_tokens is the budget chosen for it."""
     if cfg.visual_reserved_mem_gb is not None:
         return stress.override(device, cfg.visual_reserved_mem_gb), None
-    key = cache.cache_key(
+    key = stored.cache_key(
         weights=encoder.weights_digest,
         model_name=encoder.model_name,
         family=encoder.family,
@@ -40,23 +39,23 @@ def reserve_for_rank(
     sized = cfg.budget_source == "visual_mem_gb"
     if sized:  # the budget is the result: the key is the target, with the search's bounds
         key["visual_mem_gb"] = cfg.visual_mem_gb
-    path = cache.cache_path(cfg.runtime_dir, device.type, global_rank)
-    stored = cache.load(path, key)
-    if stress.agree_max(float(stored is None), device) > 0:  # a TP group skips the stress only all together
-        stored = None
-    if stored is not None:
+    path = stored.cache_path(cfg.runtime_dir, device.type, global_rank)
+    found = stored.load(path, key)
+    if stress.agree_max(float(found is None), device) > 0:  # a TP group skips the stress only all together
+        found = None
+    if found is not None:
         say(f"stress: skipped, the reservation stored in {path} matches this setup")
-        res = stress.adopt(encoder, stored, str(path))
+        res = stress.adopt(encoder, found, str(path))
     elif sized:
         assert cfg.visual_mem_gb is not None
         say(f"stress: sizing the budget for --visual_mem_gb {cfg.visual_mem_gb:g}")
         knobs = sizing.Knobs.of(cfg, encoder, shape)
         res = sizing.size_for_memory(encoder, shape, knobs, lambda: sizing.fresh_meter(device), say)
-        cache.store(path, key, res)
+        stored.store(path, key, res)
     else:
         say(f"stress: measuring the worst case at --visual_batch_max_tokens {shape.budget_tokens}")
         res = stress.measure(encoder, shape, progress=say)
-        cache.store(path, key, res)
+        stored.store(path, key, res)
     if cfg.visual_mem_gb is not None and not sized:  # both flags: the flag's budget must fit the target
         sizing.check_fits(sizing.Knobs.of(cfg, encoder, shape), res, shape.budget_tokens, device)
     return res, PeakWatch(device, res.baseline, res.bytes, path)

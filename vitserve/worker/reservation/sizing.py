@@ -39,8 +39,7 @@ from vitserve.model.base import Encoder
 from vitserve.worker.reservation import memory_model, stress
 from vitserve.worker.reservation.memory_model import Fit, Shape
 from vitserve.worker.reservation.meter import Meter, meter_for
-from vitserve.worker.reservation.record import Method, Reservation
-from vitserve.worker.reservation.shape import StressShape
+from vitserve.worker.reservation.record import Method, Reservation, StressShape
 from vitserve.worker.reservation.worst_case import worst_case_units
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,7 @@ from vitserve.families import DISABLED_BUDGET_TOKENS
 from vitserve.model.base import Encoder
 from vitserve.worker.reservation import memory_model
 from vitserve.worker.reservation.meter import Meter, hold_in_cuda_pool, meter_for
-from vitserve.worker.reservation.record import Method, Reservation
-from vitserve.worker.reservation.shape import StressShape
+from vitserve.worker.reservation.record import Method, Reservation, StressShape
 from vitserve.worker.reservation.worst_case import (
     stress_batch_count,
     stress_batches,

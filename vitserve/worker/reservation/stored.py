@@ -1,8 +1,8 @@
-"""The reservation cache: a rank's measured reservation, kept in --runtime_dir so that a restart with nothing
+"""The stored reservation (the reservation cache): a rank's measured reservation, kept in --runtime_dir so that a restart with nothing
 changed skips the start-up stress (docs/engine.md, "The reservation cache").
 
 One file per rank, reservation_cache_<device>_<global rank>.json, written atomically
-(vitserve/reservation_file.write_json_atomic). It holds the key the reservation was measured under and the
+(published.write_json_atomic). It holds the key the reservation was measured under and the
 result. The key is everything that can change the bytes: the weights, dtype, device model, TP degree and
 rank, stress shape (the budget, the batch-image cap and the processor's per-image limits), family, thread count, and the vitserve, torch and transformers versions. A different key means re-measure, with a warning that names what changed.
 
@@ -10,9 +10,8 @@ The weights are keyed by the encoder's `weights_digest`: the checkpoint's conten
 (vitserve/checkpoint.py), which the loader computes from the bytes it reads anyway and which covers the
 configs (config.json, the processor configs) that shape the worst case.
 
-PeakWatch checks after every batch that the live peak stays within the published bytes (CPU: VmHWM growth
-over the baseline; CUDA: max_memory_reserved growth); above it, it warns once and deletes the cache entry,
-so the next start measures again.
+When meter.PeakWatch finds the live peak above the published bytes while serving, it deletes the entry
+(`invalidate`), so the next start measures again.
 """
 
 from __future__ import annotations
@@ -27,10 +26,8 @@ from typing import Any
 import torch
 
 import vitserve
-from vitserve.reservation_file import write_json_atomic
-from vitserve.worker.reservation.meter import live_peak
-from vitserve.worker.reservation.record import Reservation
-from vitserve.worker.reservation.shape import StressShape
+from vitserve.worker.reservation.published import write_json_atomic
+from vitserve.worker.reservation.record import Reservation, StressShape
 
 log = logging.getLogger(__name__)
 
@@ -119,28 +116,3 @@ def invalidate(path: Path) -> None:
         path.unlink(missing_ok=True)
     except OSError as exc:
         log.warning("could not remove the stored reservation %s: %s", path, exc)
-
-
-class PeakWatch:
-    """After each batch: is the live peak still within the published bytes? Cheap (one /proc read on CPU,
-    one allocator counter on CUDA); warns and invalidates the cache entry once, the first time it is not."""
-
-    def __init__(self, device: torch.device, baseline: int, published: int, cache_file: Path | None):
-        self.device, self.baseline, self.published, self.cache_file = device, baseline, published, cache_file
-        self.exceeded = False
-
-    def check(self) -> None:
-        if self.exceeded:
-            return
-        growth = live_peak(self.device) - self.baseline
-        if growth <= self.published:
-            return
-        self.exceeded = True
-        log.warning(
-            "live memory peak %d bytes above the start-up baseline exceeds the %d bytes reserved; the stored "
-            "reservation is dropped so the next start measures again (or set --visual_reserved_mem_gb)",
-            growth,
-            self.published,
-        )
-        if self.cache_file is not None:
-            invalidate(self.cache_file)
