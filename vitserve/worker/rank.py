@@ -409,6 +409,6 @@ class RankWorker:
             self.ctx.term()  # blocks until the last RESULT/ERROR is flushed (or the linger passes)
 
     def _remove_reservation(self) -> None:
-        if getattr(self, "reservation", None) is None:  # a killed rank's file: reservation_file.remove_killed
+        if getattr(self, "reservation", None) is None:  # a killed rank's file: published.remove_killed
             return
         remove_reservation(self.cfg.runtime_dir, self.device.type, self.args.global_rank)
