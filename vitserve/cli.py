@@ -47,9 +47,9 @@ def _load_processor(config: Config, checkpoint: Checkpoint) -> VisionProcessor:
     from vitserve.processors import load_image_processor
 
     processor = load_image_processor(
-        checkpoint, budget_tokens=config.budget_tokens, resize=config.image_resize
+        checkpoint, budget_tokens=config.visual_batch_max_tokens, resize=config.image_resize
     )
-    preflight.check_processor_budget(config.budget_tokens, processor.clamp_info())
+    preflight.check_processor_budget(config.visual_batch_max_tokens, processor.clamp_info())
     return processor
 
 

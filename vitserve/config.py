@@ -96,25 +96,15 @@ class Config:
         return group * self.tp + rank
 
     @property
-    def budget_tokens(self) -> int:
-        """The token cap per batch and per image (--visual_batch_max_tokens); 0 = no budget."""
-        return self.visual_batch_max_tokens
-
-    @property
-    def max_batch_images(self) -> int:
-        """The most images in one batch (--visual_infer_batch_size)."""
-        return self.visual_infer_batch_size
-
-    @property
     def budget_enabled(self) -> bool:
-        return self.budget_tokens > 0
+        return self.visual_batch_max_tokens > 0
 
     @property
     def queue_token_limit(self) -> int | None:
         """Queued tokens above which new requests get 503; None when unlimited (budget off, no flag)."""
         if self.max_queue_tokens is not None:
             return self.max_queue_tokens
-        return 4 * self.budget_tokens if self.budget_enabled else None
+        return 4 * self.visual_batch_max_tokens if self.budget_enabled else None
 
 
 def redacted_url(url: str) -> str:

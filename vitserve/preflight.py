@@ -42,7 +42,7 @@ def check(config: Config) -> Checkpoint:
         check_ec_storage(config, checkpoint.family)
     smallest = smallest_image(checkpoint)
     if smallest is not None:
-        check_budget(config.budget_tokens, checkpoint.family, *smallest)
+        check_budget(config.visual_batch_max_tokens, checkpoint.family, *smallest)
     return checkpoint
 
 

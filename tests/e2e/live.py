@@ -49,7 +49,7 @@ def live_server(
     metrics = Metrics()
     processor = processor or load_image_processor(
         "qwen2_5_vl" if config.model == "demo" else config.model,
-        budget_tokens=config.budget_tokens,
+        budget_tokens=config.visual_batch_max_tokens,
         resize=config.image_resize,
     )
     gate = threading.Event()

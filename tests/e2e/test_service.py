@@ -157,7 +157,7 @@ def test_budget_off_is_said_in_the_banner(caplog):
 def test_stop_during_startup_cancels_the_start_and_exits_0():
     config = replace(TEST_CONFIG, heartbeat_s=1.0)
     metrics = Metrics()
-    processor = load_image_processor("qwen2_5_vl", budget_tokens=config.budget_tokens)
+    processor = load_image_processor("qwen2_5_vl", budget_tokens=config.visual_batch_max_tokens)
     gate = threading.Event()  # cleared: the rank holds the warm-up batch, so start-up cannot finish
     engine = Engine(
         config,

@@ -104,7 +104,7 @@ def test_off_imports_no_opentelemetry_sdk_or_exporter():
         gate = threading.Event(); gate.set()
         metrics = Metrics()
         engine = thread_engine(TEST_CONFIG, metrics, gate=gate)
-        processor = load_image_processor("qwen2_5_vl", budget_tokens=TEST_CONFIG.budget_tokens)
+        processor = load_image_processor("qwen2_5_vl", budget_tokens=TEST_CONFIG.visual_batch_max_tokens)
         app = create_app(TEST_CONFIG, engine, processor, metrics)
         with TestClient(app) as client:
             client.portal.call(engine.start)

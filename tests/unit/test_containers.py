@@ -202,7 +202,7 @@ def test_k8s_probes_hit_vitserve_routes_on_its_port():
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "a cold start of a real checkpoint"
     # before the engine is up, the liveness route is 200 and the readiness route is not
-    processor = load_image_processor("qwen2_5_vl", budget_tokens=config.budget_tokens)
+    processor = load_image_processor("qwen2_5_vl", budget_tokens=config.visual_batch_max_tokens)
     metrics = Metrics()
     app = create_app(Config(), Engine(Config(), metrics), processor, metrics)
     with TestClient(app) as client:

@@ -261,7 +261,7 @@ def test_the_stress_shape_carries_the_processors_per_image_limits(checkpoint):
 
     def shape(model: str, **flags) -> StressShape:
         config = Config(model=model, **flags)
-        clamp = load_image_processor(model, config.budget_tokens).clamp_info()
+        clamp = load_image_processor(model, config.visual_batch_max_tokens).clamp_info()
         return StressShape.of(config, clamp)
 
     qwen = str(checkpoint("qwen2_5_vl"))  # its preprocessor allows at most 64 tokens per image

@@ -24,14 +24,14 @@ KNOBS = Knobs(
 
 def test_the_target_alone_leaves_the_budget_to_the_ranks():
     cfg = build_config(["--visual_mem_gb", "12"], {})
-    assert (cfg.visual_mem_gb, cfg.budget_source, cfg.budget_tokens) == (12.0, "visual_mem_gb", 0)
+    assert (cfg.visual_mem_gb, cfg.budget_source, cfg.visual_batch_max_tokens) == (12.0, "visual_mem_gb", 0)
     env = build_config([], {"VITSERVE_VISUAL_MEM_GB": "1.5"})
     assert (env.visual_mem_gb, env.budget_source) == (1.5, "visual_mem_gb")
 
 
 def test_with_a_budget_too_the_budget_is_the_flags():
     cfg = build_config(["--visual_mem_gb", "12", "--visual_batch_max_tokens", "4096"], {})
-    assert (cfg.budget_source, cfg.budget_tokens) == ("flag", 4096)
+    assert (cfg.budget_source, cfg.visual_batch_max_tokens) == ("flag", 4096)
     assert build_config([], {}).budget_source == "flag"
 
 

@@ -63,10 +63,10 @@ def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dic
         "embed_dim": info.embed_dim,
         "dtype": info.dtype,
         "device": resolved_device(config.device),
-        "budget_tokens": config.budget_tokens,
+        "budget_tokens": config.visual_batch_max_tokens,
         "budget_source": config.budget_source,  # flag, or visual_mem_gb: chosen by the ranks to fit it
         "visual_mem_gb": config.visual_mem_gb,  # None: no memory target
-        "max_batch_images": config.max_batch_images,
+        "max_batch_images": config.visual_infer_batch_size,
         "max_video_tokens": config.max_video_tokens,  # what one video may cost in all; 0: no cap
         "processor_clamp": processor.clamp_info(),
         "reserved_memory_bytes": {str(k): v for k, v in info.reserved_memory_bytes.items()},

@@ -144,7 +144,7 @@ class Service:
         """--visual_mem_gb alone: the budget the ranks chose becomes the processor's clamp and every budget
         the API applies, exactly as if --visual_batch_max_tokens had given it (docs/engine.md)."""
         chosen = self.engine.info().budget_tokens
-        if chosen is None or chosen == self.config.budget_tokens:
+        if chosen is None or chosen == self.config.visual_batch_max_tokens:
             return
         if self._processor_for is None:
             raise RuntimeError("--visual_mem_gb chose a budget, but the Service has no processor_for")

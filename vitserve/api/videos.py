@@ -64,7 +64,7 @@ class VideoFrontEnd:
                 image = self.image_processor
                 settings = video_settings(image.family, image.checkpoint, image)
                 self._processor = VideoProcessor(
-                    settings, self.config.budget_tokens, self.config.max_video_tokens
+                    settings, self.config.visual_batch_max_tokens, self.config.max_video_tokens
                 )
             return self._processor
 
@@ -127,8 +127,10 @@ class VideoFrontEnd:
         """Groups per chunk: one batch's worth (their tokens within --visual_batch_max_tokens, at most
         --visual_infer_batch_size; CHUNK_GROUPS without a budget), at least one."""
         config = self.config
-        fit = config.budget_tokens // max(group_tokens, 1) if config.budget_enabled else CHUNK_GROUPS
-        return max(1, min(fit, config.max_batch_images))
+        fit = (
+            config.visual_batch_max_tokens // max(group_tokens, 1) if config.budget_enabled else CHUNK_GROUPS
+        )
+        return max(1, min(fit, config.visual_infer_batch_size))
 
     async def prepare_all(
         self, blobs: list[bytes], sources: list[VideoSource], deadline: float

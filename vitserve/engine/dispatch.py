@@ -38,7 +38,7 @@ class Dispatcher:
         self.config = config
         self.metrics = metrics
         self.warmup = warmup  # each group encodes it once before it counts as READY; None: no warm-up
-        self.scheduler = Scheduler(config.budget_tokens, config.max_batch_images)
+        self.scheduler = Scheduler(config.visual_batch_max_tokens, config.visual_infer_batch_size)
         self.groups: list[WorkerGroup] = []
         self.queued: dict[int, Job] = {}  # job id -> Job, for the ids the scheduler hands back
         self.all_failed = asyncio.Event()  # set when no group is left to serve
@@ -49,7 +49,7 @@ class Dispatcher:
         """The budget the ranks chose for --visual_mem_gb, before any work is queued (Engine.start)."""
         assert not self.queued, "the budget changes only before the first request"
         self.config = config
-        self.scheduler = Scheduler(config.budget_tokens, config.max_batch_images)
+        self.scheduler = Scheduler(config.visual_batch_max_tokens, config.visual_infer_batch_size)
 
     # ------------------------------------------------------------------------------------ queue
 
@@ -113,7 +113,7 @@ class Dispatcher:
         self.metrics.batch_tokens.observe(batch.tokens)
         self.metrics.batch_images.observe(len(jobs))
         if self.config.budget_enabled:
-            self.metrics.batch_fill_ratio.observe(batch.tokens / self.config.budget_tokens)
+            self.metrics.batch_fill_ratio.observe(batch.tokens / self.config.visual_batch_max_tokens)
         self._update_queue_gauges()
         try:
             group.start_batch(batch)

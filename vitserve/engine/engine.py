@@ -288,7 +288,9 @@ class Engine:
             reserved_memory_bytes={rank: msg.reserved_bytes for rank, msg in readies},
             reserved_source=first.reserved_source,
             fingerprint=self._jobs.fingerprint,
-            budget_tokens=self.config.budget_tokens if self.config.budget_source == "visual_mem_gb" else None,
+            budget_tokens=self.config.visual_batch_max_tokens
+            if self.config.budget_source == "visual_mem_gb"
+            else None,
         )
 
     # -------------------------------------------------------------------- views for the CLI and tests

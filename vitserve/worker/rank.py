@@ -230,7 +230,7 @@ class RankWorker:
             from vitserve.worker.graphs import capture_for_serving
 
             shape = dataclasses.replace(
-                self.args.stress_shape, budget_tokens=res.budget_tokens or self.cfg.budget_tokens
+                self.args.stress_shape, budget_tokens=res.budget_tokens or self.cfg.visual_batch_max_tokens
             )
             res = capture_for_serving(
                 self.encoder, shape, res, self.peak_watch
@@ -273,7 +273,8 @@ class RankWorker:
                     reserved_bytes=res.bytes,
                     reserved_source=res.source,
                     weights_digest=enc.weights_digest,
-                    budget_tokens=res.budget_tokens or self.cfg.budget_tokens,  # --visual_mem_gb's choice
+                    budget_tokens=res.budget_tokens
+                    or self.cfg.visual_batch_max_tokens,  # --visual_mem_gb's choice
                 )
             )
         )

@@ -80,7 +80,7 @@ class StressShape:
         """The flags' bounds, plus the limits in a processor's clamp_info() when one is given. Without it
         (an Engine built outside the CLI), budget 0 stresses a default size with a warning, and InternVL's
         tiles are grouped by the budget alone, which never needs less memory (worst_case.py)."""
-        shape = cls(config.budget_tokens, config.max_batch_images)
+        shape = cls(config.visual_batch_max_tokens, config.visual_infer_batch_size)
         if clamp is None:
             return shape
         if FAMILIES[clamp["family"]].layout == "tiles":

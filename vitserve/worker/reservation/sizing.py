@@ -86,7 +86,7 @@ class Knobs:
         return cls(
             target_gb=cfg.visual_mem_gb,
             tp=cfg.tp,
-            max_batch_images=cfg.max_batch_images,
+            max_batch_images=cfg.visual_infer_batch_size,
             max_video_tokens=cfg.max_video_tokens,
             dtype=str(encoder.dtype).removeprefix("torch."),
             weights_bytes=int(stress.agree_max(float(weights), encoder.device)),
