@@ -27,6 +27,7 @@ from vitserve.api.body import ClientGone, read_body
 from vitserve.api.chat_parts import ChatParts, media_parts
 from vitserve.api.embeds import EmbedsLayout, embeds_part, video_embeds_part
 from vitserve.api.encode import INLINE_BODY_BYTES, count_accepted, unless_gone
+from vitserve.api.inline import dumps_body
 from vitserve.api.inputs import VideoSource, check_count, fetch_sources
 from vitserve.api.pipeline import Preprocessor
 from vitserve.api.tracing import Tracing
@@ -94,7 +95,7 @@ class ChatHandler:
                 log.info("chat request: client disconnected while its images queued; withdrawn")
                 return Response(status_code=499)
             await self.pre.run(self._rewrite, parts, prepared, videos, results, param)
-            body = await self.pre.run(_dumps, payload)
+            body = await self.pre.run(dumps_body, payload)  # the embeddings' base64 spliced in
         return await self._forward(request, body, payload.get("stream") is True, traceparent)
 
     async def _parsed(self, body: bytes) -> Any:
@@ -163,8 +164,9 @@ class ChatHandler:
         results: list[ImageResult],
         param: list[str | None],
     ) -> None:
-        """Each image_url and video_url part becomes the LLM's embedding part, in place (CPU: .npy + base64,
-        on the pool). The engine's results are the images', then each video's groups in time order."""
+        """Each image_url and video_url part becomes the LLM's embedding part, in place (on the pool: it
+        concatenates DeepStack levels; the base64 is made in dumps_body). The engine's results are the
+        images', then each video's groups in time order."""
         for index, (part, image, result) in enumerate(
             zip(parts.images, prepared, results[: len(prepared)], strict=True)
         ):
@@ -251,10 +253,6 @@ def _loads(body: bytes) -> Any:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise InvalidRequest("malformed JSON body") from None
-
-
-def _dumps(payload: Any) -> bytes:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _error_response(err: VitserveError, param: str | None) -> Response:
