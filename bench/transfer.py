@@ -2,7 +2,7 @@
 
     python bench/transfer.py [--naive] [--tune-malloc] [--messages 10] [--trials 3] [--tokens 4096] [--dim 3584]
 
-The real code path: LLMSender.send_embedding in a child process (as the API process would) pushes the
+The real code path: LLMSender.send in a child process (as the API process would) pushes the
 same (tokens, dim) embedding repeatedly; EmbeddingReceiver.recv in this process takes it — including
 header decode, size checks and the tensor built over the received frame. Bandwidth is steady-state:
 bytes of messages 1..N over the time from receiving message 0 to receiving message N.
@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import record  # noqa: E402
 from vitserve.rpc import (  # noqa: E402
     EmbeddingReceiver,
+    ImageEmbedding,
     LLMSender,
     decode_embedding_message,
     encode_embedding_message,
@@ -84,7 +85,8 @@ def _sender_main(
     if zero_copy:  # the production path
         with LLMSender(endpoint) as tx:
             sent = [
-                tx.send_embedding(image_index=i, deadline=time.monotonic() + 120, **fields) for i in range(n)
+                tx.send(ImageEmbedding(image_index=i, **fields), deadline=time.monotonic() + 120)  # type: ignore[arg-type]
+                for i in range(n)
             ]
             for delivery in sent:
                 delivery.wait(120)  # acknowledged (docs/wire.md)
@@ -95,7 +97,8 @@ def _sender_main(
     sock = ctx.socket(zmq.DEALER)  # the receiver is a ROUTER (wire v2); its acks are left unread here
     sock.connect(endpoint)
     for i in range(n):
-        frames = encode_embedding_message(image_index=i, expires_at=time.time() + 120, **fields)
+        message = ImageEmbedding(image_index=i, expires_at=time.time() + 120, **fields)  # type: ignore[arg-type]
+        frames = encode_embedding_message(message)
         sock.send_multipart(frames, copy=True)
     done.wait(120)
     sock.close(linger=30_000)

@@ -9,10 +9,14 @@ engine's facts and health (`EngineInfo`, `Readiness`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from functools import cached_property
+from typing import Literal, Protocol, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -92,9 +96,25 @@ class PreparedVideo:
 
 
 @dataclass(frozen=True)
+class RequestItem:
+    """One item of a request as the engine queues, encodes and pushes it: an image, or one temporal group of
+    a video. `EncodeRequest.items` lists them once, in the one order every reader uses."""
+
+    index: int  # its place in EncodeRequest.items (and in the engine's results, and on the LLM wire)
+    image: PreparedImage  # the image, or the group as an image of grid (1, h, w)
+    modality: Literal["image", "video"]
+    media_index: int  # the image's index among the request's images, or the video's among its videos
+    group: int | None = None  # a video's group index, in time order; None for an image
+    num_groups: int = 0  # the video's groups in all (0 for an image)
+    video_id: str = ""  # the video's sha256 ("" for an image)
+    start_s: float = 0.0  # the group's time range in the video (0 for an image)
+    end_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class EncodeRequest:
-    """Every image and video of one HTTP request; the engine answers one ImageResult per image, then one per
-    temporal group of each video, in this order."""
+    """Every image and video of one HTTP request; the engine answers one ImageResult per item of `items`
+    (every image, then every temporal group of each video), in that order."""
 
     request_id: str
     images: tuple[PreparedImage, ...]
@@ -108,6 +128,29 @@ class EncodeRequest:
     @property
     def tokens(self) -> int:
         return sum(p.item.num_tokens for p in self.images) + sum(v.num_tokens for v in self.videos)
+
+    @cached_property
+    def items(self) -> tuple[RequestItem, ...]:
+        """The request's items in the one order: its images, then each video's groups in time order."""
+        out = [RequestItem(i, image, "image", i) for i, image in enumerate(self.images)]
+        for v, video in enumerate(self.videos):
+            for g, (group, (start_s, end_s)) in enumerate(zip(video.groups, video.group_times, strict=True)):
+                out.append(
+                    RequestItem(
+                        len(out), group, "video", v, g, len(video.groups), video.video_id, start_s, end_s
+                    )
+                )
+        return tuple(out)
+
+    def split(self, results: Sequence[T]) -> tuple[list[T], list[list[T]]]:
+        """Results in `items` order, split into the images' and, per video, its groups'."""
+        if len(results) != len(self.items):
+            raise ValueError(f"{len(results)} results for the {len(self.items)} items of {self.request_id}")
+        images = list(results[: len(self.images)])
+        videos: list[list[T]] = [[] for _ in self.videos]
+        for item, result in zip(self.items[len(self.images) :], results[len(self.images) :], strict=True):
+            videos[item.media_index].append(result)
+        return images, videos
 
 
 @dataclass(frozen=True)

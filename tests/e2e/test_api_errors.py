@@ -133,9 +133,9 @@ def test_bad_base64_points_at_the_image(client):
 
 @pytest.mark.parametrize("side", [16, 160], ids=["parsed-on-the-event-loop", "parsed-on-the-pool"])
 def test_json_bodies_either_side_of_the_inline_limit_answer_alike(client, side):
-    """api/encode.py parses a JSON body up to INLINE_BODY_BYTES on the event loop and a larger one on the
+    """api/encode.py parses a JSON body up to INLINE_BODY_BYTES (api/media.py) on the event loop and a larger one on the
     pool; the answers are the same either way."""
-    from vitserve.api.encode import INLINE_BODY_BYTES
+    from vitserve.api.media import INLINE_BODY_BYTES
 
     image = {"b64": b64(noise_png(side, side))}
     assert (len(json.dumps({"images": [image]})) > INLINE_BODY_BYTES) == (side == 160)

@@ -18,6 +18,7 @@ from vitserve.model import load_encoder
 from vitserve.processors import load_image_processor
 from vitserve.rpc import EmbeddingReceiver
 from vitserve.rpc.sender import LLMSender
+from vitserve.rpc.wire import ImageEmbedding
 
 IMAGE_TOKEN = 5  # the tiny vocabulary (64) has no room for Qwen's real <|image_pad|> id
 
@@ -40,7 +41,7 @@ def _received_embedding(tmp_path, encoded, item) -> torch.Tensor:
     with EmbeddingReceiver(endpoint, bind=True) as receiver:
         sender = LLMSender(endpoint)
         try:
-            sender.send_embedding(
+            message = ImageEmbedding(
                 request_id="r-1",
                 image_index=0,
                 num_images=1,
@@ -48,9 +49,9 @@ def _received_embedding(tmp_path, encoded, item) -> torch.Tensor:
                 model="tiny",
                 grid_thw=item.grid_thw,
                 embedding=encoded.embedding,
-                deepstack=encoded.deepstack,
-                deadline=time.monotonic() + 30,
+                deepstack=list(encoded.deepstack),
             )
+            sender.send(message, deadline=time.monotonic() + 30)
             msg = receiver.recv(timeout_s=10)
         finally:
             sender.close()

@@ -42,7 +42,7 @@ def far() -> float:
 def send(sender, *, request_id="r", image_index=0, num_images=1, embedding=None, deepstack=(), deadline=None):
     if embedding is None:
         embedding = torch.full((4, 8), float(image_index))
-    return sender.send_embedding(
+    message = ImageEmbedding(
         request_id=request_id,
         image_index=image_index,
         num_images=num_images,
@@ -50,16 +50,16 @@ def send(sender, *, request_id="r", image_index=0, num_images=1, embedding=None,
         model="tiny",
         grid_thw=(1, 4, 4),
         embedding=embedding,
-        deepstack=deepstack,
-        deadline=far() if deadline is None else deadline,
+        deepstack=list(deepstack),
     )
+    return sender.send(message, deadline=far() if deadline is None else deadline)
 
 
 def frames_for(request_id="raw", expires_in=30.0, message_id=None):
-    return encode_embedding_message(
+    return encode_embedding_message(ImageEmbedding(
         request_id=request_id, image_index=0, num_images=1, image_id="x", model="m", grid_thw=(1, 2, 2),
-        embedding=torch.ones(2, 4), expires_at=time.time() + expires_in, message_id=message_id,
-    )  # fmt: skip
+        embedding=torch.ones(2, 4), expires_at=time.time() + expires_in, message_id=message_id or "",
+    ))  # fmt: skip
 
 
 def wait_reachable(tx: LLMSender, limit_s: float = 10.0) -> None:

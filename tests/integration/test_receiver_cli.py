@@ -10,6 +10,7 @@ import time
 import torch
 
 from vitserve.rpc.sender import LLMSender
+from vitserve.rpc.wire import ImageEmbedding
 
 
 def test_receiver_cli_prints_one_line_per_image(tmp_path):
@@ -24,14 +25,16 @@ def test_receiver_cli_prints_one_line_per_image(tmp_path):
         assert json.loads(proc.stdout.readline()) == {"listening": endpoint}
         sender = LLMSender(endpoint)
         deliveries = [
-            sender.send_embedding(
-                request_id="r-7",
-                image_index=k,
-                num_images=2,
-                image_id=f"{k:064x}",
-                model="tiny",
-                grid_thw=(1, 4, 6),
-                embedding=torch.ones(6, 8) * k,
+            sender.send(
+                ImageEmbedding(
+                    request_id="r-7",
+                    image_index=k,
+                    num_images=2,
+                    image_id=f"{k:064x}",
+                    model="tiny",
+                    grid_thw=(1, 4, 6),
+                    embedding=torch.ones(6, 8) * k,
+                ),
                 deadline=time.monotonic() + 30,
             )
             for k in range(2)

@@ -45,7 +45,7 @@ def make_frames(dtype=torch.float32, tokens=6, dim=8, n_deepstack=2, **over):
         "deepstack": [torch.randn(tokens, dim, generator=g).to(dtype) for _ in range(n_deepstack)],
     }
     fields.update(over)
-    return fields, encode_embedding_message(**fields)
+    return fields, encode_embedding_message(ImageEmbedding(**fields))
 
 
 def raw(t: torch.Tensor) -> bytes:

@@ -20,6 +20,7 @@ from vitserve.api.edge import Edge, ServerState
 from vitserve.api.embeds import EmbedsLayout
 from vitserve.api.encode import EncodeHandler
 from vitserve.api.info import info_body
+from vitserve.api.media import MediaPipeline
 from vitserve.api.openapi import DOCS_ASSETS_URL, ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
 from vitserve.api.pipeline import Preprocessor
 from vitserve.api.tracing import Tracing, make_tracing
@@ -94,7 +95,8 @@ def create_app(
     # decoders start with the first video; --video_decoders 0: the server takes no videos
     videos = VideoFrontEnd(config, processor) if config.video_decoders else None
     app.state.videos = videos
-    encode = EncodeHandler(config, engine, pre, metrics, tracing, videos)
+    app.state.media = media = MediaPipeline(config, engine, pre, metrics, videos)
+    encode = EncodeHandler(config, media, tracing)
     for exc_type in (VitserveError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _handle)
 
@@ -104,7 +106,7 @@ def create_app(
         return await encode(request)
 
     if config.llm_url is not None:
-        _add_front_door(app, config, engine, processor, metrics, tracing, videos)
+        _add_front_door(app, config, media, processor, metrics, tracing)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -133,11 +135,10 @@ def create_app(
 def _add_front_door(
     app: FastAPI,
     config: Config,
-    engine: Engine,
+    media: MediaPipeline,
     processor: VisionProcessor,
     metrics: Metrics,
     tracing: Tracing,
-    videos: VideoFrontEnd | None,
 ) -> None:
     """POST /v1/chat/completions and GET /v1/models in front of --llm_url (api/chat.py, docs/vllm.md)."""
     assert config.llm_url is not None
@@ -153,7 +154,7 @@ def _add_front_door(
         width=preflight.llm_embeds_width(checkpoint),
         tokens_per_second=(checkpoint.config.get("vision_config") or {}).get("tokens_per_second"),
     )
-    chat = ChatHandler(config, engine, app.state.preprocessor, metrics, tracing, upstream, layout, videos)
+    chat = ChatHandler(config, media, tracing, upstream, layout)
 
     @app.post(CHAT_ROUTE, responses=ERROR_RESPONSES)
     async def chat_completions(request: Request) -> Response:

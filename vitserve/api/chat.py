@@ -26,17 +26,13 @@ from starlette.responses import Response, StreamingResponse
 from vitserve.api.body import ClientGone, read_body
 from vitserve.api.chat_parts import ChatParts, media_parts
 from vitserve.api.embeds import EmbedsLayout, embeds_part, video_embeds_part
-from vitserve.api.encode import INLINE_BODY_BYTES, count_accepted, unless_gone
 from vitserve.api.inline import dumps_body
-from vitserve.api.inputs import VideoSource, check_count, fetch_sources
-from vitserve.api.pipeline import Preprocessor
+from vitserve.api.inputs import VideoSource, check_count
+from vitserve.api.media import INLINE_BODY_BYTES, Encoded, Media, MediaPipeline, unless_gone
 from vitserve.api.tracing import Tracing
 from vitserve.api.upstream import Upstream, relayed_headers
-from vitserve.api.videos import VideoFrontEnd
 from vitserve.config import Config
-from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo
-from vitserve.errors import InvalidRequest, LLMTimeout, Timeout, VitserveError, openai_error
-from vitserve.metrics import Metrics
+from vitserve.errors import InvalidRequest, LLMTimeout, VitserveError, openai_error
 
 log = logging.getLogger(__name__)
 CHAT_ROUTE = "/v1/chat/completions"
@@ -47,24 +43,14 @@ _FORWARDED = ("accept", "x-request-id", "tracestate")
 
 class ChatHandler:
     def __init__(
-        self,
-        config: Config,
-        engine: Engine,
-        preprocessor: Preprocessor,
-        metrics: Metrics,
-        tracing: Tracing,
-        upstream: Upstream,
-        layout: EmbedsLayout,
-        videos: VideoFrontEnd | None = None,
+        self, config: Config, media: MediaPipeline, tracing: Tracing, upstream: Upstream, layout: EmbedsLayout
     ):
         self.config = config
-        self.engine = engine
-        self.pre = preprocessor
-        self.metrics = metrics
+        self.media = media
+        self.pre = media.pre
         self.tracing = tracing
         self.upstream = upstream
         self.layout = layout
-        self.videos = videos  # None: this server takes no videos (--video_decoders 0)
 
     async def __call__(self, request: Request) -> Response:
         trace = self.tracing.start(request.headers.get("traceparent"))
@@ -90,11 +76,11 @@ class ChatHandler:
         if parts:
             self._check_videos_served(parts, param)
             check_count(len(parts.images), self.config, len(parts.videos))
-            results, prepared, videos = await self._encode(request, parts, deadline, traceparent, param)
-            if results is None:
+            encoded = await self._encode(request, parts, deadline, traceparent, param)
+            if encoded is None:
                 log.info("chat request: client disconnected while its images queued; withdrawn")
                 return Response(status_code=499)
-            await self.pre.run(self._rewrite, parts, prepared, videos, results, param)
+            await self.pre.run(self._rewrite, parts, encoded, param)
             body = await self.pre.run(dumps_body, payload)  # the embeddings' base64 spliced in
         return await self._forward(request, body, payload.get("stream") is True, traceparent)
 
@@ -108,8 +94,7 @@ class ChatHandler:
         if not parts.videos:
             return
         param[0] = parts.videos[0].param
-        if self.videos is None:
-            raise InvalidRequest("this server takes no videos (--video_decoders 0)")
+        self.media.check_videos_served(len(parts.videos))
         self.layout.check_video_served()
         param[0] = None
 
@@ -120,64 +105,41 @@ class ChatHandler:
         deadline: float,
         traceparent: str,
         param: list[str | None],
-    ) -> tuple[list[ImageResult] | None, list[PreparedImage], list[PreparedVideo]]:
+    ) -> Encoded | None:
         """Every image and video of the request, prepared together and handed to the engine as one request."""
-        try:
-            self.engine.admit(None)  # a full queue refuses before any decoding is spent
-            sources = [p.source for p in parts.videos if isinstance(p.source, VideoSource)]
-            blobs = await fetch_sources([p.source for p in parts.images], self.config, deadline)
-            video_blobs = await fetch_sources(sources, self.config, deadline)
-            prepared = await self.pre.prepare(blobs, deadline)
-            videos: list[PreparedVideo] = []
-            if sources and self.videos is not None:
-                videos = await self.videos.prepare_all(video_blobs, sources, deadline)
-            for index, video in enumerate(videos):  # before any encoding: a time vLLM would misplace
-                try:
-                    self.layout.check_video_time(video)
-                except VitserveError as err:
-                    raise err.with_video_index(index) from None
-            count_accepted(self.metrics, prepared)
+        media = Media(
+            f"chat-{uuid.uuid4()}",
+            [p.source for p in parts.images],
+            [p.source for p in parts.videos if isinstance(p.source, VideoSource)],
+            return_embeddings=True,
+            traceparent=traceparent,
+        )
+        try:  # a video's time vLLM would misplace is refused before any encoding
+            work = await self.media.prepare(media, deadline, self.layout.check_video_time)
         except VitserveError as err:
             if err.image_index is not None:
                 param[0] = parts.images[err.image_index].param
             elif err.video_index is not None:
                 param[0] = parts.videos[err.video_index].param
-            self.metrics.images_total.labels(outcome="rejected").inc(len(parts.images))
             raise
-        encode = EncodeRequest(
-            request_id=f"chat-{uuid.uuid4()}",
-            images=tuple(prepared),
-            deadline=deadline,
-            return_embeddings=True,
-            traceparent=traceparent,
-            videos=tuple(videos),
-        )
-        late = lambda: Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")  # noqa: E731
-        timeout_s = deadline - time.monotonic() + 5.0  # the engine enforces the deadline; this is a backstop
-        return await unless_gone(request, self.engine.encode(encode), timeout_s, late), prepared, videos
+        return await self.media.encode(request, work)
 
-    def _rewrite(
-        self,
-        parts: ChatParts,
-        prepared: list[PreparedImage],
-        videos: list[PreparedVideo],
-        results: list[ImageResult],
-        param: list[str | None],
-    ) -> None:
+    def _rewrite(self, parts: ChatParts, encoded: Encoded, param: list[str | None]) -> None:
         """Each image_url and video_url part becomes the LLM's embedding part, in place (on the pool: it
-        concatenates DeepStack levels; the base64 is made in dumps_body). The engine's results are the
-        images', then each video's groups in time order."""
+        concatenates DeepStack levels; the base64 is made in dumps_body)."""
+        image_results, video_results = encoded.split()
         for index, (part, image, result) in enumerate(
-            zip(parts.images, prepared, results[: len(prepared)], strict=True)
+            zip(parts.images, encoded.images, image_results, strict=True)
         ):
             param[0] = part.param
             new = embeds_part(self.layout, image, result, index)
             part.part.clear()
             part.part.update(new)
-        groups = iter(results[len(prepared) :])
-        for index, (part, video) in enumerate(zip(parts.videos, videos, strict=True)):
+        for index, (part, video, results) in enumerate(
+            zip(parts.videos, encoded.videos, video_results, strict=True)
+        ):
             param[0] = part.param
-            new = video_embeds_part(self.layout, video, [next(groups) for _ in video.groups], index)
+            new = video_embeds_part(self.layout, video, results, index)
             part.part.clear()
             part.part.update(new)
         param[0] = None

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import torch
@@ -23,27 +21,20 @@ from starlette.responses import JSONResponse, Response
 from vitserve.api.body import ClientGone, read_body
 from vitserve.api.inputs import (
     ParsedRequest,
-    fetch_sources,
     media_type,
     parse_json_body,
     parse_multipart_body,
 )
-from vitserve.api.pipeline import Preprocessor
+from vitserve.api.media import INLINE_BODY_BYTES, Encoded, Media, MediaPipeline
 from vitserve.api.tracing import RequestTrace, Tracing
-from vitserve.api.videos import VideoFrontEnd, video_body
+from vitserve.api.videos import video_body
 from vitserve.config import Config
-from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo
 from vitserve.errors import InvalidRequest, Timeout, VitserveError
 from vitserve.metrics import Metrics
 from vitserve.rpc.tensors import dtype_name, tensor_to_buffer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_DEADLINE_GRACE_S = 5.0  # the engine enforces the deadline; this only guards against an engine that does not
-# A JSON body up to this size is parsed (JSON + base64) on the event loop, and a response without
-# embeddings is built there: well under a millisecond of work, less than the hop to the pool and back
-# (~0.25 ms on an idle machine, several ms on a loaded one). Larger bodies and embeddings go to the pool.
-INLINE_BODY_BYTES = 64 * 1024
 
 
 def tensor_json(t: torch.Tensor) -> dict[str, Any]:
@@ -55,21 +46,11 @@ def tensor_json(t: torch.Tensor) -> dict[str, Any]:
 
 
 class EncodeHandler:
-    def __init__(
-        self,
-        config: Config,
-        engine: Engine,
-        preprocessor: Preprocessor,
-        metrics: Metrics,
-        tracing: Tracing,
-        videos: VideoFrontEnd | None = None,
-    ):
+    def __init__(self, config: Config, media: MediaPipeline, tracing: Tracing):
         self.config = config
-        self.engine = engine
-        self.pre = preprocessor
-        self.metrics = metrics
+        self.media = media
+        self.metrics = media.metrics
         self.tracing = tracing
-        self.videos = videos  # None: this server takes no videos
 
     async def __call__(self, request: Request) -> Response:
         """The request under its trace context: the `traceparent` response header (error responses get it
@@ -88,49 +69,34 @@ class EncodeHandler:
     async def _handle(self, request: Request, trace: RequestTrace) -> Response:
         deadline = time.monotonic() + self.config.request_timeout_s
         clock = _StageClock(self.metrics)
-        parsed: ParsedRequest | None = None
         try:
             parsed = await self._parse_within(request, deadline, clock)
-            self._check_videos_served(parsed)
-            self.engine.admit(None)  # a full queue refuses before any decoding is spent
+            media = Media(
+                parsed.request_id, parsed.sources, parsed.videos, parsed.return_embeddings, trace.traceparent
+            )
             trace.mark("decode")
-            blobs = await fetch_sources(parsed.sources, self.config, deadline)
-            video_blobs = await fetch_sources(parsed.videos, self.config, deadline)
-            prepared = await self.pre.prepare(blobs, deadline)
-            videos: list[PreparedVideo] = []
-            if parsed.videos and self.videos is not None:
-                videos = await self.videos.prepare_all(video_blobs, parsed.videos, deadline)
+            work = await self.media.prepare(media, deadline)
             clock.lap("prepare")
-            count_accepted(self.metrics, prepared)
             trace.mark("engine")
-            results = await self._encode(request, parsed, prepared, videos, deadline, trace.traceparent)
+            encoded = await self.media.encode(request, work)
             clock.lap("engine")
-        except VitserveError:
-            n = len(parsed.sources) if parsed else 0
-            self.metrics.images_total.labels(outcome="rejected").inc(n)
-            raise
         except ClientGone:
             return Response(status_code=499)
-        if results is None:
+        if encoded is None:
             log.info(
                 "request %s: client disconnected while queued; its images were withdrawn", parsed.request_id
             )
             return Response(status_code=499)
-        trace.record(parsed.request_id, prepared, results[: len(prepared)])
+        images, _ = encoded.split()
+        trace.record(parsed.request_id, list(encoded.images), images)
         if parsed.return_embeddings:  # base64 of every embedding: CPU work for the pool
-            body = await self.pre.run(self._response_body, parsed, prepared, results, videos)
+            body = await self.media.pre.run(self._response_body, encoded)
         else:
-            body = self._response_body(parsed, prepared, results, videos)
+            body = self._response_body(encoded)
         response = JSONResponse(body)
         clock.lap("respond")
         clock.total("request")
         return response
-
-    def _check_videos_served(self, parsed: ParsedRequest) -> None:
-        if not parsed.videos:
-            return
-        if self.videos is None:
-            raise InvalidRequest("this server takes no videos (--video_decoders 0)")
 
     async def _parse_within(self, request: Request, deadline: float, clock: _StageClock) -> ParsedRequest:
         """A body that trickles in (slowloris) is bounded by the request deadline too."""
@@ -147,7 +113,7 @@ class EncodeHandler:
         clock.lap("read")
         kind = media_type(request)
         if kind == "multipart/form-data":
-            parsed = await self.pre.run(parse_multipart_body, request.headers, body, self.config)
+            parsed = await self.media.pre.run(parse_multipart_body, request.headers, body, self.config)
             clock.lap("parse")
             return parsed
         if kind not in ("", "application/json") and not kind.endswith("+json"):
@@ -159,47 +125,15 @@ class EncodeHandler:
         if len(body) <= INLINE_BODY_BYTES:
             parsed = parse_json_body(body, self.config)
         else:
-            parsed = await self.pre.run(parse_json_body, body, self.config)
+            parsed = await self.media.pre.run(parse_json_body, body, self.config)
         clock.lap("parse")
         return parsed
 
-    async def _encode(
-        self,
-        request: Request,
-        parsed: ParsedRequest,
-        prepared: list[PreparedImage],
-        videos: list[PreparedVideo],
-        deadline: float,
-        traceparent: str,
-    ) -> list[ImageResult] | None:
-        """The engine's results (the images', then every video group's), or None when the client went away
-        first (its queued work is cancelled)."""
-        work = self.engine.encode(
-            EncodeRequest(
-                request_id=parsed.request_id,
-                images=tuple(prepared),
-                deadline=deadline,
-                return_embeddings=parsed.return_embeddings,
-                traceparent=traceparent,
-                videos=tuple(videos),
-            )
-        )
-        timeout_s = deadline - time.monotonic() + _DEADLINE_GRACE_S
-        return await unless_gone(request, work, timeout_s, self._late)
-
-    def _late(self) -> VitserveError:
-        return Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")
-
-    def _response_body(
-        self,
-        parsed: ParsedRequest,
-        prepared: list[PreparedImage],
-        results: list[ImageResult],
-        videos: list[PreparedVideo] | None = None,
-    ) -> dict[str, Any]:
-        videos = videos or []
+    def _response_body(self, encoded: Encoded) -> dict[str, Any]:
+        request = encoded.request
+        image_results, video_results = encoded.split()
         images = []
-        for index, (p, r) in enumerate(zip(prepared, results[: len(prepared)], strict=True)):
+        for index, (p, r) in enumerate(zip(request.images, image_results, strict=True)):
             out = {
                 "index": index,
                 "image_id": p.image_id,
@@ -211,17 +145,17 @@ class EncodeHandler:
                 "cached": r.cached,
                 "delivered": r.delivered,
             }
-            if parsed.return_embeddings and r.embedding is not None:
+            if request.return_embeddings and r.embedding is not None:
                 out["embedding"] = tensor_json(r.embedding)
                 if r.deepstack:
                     out["deepstack"] = [tensor_json(t) for t in r.deepstack]
             images.append(out)
 
         def stage(name: str) -> float:  # queue/encode/send overlap across images: the request waited the max
-            return round(max((getattr(r.timing, f"{name}_ms") for r in results), default=0.0), 3)
+            return round(max((getattr(r.timing, f"{name}_ms") for r in encoded.results), default=0.0), 3)
 
-        decode_s = sum(p.decode_s for p in prepared) + sum(v.times()[0] for v in videos)
-        preprocess_s = sum(p.preprocess_s for p in prepared) + sum(v.times()[1] for v in videos)
+        decode_s = sum(p.decode_s for p in request.images) + sum(v.times()[0] for v in request.videos)
+        preprocess_s = sum(p.preprocess_s for p in request.images) + sum(v.times()[1] for v in request.videos)
         timing = {
             "decode": round(decode_s * 1000, 3),
             "preprocess": round(preprocess_s * 1000, 3),
@@ -230,16 +164,15 @@ class EncodeHandler:
             "send": stage("send"),
         }
         body: dict[str, Any] = {
-            "request_id": parsed.request_id,
-            "model": self.engine.info().model,
+            "request_id": request.request_id,
+            "model": self.media.engine.info().model,
             "images": images,
             "timing_ms": timing,
         }
-        if videos:
-            group_results = iter(results[len(prepared) :])
+        if request.videos:
             body["videos"] = [
-                video_body(index, video, [next(group_results) for _ in video.groups], tensor_json)
-                for index, video in enumerate(videos)
+                video_body(index, video, results, tensor_json)
+                for index, (video, results) in enumerate(zip(request.videos, video_results, strict=True))
             ]
         return body
 
@@ -262,47 +195,3 @@ class _StageClock:
 
     def total(self, stage: str) -> None:
         self._stage.labels(stage=stage).observe(time.perf_counter() - self._start)
-
-
-async def unless_gone(
-    request: Request, work: Coroutine[Any, Any, T], timeout_s: float, late: Callable[[], VitserveError]
-) -> T | None:
-    """`work`'s result, or None when the client closed the connection first. Either way nothing is left
-    running: on a disconnect or after `timeout_s` (then `late()` is raised) the work is cancelled, and
-    cancelling it withdraws what it queued (the engine removes a request's queued images; httpx closes an
-    upstream connection, and the LLM server aborts the request)."""
-    if await request.is_disconnected():  # left already: start nothing at all
-        work.close()
-        return None
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait(
-            {task, gone}, timeout=max(timeout_s, 0), return_when=asyncio.FIRST_COMPLETED
-        )
-    finally:
-        gone.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, VitserveError):
-        await task
-    if gone in done:
-        return None
-    raise late()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    """Returns when the client closes the connection (the body is already consumed, so receive() waits)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def count_accepted(metrics: Metrics, prepared: list[PreparedImage]) -> None:
-    """Token and clamp metrics of images that passed preprocessing, whichever route they came by."""
-    for p in prepared:
-        metrics.image_tokens.observe(p.item.num_tokens)
-        if p.item.clamped:
-            metrics.images_clamped_total.inc()

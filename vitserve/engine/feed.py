@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -46,7 +47,7 @@ async def feed_groups(feed: GroupFeed, jobs: list[tuple[int, Job]], add: Callabl
 
 def _settle_unfed(jobs: list[tuple[int, Job]], error: VitserveError) -> None:
     for _, job in jobs:
-        if not job.item.pixel_values.numel():  # never fed: nobody else will settle it
+        if not job.fed:  # never fed: nobody else will settle it
             job.settle(exc=error)
 
 
@@ -82,7 +83,9 @@ def _make(feed: GroupFeed, chunk: list[tuple[int, Job]]) -> asyncio.Future[list[
 
 def _fill(chunk: list[tuple[int, Job]], pixels: list[torch.Tensor]) -> None:
     for (_, job), values in zip(chunk, pixels, strict=True):
-        job.item.pixel_values = values
+        # the Job's own item gets the pixels: the request's PreparedImage (frozen, shared) is never changed
+        job.item = dataclasses.replace(job.item, pixel_values=values)
+        job.fed = True
         job.future.add_done_callback(functools.partial(_drop_pixels, job))
 
 
@@ -106,4 +109,4 @@ async def _left_queue(jobs: list[Job]) -> None:
 
 def _drop_pixels(job: Job, _future: object = None) -> None:
     """An encoded (or failed, or cancelled) group needs its pixels no more."""
-    job.item.pixel_values = _NO_PIXELS
+    job.item = dataclasses.replace(job.item, pixel_values=_NO_PIXELS)

@@ -46,6 +46,7 @@ class Job:
     encode_s: float = 0.0  # dispatch -> result (the whole batch)
     from_shared: bool = False  # settled from the shared cache (engine/shared_cache.py), not encoded here
     sent: asyncio.Event = field(default_factory=asyncio.Event)  # set when it left the queue for a group
+    fed: bool = False  # a video group's pixels arrived from its feed (engine/feed.py); unused for images
 
     def settle(self, *, result: EncodedImage | None = None, exc: Exception | None = None) -> bool:
         """Complete the future once; False when it was already done (e.g. cancelled)."""

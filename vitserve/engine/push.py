@@ -16,7 +16,7 @@ from vitserve.contract import EncodedImage, EncodeRequest, PreparedImage
 from vitserve.errors import VitserveError
 from vitserve.metrics import Metrics
 from vitserve.rpc.sender import LLMSender
-from vitserve.rpc.wire import VideoGroupRef
+from vitserve.rpc.wire import ImageEmbedding, VideoGroupRef
 
 
 class LLMPush:
@@ -38,19 +38,19 @@ class LLMPush:
         message expires with it)."""
         image, video = _item(request, item_index)
         start = time.monotonic()
-        delivery = self._sender.send_embedding(
+        message = ImageEmbedding(
             request_id=request.request_id,
             image_index=item_index,
-            num_images=len(request.images) + sum(len(v.groups) for v in request.videos),
+            num_images=len(request.items),
             image_id=image.image_id,
-            model=self.model,
-            grid_thw=tuple(image.item.grid_thw),
+            grid_thw=image.item.grid_thw,
             embedding=encoded.embedding,
             deepstack=list(encoded.deepstack),
-            deadline=request.deadline,
+            model=self.model,
             traceparent=request.traceparent,
             video=video,
         )
+        delivery = self._sender.send(message, deadline=request.deadline)
         try:
             await asyncio.wrap_future(delivery.acked)  # cancelling this withdraws the message
         except VitserveError as exc:
@@ -71,14 +71,11 @@ class LLMPush:
 
 
 def _item(request: EncodeRequest, index: int) -> tuple[PreparedImage, VideoGroupRef | None]:
-    """The request's item ``index`` (images first, then each video's groups) and, for a group, its place."""
-    if index < len(request.images):
-        return request.images[index], None
-    index -= len(request.images)
-    for v, video in enumerate(request.videos):
-        if index < len(video.groups):
-            start_s, end_s = video.group_times[index]
-            ref = VideoGroupRef(v, video.video_id, index, len(video.groups), start_s, end_s)
-            return video.groups[index], ref
-        index -= len(video.groups)
-    raise IndexError(f"request {request.request_id} has no item {index}")
+    """The request's item ``index`` (EncodeRequest.items) and, for a video's group, its place on the wire."""
+    item = request.items[index]
+    if item.group is None:
+        return item.image, None
+    ref = VideoGroupRef(
+        item.media_index, item.video_id, item.group, item.num_groups, item.start_s, item.end_s
+    )
+    return item.image, ref

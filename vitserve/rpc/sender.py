@@ -26,18 +26,15 @@ import os
 import queue
 import threading
 import time
-import uuid
 from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
-import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from vitserve.errors import ConfigError, LLMTimeout, NotReady
-from vitserve.rpc.wire import VideoGroupRef, WireError, decode_ack, encode_embedding_message
+from vitserve.rpc.wire import ImageEmbedding, WireError, decode_ack, encode_embedding_message
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +74,7 @@ def expires_at(deadline: float) -> float:
 class LLMSender:
     """Sends wire-v2 messages to `endpoint` (tcp://host:port or ipc:///path) and tracks their acks.
 
-    Thread-safe: send_embedding/submit may be called from any thread. `delivered`, `timed_out`,
+    Thread-safe: send/submit may be called from any thread. `delivered`, `timed_out`,
     `late_acks` and `resent` count outcomes; `reachable` says whether a v2 receiver is connected now.
     """
 
@@ -125,42 +122,15 @@ class LLMSender:
 
     # ------------------------------------------------------------------------------------ callers
 
-    def send_embedding(
-        self,
-        *,
-        request_id: str,
-        image_index: int,
-        num_images: int,
-        image_id: str,
-        model: str,
-        grid_thw: Sequence[int],
-        embedding: torch.Tensor,
-        deepstack: Sequence[torch.Tensor] = (),
-        deadline: float,
-        traceparent: str | None = None,
-        video: VideoGroupRef | None = None,
-    ) -> Delivery:
-        """Queue one image's message; returns at once. deadline: time.monotonic() value by which the
-        receiver must acknowledge it (the message's expires_at is derived from it)."""
-        message_id = uuid.uuid4().hex
-        frames = encode_embedding_message(
-            message_id=message_id,
-            request_id=request_id,
-            image_index=image_index,
-            num_images=num_images,
-            image_id=image_id,
-            model=model,
-            grid_thw=grid_thw,
-            embedding=embedding,
-            deepstack=deepstack,
-            expires_at=expires_at(deadline),
-            traceparent=traceparent,
-            video=video,
-        )
-        return self.submit(frames, message_id=message_id, deadline=deadline)
+    def send(self, message: ImageEmbedding, *, deadline: float) -> Delivery:
+        """Queue one message; returns at once. deadline: time.monotonic() value by which the receiver must
+        acknowledge it; the message's expires_at is set from it."""
+        message.expires_at = expires_at(deadline)
+        frames = encode_embedding_message(message)  # gives the message its message_id when it had none
+        return self.submit(frames, message_id=message.message_id, deadline=deadline)
 
     def submit(self, frames: list[bytes | memoryview], *, message_id: str, deadline: float) -> Delivery:
-        """Queue pre-encoded frames as one message (see send_embedding)."""
+        """Queue pre-encoded frames as one message (see send)."""
         if self._closing:
             raise NotReady(f"the sender to --llm_endpoint {self.endpoint} is closed")
         nbytes = sum(memoryview(f).nbytes for f in frames)

@@ -62,65 +62,56 @@ class VideoGroupRef:
 
 @dataclass
 class ImageEmbedding:
-    """One image's (or one video group's) embedding as the LLM server receives it (docs/integration.md)."""
+    """One image's (or one video group's) embedding message: the one record the engine builds, rpc/wire.py
+    encodes and the LLM server's receiver decodes (docs/integration.md)."""
 
     request_id: str  # the /encode request it belongs to
     image_index: int  # position of the message in that request, 0-based: its images, then its videos' groups
     num_images: int  # messages of that request; they arrive in image_index order
     image_id: str  # hex sha256 of the image bytes as received by vitserve
     grid_thw: tuple[int, int, int]  # patch grid before spatial merge
-    num_tokens: int  # merged tokens = rows of the embedding
     embedding: torch.Tensor  # (num_tokens, dim)
     deepstack: list[torch.Tensor] = field(default_factory=list)  # each (n, d), Qwen3-VL / Qwen3.5 only
     model: str = ""  # the served model's name
-    dtype: str = "float32"  # "float32" | "float16" | "bfloat16", of embedding and deepstack
     message_id: str = ""  # unique per message; the acknowledgement names it, duplicates are dropped
     expires_at: float = 0.0  # Unix time (seconds); past it the message is dropped, never returned
     traceparent: str | None = None  # W3C trace context of the /encode request, when it had one
     video: VideoGroupRef | None = None  # a video's temporal group; None for an image
+    num_tokens: int = field(init=False)  # merged tokens = rows of the embedding
+    dtype: str = field(init=False)  # "float32" | "float16" | "bfloat16", of embedding and deepstack
+
+    def __post_init__(self) -> None:
+        self.num_tokens = int(self.embedding.shape[0]) if self.embedding.dim() else 0
+        self.dtype = dtype_name(self.embedding.dtype)
 
 
 # -- encode -----------------------------------------------------------------------------------------
-def encode_embedding_message(
-    *,
-    request_id: str,
-    image_index: int,
-    num_images: int,
-    image_id: str,
-    model: str,
-    grid_thw: Sequence[int],
-    embedding: torch.Tensor,
-    deepstack: Sequence[torch.Tensor] = (),
-    expires_at: float,
-    message_id: str | None = None,
-    traceparent: str | None = None,
-    video: VideoGroupRef | None = None,
-) -> list[bytes | memoryview]:
+def encode_embedding_message(message: ImageEmbedding) -> list[bytes | memoryview]:
     """The frames of one wire-format message. Tensor frames are zero-copy views of contiguous CPU tensors:
-    the caller must not modify `embedding`/`deepstack` in place until ZMQ has sent them.
-
-    expires_at: Unix time after which a receiver drops the message; message_id: a fresh uuid4 hex if None.
-    """
+    the caller must not modify the message's tensors in place until ZMQ has sent them. A message without a
+    message_id gets a fresh uuid4 hex (written back into the record)."""
+    embedding, deepstack = message.embedding, message.deepstack
+    message.message_id = message.message_id or uuid.uuid4().hex
     dtype = _embedding_dtype(embedding, deepstack)
     header: dict[str, Any] = {
         "v": WIRE_VERSION,
-        "message_id": uuid.uuid4().hex if message_id is None else message_id,
-        "expires_at": float(expires_at),
-        "request_id": request_id,
-        "image_index": image_index,
-        "num_images": num_images,
-        "image_id": image_id,
-        "model": model,
-        "grid_thw": [int(x) for x in grid_thw],
+        "message_id": message.message_id,
+        "expires_at": float(message.expires_at),
+        "request_id": message.request_id,
+        "image_index": message.image_index,
+        "num_images": message.num_images,
+        "image_id": message.image_id,
+        "model": message.model,
+        "grid_thw": [int(x) for x in message.grid_thw],
         "num_tokens": int(embedding.shape[0]),
         "dtype": dtype,
         "shape": list(embedding.shape),
         "deepstack_shapes": [list(d.shape) for d in deepstack],
     }
-    if traceparent is not None:
-        header["traceparent"] = traceparent
-    if video is not None:
-        header["video"] = video.to_header()
+    if message.traceparent is not None:
+        header["traceparent"] = message.traceparent
+    if message.video is not None:
+        header["video"] = message.video.to_header()
     _check_header(header)  # the sender refuses what a receiver would reject
     frames: list[bytes | memoryview] = [msgpack.packb(header, use_bin_type=True)]
     frames.append(tensor_to_buffer(embedding))
@@ -169,11 +160,9 @@ def decode_embedding_message(frames: Sequence[Any]) -> ImageEmbedding:
         num_images=header["num_images"],
         image_id=header["image_id"],
         grid_thw=tuple(header["grid_thw"]),
-        num_tokens=header["num_tokens"],
         embedding=embedding,
         deepstack=deepstack,
         model=header["model"],
-        dtype=dtype,
         message_id=header["message_id"],
         expires_at=header["expires_at"],
         traceparent=header.get("traceparent"),
