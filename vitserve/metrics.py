@@ -115,6 +115,12 @@ class Metrics:
             ["route", "code"],
             registry=r,
         )
+        self.upstream_request_bytes_total = Counter(
+            p + "upstream_request_bytes",
+            "Request body bytes sent to the LLM server (the embeddings inline, or only their metadata)",
+            ["route"],
+            registry=r,
+        )
         self.upstream_seconds = Histogram(
             p + "upstream_seconds",
             "Latency of calls to the LLM server by phase: first_byte (its response headers), total (its "
