@@ -19,6 +19,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _FILL_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.85, 0.9, 0.95, 1.0)
+_BYTES_BUCKETS = (1024, 4096, 16384, 65536, 262144, 2**20, 2**22, 2**24, 2**26, 2**28)
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -115,18 +116,18 @@ class Metrics:
             ["route", "code"],
             registry=r,
         )
-        self.upstream_request_bytes_total = Counter(
-            p + "upstream_request_bytes",
-            "Request body bytes sent to the LLM server (the embeddings inline, or only their metadata)",
-            ["route"],
-            registry=r,
-        )
         self.upstream_seconds = Histogram(
             p + "upstream_seconds",
             "Latency of calls to the LLM server by phase: first_byte (its response headers), total (its "
             "last byte)",
             ["phase"],
             buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.upstream_body_bytes = Histogram(
+            p + "upstream_body_bytes",
+            "Bytes of each chat completion body sent to the LLM server",
+            buckets=_BYTES_BUCKETS,
             registry=r,
         )
 

@@ -147,6 +147,7 @@ class ChatHandler:
         param[0] = None
 
     async def _forward(self, request: Request, body: bytes, stream: bool, traceparent: str) -> Response:
+        self.media.metrics.upstream_body_bytes.observe(len(body))
         deadline = time.monotonic() + self.config.llm_timeout_s
         extra = {k: request.headers[k] for k in _FORWARDED if k in request.headers}
         extra.update({"content-type": "application/json", "traceparent": traceparent})

@@ -68,7 +68,6 @@ class Upstream:
     async def send(self, route: str, request: httpx.Request, deadline: float) -> httpx.Response:
         """The response with its headers read and its body still streaming; the caller closes it."""
         start = time.perf_counter()
-        self.metrics.upstream_request_bytes_total.labels(route=route).inc(len(request.content))
         try:
             response = await self._within(self.client.send(request, stream=True), deadline)
         except VitserveError as err:
