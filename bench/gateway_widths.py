@@ -118,7 +118,7 @@ def _consumer(ec_dir: Path) -> tuple[str, ...]:
 def _vitserve(ckpt: Path, llm_url: str, tmp: Path, tree: Path, *extra: str) -> Cli:
     argv = ["--model", str(ckpt), "--port", "0", "--llm_url", llm_url, "--device", "cpu", "--dtype", "bfloat16",
             "--visual_batch_max_tokens", str(MAX_UNITS), "--cache_gb", "0", *extra]  # fmt: skip
-    server = Cli(argv, tmp, extra_env={"PYTHONPATH": str(tree)})
+    server = Cli(argv, tmp, extra_env={"PYTHONPATH": str(tree)}, cwd=tree)
     server.wait_ready(900)
     return server
 
