@@ -10,7 +10,8 @@ few layers as it needs, so the hand-over, not the prefill, is what differs betwe
 - qwen3_vl-4096x4: Qwen3-VL-8B's (4,096) with 3 DeepStack levels, so each row vLLM takes is 16,384 wide;
   three layers (DeepStack feeds the first three), 4 heads of 128 (the width is what matters here).
 Their MLPs are narrow (256) and their vision towers tiny, with the LLM's output width: the bench measures the
-hand-over, not the encode. vitserve runs the tower in bfloat16 (a GPU tower's dtype), vLLM in float32.
+hand-over, not the encode. vitserve runs the tower in bfloat16 (a GPU tower's dtype; `--dtype float32` for a
+CPU without bf16 instructions), vLLM in float32.
 
 One real vLLM per checkpoint, an encoder-cache consumer of a directory in /dev/shm (a consumer still takes raw
 images and inline embeddings); in front of it, vitserve `--llm_transport inline` and, where the vitserve tree
@@ -115,8 +116,8 @@ def _consumer(ec_dir: Path) -> tuple[str, ...]:
     return ("--ec-transfer-config", json.dumps(config), "--max-model-len", "4096")
 
 
-def _vitserve(ckpt: Path, llm_url: str, tmp: Path, tree: Path, *extra: str) -> Cli:
-    argv = ["--model", str(ckpt), "--port", "0", "--llm_url", llm_url, "--device", "cpu", "--dtype", "bfloat16",
+def _vitserve(ckpt: Path, llm_url: str, tmp: Path, tree: Path, dtype: str, *extra: str) -> Cli:
+    argv = ["--model", str(ckpt), "--port", "0", "--llm_url", llm_url, "--device", "cpu", "--dtype", dtype,
             "--visual_batch_max_tokens", str(MAX_UNITS), "--cache_gb", "0", *extra]  # fmt: skip
     server = Cli(argv, tmp, extra_env={"PYTHONPATH": str(tree)}, cwd=tree)
     server.wait_ready(900)
@@ -159,10 +160,12 @@ def run_model(name: str, tmp: Path, args: argparse.Namespace, points: list[dict]
     vllm = VllmServer(ckpt, tmp, limit_mm={"image": 1, "video": 0}, extra_args=_consumer(ec_dir))
     servers: dict[str, Cli] = {}
     try:
-        servers["inline"] = _vitserve(ckpt, vllm.url, tmp / f"{name}-inline", ROOT)
+        servers["inline"] = _vitserve(ckpt, vllm.url, tmp / f"{name}-inline", ROOT, args.dtype)
         if args.ec_tree != "none":
             ec = ["--llm_transport", "ec_storage", "--ec_storage_path", str(ec_dir)]
-            servers["ec_storage"] = _vitserve(ckpt, vllm.url, tmp / f"{name}-ec", Path(args.ec_tree), *ec)
+            servers["ec_storage"] = _vitserve(
+                ckpt, vllm.url, tmp / f"{name}-ec", Path(args.ec_tree), args.dtype, *ec
+            )
         urls = {"vllm": vllm.url, **{mode: s.url for mode, s in servers.items()}}
         for i, (size, requests) in enumerate((("448px", args.requests), ("1080p", args.requests))):
             modes = list(urls) if i % 2 == 0 else list(reversed(urls))
@@ -204,6 +207,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 requests per point")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--dtype", default="bfloat16", help="vitserve's --dtype (a CPU without bf16 emulates it)")
     ap.add_argument("--ec_tree", default=str(ROOT),
                     help="the vitserve tree whose ec_storage is measured; 'none' leaves the mode out")  # fmt: skip
     args = ap.parse_args()
