@@ -66,7 +66,7 @@ class Modes:
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
         from vitserve.video.decode import VideoLimits
-        from vitserve.video.decoder import VideoDecoder
+        from vitserve.video.decoder_pool import VideoDecoder
         from vitserve.video.sampling import SamplingRules
 
         self.path, self.data = path, path.read_bytes()
@@ -137,7 +137,7 @@ def check(frames: dict[str, np.ndarray], indices: dict[str, list[int]], size: tu
 def bench_clip(path: Path, gop: int, repeats: int) -> dict[str, Any]:
     import torch
 
-    torch.set_num_threads(1)  # as in a decoder process (vitserve/video/decoder.py)
+    torch.set_num_threads(1)  # as in a decoder process (vitserve/video/decoder_pool.py)
     modes = Modes(path)
     _POOL_PIDS[:] = modes.pool.pids()
     try:

@@ -4,7 +4,7 @@ PyPI's torchvision is a CUDA build; beside the CPU build of torch its import fai
 torchvision::nms and torchvision::qnms are then undefined. This import hook defines the two schemas the first
 time torchvision is imported (and imports nothing before that), so transformers' torchvision ("fast") image
 processors, whose resize code is pure torch, work in every process of that venv. vitserve itself never needs
-torchvision (tests/unit/test_pixels_torch.py runs it with torchvision unimportable).
+torchvision (tests/integration/test_fresh_interpreter.py runs it with torchvision unimportable).
 """
 
 import importlib.abc

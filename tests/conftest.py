@@ -66,16 +66,16 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def forkserver() -> None:
-    """The ranks' warm forkserver (vitserve/worker/zygote.py), started once for the session as the CLI starts
+    """The ranks' warm forkserver (vitserve/processes/zygote.py), started once for the session as the CLI starts
     it: every rank an in-process engine or tests/dist.py starts afterwards is forked with torch, zmq and the
     rank's modules already imported, instead of a spawned interpreter importing them again (~7 s of CPU on
-    2 cores, for each of ~45 engine starts). It dies with the pytest process (forkserver_guard.py).
+    2 cores, for each of ~45 engine starts). It dies with the pytest process (processes/guard.py).
 
     A forked rank writes to the forkserver's stdout and stderr, not to this process's at the time it starts
     (as a spawned one did), so they are a pipe whose bytes a thread copies to this process's fd 2 as they
     come: rank output lands in the running test's captured output (capfd, failure reports)."""
     from vitserve.checkpoint import Checkpoint
-    from vitserve.worker import zygote
+    from vitserve.processes import zygote
 
     read_end, write_end = os.pipe()
     saved = os.dup(1), os.dup(2)

@@ -1,5 +1,5 @@
 """Run a function on N real gloo ranks (127.0.0.1, free port, short timeout), started as the engine starts its
-ranks (vitserve/worker/zygote.py): forked from the session's forkserver once tests/conftest.py started it,
+ranks (vitserve/processes/zygote.py): forked from the session's forkserver once tests/conftest.py started it,
 spawned otherwise.
 
     results = run_ranks(fn, world_size, *args)   # fn(rank, world_size, *args) -> picklable; one result per rank
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vitserve import start_method
+from vitserve import processes
 
 
 def free_port() -> int:
@@ -36,7 +36,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 30.0) -> list:
             args=(world_size, port, timeout_s, tmp, fn, args),
             nprocs=world_size,
             join=True,
-            start_method=start_method.context().get_start_method(),
+            start_method=processes.context().get_start_method(),
         )
         return [torch.load(Path(tmp) / f"{rank}.pt", weights_only=False) for rank in range(world_size)]
 

@@ -22,6 +22,7 @@ from vitserve.engine import Engine
 from vitserve.engine.groups import WorkerGroup
 from vitserve.worker import messages as m
 from vitserve.worker.rank import RankWorker, WorkerArgs
+from vitserve.worker.reservation.worst_case import qwen_item
 
 # ------------------------------------------------------------------------------------------------------
 # FakeEncoder: a deterministic Encoder with real computation and, at tp > 1, a real collective.
@@ -29,6 +30,8 @@ from vitserve.worker.rank import RankWorker, WorkerArgs
 
 FAKE_PATCH_COLS = 3 * 2 * 14 * 14  # one Qwen2.5-VL patch row (C*T*P*P), so reservation's worst case fits
 FAKE_MERGE = 4  # rows merged into one token, like the 2x2 spatial merge
+# The vision config fake_item's pixels follow: FAKE_MERGE = merge^2 rows of FAKE_PATCH_COLS = C*T*P*P each
+FAKE_VISION = SimpleNamespace(spatial_merge_size=2, patch_size=14, temporal_patch_size=2, in_channels=3)
 
 
 def fake_weight(embed_dim: int, seed: int) -> torch.Tensor:
@@ -39,17 +42,9 @@ def fake_weight(embed_dim: int, seed: int) -> torch.Tensor:
 
 
 def fake_item(h_tokens: int, w_tokens: int, seed: int) -> ProcessedImage:
-    """An image of h_tokens x w_tokens merged tokens, with seeded pixels."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = FAKE_MERGE * h_tokens * w_tokens
-    pixels = torch.randn(rows, FAKE_PATCH_COLS, generator=gen)  # (4 * tokens, C*T*P*P)
-    return ProcessedImage(
-        pixel_values=pixels,
-        grid_thw=(1, 2 * h_tokens, 2 * w_tokens),
-        num_tokens=h_tokens * w_tokens,
-        resized_size=(28 * w_tokens, 28 * h_tokens),
-        clamped=False,
-    )
+    """An image of h_tokens x w_tokens merged tokens, with seeded pixels: a Qwen2.5-VL-shaped item as the
+    reservation's stress batches make them."""
+    return qwen_item(FAKE_VISION, (h_tokens, w_tokens), seed)
 
 
 def fake_reference(item: ProcessedImage, embed_dim: int = 32, seed: int = 0) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """How the suite shares the machine between pytest-xdist workers (`-n 2 --dist loadscope --no-loadscope-reorder`).
 
-Measured on 2 cores (README "Development"): serial, the suite used 52-68% of them (start-ups of subprocesses,
+Measured on 2 cores (bench/RESULTS.md, "The test suite"): serial, the suite used 52-68% of them (start-ups of subprocesses,
 waits on servers); workers keep both busy (91-95%), which makes the run CPU-bound: two workers were the faster
 of two and three, ~1.15x over serial. What the workers must not do, and how it is prevented here:
 
@@ -136,7 +136,7 @@ def end_with_the_run(config: pytest.Config) -> None:
     if "PYTEST_XDIST_WORKER" in os.environ:
         import ctypes
 
-        from vitserve.worker.forkserver_guard import PR_SET_PDEATHSIG
+        from vitserve.processes.guard import PR_SET_PDEATHSIG
 
         controller = os.getppid()
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

@@ -4,7 +4,7 @@ A `Checkpoint` holds every JSON file vitserve reads from a checkpoint directory 
 processor's config, the video processor's config), the family they resolve to (vitserve/families.py), the
 vision tower's patch geometry, the hidden size of the language model that will take the embeddings, and the
 definition of the weights' content digest. It is built once at the entry point and passed down: to the
-start-up checks (preflight.py), the image processor (processors/), the forkserver's preload (worker/zygote.py)
+start-up checks (preflight.py), the image processor (processors/), the forkserver's preload (processes/zygote.py)
 and, pickled with the rank's arguments, to the loader (model/loader.py), which feeds each vision tensor it
 reads to `WeightsDigest`. No other module opens these files.
 

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
         checkpoint = preflight.check(config)  # settings that can never serve exit 2 before anything slow
-        from vitserve.worker import zygote  # light: the forkserver imports the heavy modules, not us
+        from vitserve.processes import zygote  # light: the forkserver imports the heavy modules, not us
 
         zygote.start(checkpoint)  # the ranks' imports run beside ours from here on
         if config.node_rank > 0:  # ranks only: no HTTP, no queue (docs/engine.md, Nodes)

@@ -32,6 +32,13 @@ class Config:
     llm_url: str | None = None
     llm_api_key: str | None = field(default=None, repr=False)  # never logged, never in the banner
     llm_timeout_s: float = 600.0
+    # how the front door hands embeddings over (docs/vllm.md): "inline" in the JSON body, or "ec_storage": as
+    # vLLM's encoder-cache producer, files under ec_storage_path (the consumer's shared_storage_path), an unused
+    # file kept ec_ttl_s at most, the directory bounded to ec_storage_gb (least recently used first)
+    llm_transport: str = "inline"
+    ec_storage_path: str | None = None
+    ec_ttl_s: float = 600.0
+    ec_storage_gb: float = 4.0
     max_queue_tokens: int | None = None  # None -> 4 x budget (see queue_token_limit)
     max_images_per_request: int = 32
     max_request_bytes: int = 64 * MIB

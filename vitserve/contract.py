@@ -186,6 +186,9 @@ class EngineInfo:
     dp: int
     reserved_memory_bytes: dict[int, int]  # global rank -> bytes reserved for the worst-case batch
     reserved_source: Literal["stress", "override"]
+    # everything besides an image's bytes that decides its embedding (the weights' content digest, budget,
+    # resize, dtype, versions: the engine cache's fingerprint); "" until the ranks are ready
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from vitserve.errors import ConfigError
 from vitserve.families import FAMILY_CHOICES
 
 T = TypeVar("T")
-# Each video decoder is a process that may map up to 4 GiB (vitserve/video/decoder.py): more than this many is a
+# Each video decoder is a process that may map up to 4 GiB (vitserve/video/decoder_pool.py): more than this many is a
 # typo on any machine, not a setting.
 MAX_VIDEO_DECODERS = 64
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -168,6 +168,19 @@ FLAGS: dict[str, Flag] = {
         _optional(str), "LLM handoff", "sent to --llm_url as 'Authorization: Bearer KEY' (never logged)"
     ),
     "llm_timeout_s": Flag(float, "LLM handoff", "deadline for one completion from --llm_url (502/504 after)"),
+    "llm_transport": Flag(
+        str,
+        "LLM handoff",
+        "inline | ec_storage: embeddings in the JSON body to --llm_url, or written to --ec_storage_path for a "
+        "vLLM encoder-cache consumer with a metadata-only part sent (docs/vllm.md)",
+    ),
+    "ec_storage_path": Flag(
+        _optional(str), "LLM handoff", "the vLLM EC consumer's shared_storage_path (ec_storage only)"
+    ),
+    "ec_ttl_s": Flag(float, "LLM handoff", "an encoder-cache file no request uses is removed after this"),
+    "ec_storage_gb": Flag(
+        float, "LLM handoff", "bound on the encoder-cache files' bytes; least recently used go first"
+    ),
     "cache_gb": Flag(float, "cache", "encoder-output cache size; 0 disables"),
     "cache_url": Flag(
         _optional(str),
@@ -316,6 +329,8 @@ def validate(config: Config) -> None:
         "heartbeat_s",
         "dist_timeout_s",
         "llm_timeout_s",
+        "ec_ttl_s",
+        "ec_storage_gb",
     )
     _positive(
         config,
@@ -348,6 +363,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"--llm_endpoint {config.llm_endpoint!r} must be tcp://host:port or ipc:///path")
     _check_cache_url(config.cache_url)
     _check_llm_url(config)
+    _check_llm_transport(config)
     if config.otlp_endpoint is not None and not re.match(r"^https?://[^/]+", config.otlp_endpoint):
         raise ConfigError(
             f"--otlp_endpoint {config.otlp_endpoint!r} must be an http(s) URL, e.g. http://127.0.0.1:4318"
@@ -363,6 +379,23 @@ def _check_llm_url(config: Config) -> None:
     if config.llm_endpoint is not None:
         raise ConfigError(
             "--llm_url and --llm_endpoint are two ways to hand embeddings to an LLM server; set one of them"
+        )
+
+
+def _check_llm_transport(config: Config) -> None:
+    """ec_storage needs the LLM server (--llm_url) and the directory it reads (preflight checks that it is
+    writable and that the family's vLLM parser takes metadata-only parts)."""
+    if config.llm_transport not in ("inline", "ec_storage"):
+        raise ConfigError(f"--llm_transport {config.llm_transport!r} is not one of inline, ec_storage")
+    if config.llm_transport == "inline":
+        if config.ec_storage_path is not None:
+            raise ConfigError("--ec_storage_path is used only with --llm_transport ec_storage")
+        return
+    if config.llm_url is None:
+        raise ConfigError("--llm_transport ec_storage hands embeddings to the LLM server: set --llm_url")
+    if config.ec_storage_path is None:
+        raise ConfigError(
+            "--llm_transport ec_storage needs --ec_storage_path DIR, the vLLM consumer's shared_storage_path"
         )
 
 

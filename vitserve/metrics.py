@@ -130,6 +130,25 @@ class Metrics:
             buckets=_BYTES_BUCKETS,
             registry=r,
         )
+        # The encoder-cache hand-over (--llm_transport ec_storage): the files under --ec_storage_path.
+        self.ec_files = Gauge(p + "ec_files", "Encoder-cache files vitserve holds", registry=r)
+        self.ec_bytes = Gauge(p + "ec_bytes", "Bytes of the encoder-cache files vitserve holds", registry=r)
+        self.ec_writes_total = Counter(p + "ec_writes", "Encoder-cache files written", registry=r)
+        self.ec_reuses_total = Counter(
+            p + "ec_reuses",
+            "Encoder-cache files named again instead of written (their image not encoded)",
+            registry=r,
+        )
+        self.ec_evictions_total = Counter(
+            p + "ec_evictions",
+            "Encoder-cache files removed by reason: ttl (--ec_ttl_s), bytes (--ec_storage_gb), vanished "
+            "(removed by someone else)",
+            ["reason"],
+            registry=r,
+        )
+        self.ec_swept_dirs_total = Counter(
+            p + "ec_swept_dirs", "Empty directories vLLM's lookups left, removed", registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

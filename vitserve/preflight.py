@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import tempfile
 from collections.abc import Mapping
 from functools import reduce
 from pathlib import Path
@@ -35,6 +36,8 @@ def check(config: Config) -> Checkpoint:
     check_tp(config.tp, checkpoint.family, checkpoint.vision)
     if config.llm_url is not None:
         llm_embeds_width(checkpoint)
+    if config.llm_transport == "ec_storage":
+        check_ec_storage(config, checkpoint.family)
     smallest = smallest_image(checkpoint)
     if smallest is not None:
         check_budget(config.budget_tokens, checkpoint.family, *smallest)
@@ -52,6 +55,26 @@ def llm_embeds_width(checkpoint: Checkpoint) -> int:
             "server must match); give --model /path/to/checkpoint"
         )
     return width
+
+
+def check_ec_storage(config: Config, family: Family) -> None:
+    """--llm_transport ec_storage: a family whose vLLM parser takes a metadata-only part, and a directory
+    this process can create files in (made if missing)."""
+    if family.layout == "tiles":
+        raise ConfigError(
+            f"--llm_transport ec_storage cannot serve {family.name}: vLLM takes its image embeddings only as a "
+            "bare tensor, with no metadata-only form; use --llm_transport inline"
+        )
+    path = Path(config.ec_storage_path or "")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".vitserve-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"--ec_storage_path {path} is not a writable directory ({exc.strerror or exc}); give the "
+            "directory the vLLM consumer reads (its shared_storage_path)"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------------------ --tp

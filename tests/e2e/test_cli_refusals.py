@@ -90,3 +90,12 @@ def test_ipc_endpoint_whose_directory_cannot_be_made(tmp_path):
     line = refuse(tmp_path, "--model", "demo", "--llm_endpoint", f"ipc://{tmp_path}/file/llm.sock")
     assert "--llm_endpoint" in line
     assert "cannot create its directory" in line
+
+
+def test_internvl_chat_checkpoint(tmp_path):
+    """The remote-code InternVL layout is refused by the one family check (vitserve/families.py)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "internvl_chat"}))
+    line = refuse(tmp_path, "--model", str(ckpt))
+    assert line.startswith("vitserve: start-up failed: --model: model_type 'internvl_chat'")

@@ -41,7 +41,7 @@ def alive(pid: int) -> bool:
 
 
 def rank_pids(pid: int) -> list[int]:
-    """Descendants that are encoder ranks: forked from the ranks' forkserver (vitserve/worker/zygote.py; the
+    """Descendants that are encoder ranks: forked from the ranks' forkserver (vitserve/processes/zygote.py; the
     forkserver is the service's child, a rank is the forkserver's child with the same command line), or
     started by multiprocessing's spawn."""
     ranks = []

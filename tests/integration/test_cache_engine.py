@@ -17,7 +17,7 @@ from tests.integration.engine_helpers import encode as engine_encode
 from tests.receivers import ReceiverThread
 from vitserve.contract import EncodedImage
 from vitserve.engine import Engine
-from vitserve.engine.cache import cache_fingerprint, entry_nbytes
+from vitserve.engine.local_cache import cache_fingerprint, entry_nbytes
 from vitserve.errors import Timeout
 from vitserve.metrics import Metrics
 

@@ -16,14 +16,15 @@ published bytes makes the growth exceed them by tens of MiB).
 from __future__ import annotations
 
 import re
+import types
 
 import pytest
-import torch
 
 from tests.checkpoints import VISION_CONFIGS, make_checkpoint
 from tests.integration.engine_helpers import deadline, encode, make_config, running_engine
 from vitserve.contract import ProcessedImage
 from vitserve.reservation_file import read_reservation
+from vitserve.worker.reservation.worst_case import qwen_item
 
 BUDGET = 1024  # merged tokens per batch
 MAX_IMAGES = 8  # --visual_infer_batch_size
@@ -43,19 +44,8 @@ COMPOSITIONS = {
 
 
 def _item(family: str, rows: int, cols: int, seed: int) -> ProcessedImage:
-    """What the processor hands the engine for a (rows x cols)-token image: (h*w, C*T*P*P) patches."""
-    vision = VISION_CONFIGS[family]
-    merge, patch, temporal = vision["spatial_merge_size"], vision["patch_size"], vision["temporal_patch_size"]
-    h, w = rows * merge, cols * merge
-    gen = torch.Generator().manual_seed(seed)
-    pixels = torch.randn(h * w, 3 * temporal * patch * patch, generator=gen)  # (h*w, C*T*P*P)
-    return ProcessedImage(
-        pixel_values=pixels,
-        grid_thw=(1, h, w),
-        num_tokens=rows * cols,
-        resized_size=(w * patch, h * patch),
-        clamped=False,
-    )
+    """What the processor hands the engine for a (rows x cols)-token image (the stress batches' own items)."""
+    return qwen_item(types.SimpleNamespace(**VISION_CONFIGS[family]), (rows, cols), seed)
 
 
 def _vm_kib(pid: int, key: str) -> int:

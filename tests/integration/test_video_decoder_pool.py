@@ -1,4 +1,4 @@
-"""The video decoder pool (vitserve/video/decoder.py): real spawned processes under real rlimits.
+"""The video decoder pool (vitserve/video/decoder_pool.py): real spawned processes under real rlimits.
 
 Each test ends by checking the pool still serves. A decoder that runs past its wall deadline or its CPU limit
 is killed (504), one that dies on a call (a signal sent to it mid-decode, as a segfault in FFmpeg would) costs
@@ -22,7 +22,7 @@ from tests.videos import KINDS, frame_number, make_clip, mutants, reference_fram
 from vitserve.errors import InvalidVideo, PayloadTooLarge, UnsupportedVideo, VideoDecodeTimeout, VitserveError
 from vitserve.processors.pixels import resize_uint8
 from vitserve.video.decode import VideoLimits
-from vitserve.video.decoder import DECODER_NICE, VideoDecoder
+from vitserve.video.decoder_pool import DECODER_NICE, VideoDecoder
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 DEADLINE_S = 120.0  # generous: the machine running the suite may be busy

@@ -3,7 +3,7 @@ the process on a finding, so it cannot run inside pytest).
 
     python -m tests.unit.fuzz_decode_target [libFuzzer flags] CORPUS_DIR
 
-Every input goes through what the API does to an uploaded image (vitserve/api/pipeline.py): decode_image,
+Every input goes through what the API does to an uploaded image (vitserve/api/preprocess.py): decode_image,
 then the processor's preprocess on what decoded. Only the documented typed errors may escape; anything
 else is re-raised, so atheris saves the input (-artifact_prefix) and exits non-zero.
 """

@@ -22,7 +22,7 @@ from tests.profiles import examples
 from vitserve.errors import AspectRatioTooLarge, OverTokenBudget
 from vitserve.families import FAMILIES
 from vitserve.processors import load_image_processor
-from vitserve.processors.budget import plan_qwen, plan_tiles
+from vitserve.processors.budget import plan_qwen, plan_tiles, shrink_grid
 
 families = st.sampled_from(list(FAMILIES))
 # Uniform draws almost never hit HF's overshoots (thin images, small budgets); mix in small values so
@@ -236,3 +236,22 @@ def test_plan_property_reached_the_overshoot_cases():
     if not STATS:
         test_plan_tokens_within_budget_or_documented_error()
     assert STATS["non_native"] >= examples(100), STATS  # ~6% of the examples
+
+
+@given(gh=st.integers(1, 400), gw=st.integers(1, 400), budget=st.integers(1, 16384))
+@settings(max_examples=examples(2000))
+def test_one_shrink_rule_for_images_and_frames(gh, gw, budget):
+    """shrink_grid (images' shrink branch and video frames, video/plan.py) fits the budget, never grows a
+    side, keeps what already fits, and where images reach it (HF forced one side to a single patch group)
+    caps the other side at the budget: the rule images had before video frames shared it."""
+    fh, fw = shrink_grid(gh, gw, budget)
+    assert 1 <= fh <= gh
+    assert 1 <= fw <= gw
+    assert fh * fw <= budget or (fh, fw) == (1, 1)
+    if gh * gw <= budget:
+        assert (fh, fw) == (gh, gw)
+    elif min(gh, gw) == 1:
+        assert (fh, fw) == ((1, min(gw, budget)) if gh == 1 else (min(gh, budget), 1))
+    elif min(fh, fw) > 1:  # both sides scaled by one factor, then floored: under one token off each side
+        error = abs(Fraction(fh * gw, fw * gh) - 1)
+        assert error <= Fraction(2, min(fh, fw) - 1)

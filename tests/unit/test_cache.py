@@ -7,7 +7,7 @@ import torch
 
 from vitserve.config import Config
 from vitserve.contract import EncodedImage
-from vitserve.engine.cache import (
+from vitserve.engine.local_cache import (
     EmbeddingCache,
     cache_bytes_from_gb,
     cache_fingerprint,

@@ -7,8 +7,6 @@ import ast
 import json
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -118,14 +116,6 @@ def test_the_demo_is_a_seeded_checkpoint_without_files():
         Checkpoint.demo("qwen3_vl")
     # the demo's processor is the family's public defaults, and agrees with its tower
     assert load_image_processor(demo).clamp_info() == load_image_processor("qwen2_5_vl").clamp_info()
-
-
-def test_the_demo_digest_is_the_same_in_every_process():
-    code = "from vitserve.model import load_encoder; print(load_encoder('demo').weights_digest)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    here = load_encoder(DEMO).weights_digest
-    assert out.stdout.strip().splitlines()[-1] == here
-    assert len(here) == 64
 
 
 # ------------------------------------------------------------------------------------------------ digest

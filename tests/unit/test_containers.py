@@ -2,17 +2,16 @@
 
 No Docker engine or cluster runs here, so these read the files: the versions pinned in docker/versions.env
 against pyproject.toml's bounds, transformers' own bounds and what this suite runs on; the healthchecks
-and probes against vitserve's real routes and flags (the HEALTHCHECK script runs against an HTTP server).
+and probes against vitserve's real routes and flags (tests/integration/test_healthcheck_script.py runs the
+HEALTHCHECK script against an HTTP server).
 """
 
 from __future__ import annotations
 
-import http.server
 import importlib.metadata
+import json
 import re
-import subprocess
 import sys
-import threading
 import tomllib
 from pathlib import Path
 
@@ -125,40 +124,6 @@ def test_dockerignore_keeps_venv_git_outputs_and_caches_out():
     for entry in (".git", ".venv", "bench", "**/__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"):
         assert entry in ignored
     assert not ignored & {"vitserve", "pyproject.toml", "README.md", "docker"}, "the build needs these"
-
-
-class _ReadyHandler(http.server.BaseHTTPRequestHandler):
-    status = 503
-    seen: list[tuple[str, str | None]] = []
-
-    def do_GET(self):  # noqa: N802 (http.server's name)
-        self.seen.append((self.path, self.headers.get("Authorization")))
-        self.send_response(self.status)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
-def test_healthcheck_script_passes_only_when_ready_answers_200():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ReadyHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    env = {"VITSERVE_PORT": str(server.server_port), "VITSERVE_API_KEY": "k1"}
-
-    def check() -> int:
-        script = ROOT / "docker" / "healthcheck.py"
-        return subprocess.run([sys.executable, script], env=env, capture_output=True, timeout=30).returncode
-
-    try:
-        _ReadyHandler.status = 503
-        assert check() == 1
-        _ReadyHandler.status = 200
-        assert check() == 0
-    finally:
-        server.shutdown()
-    assert _ReadyHandler.seen == [("/ready", "Bearer k1")] * 2
-    env["VITSERVE_PORT"] = str(server.server_port)  # now closed: nothing listens
-    assert check() == 1
 
 
 def test_compose_receiver_has_its_own_healthcheck_and_build_args_come_from_versions_env():
@@ -332,3 +297,26 @@ def test_scaling_doc_points_at_the_replicas_manifest():
     text = (ROOT / "docs" / "scaling.md").read_text()
     assert "deploy/k8s/vitserve-replicas.yaml" in text
     assert "allkeys-lru" in text
+
+
+def test_compose_vllm_ec_shares_the_directory_between_producer_and_consumer():
+    """docker/compose.vllm-ec.yaml (docs/vllm.md, "The encoder-cache hand-over"): vLLM is an EC consumer of
+    the directory vitserve writes (--ec_storage_path), both mount the one volume there, and vLLM publishes no
+    port (a client that reaches it could kill its engine with a uuid)."""
+    compose = yaml.safe_load((ROOT / "docker" / "compose.vllm-ec.yaml").read_text())
+    vllm, vitserve = compose["services"]["vllm"], compose["services"]["vitserve"]
+    config = build_config(vitserve["command"], {})
+    assert config.llm_transport == "ec_storage"
+    assert config.llm_url == "http://vllm:8000"
+    (ec,) = [a.split("=", 1)[1] for a in vllm["command"] if a.startswith("--ec-transfer-config=")]
+    ec = json.loads(ec)
+    assert ec["ec_connector"] == "ECExampleConnector"
+    assert ec["ec_role"] == "ec_consumer"
+    assert ec["ec_connector_extra_config"]["shared_storage_path"] == config.ec_storage_path
+    mounts = [f"{v}:{config.ec_storage_path}" for v in compose["volumes"]]
+    assert set(mounts) <= set(vllm["volumes"]) & set(vitserve["volumes"])
+    assert "ports" not in vllm
+    assert not any(a.startswith("--media-io-kwargs") for a in vllm["command"])  # it would change every uuid
+    inline = yaml.safe_load((ROOT / "docker" / "compose.vllm.yaml").read_text())["services"]["vitserve"]
+    assert vitserve["build"] == inline["build"]
+    assert vitserve["stop_grace_period"] == inline["stop_grace_period"]

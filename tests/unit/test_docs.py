@@ -28,6 +28,7 @@ from vitserve.flags import FLAGS, parse_bool
 NON_VITSERVE_FLAGS = {
     "bind": "python -m vitserve.rpc.receiver --bind ENDPOINT (the stand-in LLM side)",
     "check": "ruff format --check (scripts/lint.sh)",
+    "quick": "bash scripts/test.sh --quick, the quick tier (README, Development)",
     "env-file": "docker compose --env-file docker/versions.env (docs/deploy.md)",
     "build": "docker compose up --build (docs/deploy.md)",
     "nproc_per_node": "torchrun --nproc_per_node 1 (docs/engine.md, Nodes)",
@@ -38,6 +39,7 @@ NON_VITSERVE_FLAGS = {
     "media-io-kwargs": "vllm serve --media-io-kwargs (docs/vllm.md, Video)",
     "trust-request-mm-kwargs": "vllm serve --trust-request-mm-kwargs (docs/vllm.md, Video)",
     "gpu-memory-utilization": "vllm serve --gpu-memory-utilization (docs/vllm.md)",
+    "ec-transfer-config": "vllm serve --ec-transfer-config (docs/vllm.md, The encoder-cache hand-over)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
 # The outside notes' scenario IDs ("scenario L3", test_f5_..., "(B10)"): cite docs/design.md's invariants instead.
@@ -129,7 +131,7 @@ def test_doc_test_markers_are_understood(doc):
 def test_checks_catch_missing_files_and_links(tree):
     doc = ROOT / "docs" / "x.md"
     text = (
-        "See [api](api.md), [gone](nowhere.md), `vitserve/engine/service.py`, `processors/budget.py`, "
+        "See [api](api.md), [gone](nowhere.md), `vitserve/engine/engine.py`, `processors/budget.py`, "
         "`tests/integration/test_faults*.py`, `SPEC.md` and `vitserve/nothing.py`."
     )
     assert missing_paths(doc, text, tree) == ["link nowhere.md", "SPEC.md", "vitserve/nothing.py"]

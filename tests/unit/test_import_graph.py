@@ -27,7 +27,7 @@ def test_vitserve_imports_run_one_way():
 
 
 def test_a_cycle_is_found(tmp_path, monkeypatch):
-    """The check above can fail: a lazy import that closes a circle, as engine/cache.py once had."""
+    """The check above can fail: a lazy import that closes a circle, as engine/local_cache.py once had."""
     package = tmp_path / "circle"
     package.mkdir()
     (package / "__init__.py").write_text("")

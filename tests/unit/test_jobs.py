@@ -10,8 +10,8 @@ import torch
 from tests.fakes import fake_item
 from vitserve.config import Config
 from vitserve.contract import EncodedImage, PreparedImage
-from vitserve.engine.cache import make_cache
 from vitserve.engine.jobs import JobTable
+from vitserve.engine.local_cache import make_cache
 from vitserve.metrics import Metrics
 
 

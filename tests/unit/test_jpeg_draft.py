@@ -183,7 +183,7 @@ def test_bad_environment_value_names_the_variable():
 async def test_the_api_pipeline_uses_the_flag(jpeg_draft):
     import time
 
-    from vitserve.api.pipeline import Preprocessor
+    from vitserve.api.preprocess import Preprocessor
     from vitserve.metrics import Metrics
 
     processor = load_image_processor("qwen2_5_vl", budget_tokens=64)

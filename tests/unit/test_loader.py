@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,14 +18,16 @@ from vitserve.errors import ConfigError
 from vitserve.model import Encoder, load_encoder
 from vitserve.model.adapters import ADAPTERS
 from vitserve.model.weights import read_vision_weights
+from vitserve.worker.reservation import worst_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def qwen_item(grid=(1, 4, 6), patch=14, seed=0) -> ProcessedImage:
-    t, h, w = grid
-    pixels = torch.randn(t * h * w, 3 * 2 * patch * patch, generator=torch.Generator().manual_seed(seed))
-    return ProcessedImage(pixels, grid, t * h * w // 4, (w * patch, h * patch), False)
+    """An image of `grid` (1, h, w) patches, as the reservation's stress batches make one."""
+    _, h, w = grid
+    vision = SimpleNamespace(spatial_merge_size=2, patch_size=patch, temporal_patch_size=2)
+    return worst_case.qwen_item(vision, (h // 2, w // 2), seed)
 
 
 def language_only_shards(path: Path, family: str, layout: str) -> list[Path]:

@@ -12,8 +12,8 @@ import torch
 
 from vitserve.config import Config, redacted_url
 from vitserve.contract import EncodedImage
-from vitserve.engine.cache import cache_fingerprint
 from vitserve.engine.entry_format import FORMAT_VERSION, EntryError, decode_entry, encode_entry
+from vitserve.engine.local_cache import cache_fingerprint
 from vitserve.errors import ConfigError
 from vitserve.flags import build_config
 

@@ -1,6 +1,13 @@
 """The real vLLMs tests/vllm/test_front_door.py runs against, one per servable family plus Qwen2.5-VL without
 its tower ("bare"), each with its tiny checkpoint: started at once, without waiting for them.
 
+Every one is an encoder-cache consumer (docs/vllm.md) of `ec_dir(tmp)`, so the same servers take vitserve's
+inline embeddings, raw media, and --llm_transport ec_storage's files (a consumer still does the first two:
+the inline tests run against consumers). They take per-request `media_io_kwargs` (--trust-request-mm-kwargs)
+instead of a server-wide --media-io-kwargs, which vLLM would hash into every video uuid (api/ec_chat.py).
+"plain" is the one vLLM that is not a consumer (Qwen2.5-VL without a tower, the cheapest to start): it is
+what refuses ec_storage's metadata-only parts, and no consumer can show that.
+
 A start-up is ~1 minute of mostly one core's Python (~58 CPU-s: vLLM's CPU platform spawns its engine and
 worker processes, and each imports vLLM again). So a serial run starts them early, when tests/unit begins
 (tests/unit/conftest.py): those tests run in the pytest process on one core, the start-ups take the other,
@@ -18,10 +25,24 @@ from tests.vllm_server import VllmServer, vllm_venv_python
 
 CHECKPOINT_MAX_UNITS = 512  # the checkpoints' max_pixels in merge units (what vLLM alone allows)
 
-# family (or "bare") -> (checkpoint, its directory, the server)
+# family (or "bare", "plain") -> (checkpoint, its directory, the server)
 Servers = dict[str, tuple[Path, Path, VllmServer]]
 
 _early: Servers | None = None
+
+
+def ec_dir(tmp: Path) -> Path:
+    """The consumer's shared_storage_path for the servers under `tmp` (bare shares its family's)."""
+    return tmp / "ec"
+
+
+def consumer_args(tmp: Path) -> tuple[str, ...]:
+    config = {
+        "ec_connector": "ECExampleConnector",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"shared_storage_path": str(ec_dir(tmp))},
+    }
+    return ("--ec-transfer-config", json.dumps(config), "--trust-request-mm-kwargs")
 
 
 def start(root: Path) -> Servers:
@@ -39,12 +60,15 @@ def start(root: Path) -> Servers:
                     ckpt,
                     tmp,
                     limit_mm={"image": 4, "video": 1},
-                    extra_args=("--media-io-kwargs", json.dumps({"video": {"num_frames": -1}})),
+                    extra_args=consumer_args(tmp),
                     wait=False,
                 ),
             )
         ckpt, tmp, _ = started["qwen2_5_vl"]
-        started["bare"] = ckpt, tmp, VllmServer(ckpt, tmp, limit_mm={"image": 0, "video": 0}, wait=False)
+        no_tower = {"image": 0, "video": 0}
+        bare = VllmServer(ckpt, tmp, limit_mm=no_tower, extra_args=consumer_args(tmp), wait=False)
+        started["bare"] = ckpt, tmp, bare
+        started["plain"] = ckpt, tmp, VllmServer(ckpt, tmp, limit_mm=no_tower, wait=False)
     except BaseException:
         stop(started)
         raise

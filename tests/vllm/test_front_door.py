@@ -13,8 +13,8 @@ vitserve's budget (256 tokens) is half the checkpoints' own max_pixels (512 merg
 between the two is clamped by vitserve alone, and vLLM's usage.prompt_tokens shows the clamped count.
 
 The same vLLM takes one video per prompt (`--limit-mm-per-prompt` video 1, which changes nothing for images)
-and loads every frame of a raw video (`--media-io-kwargs` num_frames -1, not its 32-frame default), so its
-own video path and vitserve sample the same frames of a short clip.
+and loads every frame of a raw video (the request's `media_io_kwargs` num_frames -1, not its 32-frame default),
+so its own video path and vitserve sample the same frames of a short clip.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ import base64
 import io
 import json
 import re
-from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -34,59 +32,33 @@ import torch
 from PIL import Image
 
 from tests.checkpoints import SERVABLE_FAMILIES, hf_reference
-from tests.cli import Cli
 from tests.openai_chat import Answer, assert_same_answer, chat_request, complete, image_url_part
 from tests.videos import make_clip
 from tests.vllm import servers
-from tests.vllm_server import VllmServer
+
+# the ec_storage cases, run here against the same vLLMs (tests/vllm/ec_cases.py says why)
+from tests.vllm.ec_cases import (
+    ec,  # noqa: F401
+    test_ec_storage_a_broken_or_vanished_file_never_reaches_vllm,  # noqa: F401
+    test_ec_storage_a_repeated_image_reuses_its_file_and_encodes_nothing,  # noqa: F401
+    test_ec_storage_a_video_equals_vllms_own_video_path,  # noqa: F401
+    test_ec_storage_one_image_equals_vllms_own,  # noqa: F401
+    test_ec_storage_refuses_a_clients_uuid,  # noqa: F401
+    test_ec_storage_several_images_in_one_body_of_at_most_64_kib,  # noqa: F401
+    test_ec_storage_the_directory_stays_within_its_bound,  # noqa: F401
+    test_ec_storage_to_a_vllm_that_is_no_consumer_is_a_502_saying_how_to_start_it,  # noqa: F401
+    test_ec_storage_to_vllm_without_its_tower,  # noqa: F401
+)
+from tests.vllm.stack import BUDGET, Stack
+from tests.vllm.stack import metric as _metric
+from tests.vllm.stack import png as _png
+from tests.vllm.stack import start_vitserve as _vitserve
 from vitserve.api.inline import InlineTensor, dumps_body
 from vitserve.checkpoint import Checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-BUDGET = 256  # vitserve's per-image budget, below the checkpoints' own limit
 SIZES = {"exact": (112, 84), "resized": (301, 203), "clamped": (1500, 1000)}
 RAW_VIDEO_TOL = 1e-4  # vLLM's own video path against vitserve's video_embeds
-
-
-def _png(width: int, height: int, seed: int = 0) -> bytes:
-    """A smooth colour field with noise: resizing it changes pixels (unlike a flat colour)."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 / width, y * 255 / height, (x + y) * 127 / (width + height)], axis=-1)
-    pixels = np.clip(base + rng.normal(0, 25, base.shape), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-@dataclass
-class Stack:
-    family: str
-    ckpt: Path
-    vllm: VllmServer
-    vitserve: Cli
-    tmp: Path
-
-    @property
-    def model(self) -> str:
-        return str(self.ckpt)
-
-
-def _vitserve(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> Cli:
-    args = [
-        "--model",
-        str(ckpt),
-        "--port",
-        "0",
-        "--llm_url",
-        llm_url,
-        "--visual_batch_max_tokens",
-        str(BUDGET),
-    ]
-    args += ["--device", "cpu", "--heartbeat_s", "5", "--dist_timeout_s", "120", *extra]
-    server = Cli(args, tmp)
-    server.wait_ready(300)
-    return server
 
 
 @pytest.fixture(scope="module")
@@ -112,15 +84,6 @@ def stack(request, vllms):
     code = vitserve.terminate()
     vllm.stop()  # its memory back before the next family's tests
     assert code == 0, vitserve.text[-2000:]
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _vllm_requests(stack: Stack) -> float:
@@ -347,10 +310,10 @@ def test_a_video_gives_the_answer_of_vllm_given_transformers_video_embeddings(st
 
 
 def test_a_video_gives_the_answer_of_vllms_own_video_path(stack, clip):
-    """vLLM decodes the raw clip itself (OpenCV, every frame by --media-io-kwargs) and runs its own tower
-    (measured for Qwen2.5-VL: logprobs 2.4e-6 apart, the same tokens)."""
+    """vLLM decodes the raw clip itself (OpenCV, every frame by the request's media_io_kwargs) and runs its
+    own tower (measured for Qwen2.5-VL: logprobs 2.4e-6 apart, the same tokens)."""
     body = chat_request(stack.model, _video_url_part(clip))
-    direct = complete(stack.vllm.url, body)
+    direct = complete(stack.vllm.url, {**body, "media_io_kwargs": {"video": {"num_frames": -1}}})
     through = complete(stack.vitserve.url, {**body, "mm_processor_kwargs": VIDEO_SAMPLING})
     assert_same_answer(direct, through, tol=RAW_VIDEO_TOL)
 

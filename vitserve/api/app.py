@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,18 +17,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import vitserve
 from vitserve import preflight
 from vitserve.api.chat import CHAT_ROUTE, MODELS_ROUTE, ChatHandler
+from vitserve.api.ec_chat import EcHandover
+from vitserve.api.ec_store import EcStore
 from vitserve.api.edge import Edge, ServerState
 from vitserve.api.embeds import EmbedsLayout
 from vitserve.api.encode import EncodeHandler
 from vitserve.api.info import info_body
 from vitserve.api.media import MediaPipeline
 from vitserve.api.openapi import DOCS_ASSETS_URL, ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
-from vitserve.api.pipeline import Preprocessor
+from vitserve.api.preprocess import Preprocessor
 from vitserve.api.tracing import Tracing, make_tracing
 from vitserve.api.upstream import Upstream
 from vitserve.api.videos import VideoFrontEnd
 from vitserve.checkpoint import Checkpoint
-from vitserve.config import Config
+from vitserve.config import GIB, Config
 from vitserve.contract import Engine
 from vitserve.errors import InvalidRequest, NotReady, VitserveError, http_error
 from vitserve.metrics import CONTENT_TYPE, Metrics
@@ -154,7 +157,7 @@ def _add_front_door(
         width=preflight.llm_embeds_width(checkpoint),
         tokens_per_second=(checkpoint.config.get("vision_config") or {}).get("tokens_per_second"),
     )
-    chat = ChatHandler(config, media, tracing, upstream, layout)
+    chat = ChatHandler(config, media, tracing, upstream, layout, _ec_handover(config, media, layout))
 
     @app.post(CHAT_ROUTE, responses=ERROR_RESPONSES)
     async def chat_completions(request: Request) -> Response:
@@ -166,6 +169,19 @@ def _add_front_door(
     async def models(request: Request) -> Response:
         """The LLM server's model list, passed through."""
         return await chat.models(request)
+
+
+def _ec_handover(config: Config, media: MediaPipeline, layout: EmbedsLayout) -> EcHandover | None:
+    """--llm_transport ec_storage: the directory's files (an earlier run's taken over now) and the hand-over."""
+    if config.llm_transport != "ec_storage" or config.ec_storage_path is None:
+        return None
+    store = EcStore(
+        Path(config.ec_storage_path),
+        ttl_s=config.ec_ttl_s,
+        max_bytes=int(config.ec_storage_gb * GIB),
+        metrics=media.metrics,
+    )
+    return EcHandover(store, layout, lambda: media.engine.info().fingerprint)
 
 
 async def close_app(app: FastAPI) -> None:

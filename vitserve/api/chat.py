@@ -12,6 +12,7 @@ server's statuses and bodies pass through unchanged.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -20,11 +21,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from vitserve.api.body import ClientGone, read_body
 from vitserve.api.chat_parts import ChatParts, media_parts
+from vitserve.api.ec_chat import EcHandover, EcTicket
 from vitserve.api.embeds import EmbedsLayout, embeds_part, video_embeds_part
 from vitserve.api.inline import dumps_body
 from vitserve.api.inputs import VideoSource, check_count
@@ -32,6 +35,7 @@ from vitserve.api.media import INLINE_BODY_BYTES, Encoded, Media, MediaPipeline,
 from vitserve.api.tracing import Tracing
 from vitserve.api.upstream import Upstream, relayed_headers
 from vitserve.config import Config
+from vitserve.contract import ImageResult, PreparedImage
 from vitserve.errors import InvalidRequest, LLMTimeout, VitserveError, openai_error
 
 log = logging.getLogger(__name__)
@@ -43,14 +47,22 @@ _FORWARDED = ("accept", "x-request-id", "tracestate")
 
 class ChatHandler:
     def __init__(
-        self, config: Config, media: MediaPipeline, tracing: Tracing, upstream: Upstream, layout: EmbedsLayout
+        self,
+        config: Config,
+        media: MediaPipeline,
+        tracing: Tracing,
+        upstream: Upstream,
+        layout: EmbedsLayout,
+        ec: EcHandover | None = None,
     ):
         self.config = config
         self.media = media
         self.pre = media.pre
+        self.metrics = media.metrics
         self.tracing = tracing
         self.upstream = upstream
         self.layout = layout
+        self.ec = ec  # --llm_transport ec_storage (api/ec_chat.py); None: inline
 
     async def __call__(self, request: Request) -> Response:
         trace = self.tracing.start(request.headers.get("traceparent"))
@@ -73,18 +85,29 @@ class ChatHandler:
         body = await read_body(request, self.config.max_request_bytes)
         payload = await self._parsed(body)
         parts = media_parts(payload)
-        if parts:
-            self._check_videos_served(parts, param)
-            check_count(len(parts.images), self.config, len(parts.videos))
-            encoded = await self._encode(request, parts, deadline, traceparent, param)
-            if encoded is None:
-                log.info("chat request: client disconnected while its images queued; withdrawn")
-                return Response(status_code=499)
-            handover = time.perf_counter()  # the engine's results are here: until the body is ready to go
-            await self.pre.run(self._rewrite, parts, encoded, param)
-            body = await self.pre.run(dumps_body, payload)  # the embeddings' base64 spliced in
-            self.media.metrics.stage_seconds.labels(stage="handover").observe(time.perf_counter() - handover)
-        return await self._forward(request, body, payload.get("stream") is True, traceparent)
+        ticket = self.ec.ticket() if self.ec is not None and parts else None
+        streaming = False
+        try:
+            if parts:
+                self._check_videos_served(parts, param)
+                check_count(len(parts.images), self.config, len(parts.videos))
+                encoded = await self._encode(request, parts, deadline, traceparent, param, ticket)
+                if encoded is None:
+                    log.info("chat request: client disconnected while its images queued; withdrawn")
+                    return Response(status_code=499)
+                handover = time.perf_counter()  # the engine's results are here: until the body is ready to go
+                await self.pre.run(self._rewrite, parts, encoded, param, ticket)
+                if ticket is not None and self.ec is not None:
+                    self.ec.strip(payload)
+                    await self.pre.run(self.ec.check, ticket)  # just before: nothing upstream if one is gone
+                body = await self.pre.run(dumps_body, payload)  # inline: the embeddings' base64 spliced in
+                self.metrics.stage_seconds.labels(stage="handover").observe(time.perf_counter() - handover)
+            response = await self._forward(request, body, payload.get("stream") is True, traceparent, ticket)
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if ticket is not None and not streaming:  # a stream releases its files once relayed
+                ticket.release()
 
     async def _parsed(self, body: bytes) -> Any:
         if len(body) <= INLINE_BODY_BYTES:
@@ -107,8 +130,10 @@ class ChatHandler:
         deadline: float,
         traceparent: str,
         param: list[str | None],
+        ticket: EcTicket | None,
     ) -> Encoded | None:
-        """Every image and video of the request, prepared together and handed to the engine as one request."""
+        """Every image and video of the request, prepared together and handed to the engine as one request;
+        with ec_storage, an image whose file is still there is left out (its part is in the ticket)."""
         media = Media(
             f"chat-{uuid.uuid4()}",
             [p.source for p in parts.images],
@@ -117,7 +142,8 @@ class ChatHandler:
             traceparent=traceparent,
         )
         try:  # a video's time vLLM would misplace is refused before any encoding
-            work = await self.media.prepare(media, deadline, self.layout.check_video_time)
+            reuse = functools.partial(self.ec.image_hits, ticket) if self.ec and ticket else None
+            work = await self.media.prepare(media, deadline, self.layout.check_video_time, reuse)
         except VitserveError as err:
             if err.image_index is not None:
                 param[0] = parts.images[err.image_index].param
@@ -126,28 +152,47 @@ class ChatHandler:
             raise
         return await self.media.encode(request, work)
 
-    def _rewrite(self, parts: ChatParts, encoded: Encoded, param: list[str | None]) -> None:
-        """Each image_url and video_url part becomes the LLM's embedding part, in place (on the pool: it
-        concatenates DeepStack levels; the base64 is made in dumps_body)."""
+    def _rewrite(
+        self, parts: ChatParts, encoded: Encoded, param: list[str | None], ticket: EcTicket | None
+    ) -> None:
+        """Each image_url and video_url part becomes the LLM's embedding part, in place (on the pool: the
+        inline tensor, whose base64 dumps_body makes, or a file with ec_storage). An image the ticket
+        already has a part for was not encoded."""
         image_results, video_results = encoded.split()
-        for index, (part, image, result) in enumerate(
-            zip(parts.images, encoded.images, image_results, strict=True)
-        ):
+        done = ticket.hits if ticket is not None else [None] * len(parts.images)
+        fresh = iter(zip(encoded.images, image_results, strict=True))
+        for index, (part, new) in enumerate(zip(parts.images, done, strict=True)):
             param[0] = part.param
-            new = embeds_part(self.layout, image, result, index)
+            if new is None:
+                image, result = next(fresh)
+                new = self._image_part(image, result, index, ticket)
             part.part.clear()
             part.part.update(new)
         for index, (part, video, results) in enumerate(
             zip(parts.videos, encoded.videos, video_results, strict=True)
         ):
             param[0] = part.param
-            new = video_embeds_part(self.layout, video, results, index)
+            if ticket is not None and self.ec is not None:
+                new = self.ec.video_part(ticket, video, results, index)
+            else:
+                new = video_embeds_part(self.layout, video, results, index)
             part.part.clear()
             part.part.update(new)
         param[0] = None
 
-    async def _forward(self, request: Request, body: bytes, stream: bool, traceparent: str) -> Response:
-        self.media.metrics.upstream_body_bytes.observe(len(body))
+    def _image_part(
+        self, image: PreparedImage, result: ImageResult, index: int, ticket: EcTicket | None
+    ) -> dict[str, Any]:
+        if ticket is not None and self.ec is not None:
+            return self.ec.image_part(ticket, image, result, index)
+        return embeds_part(self.layout, image, result, index)
+
+    async def _forward(
+        self, request: Request, body: bytes, stream: bool, traceparent: str, ticket: EcTicket | None
+    ) -> Response:
+        """Send the request on; with ec_storage (a ticket), a non-consumer's refusal becomes vitserve's 502
+        and a stream releases the request's files once it ends."""
+        self.metrics.upstream_body_bytes.observe(len(body))
         deadline = time.monotonic() + self.config.llm_timeout_s
         extra = {k: request.headers[k] for k in _FORWARDED if k in request.headers}
         extra.update({"content-type": "application/json", "traceparent": traceparent})
@@ -156,23 +201,30 @@ class ChatHandler:
             "POST", CHAT_ROUTE, content=body, headers=headers
         )
         if not stream:
-            return await self._complete(request, upstream_request, deadline)
+            return await self._complete(request, upstream_request, deadline, ticket)
         response = await self.upstream.send(CHAT_ROUTE, upstream_request, deadline)
         if response.status_code != 200:  # an error before the stream began: its body, as it came
             content = await self.upstream.read(response, deadline)
+            if ticket is not None:
+                EcHandover.check_answer(response.status_code, content)
             return Response(content, response.status_code, relayed_headers(response.headers))
         return StreamingResponse(
-            self._relay(response, deadline),
+            self._relay(response, deadline, ticket),
             status_code=200,
             headers=relayed_headers(response.headers),
+            background=BackgroundTask(ticket.release) if ticket is not None else None,
         )
 
-    async def _complete(self, request: Request, upstream_request: httpx.Request, deadline: float) -> Response:
+    async def _complete(
+        self, request: Request, upstream_request: httpx.Request, deadline: float, ticket: EcTicket | None
+    ) -> Response:
         """One non-streamed completion, abandoned (the LLM server aborts it) if the client leaves first."""
 
         async def call() -> Response:
             response = await self.upstream.send(CHAT_ROUTE, upstream_request, deadline)
             content = await self.upstream.read(response, deadline)
+            if ticket is not None:
+                EcHandover.check_answer(response.status_code, content)
             return Response(content, response.status_code, relayed_headers(response.headers))
 
         late = lambda: LLMTimeout(  # noqa: E731
@@ -181,7 +233,9 @@ class ChatHandler:
         answer = await unless_gone(request, call(), deadline - time.monotonic() + 1.0, late)
         return answer if answer is not None else Response(status_code=499)
 
-    async def _relay(self, response: httpx.Response, deadline: float) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, response: httpx.Response, deadline: float, ticket: EcTicket | None
+    ) -> AsyncIterator[bytes]:
         """The event stream unchanged. A failure after the 200 went out can only be told in the stream: one
         `data: {"error": ...}` event, as vLLM itself reports errors mid-stream, then the end."""
         try:
@@ -190,6 +244,9 @@ class ChatHandler:
         except VitserveError as err:
             log.warning("chat stream from the LLM server ended early: %s", err.message)
             yield b"data: " + openai_error(err)[2] + b"\n\n"
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     def _client_auth(self, request: Request) -> str | None:
         """The client's Authorization goes upstream only when vitserve does not use it itself (--api_key)."""

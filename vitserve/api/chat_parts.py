@@ -18,7 +18,8 @@ from vitserve.api.inputs import ImageSource, VideoSource, decode_b64
 from vitserve.errors import InvalidRequest
 
 # Parts the client may not send: an embedding from outside would reach the LLM server unchecked, and some
-# malformed ones kill its engine (docs/vllm.md). vitserve makes them from images and videos.
+# malformed ones kill its engine (docs/vllm.md). vitserve makes them from images and videos. Nor a part's
+# `uuid`: an EC-consumer vLLM loads the file a uuid names (any path) and dies on one that is not there.
 _EMBEDS_PARTS = frozenset({"image_embeds", "video_embeds"})
 _MEDIA = {"image_url": "image", "video_url": "video"}
 SAMPLING_KWARGS = ("fps", "num_frames")  # the mm_processor_kwargs vitserve reads for videos
@@ -58,6 +59,11 @@ def media_parts(payload: Any) -> ChatParts:
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             param = f"messages[{i}].content[{j}]"
+            if isinstance(part, dict) and "uuid" in part:
+                raise InvalidRequest(
+                    f"{param}: a 'uuid' is not accepted; vitserve names the embeddings it sends the LLM "
+                    "server itself (docs/vllm.md)"
+                )
             if kind in _EMBEDS_PARTS:
                 raise InvalidRequest(
                     f"{param}: {kind} parts are not accepted; send the image or video itself "

@@ -148,12 +148,10 @@ def video_tensor(layout: EmbedsLayout, video: PreparedVideo, results: list[Image
     return torch.cat([main, *deep], dim=1) if deep else main
 
 
-def video_embeds_part(
+def checked_video_tensor(
     layout: EmbedsLayout, video: PreparedVideo, results: list[ImageResult], index: int
-) -> dict[str, Any]:
-    """The content part that replaces video `index`'s `video_url` part, checked: `video_grid_thw` [T, h, w],
-    and for Qwen3-VL / Qwen3.5 each group's `timestamps` (the "<t seconds>" text vLLM puts before it).
-    Qwen2.5-VL's second_per_grid_ts is not sent: vLLM takes none (check_video_time)."""
+) -> tuple[torch.Tensor, list[int]]:
+    """The video's tensor and its flat grid [T, h, w], refused (500) when its shape is not the LLM's."""
     tensor = video_tensor(layout, video, results)
     grid = [int(x) for x in video.metadata["grid_thw"]]  # type: ignore[attr-defined]
     rows = grid[0] * grid[1] * grid[2] // (layout.merge_size * layout.merge_size)
@@ -162,6 +160,16 @@ def video_embeds_part(
             f"video {index}: embedding of shape {tuple(tensor.shape)}, but the LLM server expects "
             f"({rows}, {layout.width}) for grid {grid} ({layout.family}); nothing was sent to it"
         )
+    return tensor, grid
+
+
+def video_embeds_part(
+    layout: EmbedsLayout, video: PreparedVideo, results: list[ImageResult], index: int
+) -> dict[str, Any]:
+    """The content part that replaces video `index`'s `video_url` part, checked: `video_grid_thw` [T, h, w],
+    and for Qwen3-VL / Qwen3.5 each group's `timestamps` (the "<t seconds>" text vLLM puts before it).
+    Qwen2.5-VL's second_per_grid_ts is not sent: vLLM takes none (check_video_time)."""
+    tensor, grid = checked_video_tensor(layout, video, results, index)
     embeds: dict[str, Any] = {"video_embeds": InlineTensor(tensor), "video_grid_thw": grid}
     if layout.video_time == "timestamps":
         embeds["timestamps"] = video.metadata["timestamps_s"]

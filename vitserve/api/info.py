@@ -31,7 +31,8 @@ BANNER_LINES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("limits", ("limits",)),
     ("video", ("video_decoders", "video_processor")),
     ("liveness", ("heartbeat_s", "dist_timeout_s")),
-    ("LLM", ("llm_endpoint", "llm_url", "llm_timeout_s")),
+    ("LLM", ("llm_endpoint", "llm_url", "llm_timeout_s", "llm_transport")),
+    ("encoder cache", ("ec_storage_path", "ec_ttl_s", "ec_storage_gb")),
     ("security", ("security",)),
     ("cache", ("cache",)),
     ("output", ("exact", "jpeg_draft", "image_resize")),
@@ -87,6 +88,10 @@ def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dic
         "llm_endpoint": config.llm_endpoint,
         "llm_url": _redacted(config.llm_url),
         "llm_timeout_s": config.llm_timeout_s,
+        "llm_transport": config.llm_transport,  # how --llm_url gets embeddings: inline or ec_storage
+        "ec_storage_path": config.ec_storage_path,  # the vLLM consumer's shared_storage_path; None: inline
+        "ec_ttl_s": config.ec_ttl_s,
+        "ec_storage_gb": config.ec_storage_gb,
         "security": {
             "api_key": config.api_key is not None,
             "llm_api_key": config.llm_api_key is not None,

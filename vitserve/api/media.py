@@ -1,6 +1,6 @@
 """The one media pipeline every route and LLM transport calls: from an admitted request to encoded items.
 
-admit (a full queue refuses before any decoding) -> fetch URLs -> prepare every image (api/pipeline.py's
+admit (a full queue refuses before any decoding) -> fetch URLs -> prepare every image (api/preprocess.py's
 pool) and every video (api/videos.py) -> the route's own checks of what was prepared -> the engine (queue,
 budget, cache claims, dedup, collect) -> `Encoded`: the request's items (EncodeRequest.items: every image,
 then every video's groups in time order) with their results.
@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from vitserve.api.inputs import ImageSource, VideoSource, fetch_sources
-from vitserve.api.pipeline import Preprocessor
+from vitserve.api.preprocess import Preprocessor
 from vitserve.api.videos import VideoFrontEnd
 from vitserve.config import Config
 from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo
@@ -98,15 +98,22 @@ class MediaPipeline:
         media: Media,
         deadline: float,
         check_video: Callable[[PreparedVideo], None] | None = None,
+        reuse: Callable[[list[bytes]], list[bool]] | None = None,
     ) -> EncodeRequest:
         """Admit, fetch, decode and preprocess every image and video; `check_video` refuses a prepared video
-        (its error gets the video's index). Raises the first item's VitserveError, counted as rejected."""
+        (its error gets the video's index); `reuse` (on the pool, given every image's bytes) says which
+        images need no encoding (--llm_transport ec_storage: their file is there): those are left out of
+        the request. Raises the first item's VitserveError, counted as rejected."""
         try:
             self.check_videos_served(len(media.videos))
             self.engine.admit(None)  # a full queue refuses before any decoding is spent
             blobs = await fetch_sources(list(media.images), self.config, deadline)
             video_blobs = await fetch_sources(list(media.videos), self.config, deadline)
-            prepared = await self.pre.prepare(blobs, deadline)
+            todo = list(range(len(blobs)))
+            if reuse is not None:
+                reused = await self.pre.run(reuse, blobs)
+                todo = [i for i, done in enumerate(reused) if not done]
+            prepared = await self._prepare([blobs[i] for i in todo], todo, deadline)
             videos: list[PreparedVideo] = []
             if media.videos and self.videos is not None:
                 videos = await self.videos.prepare_all(video_blobs, list(media.videos), deadline)
@@ -128,6 +135,8 @@ class MediaPipeline:
     async def encode(self, request: Request, work: EncodeRequest) -> Encoded | None:
         """The engine's results, or None when the client went away first (its queued items are withdrawn).
         Raises the engine's VitserveError (counted as rejected), or Timeout past the deadline's grace."""
+        if not work.images and not work.videos:  # every image was reused: nothing to encode
+            return Encoded(work, [])
         timeout_s = work.deadline - time.monotonic() + DEADLINE_GRACE_S
         try:
             results = await unless_gone(request, self.engine.encode(work), timeout_s, self._late)
@@ -135,6 +144,15 @@ class MediaPipeline:
             self.metrics.images_total.labels(outcome="rejected").inc(len(work.images))
             raise
         return None if results is None else Encoded(work, results)
+
+    async def _prepare(self, blobs: list[bytes], indices: list[int], deadline: float) -> list[PreparedImage]:
+        """The images to encode; an error names the image by its index in the request."""
+        try:
+            return await self.pre.prepare(blobs, deadline)
+        except VitserveError as err:
+            if err.image_index is not None:
+                err.image_index = indices[err.image_index]
+            raise
 
     def _late(self) -> VitserveError:
         return Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")

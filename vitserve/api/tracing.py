@@ -77,7 +77,7 @@ def stage_spans(
 
     decode covers fetching, decoding and preprocessing every image. Per image, queue starts when the
     engine got the request and encode follows it; images are handed to the LLM in order, each once it is
-    encoded and the one before it was handed over (engine/service.py), so handoff k starts at the later
+    encoded and the one before it was handed over (engine/engine.py), so handoff k starts at the later
     of the two. Nothing ends after the engine answered. For an image another request was already encoding,
     queue and encode are that encode's."""
     spans = [

@@ -1,7 +1,7 @@
 """Awaiting a request's Claims in order and handing each to the LLM push: the engine's send order.
 
-Images come first, then each video's temporal groups in time order (EncodeRequest's order). Item k goes to
---llm_endpoint only after items 0..k-1 were acknowledged, and its ImageResult is built here.
+The claims come in EncodeRequest.items order (images, then each video's temporal groups in time order).
+Item k goes to --llm_endpoint only after items 0..k-1 were acknowledged, and its ImageResult is built here.
 """
 
 from __future__ import annotations

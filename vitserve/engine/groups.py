@@ -34,7 +34,7 @@ from multiprocessing.process import BaseProcess
 
 import zmq
 
-from vitserve import start_method
+from vitserve import processes
 from vitserve.config import Config
 from vitserve.contract import ProcessedImage
 from vitserve.engine.jobs import Job
@@ -139,7 +139,7 @@ class WorkerGroup:
         )
 
     def spawn(self) -> None:
-        ctx = start_method.context()  # the warm forkserver when the CLI started one, else spawn
+        ctx = processes.context()  # the warm forkserver when the CLI started one, else spawn
         for rank in self.config.node_ranks:
             proc = ctx.Process(
                 target=run_worker,

@@ -3,7 +3,7 @@
 For each image of a request, Engine.encode asks the JobTable for a Claim:
   1. a cache hit (--cache_gb > 0): the stored EncodedImage; no queue, no encoder;
   2. an image with the same key already queued or being encoded (by this or another request): the
-     claim joins that Job (refcounted) and awaits its future through asyncio.shield (in Engine._collect),
+     claim joins that Job (refcounted) and awaits its future through asyncio.shield (in engine/collect.py),
      so one request's cancellation or timeout never cancels the encode the others still wait for;
   3. otherwise a new Job, which the engine hands to the dispatcher.
 `release()` drops a request's claims and returns the Jobs nobody claims any more; the engine tells the
@@ -11,7 +11,7 @@ dispatcher to cancel them (this module imports no dispatcher). A successful enco
 cache. Deduplication runs with --cache_gb 0 too: it costs one dict lookup per image.
 
 The key is the image bytes' sha256 (the API's image_id) plus the configuration fingerprint
-(engine/cache.py), set once the ranks reported their model, dtype and device. An image_id that is not
+(engine/local_cache.py), set once the ranks reported their model, dtype and device. An image_id that is not
 a sha256 hex digest (a caller's own label) says nothing about the content, so such an image is always
 encoded on its own. Everything here runs on the engine's event loop thread and never awaits between
 reading and updating the table, so it needs no lock.
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from vitserve.config import Config
 from vitserve.contract import EncodedImage, EngineInfo, PreparedImage, ProcessedImage
-from vitserve.engine.cache import EmbeddingCache, cache_fingerprint, cache_key
+from vitserve.engine.local_cache import EmbeddingCache, cache_fingerprint, cache_key
 
 
 @dataclass(eq=False)

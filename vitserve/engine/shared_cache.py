@@ -1,11 +1,11 @@
 """The shared cache layer (--cache_url): encoder outputs in Redis (or Valkey), read by every replica.
 
-An image the local LRU (engine/cache.py) does not hold is looked up here before it is encoded:
+An image the local LRU (engine/local_cache.py) does not hold is looked up here before it is encoded:
 
     local hit -> done | shared hit -> fills the local cache, done | miss -> lease -> encode -> SET
 
 - Keys: `vitserve:<fingerprint>:<sha256 of the image>`; the fingerprint covers the weights' content digest
-  (vitserve/checkpoint.py, reported by rank 0) and every setting that changes the output (engine/cache.py), so replicas with
+  (vitserve/checkpoint.py, reported by rank 0) and every setting that changes the output (engine/local_cache.py), so replicas with
   other weights or settings never read each other's entries. Values: engine/entry_format.py (versioned,
   sha256-checked); a value that fails its check is counted, deleted and treated as a miss.
 - Writes are one SET of the whole value (Redis applies it atomically), with PX --cache_ttl_s when set.
@@ -41,9 +41,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from vitserve.config import Config, redacted_url
 from vitserve.contract import EncodedImage
-from vitserve.engine.cache import entry_nbytes
 from vitserve.engine.entry_format import EntryError, decode_entry, encode_entry
 from vitserve.engine.jobs import Job
+from vitserve.engine.local_cache import entry_nbytes
 from vitserve.errors import NotReady
 from vitserve.metrics import Metrics
 

@@ -2,20 +2,19 @@
 
 F.linear on CPU is MKL's sgemm behind torch's addmm, which first copies the bias into every output row and
 then accumulates into it; oneDNN (bundled with torch, the kernels torch.compile's CPU backend calls) adds the
-bias inside its kernel. On the demo tower, fp32, 2 threads, the whole forward of one 224x224 image went from
-0.87-0.95x HF's to 0.80-0.85x, and 4 packed images from 0.91-0.92x to 0.76-0.87x (bench/RESULTS.md, "One image
-at a time"). The products differ from MKL's only in summation order: fp32 round-off, like the other fast
-forwards (1.3e-6 of the output's scale on the demo tower).
+bias inside its kernel, which shortens the forward of a small batch (bench/RESULTS.md, "oneDNN linear
+layers", has the measurements). The products differ from MKL's only in summation order: fp32 round-off,
+like the other fast forwards.
 
 Only where the result is certain to be the same product: CPU, float32, no autograd, a contiguous weight. A
 probe the first time compares the op with F.linear; when oneDNN is missing (a build without it) or disagrees,
 every call stays F.linear.
 
 `pack_linear_weights` gives each layer a copy of its weight in oneDNN's blocked layout, so the kernel stops
-reordering it on every call: a further 4-6% of the batch-1 forward (0.84-0.91x HF's instead of 0.89-0.95x,
-PASSIVE threads as in the rank). The copy costs the linear layers' weight memory once more, so only the rank
-packs, once its weights are final (after the TP pass) and before its reservation is measured; the module's
-own Parameter stays as it is, and a layer whose weight was replaced since it was packed uses the new one.
+reordering it on every call (without it the rank's sleeping threads ate the gain). The copy costs the linear
+layers' weight memory once more, so only the rank packs, once its weights are final (after the TP pass) and
+before its reservation is measured; the module's own Parameter stays as it is, and a layer whose weight was
+replaced since it was packed uses the new one.
 """
 
 from __future__ import annotations

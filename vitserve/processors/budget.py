@@ -9,7 +9,8 @@ guarantee it even with ``max_pixels`` clamped to ``budget * factor**2``:
   close to ``min_pixels``, overshoots (1x100 at min 4 tokens -> 1x20 tokens).
 
 The rule used here: take exactly what the clamped HF processor would produce. When that is over the budget:
-- HF was shrinking (one side forced to one patch group): cap the other side at the budget;
+- HF was shrinking (one side forced to one patch group): `shrink_grid`, which caps the other side at the
+  budget (the same rule shrinks video frames, video/plan.py);
 - HF was growing a small image to ``min_pixels``: pick the grid with ``min_tokens <= tokens <= budget``
   whose aspect ratio is closest to the image's; when ``budget < min_tokens`` there is none and the image
   is refused with OverTokenBudget (the processor's minimum is above the budget).
@@ -21,6 +22,7 @@ Aspect ratio above 200 -> AspectRatioTooLarge (HF's own limit). A side that woul
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
@@ -89,19 +91,25 @@ def _hf_branch(height: int, width: int, factor: int, min_pixels: int, max_pixels
     return "grow" if rounded < min_pixels else "round"
 
 
-def _cap(gh: int, gw: int, budget: int) -> tuple[int, int]:
-    """Shrink branch: largest (gh', gw') <= (gh, gw), shrinking the longer side first, gh' * gw' <= budget.
+def shrink_grid(gh: int, gw: int, budget: int) -> tuple[int, int]:
+    """The one shrink-to-budget rule, for images and video frames alike: the merged-token grid scaled down
+    to at most ``budget`` tokens, the aspect ratio kept as far as whole tokens allow (each side at least 1).
 
-    HF only overshoots here when one side was forced up to a single patch group, so this caps the other.
-    """
+    Images reach it only from HF's shrink branch with one side forced up to a single patch group; there it
+    caps the other side at the budget (1 x budget). Video frames also reach it when --max_video_tokens
+    leaves a group fewer tokens than transformers' video processor gives (which knows no such limit), or
+    when Qwen3-VL's rule bounds all frames together and rounds their count up: both sides shrink then.
+    Where an image and a frame of one size still get different grids, it is because transformers' image
+    and video processors do (their own min/max pixels, Qwen3-VL's all-frames bound): video/plan.py."""
     if gh * gw <= budget:
         return gh, gw
-    if gh <= gw:
-        gw = max(1, budget // gh)
-        gh = min(gh, max(1, budget // gw))
-    else:
-        gh = max(1, budget // gw)
-        gw = min(gw, max(1, budget // gh))
+    scale = math.sqrt(budget / (gh * gw))
+    gh, gw = max(1, math.floor(gh * scale)), max(1, math.floor(gw * scale))
+    while gh * gw > budget:  # floor() can still leave one token too many, and a side held at 1 does
+        if gh >= gw:
+            gh -= 1
+        else:
+            gw -= 1
     return gh, gw
 
 
@@ -148,7 +156,7 @@ def plan_qwen(width: int, height: int, geo: QwenGeometry, budget: int) -> Plan:
     if budget > 0 and gh * gw > budget:
         hf_native = False
         if _hf_branch(height, width, f, geo.min_pixels, clamp_max) != "grow":
-            gh, gw = _cap(gh, gw, budget)
+            gh, gw = shrink_grid(gh, gw, budget)
         elif budget >= geo.min_tokens:
             gh, gw = _fit_grow(width, height, budget, geo.min_tokens)
         else:

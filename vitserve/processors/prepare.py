@@ -2,7 +2,7 @@
 
 sha256 of the bytes as received -> safe decode (vitserve.images, with the --jpeg_draft target from
 vitserve.processors.draft) -> the family processor's preprocess -> JpegDraft.finish. The API's pool
-(vitserve/api/pipeline.py), the tests and bench/jpeg_draft.py all call this function; there is no other.
+(vitserve/api/preprocess.py), the tests and bench/jpeg_draft.py all call this function; there is no other.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Usage: ``proc = load_video_processor(checkpoint_dir | family | "demo", budget_to
 Decoding: ``decoder = VideoDecoder(slots, limits=VideoLimits.from_config(config))``, ``info =
 decoder.probe(data, deadline_s=...)``, ``frames = decoder.decode(data, indices, size, deadline_s=...)``.
 
-The names load on first use (PEP 562): a decoder process, spawned, imports vitserve.video.decoder without
+The names load on first use (PEP 562): a decoder process, spawned, imports vitserve.video.decoder_pool without
 transformers and the processors coming in through this file (they doubled its start-up).
 """
 
@@ -19,7 +19,7 @@ from vitserve.lazy import lazy_names
 
 if TYPE_CHECKING:
     from vitserve.video.decode import VideoInfo, VideoLimits
-    from vitserve.video.decoder import VideoDecoder
+    from vitserve.video.decoder_pool import VideoDecoder
     from vitserve.video.plan import VideoPlan
     from vitserve.video.processor import ProcessedVideo, VideoGroup, VideoProcessor, load_video_processor
     from vitserve.video.sampling import Sampling, SamplingRules
@@ -29,7 +29,7 @@ _LAZY = {
     "ProcessedVideo": "vitserve.video.processor",
     "Sampling": "vitserve.video.sampling",
     "SamplingRules": "vitserve.video.sampling",
-    "VideoDecoder": "vitserve.video.decoder",
+    "VideoDecoder": "vitserve.video.decoder_pool",
     "VideoGroup": "vitserve.video.processor",
     "VideoInfo": "vitserve.video.decode",
     "VideoLimits": "vitserve.video.decode",

@@ -2,7 +2,7 @@
 decoded by seeking through a demuxed pts table and resized where they are decoded (docs/processing.md
 "Decoding").
 
-Usage (inside a decoder process: vitserve/video/decoder.py runs these in spawned, rlimited processes)::
+Usage (inside a decoder process: vitserve/video/decoder_pool.py runs these in spawned, rlimited processes)::
 
     info = probe(data, limits)  # container, codec, size, fps, frames, duration; 413/415/400 before decoding
     frames = decode_frames(data, indices, (width, height), limits)  # (len(indices), height, width, 3) uint8

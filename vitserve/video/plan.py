@@ -23,6 +23,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from vitserve.errors import AspectRatioTooLarge, ImageTooSmall, OverTokenBudget
 from vitserve.families import MAX_ASPECT_RATIO
+from vitserve.processors.budget import shrink_grid
 from vitserve.video.settings import VideoSettings
 
 
@@ -71,7 +72,7 @@ def plan_video(
     gh, gw = res_h // f, res_w // f
     hf_native = True
     if budget > 0 and gh * gw > budget:
-        gh, gw = _fit(gh, gw, budget)
+        gh, gw = shrink_grid(gh, gw, budget)  # the images' rule (processors/budget.py)
         res_h, res_w, hf_native = gh * f, gw * f, False
     m = settings.merge_size
     return VideoPlan(
@@ -170,16 +171,3 @@ def smart_resize_frames(
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
-
-
-def _fit(gh: int, gw: int, budget: int) -> tuple[int, int]:
-    """The grid scaled down to at most ``budget`` merged tokens, the aspect ratio kept as far as whole
-    tokens allow (each side at least 1)."""
-    scale = math.sqrt(budget / (gh * gw))
-    gh, gw = max(1, math.floor(gh * scale)), max(1, math.floor(gw * scale))
-    while gh * gw > budget:  # only a side held at 1 gets here: shorten the other
-        if gh >= gw:
-            gh -= 1
-        else:
-            gw -= 1
-    return gh, gw

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from vitserve.processes.guard import PR_SET_PDEATHSIG  # does nothing outside the forkserver
 from vitserve.worker import messages as m
-from vitserve.worker.forkserver_guard import PR_SET_PDEATHSIG  # does nothing outside the forkserver
 
 if TYPE_CHECKING:
     from vitserve.worker.rendezvous import StoreBeat

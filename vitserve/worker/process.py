@@ -1,5 +1,5 @@
 """A rank as an OS process: the entry point multiprocessing runs (spawned, or forked from the ranks'
-forkserver, worker/zygote.py), which sets what belongs to the whole process before the rank starts: signals,
+forkserver, processes/zygote.py), which sets what belongs to the whole process before the rank starts: signals,
 the CPU allocator, its share of the cores, the parent it dies with. The rank itself is worker/rank.py.
 """
 
@@ -43,7 +43,7 @@ def run_worker(args: WorkerArgs) -> None:
 
 def watched_parent(service_pid: int) -> int:
     """The process whose exit ends this rank: the service that spawned it, or the forkserver it was forked
-    from (vitserve/worker/zygote.py), which itself dies with the service. Exits now if the service is gone."""
+    from (vitserve/processes/zygote.py), which itself dies with the service. Exits now if the service is gone."""
     parent = os.getppid()
     if parent != service_pid:
         try:

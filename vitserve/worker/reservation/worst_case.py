@@ -67,7 +67,7 @@ def worst_case_items(
     made: dict[tuple[int, int], ProcessedImage] = {}  # equal images share one pixel tensor
     for grid in plan:
         if grid not in made:
-            made[grid] = _qwen_item(cfg, grid)
+            made[grid] = qwen_item(cfg, grid)
     return [made[grid] for grid in plan]
 
 
@@ -158,7 +158,7 @@ def stress_batches(
     if budget_tokens > 0 and getattr(FAMILIES.get(encoder.family), "layout", None) == "patches":
         cfg = _vision_config(encoder)
         for grids in _full_budget_grids(budget_tokens, max_batch_images):
-            yield [_qwen_item(cfg, grid) for grid in grids]
+            yield [qwen_item(cfg, grid) for grid in grids]
     yield worst_case_items(encoder, budget_tokens, max_batch_images, **bounds)
 
 
@@ -202,14 +202,17 @@ def near_square_grid(max_cells: int) -> tuple[int, int]:
     return best
 
 
-def _qwen_item(cfg: Any, grid: tuple[int, int]) -> ProcessedImage:
+def qwen_item(cfg: Any, grid: tuple[int, int], seed: int = 0) -> ProcessedImage:
+    """What a Qwen image processor hands the engine for an image of `grid` (rows, cols) merged tokens under the
+    vision config `cfg`: seeded random patches, (h*w, C*T*P*P). The stress batches' items; tests build theirs
+    with it too."""
     merge = int(cfg.spatial_merge_size)
     patch = first_size(cfg.patch_size)
     temporal = first_size(getattr(cfg, "temporal_patch_size", 2))
     channels = int(getattr(cfg, "in_channels", None) or getattr(cfg, "in_chans", None) or 3)
     rows, cols = grid  # merged tokens
     h, w = rows * merge, cols * merge  # patches; multiples of merge_size like the processor's output
-    gen = torch.Generator().manual_seed(0)  # same pixels on every TP rank
+    gen = torch.Generator().manual_seed(seed)  # same pixels on every TP rank
     pixels = torch.randn(h * w, channels * temporal * patch * patch, generator=gen)  # (h*w, C*T*P*P)
     return ProcessedImage(
         pixel_values=pixels,

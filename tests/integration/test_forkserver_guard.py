@@ -1,50 +1,21 @@
-"""vitserve/worker/zygote.py: what the ranks' forkserver preloads (the lifecycle e2e tests cover its death)."""
+"""vitserve/processes/guard.py and zygote.py in fresh processes: the guard ends a forkserver whose
+service is gone and leaves any other process alone; ranks fork from the forkserver once it started
+(tests/unit/test_processes.py holds what it preloads)."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import signal
 import subprocess
 import sys
 
-import pytest
-
 from tests.cli import ROOT
-from vitserve.checkpoint import Checkpoint
-from vitserve.errors import ConfigError
-from vitserve.worker import zygote
-
-
-def test_the_guard_comes_first_then_the_rank_and_the_demo_family():
-    modules = zygote.preload_modules(Checkpoint.demo())
-    assert modules[0] == "vitserve.worker.forkserver_guard"
-    assert "vitserve.worker.process" in modules  # imports vitserve.worker.rank
-    assert modules[-1] == "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
-    for name in modules:
-        assert importlib.util.find_spec(name) is not None, name
-
-
-def test_a_checkpoint_preloads_its_model_types_modeling(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
-    modules = zygote.preload_modules(Checkpoint.open(tmp_path))
-    assert modules[-1] == "transformers.models.qwen3_vl.modeling_qwen3_vl"
-
-
-def test_an_odd_model_type_adds_no_module(tmp_path):
-    """A fine-tune's own model_type (named with --model_family) is not a transformers module path."""
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "../../etc"}))
-    with pytest.raises(ConfigError):  # refused before any forkserver starts
-        Checkpoint.open(tmp_path)
-    modules = zygote.preload_modules(Checkpoint.open(tmp_path, "qwen3_vl"))
-    assert all(not m.startswith("transformers.") for m in modules)
 
 
 def test_the_guard_exits_a_forkserver_whose_service_is_already_gone():
     # The guard reads the service's pid from the environment; a pid that is not the parent means the service
     # died before the guard could ask for PDEATHSIG, so it must leave at once (exit 0) instead of importing on.
-    code = "import vitserve.worker.forkserver_guard; print('still here')"
+    code = "import vitserve.processes.guard; print('still here')"
     env = {"VITSERVE_FORKSERVER_PARENT": "1", "PATH": ""}
     gone = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert gone.returncode == 0
@@ -58,7 +29,7 @@ def test_outside_the_forkserver_the_guard_leaves_the_process_alone():
     # zygote.py and liveness.py import their constants from the guard: in the service (no SERVICE_PID_ENV)
     # that import must not ask Linux to kill the service with its parent.
     code = (
-        "import ctypes, os; import vitserve.worker.forkserver_guard; sig = ctypes.c_int(-1); "
+        "import ctypes, os; import vitserve.processes.guard; sig = ctypes.c_int(-1); "
         "ctypes.CDLL('libc.so.6').prctl(2, ctypes.byref(sig), 0, 0, 0); print('pdeathsig', sig.value)"
     )  # 2: PR_GET_PDEATHSIG
     env = {"PATH": ""}
@@ -75,11 +46,11 @@ def test_without_start_ranks_are_spawned_and_after_it_forked_from_the_forkserver
     # A fresh interpreter: this session's tests/conftest.py may have started the forkserver here already.
     code = (
         "from vitserve.checkpoint import Checkpoint\n"
-        "from vitserve import start_method\n"
-        "from vitserve.worker import zygote\n"
-        "print(start_method.context().get_start_method())\n"
+        "from vitserve import processes\n"
+        "from vitserve.processes import zygote\n"
+        "print(processes.context().get_start_method())\n"
         "zygote.start(Checkpoint.demo())\n"
-        "print(start_method.context().get_start_method())\n"
+        "print(processes.context().get_start_method())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.stdout.split() == ["spawn", "forkserver"], out.stderr

@@ -12,8 +12,6 @@ import pytest
 
 from tests.cli import ROOT
 
-pytestmark = pytest.mark.unit
-
 # After an 8 MiB block is freed (which raises the dynamic threshold to 8 MiB), 32 blocks of 2 MiB are made
 # between small long-lived ones (so the heap's top cannot shrink) and freed: the MiB still resident is printed.
 SCRIPT = """

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from vitserve import start_method
+from vitserve import processes
 from vitserve.config import GIB
 from vitserve.errors import (
     InvalidVideo,
@@ -207,7 +207,7 @@ class _Slot:
 
 class VideoDecoder:
     """A pool of ``slots`` decoder processes (forked from the warm forkserver, else spawned:
-    vitserve/start_method.py), each call on one free slot."""
+    vitserve/processes/__init__.py), each call on one free slot."""
 
     def __init__(
         self,
@@ -227,7 +227,7 @@ class VideoDecoder:
         self.cpu_s = cpu_s
         self.threads = threads
         self.start_timeout_s = start_timeout_s
-        ctx = start_method.context()  # forked from the ranks' warm forkserver when the CLI runs one
+        ctx = processes.context()  # forked from the ranks' warm forkserver when the CLI runs one
         process_limits = ProcessLimits(memory_bytes=memory_bytes, threads=threads)
         self._slots = [_Slot(ctx, process_limits) for _ in range(slots)]
         self._free: queue.Queue[_Slot] = queue.Queue()

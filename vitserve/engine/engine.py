@@ -39,12 +39,12 @@ from vitserve.contract import (
     ProcessedImage,
     Readiness,
 )
-from vitserve.engine.cache import make_cache
 from vitserve.engine.collect import collect
 from vitserve.engine.dispatch import Dispatcher
 from vitserve.engine.feed import feed_groups
 from vitserve.engine.groups import TERM_GRACE_S, GroupState, Watchdog, WorkerGroup
 from vitserve.engine.jobs import Claim, Job, JobTable
+from vitserve.engine.local_cache import make_cache
 from vitserve.engine.push import LLMPush
 from vitserve.errors import ConfigError, EncoderFailed, NotReady, QueueFull
 from vitserve.metrics import Metrics
@@ -272,6 +272,7 @@ class Engine:
             dp=self.config.dp,
             reserved_memory_bytes={rank: msg.reserved_bytes for rank, msg in readies},
             reserved_source=first.reserved_source,
+            fingerprint=self._jobs.fingerprint,
         )
 
     # -------------------------------------------------------------------- views for the CLI and tests
@@ -340,7 +341,7 @@ class Engine:
         self.admit(0)  # refuses when stopping, failed or starting, before any image is claimed
         claims = self._jobs.claim(request.images, request.deadline)
         streams = [self._jobs.claim(video.groups, request.deadline) for video in request.videos]
-        every = claims + [claim for stream in streams for claim in stream]
+        every = claims + [claim for stream in streams for claim in stream]  # EncodeRequest.items order
         try:
             new = self._jobs.new_jobs(claims)
             new_groups = [self._jobs.new_jobs(stream) for stream in streams]

@@ -8,12 +8,12 @@ those modules as its preload, so both import chains run at once; the ranks are t
 everything imported (bench/startup.py: the rank's "loading weights" phase for the demo went 4.6 s -> 0.5 s).
 
 The forkserver is a fresh interpreter started before any thread or CUDA context exists in it, so forking
-it is safe. It dies with the service: the first module it imports (`vitserve.worker.forkserver_guard`)
+it is safe. It dies with the service: the first module it imports (`vitserve.processes.guard`)
 asks Linux to kill it when its parent exits (it would otherwise finish its preload first), and once
 serving it exits when the service's end of its pipe closes. A rank forked from it watches the forkserver
 as its parent (process.watched_parent).
 
-Without `start()` (library use) ranks are spawned as before; `vitserve.start_method.context()` says which,
+Without `start()` (library use) ranks are spawned as before; `vitserve.processes.context()` says which,
 for the ranks (engine/groups.py) and the video decoders alike. The tests call `start()` once per session
 (tests/conftest.py), so their in-process engines fork ranks from it as the CLI's do.
 """
@@ -25,14 +25,14 @@ import multiprocessing.forkserver as forkserver
 import os
 import re
 
-from vitserve import start_method
+from vitserve import processes
 from vitserve.checkpoint import Checkpoint
-from vitserve.worker.forkserver_guard import SERVICE_PID_ENV  # does nothing outside the forkserver
+from vitserve.processes.guard import SERVICE_PID_ENV  # does nothing outside the forkserver
 
 
 def preload_modules(checkpoint: Checkpoint) -> list[str]:
     """What the forkserver imports: the guard first, then the rank's modules and the family's HF modeling."""
-    modules = ["vitserve.worker.forkserver_guard", "vitserve.worker.process", "vitserve.model.loader"]
+    modules = ["vitserve.processes.guard", "vitserve.worker.process", "vitserve.model.loader"]
     model_type = checkpoint.model_type
     if re.fullmatch(r"[a-z0-9_]+", model_type):  # a module that does not exist is skipped (ImportError)
         modules.append(f"transformers.models.{model_type}.modeling_{model_type}")
@@ -48,4 +48,4 @@ def start(checkpoint: Checkpoint) -> None:
         forkserver.ensure_running()
     finally:
         os.environ.pop(SERVICE_PID_ENV, None)
-    start_method.use_warm_forkserver()  # the video decoders fork from it too
+    processes.use_warm_forkserver()  # the video decoders fork from it too

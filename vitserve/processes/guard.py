@@ -1,4 +1,4 @@
-"""Imported first by the ranks' forkserver (vitserve/worker/zygote.py): the forkserver dies with the service,
+"""Imported first by the ranks' forkserver (vitserve/processes/zygote.py): the forkserver dies with the service,
 even while it is still importing its preload (a SIGTERM during start-up ends every process within seconds).
 Kept to the standard library so it runs within milliseconds of the forkserver's start.
 
