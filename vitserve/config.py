@@ -64,6 +64,8 @@ class Config:
     # decode a JPEG at 1/2..1/8 scale when the budget clamp shrinks it at least 2x (docs/jpeg_draft.md);
     # off by default: faster, but the embeddings no longer match transformers' (not exact)
     jpeg_draft: bool = False
+    # capture the tower in CUDA graphs per token bucket after the reservation (vitserve/worker/graphs.py)
+    cuda_graphs: bool = False
     # whose pixels: auto = torch = transformers' torchvision ("fast") processor, as vLLM and SGLang use; pil
     image_resize: str = "auto"
     log_level: str = "info"

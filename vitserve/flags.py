@@ -113,6 +113,12 @@ FLAGS: dict[str, Flag] = {
         "skip the start-up stress and reserve this much",
         "none (measure at start-up)",
     ),
+    "cuda_graphs": Flag(
+        parse_bool,
+        "budget and limits",
+        "CUDA, bf16/fp16, --tp 1, Qwen towers: replay the tower's forward from CUDA graphs captured per token "
+        "bucket at start-up (their pool is added to the reservation); not yet measured on a GPU",
+    ),
     "max_queue_tokens": Flag(
         _optional(parse_int), "budget and limits", "queued tokens above which requests get 503", "4 x budget"
     ),

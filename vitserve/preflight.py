@@ -34,6 +34,8 @@ def check(config: Config) -> Checkpoint:
     checkpoint = Checkpoint.open(config.model, config.model_family)
     checkpoint.check_servable()
     check_tp(config.tp, checkpoint.family, checkpoint.vision)
+    if config.cuda_graphs:
+        check_cuda_graphs(config, checkpoint.family)
     if config.llm_url is not None:
         llm_embeds_width(checkpoint)
     if config.llm_transport == "ec_storage":
@@ -42,6 +44,21 @@ def check(config: Config) -> Checkpoint:
     if smallest is not None:
         check_budget(config.budget_tokens, checkpoint.family, *smallest)
     return checkpoint
+
+
+def check_cuda_graphs(config: Config, family: Family) -> None:
+    """--cuda_graphs needs what can be captured: CUDA, half precision, one rank, a Qwen tower."""
+    why = None
+    if config.device == "cpu":
+        why = "--device cpu"
+    elif config.dtype in ("float32", "fp32"):
+        why = f"--dtype {config.dtype} (no varlen attention kernel in float32)"
+    elif config.tp > 1:
+        why = f"--tp {config.tp} (the all-reduce is not captured)"
+    elif family.layout == "tiles":
+        why = f"the {family.name} tower (only Qwen towers are captured)"
+    if why is not None:
+        raise ConfigError(f"--cuda_graphs does not work with {why}; drop --cuda_graphs")
 
 
 def llm_embeds_width(checkpoint: Checkpoint) -> int:

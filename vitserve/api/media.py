@@ -71,22 +71,15 @@ class Encoded:
         return self.request.split(self.results)
 
 
+@dataclass
 class MediaPipeline:
     """Prepares and encodes one request's media; owned by the server, shared by every route."""
 
-    def __init__(
-        self,
-        config: Config,
-        engine: Engine,
-        preprocessor: Preprocessor,
-        metrics: Metrics,
-        videos: VideoFrontEnd | None = None,
-    ):
-        self.config = config
-        self.engine = engine
-        self.pre = preprocessor
-        self.metrics = metrics
-        self.videos = videos  # None: this server takes no videos (--video_decoders 0)
+    config: Config
+    engine: Engine
+    pre: Preprocessor  # the image pool (api/preprocess.py), also the routes' pool for CPU-heavy steps
+    metrics: Metrics
+    videos: VideoFrontEnd | None = None  # None: this server takes no videos (--video_decoders 0)
 
     def check_videos_served(self, count: int) -> None:
         """400 for a request with videos on a server that takes none, before anything is decoded."""

@@ -17,6 +17,8 @@ from vitserve.families import FAMILIES, MODEL_TYPES, family_of_model_type
 if TYPE_CHECKING:  # transformers is imported only when a tower is built
     from transformers import InternVLConfig, PreTrainedConfig
 
+    from vitserve.model.tower_graphs import TowerRunner
+
 # Qwen towers live under `model.visual.*` (transformers 5 layout) or `visual.*` (original hub layout); the
 # module built here is the tower itself, so both prefixes map to "".
 _QWEN_KEYS = (("model.visual.", ""), ("visual.", ""))
@@ -35,6 +37,8 @@ def _qwen_forward(
     visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """pixel_values (sum patches, C*T*P*P), grid_thw (N, 3) -> merged rows (sum tokens, dim) + deepstack."""
+    if (runner := _runner(visual)) is not None:  # CUDA graphs per token bucket (model/tower_graphs.py)
+        return runner.forward(pixel_values, grid_thw)
     out = visual(pixel_values, grid_thw=grid_thw)
     deepstack = getattr(out, "deepstack_features", None) or []
     return out.pooler_output, list(deepstack)
@@ -46,8 +50,16 @@ def _qwen_windowed_forward(
     """_qwen_forward with the per-grid set-up (position ids, cu_seqlens, window index) passed precomputed."""
     from vitserve.model.grid_setup import grid_setups
 
+    if (runner := _runner(visual)) is not None:
+        return runner.forward(pixel_values, grid_thw)
     out = visual(pixel_values, grid_thw=grid_thw, **grid_setups(visual).kwargs(visual, grid_thw))
     return out.pooler_output, []
+
+
+def _runner(visual: nn.Module) -> TowerRunner | None:
+    """The TowerRunner installed on `visual` (vitserve.model.tower_graphs.install), or None."""
+    runner: TowerRunner | None = visual.__dict__.get("_vitserve_runner")
+    return runner
 
 
 def _internvl_forward(

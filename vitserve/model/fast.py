@@ -29,6 +29,7 @@ from vitserve.model.fast_alloc import tune_cpu_allocator
 from vitserve.model.fast_attention import PlanCache, packed_attention
 from vitserve.model.fast_linear import linear, use_onednn_linears
 from vitserve.model.fast_mlp import inplace_activation, is_rms_norm, mlp_kind, rms_norm_forward
+from vitserve.model.fast_varlen import varlen_attention
 
 
 def optimize(visual: nn.Module, family: str) -> nn.Module:
@@ -129,8 +130,14 @@ def qwen_attention_forward(
         raise TypeError("qwen_attention_forward needs position_embeddings (cos, sin)")
     cos, sin = position_embeddings  # (N, D) each
     qk = apply_rotary(qkv[:, :2], cos, sin)  # (N, 2, H, D)
-    plan = self._vitserve_plans.get(cu_seqlens)
-    out = packed_attention(qk[:, 0], qk[:, 1], qkv[:, 2], plan, self.scaling)  # (N, H*D)
+    out = None
+    if hidden_states.is_cuda:  # half precision: one varlen call for every segment (fast_varlen.py)
+        if max_seqlen is None:
+            max_seqlen = self._vitserve_plans.get(cu_seqlens).max_length
+        out = varlen_attention(qk[:, 0], qk[:, 1], qkv[:, 2], cu_seqlens, int(max_seqlen), self.scaling)
+    if out is None:
+        plan = self._vitserve_plans.get(cu_seqlens)
+        out = packed_attention(qk[:, 0], qk[:, 1], qkv[:, 2], plan, self.scaling)  # (N, H*D)
     projected: torch.Tensor = self.proj(out)
     return projected
 

@@ -32,6 +32,11 @@ class AttentionPlan:
     total: int  # tokens in the packed sequence
     groups: tuple[_Group, ...]
 
+    @property
+    def max_length(self) -> int:
+        """The longest segment (0 for none): a varlen kernel's max_seqlen."""
+        return max((g.length for g in self.groups), default=0)
+
 
 def build_plan(cu_seqlens: torch.Tensor) -> AttentionPlan:
     """Group the segments of `cu_seqlens` ((S+1,) int, cumulative) by length."""

@@ -158,6 +158,8 @@ class RankWorker:
             index = self.args.local_index % torch.cuda.device_count()
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", index)
+        elif self.cfg.cuda_graphs:  # --device auto found no GPU: refuse now, not after the stress
+            raise ConfigError("--cuda_graphs needs a CUDA device and none is available; drop --cuda_graphs")
         else:
             self.device = torch.device("cpu")  # its share of the cores: run_worker
         # NCCL collectives need device tensors; gloo works on CPU tensors
@@ -225,6 +227,10 @@ class RankWorker:
             self.args.global_rank,
             self._say,
         )
+        if self.cfg.cuda_graphs:  # the graphs' pool joins the published bytes (worker/graphs.py)
+            from vitserve.worker.graphs import capture_for_serving
+
+            res = capture_for_serving(self.encoder, self.args.stress_shape, res, self.peak_watch)
         self._say(f"publishing: {res.bytes / 2**20:.0f} MiB reserved ({res.method.value})")
         publish_reservation(
             self.cfg.runtime_dir, self.device.type, self.args.global_rank, res.bytes, res.source
