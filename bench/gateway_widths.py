@@ -2,7 +2,7 @@
 
     python bench/gateway_widths.py             # both models, 448 px and 1080p, 4 requests per point
     python bench/gateway_widths.py --quick     # 2 requests per point
-    python bench/gateway_widths.py --ec_tree DIR   # ec_storage from another vitserve tree (not yet merged)
+    python bench/gateway_widths.py --ec_tree DIR   # ec_storage from another vitserve tree
 
 Two checkpoints (tests/checkpoints.py make_servable_checkpoint) whose language model has a real width and as
 few layers as it needs, so the hand-over, not the prefill, is what differs between the paths:
