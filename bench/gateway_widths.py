@@ -32,6 +32,7 @@ import asyncio
 import io
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -184,6 +185,7 @@ def run_model(name: str, tmp: Path, args: argparse.Namespace, points: list[dict]
         for server in servers.values():
             server.terminate()
         vllm.stop()
+        shutil.rmtree(ec_dir, ignore_errors=True)  # RAM, on /dev/shm
 
 
 def table(points: list[dict]) -> list[str]:
