@@ -416,13 +416,20 @@ def _byte_level_tokenizer(path: Path) -> dict[str, int]:
 
 
 def make_servable_checkpoint(
-    family: str, path, *, vision: dict | None = None, seed: int = 0, max_units: int = 256
+    family: str,
+    path,
+    *,
+    vision: dict | None = None,
+    seed: int = 0,
+    max_units: int = 256,
+    text: dict | None = None,
 ) -> Path:
     """A tiny full checkpoint of `family` (qwen2_5_vl or qwen3_vl) that vLLM serves and vitserve encodes.
 
     The vision tower is VISION_CONFIGS[family] (or `vision`, e.g. a realistic width for bench/gateway.py) with
-    its output width set to the language model's (64). lm_head is scaled up 40x so a random model's logprobs
-    are informative rather than flat. The image processor's limits are 4 to `max_units` merge units per
+    its output width set to the language model's (64, or the hidden_size in `text`, which overrides fields of
+    the language model's config, e.g. a real width for bench/gateway_widths.py). lm_head is scaled up 40x so a
+    random model's logprobs are informative rather than flat. The image processor's limits are 4 to `max_units` merge units per
     image; its video processor config names its class (transformers otherwise builds Qwen2-VL's for Qwen3-VL).
     """
     import transformers as tf
@@ -433,7 +440,9 @@ def make_servable_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     ids = _byte_level_tokenizer(path)
     vocab = 256 + len(_SPECIALS) + 9  # every id decodes; a multiple of 8
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    overrides = dict(text or {})
+    mrope = overrides.pop("mrope_section", [4, 6, 6])  # sums to head_dim / 2
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope}
     text = {
         "vocab_size": vocab,
         "hidden_size": SERVABLE_TEXT_HIDDEN,
@@ -445,6 +454,7 @@ def make_servable_checkpoint(
         "max_position_embeddings": 4096,
         "eos_token_id": ids["<|im_end|>"],
         "bos_token_id": ids["<|endoftext|>"],
+        **overrides,
     }
     token_ids = {
         "image_token_id": ids["<|image_pad|>"],
@@ -452,7 +462,7 @@ def make_servable_checkpoint(
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
     }
-    vision = {**(vision or VISION_CONFIGS[family]), "out_hidden_size": SERVABLE_TEXT_HIDDEN}
+    vision = {**(vision or VISION_CONFIGS[family]), "out_hidden_size": text["hidden_size"]}
     torch.manual_seed(seed)
     if family == "qwen2_5_vl":
         config = tf.Qwen2_5_VLConfig(

@@ -36,6 +36,7 @@ class RecordingLLM(http.server.ThreadingHTTPServer):
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.bodies: list[dict] = []
+        self.sizes: list[int] = []  # each body's bytes, as they came
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     @property
@@ -47,7 +48,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server: RecordingLLM
 
     def do_POST(self):  # noqa: N802 (http.server's name)
-        self.server.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        raw = self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.sizes.append(len(raw))
+        self.server.bodies.append(json.loads(raw))
         out = json.dumps(ANSWER).encode()
         self.send_response(200)
         self.send_header("content-type", "application/json")
@@ -102,6 +105,8 @@ def test_a_video_goes_upstream_as_the_video_embeds_encode_gives(stack, clip):
         mm_processor_kwargs={"fps": 2},
         max_tokens=3,
     )
+    sent_bytes = live.metrics.value("vitserve_upstream_body_bytes_sum") or 0.0
+    handovers = live.metrics.value("vitserve_stage_seconds_count", stage="handover") or 0.0
     with live.client(timeout=60) as c:
         r = c.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
@@ -109,6 +114,8 @@ def test_a_video_goes_upstream_as_the_video_embeds_encode_gives(stack, clip):
         video = {"b64": base64.b64encode(clip).decode(), "fps": 2}
         encoded = c.post("/encode", json={"videos": [video], "return_embeddings": True}).json()["videos"][0]
     sent = llm.bodies[-1]
+    assert live.metrics.value("vitserve_upstream_body_bytes_sum") == sent_bytes + llm.sizes[-1]
+    assert live.metrics.value("vitserve_stage_seconds_count", stage="handover") == handovers + 1
     assert "mm_processor_kwargs" not in sent  # vitserve sampled the video; vLLM would refuse the field
     assert sent["max_tokens"] == 3  # every other field as it came
     image_part, sent_video, text = sent["messages"][0]["content"]

@@ -14,7 +14,8 @@ import torch
 from tests.checkpoints import make_checkpoint
 from vitserve import preflight
 from vitserve.api.chat_parts import media_parts
-from vitserve.api.embeds import EmbeddingMismatch, EmbedsLayout, embeds_part, npy_b64, video_embeds_part
+from vitserve.api.embeds import EmbeddingMismatch, EmbedsLayout, embeds_part, video_embeds_part
+from vitserve.api.inline import InlineTensor
 from vitserve.api.upstream import api_base
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import redacted_url
@@ -37,8 +38,9 @@ def _prepared(grid, tokens) -> PreparedImage:
     return PreparedImage(item, "id", (28, 28), 0.0, 0.0)
 
 
-def _npy(text: str) -> np.ndarray:
-    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+def _npy(tensor: InlineTensor) -> np.ndarray:
+    """The `.npy` array vLLM would load from the part's tensor (tests/unit/test_inline_body.py: the body)."""
+    return np.load(io.BytesIO(tensor.raw()), allow_pickle=False)
 
 
 def _chat(*contents) -> dict:
@@ -149,13 +151,6 @@ def test_internvl_part_is_a_bare_1_n_hidden_tensor():
     arr = _npy(part["image_embeds"])
     assert arr.shape == (1, 8, 48)
     assert torch.equal(torch.from_numpy(arr[0]), emb)
-
-
-def test_bfloat16_is_widened_to_float32_exactly():
-    t = torch.randn(3, 5).to(torch.bfloat16)
-    arr = _npy(npy_b64(t))
-    assert arr.dtype == np.float32
-    assert torch.equal(torch.from_numpy(arr), t.float())
 
 
 @pytest.mark.parametrize(

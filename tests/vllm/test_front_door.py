@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 from fractions import Fraction
 
@@ -31,7 +32,7 @@ import torch
 from PIL import Image
 
 from tests.checkpoints import SERVABLE_FAMILIES, hf_reference
-from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
+from tests.openai_chat import Answer, assert_same_answer, chat_request, complete, image_url_part
 from tests.videos import make_clip
 from tests.vllm import servers
 
@@ -52,6 +53,8 @@ from tests.vllm.stack import BUDGET, Stack
 from tests.vllm.stack import metric as _metric
 from tests.vllm.stack import png as _png
 from tests.vllm.stack import start_vitserve as _vitserve
+from vitserve.api.inline import InlineTensor, dumps_body
+from vitserve.checkpoint import Checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 SIZES = {"exact": (112, 84), "resized": (301, 203), "clamped": (1500, 1000)}
@@ -183,6 +186,27 @@ def test_pil_resize_equals_vllm_given_transformers_pil_pixels(stack):
     finally:
         assert pil.terminate() == 0
     assert_same_answer(given, through)
+
+
+def test_a_bfloat16_embedding_is_sent_as_torch_save_and_vllm_reads_exactly_its_values(stack):
+    """A bf16 tower's embedding stays bf16 on the wire (api/inline.py: torch.save bytes, which vLLM loads with
+    torch.load(weights_only=True)): vLLM answers exactly as it does given the same values widened to float32
+    as `.npy` (bf16 -> float32 is exact, and vLLM casts to its float32 either way), logprob for logprob."""
+    width = Checkpoint.open(stack.ckpt).llm_embeds_width
+    emb = torch.randn(6, width, generator=torch.Generator().manual_seed(7)).bfloat16()
+
+    def answer(tensor: torch.Tensor) -> Answer:
+        part = {
+            "type": "image_embeds",
+            "image_embeds": {"image_embeds": InlineTensor(tensor), "image_grid_thw": [1, 4, 6]},
+        }
+        body = json.loads(dumps_body(chat_request(stack.model, part)))  # the exact base64 vitserve would send
+        sent = body["messages"][0]["content"][0]["image_embeds"]["image_embeds"]
+        magic = b"\x93NUMPY" if tensor.dtype == torch.float32 else b"PK\x03\x04"  # .npy, or torch.save's zip
+        assert base64.b64decode(sent).startswith(magic)
+        return complete(stack.vllm.url, body)
+
+    assert_same_answer(answer(emb), answer(emb.float()), tol=0.0)
 
 
 @pytest.mark.parametrize("stack", ["qwen2_5_vl"], indirect=True)

@@ -29,6 +29,7 @@ from vitserve.api.body import ClientGone, read_body
 from vitserve.api.chat_parts import ChatParts, media_parts
 from vitserve.api.ec_chat import EcHandover, EcTicket
 from vitserve.api.embeds import EmbedsLayout, embeds_part, video_embeds_part
+from vitserve.api.inline import dumps_body
 from vitserve.api.inputs import VideoSource, check_count
 from vitserve.api.media import INLINE_BODY_BYTES, Encoded, Media, MediaPipeline, unless_gone
 from vitserve.api.tracing import Tracing
@@ -94,11 +95,13 @@ class ChatHandler:
                 if encoded is None:
                     log.info("chat request: client disconnected while its images queued; withdrawn")
                     return Response(status_code=499)
+                handover = time.perf_counter()  # the engine's results are here: until the body is ready to go
                 await self.pre.run(self._rewrite, parts, encoded, param, ticket)
                 if ticket is not None and self.ec is not None:
                     self.ec.strip(payload)
                     await self.pre.run(self.ec.check, ticket)  # just before: nothing upstream if one is gone
-                body = await self.pre.run(_dumps, payload)
+                body = await self.pre.run(dumps_body, payload)  # inline: the embeddings' base64 spliced in
+                self.metrics.stage_seconds.labels(stage="handover").observe(time.perf_counter() - handover)
             response = await self._forward(request, body, payload.get("stream") is True, traceparent, ticket)
             streaming = isinstance(response, StreamingResponse)
             return response
@@ -152,8 +155,9 @@ class ChatHandler:
     def _rewrite(
         self, parts: ChatParts, encoded: Encoded, param: list[str | None], ticket: EcTicket | None
     ) -> None:
-        """Each image_url and video_url part becomes the LLM's embedding part, in place (on the pool: .npy +
-        base64 inline, a file with ec_storage). An image the ticket already has a part for was not encoded."""
+        """Each image_url and video_url part becomes the LLM's embedding part, in place (on the pool: the
+        inline tensor, whose base64 dumps_body makes, or a file with ec_storage). An image the ticket
+        already has a part for was not encoded."""
         image_results, video_results = encoded.split()
         done = ticket.hits if ticket is not None else [None] * len(parts.images)
         fresh = iter(zip(encoded.images, image_results, strict=True))
@@ -271,10 +275,6 @@ def _loads(body: bytes) -> Any:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise InvalidRequest("malformed JSON body") from None
-
-
-def _dumps(payload: Any) -> bytes:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _error_response(err: VitserveError, param: str | None) -> Response:

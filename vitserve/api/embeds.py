@@ -9,7 +9,9 @@ vLLM started with --enable-mm-embeds takes precomputed embeddings in place of an
 - InternVL: a bare base64 tensor of shape (1, N, hidden).
 
 B64 is base64 of `.npy` bytes (numpy's format: no pickle; vLLM recognises its magic and loads it with
-np.load). bfloat16 has no numpy dtype: it is widened to float32, exactly, and vLLM casts to its own dtype.
+np.load), or for bfloat16, which numpy lacks, of `torch.save` bytes (vLLM loads them with
+torch.load(weights_only=True)): the tower's dtype on the wire, and vLLM casts to its own. The parts built here
+hold the tensor (api/inline.py InlineTensor); its base64 is spliced into the body when it is serialized.
 
 vLLM does not check every field of these payloads: fewer rows than the grid implies, a 3-D tensor for a
 Qwen model or the wrong width kill its engine process (EngineDeadError), and the dict form has no width
@@ -19,14 +21,13 @@ vitserve's own 500 that never reaches the LLM server.
 
 from __future__ import annotations
 
-import base64
-import io
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from vitserve.api.inline import InlineTensor
 from vitserve.contract import ImageResult, PreparedImage, PreparedVideo
 from vitserve.errors import InvalidRequest, InvalidVideoSampling, VitserveError
 from vitserve.families import FAMILIES
@@ -102,15 +103,6 @@ class EmbedsLayout:
         return t * h * w // (self.merge_size * self.merge_size)
 
 
-def npy_b64(t: torch.Tensor) -> str:
-    """base64 of the tensor as `.npy` bytes (little-endian, C order)."""
-    if t.dtype == torch.bfloat16:
-        t = t.float()  # numpy has no bfloat16; widening is exact
-    buf = io.BytesIO()
-    np.lib.format.write_array(buf, t.detach().cpu().contiguous().numpy(), allow_pickle=False)
-    return base64.b64encode(buf.getbuffer()).decode("ascii")
-
-
 def llm_tensor(layout: EmbedsLayout, result: ImageResult) -> torch.Tensor:
     """The image's rows as the LLM takes them: (N, width); DeepStack levels concatenated after the main."""
     if result.embedding is None:
@@ -138,10 +130,10 @@ def embeds_part(
     tensor = llm_tensor(layout, result)
     check_tensor(layout, image, tensor, index)
     if layout.tiles:
-        return {"type": "image_embeds", "image_embeds": npy_b64(tensor.unsqueeze(0))}  # (1, N, hidden)
+        return {"type": "image_embeds", "image_embeds": InlineTensor(tensor.unsqueeze(0))}  # (1, N, hidden)
     return {
         "type": "image_embeds",
-        "image_embeds": {"image_embeds": npy_b64(tensor), "image_grid_thw": list(image.item.grid_thw)},
+        "image_embeds": {"image_embeds": InlineTensor(tensor), "image_grid_thw": list(image.item.grid_thw)},
     }
 
 
@@ -178,7 +170,7 @@ def video_embeds_part(
     and for Qwen3-VL / Qwen3.5 each group's `timestamps` (the "<t seconds>" text vLLM puts before it).
     Qwen2.5-VL's second_per_grid_ts is not sent: vLLM takes none (check_video_time)."""
     tensor, grid = checked_video_tensor(layout, video, results, index)
-    embeds: dict[str, Any] = {"video_embeds": npy_b64(tensor), "video_grid_thw": grid}
+    embeds: dict[str, Any] = {"video_embeds": InlineTensor(tensor), "video_grid_thw": grid}
     if layout.video_time == "timestamps":
         embeds["timestamps"] = video.metadata["timestamps_s"]
     return {"type": "video_embeds", "video_embeds": embeds}
