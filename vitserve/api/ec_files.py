@@ -93,16 +93,18 @@ def write_file(root: Path, uuid: str, tensor: torch.Tensor, metadata: dict[str, 
     """Write `tensor` (2-D, any dtype: bf16 stays bf16) as `root/uuid/encoder_cache.safetensors`, atomically:
     a temporary file in the same directory, then os.replace. A full disk is EcStorageFull, any other failure
     EcStorageError; no partial file is left either way."""
-    from safetensors.torch import save
+    from safetensors.torch import save_file
 
     path = file_path(root, uuid)
-    data = save({TENSOR: tensor.detach().cpu().contiguous()}, metadata=metadata)
     temp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, temp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        os.close(fd)
+        # save_file writes the tensor's bytes straight to the file: 1.8x faster than save() to bytes and a
+        # write at width 16,384 (bench/ec_handover.py), one copy of ~90 MB less per 1080p image
+        save_file({TENSOR: tensor.detach().cpu().contiguous()}, temp, metadata=metadata)
+        size = os.path.getsize(temp)
         os.replace(temp, path)
         temp = None
     except OSError as exc:
@@ -112,7 +114,7 @@ def write_file(root: Path, uuid: str, tensor: torch.Tensor, metadata: dict[str, 
             with contextlib.suppress(OSError):
                 os.unlink(temp)
     rows, width = tensor.shape
-    return FileInfo(int(rows), int(width), _dtype_name(tensor.dtype), len(data), dict(metadata))
+    return FileInfo(int(rows), int(width), _dtype_name(tensor.dtype), size, dict(metadata))
 
 
 def check_file(root: Path, uuid: str, rows: int | None = None, width: int | None = None) -> FileInfo:
