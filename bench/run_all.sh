@@ -39,6 +39,7 @@ step scaling "$PY" bench/scaling.py "${quick[@]}"
 step latency "$PY" bench/latency.py "${quick[@]}"
 step preprocess "$PY" bench/preprocess.py "${quick[@]}"
 step gateway "$PY" bench/gateway.py "${quick[@]}"
+step ec_handover "$PY" bench/ec_handover.py "${quick[@]}"
 step inline_body "$PY" bench/inline_body.py "${quick[@]}"
 step gateway_widths "$PY" bench/gateway_widths.py "${quick[@]}"
 step video_decode "$PY" bench/video_decode.py "${quick[@]}"
@@ -46,6 +47,6 @@ step video_fairness "$PY" bench/video_fairness.py "${quick[@]}"
 step video_memory "$PY" bench/video_memory.py "${quick[@]}"
 step report "$PY" bench/report.py "${write[@]}"
 echo "=== seconds per step:"
-for name in encoder transfer jpeg_draft cache serve startup scaling latency preprocess gateway inline_body \
+for name in encoder transfer jpeg_draft cache serve startup scaling latency preprocess gateway ec_handover inline_body \
   gateway_widths video_decode video_fairness video_memory report; do printf '  %-10s %5d\n' "$name" "${took[$name]}"; done
 echo "  total      $SECONDS"
