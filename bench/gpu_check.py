@@ -5,7 +5,7 @@
 bench/gpu_check.sh runs the CUDA unit tests and then this (its header holds the device tool's command). Two
 towers, weights from the demo's seed (shapes, not embeddings): Qwen2.5-VL-7B's vision_config and
 Qwen3-VL-8B's (DeepStack levels 8/16/24). --small: tiny towers and shapes on the CPU, the suite's dry run
-(tests/unit/test_gpu_check.py). Parts, each written to <out>/gpu_check.json as soon as it is done:
+(tests/integration/test_gpu_check.py). Parts, each written to <out>/gpu_check.json as soon as it is done:
   exact    vitserve vs HF in float32 (TF32 off; within 1e-5 relative) and bfloat16 (against HF float32, with
            HF bf16 vs HF float32 as the noise floor), eager and through the CUDA graphs;
   profile  the top CUDA kernels of one vitserve bf16 forward (7B, 8,192 tokens of 448 px), their share;

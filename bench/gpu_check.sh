@@ -12,7 +12,7 @@
 # What comes back: $OUT/gpu_check.json, $OUT/check.log, $OUT/pytest.log. Fetch them before the next run.
 # Extra arguments go to bench/gpu_check.py (e.g. --parts speed --towers qwen3_vl-8b, or --compile).
 #
-# CPU dry run (tests/unit/test_gpu_check.py): GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh skips the tests and
+# CPU dry run (tests/integration/test_gpu_check.py): GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh skips the tests and
 # runs the tiny towers on the CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
