@@ -9,8 +9,7 @@ import pytest
 from hypothesis import settings
 
 import tests.profiles  # noqa: F401  (registers the Hypothesis profiles)
-from tests import no_processes, parallel
-from tests.vllm import servers
+from tests import parallel
 
 # Two cores here: keep each process to one intra-op thread unless a test says otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -101,22 +100,3 @@ def _relay(read_end: int) -> None:
 def _ranks_from_the_session_forkserver(request) -> None:
     if parallel.folder(request.node) in _RANK_FOLDERS:
         request.getfixturevalue("forkserver")
-
-
-@pytest.fixture(scope="session")
-def vllms_started_early(request, tmp_path_factory):
-    """Start tests/vllm's vLLMs at the first test that asks (every integration and unit test does, through an
-    autouse fixture of their folder) when tests/vllm runs later in this run (tests/vllm/servers.py says
-    why). Those tests run in this process, mostly on one core; the ~1 minute of each vLLM start-up then runs
-    on the other instead of while tests/vllm waits. tests/integration and tests/unit together give the
-    start-ups ~5 minutes of a serial run (tests/unit alone, ~2, was less than four start-ups need since the
-    process-starting tests moved out of it). Not at the e2e tests, which come first and time signals and
-    start-ups. Not under xdist: a worker does not know whether tests/vllm will be its. Whatever tests/vllm
-    did not take is stopped when the run ends. So the quick tier starts no vLLM."""
-    items = request.session.items
-    if "PYTEST_XDIST_WORKER" not in os.environ and any(parallel.folder(item) == "vllm" for item in items):
-        with no_processes.allowed():
-            servers.start_early(tmp_path_factory.mktemp("vllm"))
-    yield
-    with no_processes.allowed():
-        servers.stop_early()
