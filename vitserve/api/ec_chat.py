@@ -124,8 +124,7 @@ class EcHandover:
         self.store.put(uuid, tensor, metadata)
 
     def _named(self, ticket: EcTicket, uuid: str, kind: str, grid: list[int]) -> dict[str, Any]:
-        merge = self.layout.merge_size
-        ticket.expected.append((uuid, grid[0] * grid[1] * grid[2] // (merge * merge), self.layout.width))
+        ticket.expected.append((uuid, self.layout.grid_rows(grid), self.layout.width))
         return {"type": f"{kind}_embeds", f"{kind}_embeds": {f"{kind}_grid_thw": grid}, "uuid": uuid}
 
     @staticmethod

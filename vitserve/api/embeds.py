@@ -21,6 +21,7 @@ vitserve's own 500 that never reaches the LLM server.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,11 +97,15 @@ class EmbedsLayout:
                 "or send it to a server that decodes it itself (docs/vllm.md, 'Video')"
             )
 
+    def grid_rows(self, grid: Sequence[int]) -> int:
+        """Rows the LLM assumes for a patch grid [t, h, w]: t*h*w / merge_size**2 (patch layouts)."""
+        t, h, w = grid
+        return t * h * w // (self.merge_size * self.merge_size)
+
     def expected_rows(self, image: PreparedImage) -> int:
         if self.tiles:  # tiles x tokens per tile: the count the processor planned
             return image.item.num_tokens
-        t, h, w = image.item.grid_thw
-        return t * h * w // (self.merge_size * self.merge_size)
+        return self.grid_rows(image.item.grid_thw)
 
 
 def llm_tensor(layout: EmbedsLayout, result: ImageResult) -> torch.Tensor:
@@ -154,7 +159,7 @@ def checked_video_tensor(
     """The video's tensor and its flat grid [T, h, w], refused (500) when its shape is not the LLM's."""
     tensor = video_tensor(layout, video, results)
     grid = [int(x) for x in video.metadata["grid_thw"]]  # type: ignore[attr-defined]
-    rows = grid[0] * grid[1] * grid[2] // (layout.merge_size * layout.merge_size)
+    rows = layout.grid_rows(grid)
     if tensor.dim() != 2 or tuple(tensor.shape) != (rows, layout.width):
         raise EmbeddingMismatch(
             f"video {index}: embedding of shape {tuple(tensor.shape)}, but the LLM server expects "
