@@ -13,7 +13,8 @@ Qwen3-VL-8B's (DeepStack levels 8/16/24). --small: tiny towers and shapes on the
            with --compile); MFU = matmul FLOPs / median time / the bf16 torch.mm peak measured here;
   latency  one 448 px image alone: HF, vitserve eager, vitserve graphs (the smallest bucket);
   reserve  bench/gpu_reserve.py at 4,096 / 8,192 / 16,384 tokens (method "full", published / peak), then
-           the graphs captured and the worst case served through them: published + pool vs the peak;
+           the graphs captured and the worst case served through them: published + pool vs the peak; then
+           --visual_mem_gb at G (the 16,384-token published peak) and 1.5 G: the budgets chosen;
   handoff  one embedding of width 16,384 in bf16 to the EC producer path: device to host, safetensors
            file written and renamed (vLLM's ECExampleConnector layout), for 256 and 2,700 tokens.
 """
@@ -180,6 +181,10 @@ def part_reserve(run: Run, ckpt: Checkpoint) -> None:
         parts.reserve_with_graphs(enc, run, rows[-1], max_images) if run.device.type == "cuda" else {}
     )
     run.results["reserve"] = {"eager": rows, "graphs": with_graphs}
+    run.save()
+    # G: the largest budget's published peak (the dry run: 4x, above a CPU heap's noise at 64 tokens)
+    gb = rows[-1]["published_mib"] / 1024 * (4 if run.small else 1)
+    run.results["reserve"]["visual_mem_gb"] = parts.memory_targets(enc, gb, max_images)
     del enc
     parts.free(run.device)
 

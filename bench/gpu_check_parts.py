@@ -275,6 +275,10 @@ def print_summary(results: dict[str, Any]) -> None:
     reserve = results.get("reserve", {})
     for r in reserve.get("eager", []):
         print(f"reserve {r['budget_tokens']}: {r['method']}, published/peak {r['published_over_peak']:.3f}")
+    for r in reserve.get("visual_mem_gb", []):
+        print(
+            f"--visual_mem_gb {r['visual_mem_gb']:.3f}: {r['budget_tokens']} tokens ({r['gib']:.3f} GiB, {r['method']})"
+        )
     if reserve.get("graphs"):
         g = reserve["graphs"]
         print(
@@ -284,3 +288,25 @@ def print_summary(results: dict[str, Any]) -> None:
         print(f"handoff {r['tokens']}x{r['width']} bf16 ({r['mb']:.1f} MB): {r['ms']}")
     for label, err in results.get("errors", {}).items():
         print(f"ERROR {label}: {err}")
+
+
+def memory_targets(enc: HFVisionEncoder, gb: float, max_images: int) -> list[dict[str, Any]]:
+    """--visual_mem_gb at gb and 1.5 x gb (issue 36: the larger target must choose the larger budget), each
+    searched from a pool that holds only the weights, as a fresh rank's: budget, validated peak, method, time."""
+    from vitserve.config import GIB, Config
+    from vitserve.worker.reservation import StressShape, sizing
+
+    rows = []
+    for target in (gb, 1.5 * gb):
+        cfg = Config(visual_mem_gb=target, visual_batch_max_tokens=0, budget_source="visual_mem_gb",
+                     visual_infer_batch_size=max_images)  # fmt: skip
+        shape = StressShape(0, max_images, max_image_tokens=16384, min_image_tokens=4)
+        knobs = sizing.Knobs.of(cfg, enc, shape)
+        free(torch.device(enc.device))
+        start = time.monotonic()
+        with torch.inference_mode():
+            res = sizing.size_for_memory(enc, shape, knobs, lambda: sizing.fresh_meter(enc.device), print)
+        rows.append({"visual_mem_gb": target, "budget_tokens": res.budget_tokens, "gib": res.bytes / GIB,
+                     "method": res.method.value, "seconds": time.monotonic() - start})  # fmt: skip
+        print(f"visual_mem_gb {target:.3f}: {rows[-1]}", flush=True)
+    return rows

@@ -39,6 +39,7 @@ def test_gpu_check_dry_run_runs_every_part(tmp_path):
     assert results["towers"]["qwen3_vl-8b"]["exact"][0]["outputs"] == 3  # merged + 2 DeepStack levels (tiny)
     assert results["towers"]["qwen2_5_vl-7b"]["profile"]["eager"]["top"]
     assert [row["method"] for row in results["reserve"]["eager"]] == ["full"]
+    assert [row["method"] for row in results["reserve"]["visual_mem_gb"]] == ["full", "full"]
     assert results["handoff"]
     assert results["handoff"][0]["ms"]["file"] > 0
 

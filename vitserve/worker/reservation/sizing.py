@@ -14,9 +14,10 @@ memory target").
    device) does, extrapolated at most EXTRAPOLATION times past proportional. Rounded down to the worst case's
    own tokens (a whole grid of merged patches; whole tiles), never below the smallest image.
 3. Validate: the real full-budget stress at that budget, measured the same way. Over the target (or out of
-   memory on a GPU): SHRINK of it, and again, at most MAX_SHRINKS times; then, once, the largest probe's
-   budget that was within the target (_candidates); then MemoryTargetError, one line that names every knob. (Re-aiming from the failed runs instead was tried: on a tiny tower on a CPU the
-   heap's noise, 15-30 MiB between runs of neighbouring budgets, made it chase the noise.)
+   memory on a GPU): SHRINK of it, and again, at most MAX_SHRINKS times; then the probes' budgets that were
+   within the target, largest first (_candidates); then MemoryTargetError, one line that names every knob.
+   (Re-aiming from the failed runs instead was tried: on a tiny tower on a CPU the heap's noise, 15-30 MiB
+   between runs of neighbouring budgets, made it chase the noise.)
 
 Every decision is taken on values agreed over the TP group (stress.agree_max: the largest bytes, so every rank
 sizes for the hungriest one and all choose the same budget).
@@ -131,9 +132,12 @@ def _candidates(
     encoder: Encoder, shape: StressShape, knobs: Knobs, probes: list[Measured], tried: list[Measured]
 ) -> Iterator[int]:
     """The budgets to validate, in order: the target, then SHRINK of the last, at most MAX_SHRINKS times
-    (never below the smallest image); then, once, the largest budget a probe already measured within the
-    target. That last one is for a growth with a step: on a CPU a tiny tower's stress read 74 MiB at 512
-    tokens and 101-115 MiB at 570-666, so the target between 512 and 1,024 and three 5% shrinks all missed."""
+    (never below the smallest image); then the budgets probes already measured within the target, largest
+    first. Those are for a growth with a step: on a CPU a tiny tower's stress read 74 MiB at 512 tokens and
+    101-115 MiB at 570-666, so the target between 512 and 1,024 and three 5% shrinks all missed. More than
+    one, because on a CPU a run after larger ones reads more than the same run did as a probe (glibc's heap is
+    laid out anew: 512 tokens read 0.064 GiB as a probe and 0.104 GiB after a 1,024-token probe); each is half
+    the one before, so walking down costs at most about one more run at the largest."""
     budget = _target(encoder, shape, knobs, probes)
     yield budget
     for _ in range(MAX_SHRINKS):
@@ -142,9 +146,10 @@ def _candidates(
             return
         budget = smaller
         yield budget
-    fitted = [p.budget for p in probes if p.bytes <= knobs.target_bytes and p.budget < budget]
-    if fitted and not any(t.budget == max(fitted) for t in tried):
-        yield max(fitted)
+    done = {t.budget for t in tried}
+    for fitted in sorted((p.budget for p in probes if p.bytes <= knobs.target_bytes), reverse=True):
+        if fitted < budget and fitted not in done:
+            yield fitted
 
 
 def fresh_meter(device: torch.device) -> Meter:
