@@ -60,7 +60,9 @@ def _stress_shape(config: Config, processor: VisionProcessor) -> StressShape:
     return StressShape.of(config, processor.clamp_info())
 
 
-def _build_service(config: Config, checkpoint: Checkpoint) -> Service:
+def build_service(config: Config, checkpoint: Checkpoint) -> Service:
+    """Node 0's service for a config preflight.check passed: the socket, the processor, the engine (its ranks
+    start when the service runs). main runs it; tests run it in a thread (tests/vllm/stack.py)."""
     from vitserve.api.listen import bind_socket
 
     sock = bind_socket(config.host, config.port)  # before the API's imports (~7 s): a busy port fails at once
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 config, _load_processor(config, checkpoint)
             )  # the same worst case as node 0's ranks
         else:
-            service = _build_service(config, checkpoint)
+            service = build_service(config, checkpoint)
     except (ConfigError, VitserveError, OSError) as exc:
         print(f"vitserve: start-up failed: {exc}", file=sys.stderr)
         return 2

@@ -61,6 +61,17 @@ def live_server(
             else thread_engine(config, metrics, gate=gate, encoder=encoder)
         )
     service = Service(config, engine, processor, metrics, sock=bind_socket("127.0.0.1", 0))
+    with serving(service) as result:
+        try:
+            yield Live(f"http://127.0.0.1:{service.port}", service, engine, metrics, config, result, gate)
+        finally:
+            gate.set()
+
+
+@contextlib.contextmanager
+def serving(service: Service):
+    """Run `service` in a background thread until the block ends (then what SIGTERM does, and the thread
+    joined); yields the dict that gets its exit "code" (or the "error" it raised)."""
     result: dict = {}
 
     def run() -> None:
@@ -73,11 +84,9 @@ def live_server(
     thread = threading.Thread(target=run, name="live-server", daemon=True)
     thread.start()
     _wait_started(service, thread, result)
-    live = Live(f"http://127.0.0.1:{service.port}", service, engine, metrics, config, result, gate)
     try:
-        yield live
+        yield result
     finally:
-        gate.set()
         service.request_stop()
         thread.join(60)
 

@@ -17,7 +17,7 @@ from tests.e2e.test_cli_process import BASE_ARGS, metric
 from tests.receivers import ReceiverProcess
 
 pytestmark = pytest.mark.timeout(300)
-TIMEOUT_S = 10  # --request_timeout_s: how long a request waits for the receiver's acknowledgement
+TIMEOUT_S = 5  # --request_timeout_s: how long a request waits for the receiver's acknowledgement (the lost one waits it all)
 
 
 def _args(endpoint: str) -> list[str]:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
 from tests.vllm import servers
-from tests.vllm.stack import Stack, metric, png, start_vitserve
+from tests.vllm.stack import Stack, metric, png, vitserve_in_process
 from vitserve.api.ec_files import FILE_NAME, check_file, is_uuid
 
 BODY_LIMIT = 64 * 1024  # SPEC §10: at most this much goes upstream per request, whatever the images
@@ -34,10 +34,11 @@ def ec_args(stack: Stack) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def ec(stack):
-    """vitserve with ec_storage in front of the family's vLLM consumer."""
-    server = start_vitserve(stack.ckpt, stack.vllm.url, stack.tmp / "ec-vs", *ec_args(stack))
-    yield server
-    assert server.terminate() == 0, server.text[-2000:]
+    """vitserve with ec_storage in front of the family's vLLM consumer: the CLI's own service for these flags,
+    run in this process (stack.vitserve_in_process: the stack's inline vitserve is the CLI process, and a
+    start of the CLI costs 7-13 s here; what ec_storage adds lives in the app, not in the process)."""
+    with vitserve_in_process(stack.ckpt, stack.vllm.url, stack.tmp / "ec-vs", *ec_args(stack)) as server:
+        yield server
 
 
 def _files(stack: Stack) -> dict[str, int]:
@@ -165,31 +166,27 @@ def test_ec_storage_to_vllm_without_its_tower(stack, vllms):
     if bare.stopped:  # the inline test of the bare server stops it at its end
         pytest.fail("the bare vLLM was stopped before the ec_storage case ran")
     bare.wait_ready()
-    vitserve = start_vitserve(stack.ckpt, bare.url, stack.tmp / "ec-bare", *ec_args(stack))
-    try:
+    with vitserve_in_process(stack.ckpt, bare.url, stack.tmp / "ec-bare", *ec_args(stack)) as vitserve:
         for seed, stream in ((41, False), (42, True)):
             body = chat_request(stack.model, image_url_part(png(301, 203, seed=seed)), stream=stream)
             assert_same_answer(complete(stack.vllm.url, body), complete(vitserve.url, body))
         assert bare.alive()
-    finally:
-        assert vitserve.terminate() == 0
 
 
 @pytest.mark.parametrize("stack", ["qwen2_5_vl"], indirect=True)
 def test_ec_storage_to_a_vllm_that_is_no_consumer_is_a_502_saying_how_to_start_it(stack, vllms):
     plain = vllms["plain"][2].wait_ready()
     path = Path(servers.ec_dir(stack.tmp))
-    vitserve = start_vitserve(stack.ckpt, plain.url, stack.tmp / "ec-plain", *ec_args(stack))
     try:
-        body = chat_request(stack.model, image_url_part(png(64, 64, seed=43)))
-        r = httpx.post(vitserve.url + "/v1/chat/completions", json=body, timeout=60)
-        assert r.status_code == 502, r.text
-        error = r.json()["error"]
-        assert error["code"] == "llm_not_ec_consumer"
-        assert "--ec-transfer-config" in error["message"]
-        assert "ec_consumer" in error["message"]
-        assert plain.alive()
-        assert path.is_dir()
+        with vitserve_in_process(stack.ckpt, plain.url, stack.tmp / "ec-plain", *ec_args(stack)) as vitserve:
+            body = chat_request(stack.model, image_url_part(png(64, 64, seed=43)))
+            r = httpx.post(vitserve.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 502, r.text
+            error = r.json()["error"]
+            assert error["code"] == "llm_not_ec_consumer"
+            assert "--ec-transfer-config" in error["message"]
+            assert "ec_consumer" in error["message"]
+            assert plain.alive()
+            assert path.is_dir()
     finally:
-        assert vitserve.terminate() == 0
         plain.stop()

@@ -4,7 +4,9 @@ of its vLLM, test images, and a metric read from /metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import numpy as np
 from PIL import Image
 
 from tests.cli import Cli
+from tests.e2e.live import serving
 from tests.vllm_server import VllmServer
 
 BUDGET = 256  # vitserve's per-image budget, below the checkpoints' own limit
@@ -42,7 +45,7 @@ class Stack:
         return str(self.ckpt)
 
 
-def start_vitserve(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> Cli:
+def _args(ckpt: Path, llm_url: str, *extra: str) -> list[str]:
     args = [
         "--model",
         str(ckpt),
@@ -53,10 +56,37 @@ def start_vitserve(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> Cli:
         "--visual_batch_max_tokens",
         str(BUDGET),
     ]
-    args += ["--device", "cpu", "--heartbeat_s", "5", "--dist_timeout_s", "120", *extra]
-    server = Cli(args, tmp)
+    return [*args, "--device", "cpu", "--heartbeat_s", "5", "--dist_timeout_s", "120", *extra]
+
+
+def start_vitserve(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> Cli:
+    """The real `vitserve` CLI in front of `llm_url`, ready."""
+    server = Cli(_args(ckpt, llm_url, *extra), tmp)
     server.wait_ready(300)
     return server
+
+
+@dataclass
+class InProcess:
+    url: str
+    result: dict  # the service's exit "code" once stopped (tests/e2e/live.py serving)
+
+
+@contextlib.contextmanager
+def vitserve_in_process(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> Iterator[InProcess]:
+    """The CLI's own service for the same flags (vitserve.cli's config, preflight and build_service; ranks
+    forked from the session's forkserver) served from a thread of this process: no interpreter to start, so
+    ~1 s where a CLI takes 7-13 s on 2 cores. The ec_storage cases and those whose subject is the upstream vLLM
+    (one without its tower, one that is no consumer) use it; each family's inline stack runs the CLI itself
+    (start_vitserve), so the process, its flags and its exit stay covered. Exits 0 or fails."""
+    from vitserve import cli, preflight
+    from vitserve.flags import build_config
+
+    config = build_config(_args(ckpt, llm_url, *extra), {"VITSERVE_RUNTIME_DIR": str(tmp / "rt")})
+    service = cli.build_service(config, preflight.check(config))
+    with serving(service) as result:
+        yield InProcess(f"http://127.0.0.1:{service.port}", result)
+    assert result.get("code") == 0, result
 
 
 def metric(url: str, name: str, **labels: str) -> float:

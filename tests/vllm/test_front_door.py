@@ -4,7 +4,8 @@ vitserve gives the same answer.
 Per family (Qwen2.5-VL, and Qwen3-VL with DeepStack), one tiny checkpoint vLLM can serve
 (tests/checkpoints.py make_servable_checkpoint), one real vLLM started from scripts/vllm-env.sh's venv
 (tests/vllm_server.py; a serial run starts them while tests/unit runs, tests/vllm/servers.py), and the real
-vitserve CLI in front of it (--llm_url). vLLM is given the raw image
+vitserve CLI in front of it (--llm_url; the ec_storage cases and the tower-less or non-consumer vLLMs get the
+CLI's own service run in this process, tests/vllm/stack.py vitserve_in_process). vLLM is given the raw image
 directly; vitserve sends it the embeddings instead. Greedy decoding, 12 tokens with their logprobs: the
 tokens must be identical and the logprobs within 1e-4 (measured: a few 1e-6, the float round-off of the same
 arithmetic in another order; resizing like the PIL processor instead moves them by ~1e-3).
@@ -49,7 +50,7 @@ from tests.vllm.ec_cases import (
     test_ec_storage_to_a_vllm_that_is_no_consumer_is_a_502_saying_how_to_start_it,  # noqa: F401
     test_ec_storage_to_vllm_without_its_tower,  # noqa: F401
 )
-from tests.vllm.stack import BUDGET, Stack
+from tests.vllm.stack import BUDGET, Stack, vitserve_in_process
 from tests.vllm.stack import metric as _metric
 from tests.vllm.stack import png as _png
 from tests.vllm.stack import start_vitserve as _vitserve
@@ -216,8 +217,7 @@ def test_vllm_without_its_vision_tower_gives_the_same_answers(stack, vllms, clip
     bare = vllms["bare"][2].wait_ready()  # started with the others (the vllms fixture)
     try:
         assert "vision" not in bare.log_tail(400).lower() or bare.alive()
-        vitserve = _vitserve(stack.ckpt, bare.url, stack.tmp / "bare")
-        try:
+        with vitserve_in_process(stack.ckpt, bare.url, stack.tmp / "bare") as vitserve:
             for size in ("exact", "resized"):
                 body = chat_request(stack.model, image_url_part(_png(*SIZES[size], seed=11)))
                 assert_same_answer(complete(stack.vllm.url, body), complete(vitserve.url, body))
@@ -244,8 +244,6 @@ def test_vllm_without_its_vision_tower_gives_the_same_answers(stack, vllms, clip
             assert r.json()["error"]["code"] == "llm_unavailable"
             ok = httpx.post(vitserve.url + "/encode", files={"images": ("a.png", _png(64, 64))}, timeout=60)
             assert ok.status_code == 200
-        finally:
-            assert vitserve.terminate() == 0
     finally:
         bare.stop()
 
