@@ -8,6 +8,7 @@ import io
 import threading
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import httpx
 from PIL import Image
@@ -139,3 +140,27 @@ def wait_until(predicate, what: str, limit_s: float = 30.0) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"never happened: {what}")
         time.sleep(0.01)
+
+
+@dataclass
+class InProcess:
+    url: str
+    service: Service
+    result: dict  # the service's exit "code" once stopped (serving)
+
+
+@contextlib.contextmanager
+def cli_in_process(argv: list[str], tmp_path):
+    """What `vitserve ARGV` serves (vitserve.cli's build_config, preflight and build_service; the ranks forked
+    from the session's forkserver), run from a thread of this process with its runtime dir under tmp_path:
+    ~1 s where starting the CLI costs 7-13 s of imports on 2 cores. For tests whose subject is what the service
+    does with its flags, not the process (tests/cli.py runs that). The block must end with the service
+    stopping with exit 0."""
+    from vitserve import cli, preflight
+    from vitserve.flags import build_config
+
+    config = build_config(argv, {"VITSERVE_RUNTIME_DIR": str(Path(tmp_path) / "rt")})
+    service = cli.build_service(config, preflight.check(config))
+    with serving(service) as result:
+        yield InProcess(f"http://127.0.0.1:{service.port}", service, result)
+    assert result.get("code") == 0, result

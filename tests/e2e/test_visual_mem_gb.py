@@ -1,6 +1,6 @@
-"""--visual_mem_gb through the real `vitserve` CLI (docs/engine.md, "A budget from a memory target"): the budget
+"""--visual_mem_gb through the `vitserve` CLI (docs/engine.md, "A budget from a memory target"): the budget
 the ranks choose is the processor's clamp, the queue's and /v1/info's, as if --visual_batch_max_tokens had
-given it; a target no budget fits, or one a given budget does not fit, exits 2 with one line that names every
+given it (the CLI's service run in this process); a target no budget fits, or one a given budget does not fit, exits 2 with one line that names every
 knob; settings that contradict it are refused before any rank starts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from tests.checkpoints import make_checkpoint
 from tests.cli import Cli
-from tests.e2e.live import noise_png
+from tests.e2e.live import cli_in_process, noise_png
 
 pytestmark = pytest.mark.timeout(300)
 ARGS = ["--port", "0", "--device", "cpu", "--visual_infer_batch_size", "4", "--dist_timeout_s", "120"]
@@ -31,10 +31,10 @@ def _failure(r) -> str:
     return lines[0]
 
 
-def test_the_chosen_budget_is_served_as_if_the_flag_gave_it(tmp_path, qwen2):
-    srv = Cli(["--model", qwen2, *ARGS, "--visual_mem_gb", "0.2"], tmp_path)
-    try:
-        srv.wait_ready()
+def test_the_chosen_budget_is_served_as_if_the_flag_gave_it(tmp_path, qwen2, capsys):
+    """The CLI's service for these flags, run in this process (tests/e2e/live.py cli_in_process): the choice
+    and its adoption are the service's; the CLI process's own start and exits are the tests below."""
+    with cli_in_process(["--model", qwen2, *ARGS, "--visual_mem_gb", "0.2"], tmp_path) as srv:
         info = httpx.get(srv.url + "/v1/info", timeout=10).json()
         budget = info["budget_tokens"]
         assert info["budget_source"] == "visual_mem_gb"
@@ -42,16 +42,13 @@ def test_the_chosen_budget_is_served_as_if_the_flag_gave_it(tmp_path, qwen2):
         assert budget >= 4
         assert info["processor_clamp"]["max_tokens"] == budget  # the image processor clamps to it
         assert info["limits"]["max_queue_tokens"] == 4 * budget  # the queue's default follows it
-        assert (
-            f"budget_tokens={budget} tokens per batch and per image, budget_source=visual_mem_gb" in srv.text
-        )
+        banner = capsys.readouterr().err
+        assert f"budget_tokens={budget} tokens per batch and per image, budget_source=visual_mem_gb" in banner
         big = httpx.post(
             srv.url + "/encode", files=[("images", ("x.png", noise_png(1024, 1024)))], timeout=120
         )
         assert big.status_code == 200, big.text
         assert big.json()["images"][0]["num_tokens"] <= budget
-    finally:
-        srv.stop()
 
 
 def test_a_target_below_the_smallest_image_exits_2_naming_every_knob(tmp_path, qwen2):

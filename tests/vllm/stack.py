@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image
 
 from tests.cli import Cli
-from tests.e2e.live import serving
+from tests.e2e.live import InProcess, cli_in_process
 from tests.vllm_server import VllmServer
 
 BUDGET = 256  # vitserve's per-image budget, below the checkpoints' own limit
@@ -66,27 +66,14 @@ def start_vitserve(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> Cli:
     return server
 
 
-@dataclass
-class InProcess:
-    url: str
-    result: dict  # the service's exit "code" once stopped (tests/e2e/live.py serving)
-
-
 @contextlib.contextmanager
 def vitserve_in_process(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> Iterator[InProcess]:
-    """The CLI's own service for the same flags (vitserve.cli's config, preflight and build_service; ranks
-    forked from the session's forkserver) served from a thread of this process: no interpreter to start, so
-    ~1 s where a CLI takes 7-13 s on 2 cores. The ec_storage cases and those whose subject is the upstream vLLM
-    (one without its tower, one that is no consumer) use it; each family's inline stack runs the CLI itself
-    (start_vitserve), so the process, its flags and its exit stay covered. Exits 0 or fails."""
-    from vitserve import cli, preflight
-    from vitserve.flags import build_config
-
-    config = build_config(_args(ckpt, llm_url, *extra), {"VITSERVE_RUNTIME_DIR": str(tmp / "rt")})
-    service = cli.build_service(config, preflight.check(config))
-    with serving(service) as result:
-        yield InProcess(f"http://127.0.0.1:{service.port}", result)
-    assert result.get("code") == 0, result
+    """start_vitserve's service run in this process (tests/e2e/live.py cli_in_process): the ec_storage cases
+    and those whose subject is the upstream vLLM (one without its tower, one that is no consumer) use it; each
+    family's inline stack runs the CLI itself (start_vitserve), so the process, its flags and its exit stay
+    covered."""
+    with cli_in_process(_args(ckpt, llm_url, *extra), tmp) as served:
+        yield served
 
 
 def metric(url: str, name: str, **labels: str) -> float:
