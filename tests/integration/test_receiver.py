@@ -109,8 +109,14 @@ def test_sender_connected_before_the_receiver_binds_still_delivers(short_dir):
 
 class LateHandshakeEvents(LLMSender):
     """A sender whose I/O thread reads the monitor's connection events only once its message was sent and
-    acknowledged: the order a loaded machine can produce, where the handshake event comes in the same poll
-    as the acknowledgement (the handshake puts the message back in the outbox first)."""
+    acknowledged: the order a loaded machine can produce after a reconnection, where the new handshake's
+    event comes in the same poll as the acknowledgement (the handshake puts the message back in the outbox
+    first). It counts as connected from the start, as a sender whose earlier connection had been up."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(endpoint)
+        self.reachable = True  # the I/O thread sends once it sees this (the events stay unread)
+        self._wake()
 
     def _on_monitor(self) -> None:
         if not self._unacked:
@@ -125,6 +131,37 @@ def test_an_acknowledgement_read_after_the_handshake_event_settles_the_message(r
         assert receiver.recv(timeout_s=10).image_index == 0  # acknowledged once, and read once only
         delivery.wait(10)
         assert (tx.delivered, tx.late_acks, tx.resent) == (1, 0, 1)
+
+
+class AcksReadLate(LLMSender):
+    """A sender whose I/O thread reads no acknowledgement until `read` is set: a loaded machine, where the
+    receiver may acknowledge and close its socket before the sender's thread gets to run."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.read = threading.Event()
+        super().__init__(endpoint)
+
+    def _read_acks(self) -> None:
+        if self.read.is_set():
+            super()._read_acks()
+
+
+def test_acknowledgements_that_arrived_before_the_receiver_closed_are_still_read(receiver):
+    """With ZMQ_IMMEDIATE the sender's libzmq threw the dropped connection's pipe away, unread
+    acknowledgements with it: delivered messages then failed at their deadline (a CI failure of
+    test_receiver_cli.py)."""
+    with AcksReadLate(receiver.endpoint) as tx:
+        deliveries = [send(tx, image_index=k, num_images=2) for k in range(2)]
+        assert [receiver.recv(timeout_s=10).image_index for _ in range(2)] == [0, 1]  # both acknowledged
+        receiver.close()  # its acknowledgements have left (linger); the connection drops
+        end = time.monotonic() + 10
+        while tx.reachable:  # the sender saw the connection go, with the acknowledgements still unread
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        tx.read.set()
+        for d in deliveries:
+            d.wait(10)
+        assert (tx.delivered, tx.late_acks) == (2, 0)
 
 
 def check_each_once_in_order(got: list[ImageEmbedding], requests: int, images: int) -> None:

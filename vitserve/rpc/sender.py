@@ -7,12 +7,16 @@ LLMTimeout at its deadline, or NotReady when the sender closes first. Nothing is
 One I/O thread owns the socket (ZMQ sockets are not thread-safe): it sends what callers submitted when
 the receiver has room, reads acknowledgements, and fails each wait whose deadline passed.
 
-- ZMQ_IMMEDIATE: messages queue only on a connection whose handshake completed. While no receiver is
-  connected, a message waits in this sender's outbox, never in a ZMQ pipe, so a receiver that binds
-  later gets only what is still wanted.
-- When a connection drops, libzmq discards what its pipe held. Messages sent but not acknowledged yet go
-  out again on the next connection while their deadline lasts (the receiver drops a copy it already
-  returned: same message_id), so a receiver restarting mid-request does not cost the request.
+- A message is handed to ZMQ only while a receiver is connected (its ZMTP handshake succeeded, as the
+  socket monitor reports). While none is, a message waits in this sender's outbox, never in a ZMQ pipe, so
+  a receiver that binds later gets only what is still wanted. This is done here, not with ZMQ_IMMEDIATE:
+  with IMMEDIATE, libzmq throws away the pipe when its connection drops, and with it the acknowledgements
+  that had arrived and were not read yet (a receiver that acknowledged and then exited at once looked like
+  one that never acknowledged: the message failed at its deadline).
+- Messages sent but not acknowledged when a connection drops go out again on the next connection while
+  their deadline lasts (the receiver drops a copy it already returned: same message_id, acknowledged again),
+  so a receiver restarting mid-request does not cost the request. One handed to ZMQ in the moment the
+  connection broke, before the monitor said so, may also go out from the pipe: the same dropped copy.
 - ZMTP heartbeats notice a receiver that vanished without closing its connection (a dead host).
 - A peer that is not a wire-v2 receiver (a v1 PULL socket) drops the connection during the ZMTP
   handshake (socket types must match): logged once, and the message waits for a real receiver.
@@ -107,7 +111,6 @@ class LLMSender:
         self._ctx = zmq.Context(io_threads=1)  # private: close() terminates it without touching others
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.SNDHWM, sndhwm)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.setsockopt(zmq.LINGER, 0)  # what is unacknowledged at close has failed already
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * heartbeat_s * 1000))
@@ -171,7 +174,8 @@ class LLMSender:
             while not self._closing:
                 self._take_inbox()
                 wait_s = self._expire(time.monotonic())
-                poller.register(self._sock, zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0))
+                sending = self._outbox and self.reachable  # a handshake completed: see the module docstring
+                poller.register(self._sock, zmq.POLLIN | (zmq.POLLOUT if sending else 0))
                 events = dict(poller.poll(max(1, int(wait_s * 1000))))
                 if self._wake_r in events:
                     os.read(self._wake_r, 4096)
