@@ -62,7 +62,7 @@ def _stress_shape(config: Config, processor: VisionProcessor) -> StressShape:
 
 def build_service(config: Config, checkpoint: Checkpoint) -> Service:
     """Node 0's service for a config preflight.check passed: the socket, the processor, the engine (its ranks
-    start when the service runs). main runs it; tests run it in a thread (tests/vllm/stack.py)."""
+    start when the service runs). main runs it; tests run it in a thread (tests/e2e/live.py cli_in_process)."""
     from vitserve.api.listen import bind_socket
 
     sock = bind_socket(config.host, config.port)  # before the API's imports (~7 s): a busy port fails at once
