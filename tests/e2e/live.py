@@ -144,9 +144,7 @@ def wait_until(predicate, what: str, limit_s: float = 30.0) -> None:
 
 @dataclass
 class InProcess:
-    url: str
-    service: Service
-    result: dict  # the service's exit "code" once stopped (serving)
+    url: str  # as tests.cli.Cli's, so a test reads either the same way
 
 
 @contextlib.contextmanager
@@ -162,5 +160,5 @@ def cli_in_process(argv: list[str], tmp_path):
     config = build_config(argv, {"VITSERVE_RUNTIME_DIR": str(Path(tmp_path) / "rt")})
     service = cli.build_service(config, preflight.check(config))
     with serving(service) as result:
-        yield InProcess(f"http://127.0.0.1:{service.port}", service, result)
+        yield InProcess(f"http://127.0.0.1:{service.port}")
     assert result.get("code") == 0, result

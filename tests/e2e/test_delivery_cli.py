@@ -17,7 +17,8 @@ from tests.e2e.test_cli_process import BASE_ARGS, metric
 from tests.receivers import ReceiverProcess
 
 pytestmark = pytest.mark.timeout(300)
-TIMEOUT_S = 5  # --request_timeout_s: how long a request waits for the receiver's acknowledgement (the lost one waits it all)
+# --request_timeout_s: how long a request waits for the receiver's acknowledgement (the lost one waits it all)
+TIMEOUT_S = 5
 
 
 def _args(endpoint: str) -> list[str]:

@@ -1,7 +1,8 @@
 """--visual_mem_gb through the `vitserve` CLI (docs/engine.md, "A budget from a memory target"): the budget
 the ranks choose is the processor's clamp, the queue's and /v1/info's, as if --visual_batch_max_tokens had
-given it (the CLI's service run in this process); a target no budget fits, or one a given budget does not fit, exits 2 with one line that names every
-knob; settings that contradict it are refused before any rank starts."""
+given it (the CLI's service run in this process); a target no budget fits, or one a given budget does not
+fit, exits 2 with one line that names every knob; settings that contradict it are refused before any rank
+starts."""
 
 from __future__ import annotations
 

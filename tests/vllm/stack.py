@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,14 +65,14 @@ def start_vitserve(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> Cli:
     return server
 
 
-@contextlib.contextmanager
-def vitserve_in_process(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> Iterator[InProcess]:
+def vitserve_in_process(
+    ckpt: Path, llm_url: str, tmp: Path, *extra: str
+) -> contextlib.AbstractContextManager[InProcess]:
     """start_vitserve's service run in this process (tests/e2e/live.py cli_in_process): the ec_storage cases
     and those whose subject is the upstream vLLM (one without its tower, one that is no consumer) use it; each
     family's inline stack runs the CLI itself (start_vitserve), so the process, its flags and its exit stay
     covered."""
-    with cli_in_process(_args(ckpt, llm_url, *extra), tmp) as served:
-        yield served
+    return cli_in_process(_args(ckpt, llm_url, *extra), tmp)
 
 
 def metric(url: str, name: str, **labels: str) -> float:
