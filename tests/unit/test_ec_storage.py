@@ -14,8 +14,12 @@ import torch
 from safetensors.torch import load_file
 
 from vitserve.api.chat_parts import media_parts
-from vitserve.api.ec_chat import EcHandover, NotAConsumer
-from vitserve.api.ec_files import (
+from vitserve.config import Config
+from vitserve.contract import ImageResult, PreparedImage, ProcessedImage
+from vitserve.errors import ConfigError, InvalidRequest
+from vitserve.families import FAMILIES
+from vitserve.flags import build_config
+from vitserve.handover.ec_files import (
     FILE_NAME,
     EcFileMissing,
     EcStorageError,
@@ -26,13 +30,9 @@ from vitserve.api.ec_files import (
     is_uuid,
     write_file,
 )
-from vitserve.api.ec_store import EcStore
-from vitserve.api.embeds import EmbedsLayout
-from vitserve.config import Config
-from vitserve.contract import ImageResult, PreparedImage, ProcessedImage
-from vitserve.errors import ConfigError, InvalidRequest
-from vitserve.families import FAMILIES
-from vitserve.flags import build_config
+from vitserve.handover.ec_storage import EcHandover, NotAConsumer
+from vitserve.handover.ec_store import EcStore
+from vitserve.handover.embeds import EmbedsLayout
 from vitserve.metrics import Metrics
 from vitserve.preflight import check_ec_storage
 

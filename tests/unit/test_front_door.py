@@ -14,9 +14,6 @@ import torch
 from tests.checkpoints import make_checkpoint
 from vitserve import preflight
 from vitserve.api.chat_parts import media_parts
-from vitserve.api.embeds import EmbeddingMismatch, EmbedsLayout, embeds_part, video_embeds_part
-from vitserve.api.inline import InlineTensor
-from vitserve.api.upstream import api_base
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import redacted_url
 from vitserve.contract import ImageResult, PreparedImage, PreparedVideo, ProcessedImage
@@ -29,6 +26,9 @@ from vitserve.errors import (
     openai_error,
 )
 from vitserve.flags import build_config
+from vitserve.handover.embeds import EmbeddingMismatch, EmbedsLayout, embeds_part, video_embeds_part
+from vitserve.handover.inline import InlineTensor
+from vitserve.handover.upstream import api_base
 
 PNG_B64 = base64.b64encode(b"\x89PNG fake bytes").decode()
 

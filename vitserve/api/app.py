@@ -17,22 +17,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import vitserve
 from vitserve import preflight
 from vitserve.api.chat import CHAT_ROUTE, MODELS_ROUTE, ChatHandler
-from vitserve.api.ec_chat import EcHandover
-from vitserve.api.ec_store import EcStore
 from vitserve.api.edge import Edge, ServerState
-from vitserve.api.embeds import EmbedsLayout
 from vitserve.api.encode import EncodeHandler
 from vitserve.api.info import info_body
 from vitserve.api.media import MediaPipeline
 from vitserve.api.openapi import DOCS_ASSETS_URL, ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
 from vitserve.api.preprocess import Preprocessor
 from vitserve.api.tracing import Tracing, make_tracing
-from vitserve.api.upstream import Upstream
 from vitserve.api.videos import VideoFrontEnd
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import GIB, Config
 from vitserve.contract import Engine
 from vitserve.errors import InvalidRequest, NotReady, VitserveError, http_error
+from vitserve.handover.ec_storage import EcHandover
+from vitserve.handover.ec_store import EcStore
+from vitserve.handover.embeds import EmbedsLayout
+from vitserve.handover.upstream import Upstream
 from vitserve.metrics import CONTENT_TYPE, Metrics
 from vitserve.processors.base import VisionProcessor
 

@@ -27,16 +27,16 @@ from starlette.responses import Response, StreamingResponse
 
 from vitserve.api.body import ClientGone, read_body
 from vitserve.api.chat_parts import ChatParts, media_parts
-from vitserve.api.ec_chat import EcHandover, EcTicket
-from vitserve.api.embeds import EmbedsLayout, embeds_part, video_embeds_part
-from vitserve.api.inline import dumps_body
 from vitserve.api.inputs import VideoSource, check_count
 from vitserve.api.media import INLINE_BODY_BYTES, Encoded, Media, MediaPipeline, unless_gone
 from vitserve.api.tracing import Tracing
-from vitserve.api.upstream import Upstream, relayed_headers
 from vitserve.config import Config
 from vitserve.contract import ImageResult, PreparedImage
 from vitserve.errors import InvalidRequest, LLMTimeout, VitserveError, openai_error
+from vitserve.handover.ec_storage import EcHandover, EcTicket
+from vitserve.handover.embeds import EmbedsLayout, embeds_part, video_embeds_part
+from vitserve.handover.inline import dumps_body
+from vitserve.handover.upstream import Upstream, relayed_headers
 
 log = logging.getLogger(__name__)
 CHAT_ROUTE = "/v1/chat/completions"
@@ -62,7 +62,7 @@ class ChatHandler:
         self.tracing = tracing
         self.upstream = upstream
         self.layout = layout
-        self.ec = ec  # --llm_transport ec_storage (api/ec_chat.py); None: inline
+        self.ec = ec  # --llm_transport ec_storage (handover/ec_storage.py); None: inline
 
     async def __call__(self, request: Request) -> Response:
         trace = self.tracing.start(request.headers.get("traceparent"))

@@ -1,8 +1,8 @@
 """The front door's encoder-cache hand-over (--llm_transport ec_storage, docs/vllm.md): each image and video of
-a chat request becomes a file under --ec_storage_path (api/ec_store.py) and a metadata-only part that names it
+a chat request becomes a file under --ec_storage_path (handover/ec_store.py) and a metadata-only part that names it
 by uuid; vLLM, started as an EC consumer of that directory, loads the file instead of a tensor in the body.
 
-- An image's uuid comes from its bytes and the engine's fingerprint (api/ec_files.py `ec_uuid`), so it is
+- An image's uuid comes from its bytes and the engine's fingerprint (handover/ec_files.py `ec_uuid`), so it is
   known before the image is decoded: an image whose file is still there is neither decoded, nor encoded, nor
   written again (`image_hits`). A video's uuid comes from its groups' ids (its bytes and sampling); a video is
   encoded through the engine (whose cache may hold its groups) and its file written only if missing.
@@ -23,11 +23,11 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from vitserve.api.ec_files import ec_uuid
-from vitserve.api.ec_store import EcStore
-from vitserve.api.embeds import EmbedsLayout, check_tensor, checked_video_tensor, llm_tensor
 from vitserve.contract import ImageResult, PreparedImage, PreparedVideo
 from vitserve.errors import VitserveError
+from vitserve.handover.ec_files import ec_uuid
+from vitserve.handover.ec_store import EcStore
+from vitserve.handover.embeds import EmbedsLayout, check_tensor, checked_video_tensor, llm_tensor
 
 # What a vLLM that is not an EC consumer answers a metadata-only part with (400).
 _NOT_CONSUMER = b"The data should contain the fields"
@@ -136,7 +136,7 @@ class EcHandover:
 
     def check(self, ticket: EcTicket) -> None:
         """Every file the request names is there with its shape (EcFileMissing otherwise); then the
-        directory's upkeep (api/ec_store.py maintain)."""
+        directory's upkeep (handover/ec_store.py maintain)."""
         self.store.check(ticket.expected)
         self.store.maintain()
 

@@ -1,6 +1,6 @@
 """The upstream chat body with its embeddings inline: tensors spliced in as base64, never through JSON.
 
-An embedding part (api/embeds.py) holds an `InlineTensor`, not a string. `dumps_body` serializes the rest of
+An embedding part (handover/embeds.py) holds an `InlineTensor`, not a string. `dumps_body` serializes the rest of
 the request with a placeholder where each tensor goes, then joins the JSON pieces with each tensor's base64:
 the JSON encoder never scans the embeddings (base64's alphabet needs no escaping inside a JSON string), and
 the large bytes are copied once, into the body.

@@ -11,7 +11,7 @@ vLLM started with --enable-mm-embeds takes precomputed embeddings in place of an
 B64 is base64 of `.npy` bytes (numpy's format: no pickle; vLLM recognises its magic and loads it with
 np.load), or for bfloat16, which numpy lacks, of `torch.save` bytes (vLLM loads them with
 torch.load(weights_only=True)): the tower's dtype on the wire, and vLLM casts to its own. The parts built here
-hold the tensor (api/inline.py InlineTensor); its base64 is spliced into the body when it is serialized.
+hold the tensor (handover/inline.py InlineTensor); its base64 is spliced into the body when it is serialized.
 
 vLLM does not check every field of these payloads: fewer rows than the grid implies, a 3-D tensor for a
 Qwen model or the wrong width kill its engine process (EngineDeadError), and the dict form has no width
@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitserve.api.inline import InlineTensor
 from vitserve.contract import ImageResult, PreparedImage, PreparedVideo
 from vitserve.errors import InvalidRequest, InvalidVideoSampling, VitserveError
 from vitserve.families import FAMILIES
+from vitserve.handover.inline import InlineTensor
 
 
 class EmbeddingMismatch(VitserveError):
