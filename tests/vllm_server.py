@@ -131,6 +131,8 @@ class VllmServer:
             if self.alive():
                 return time.monotonic() - self.started
             time.sleep(0.5)
+        if self.proc.poll() is None and self.alive():  # a server started early and waited on late is ready
+            return time.monotonic() - self.started
         self.stop()
         raise RuntimeError(f"vLLM was not ready within {START_TIMEOUT_S} s:\n{self.log_tail()}")
 
