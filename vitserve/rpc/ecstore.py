@@ -184,12 +184,15 @@ class EmbeddingStore:
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)
             self.counts["handshakes_failed"] += 1
+            failed = self.counts["handshakes_failed"]
+            if failed & (failed - 1):  # a refused peer retries every 100 ms: log the 1st, 2nd, 4th, 8th, ...
+                continue
             self.log.warning(
                 "vitserve connector on %s: a peer's handshake failed (%s): without the key, or not vitserve's wire; "
                 "nothing of it was read (%d so far)",
                 self.endpoint,
                 zmq.Event(event["event"]).name,
-                self.counts["handshakes_failed"],
+                failed,
             )
 
     def _stop_socket(self) -> None:
