@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,7 +26,7 @@ from vitserve.api.inputs import ImageSource, VideoSource, fetch_sources
 from vitserve.api.preprocess import Preprocessor
 from vitserve.api.videos import VideoFrontEnd
 from vitserve.config import Config
-from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo
+from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo, RequestItem
 from vitserve.errors import InvalidRequest, Timeout, VitserveError
 from vitserve.metrics import Metrics
 
@@ -53,22 +53,43 @@ class Media:
 
 @dataclass(frozen=True)
 class Encoded:
-    """A request's items and the engine's result for each, in EncodeRequest.items order."""
+    """A request's items and the engine's result for each, in EncodeRequest.items order (None for an item
+    handed over already)."""
 
     request: EncodeRequest
-    results: list[ImageResult]
+    results: list[ImageResult | None]
+
+    def walk(self) -> Iterator[tuple[RequestItem, ImageResult | None]]:
+        """Each item with its result, in the one order (what the renderers walk)."""
+        return zip(self.request.items, self.results, strict=True)
+
+    def encoded(self) -> tuple[list[tuple[PreparedImage, ImageResult]], list[list[ImageResult]]]:
+        """For a request the engine did whole (/encode's): each image with its result, and each video's
+        groups' results in time order."""
+        images: list[tuple[PreparedImage, ImageResult]] = []
+        videos: list[list[ImageResult]] = [[] for _ in self.request.videos]
+        for item, result in self.walk():
+            if item.prepared is None or result is None:
+                raise ValueError(f"item {item.index} of {self.request.request_id} was handed over before")
+            if item.group is None:
+                images.append((item.prepared, result))
+            else:
+                videos[item.media_index].append(result)
+        return images, videos
 
     @property
     def images(self) -> tuple[PreparedImage, ...]:
-        return self.request.images
+        """The images the engine encoded."""
+        return tuple(i.prepared for i in self.request.items if i.group is None and i.prepared is not None)
 
     @property
     def videos(self) -> tuple[PreparedVideo, ...]:
         return self.request.videos
 
     def split(self) -> tuple[list[ImageResult], list[list[ImageResult]]]:
-        """The images' results, and each video's groups' results in time order."""
-        return self.request.split(self.results)
+        """The encoded images' results, and each video's groups' results in time order."""
+        images, videos = self.request.split(self.results)
+        return [r for r in images if r is not None], [[r for r in v if r is not None] for v in videos]
 
 
 @dataclass
@@ -128,8 +149,8 @@ class MediaPipeline:
     async def encode(self, request: Request, work: EncodeRequest) -> Encoded | None:
         """The engine's results, or None when the client went away first (its queued items are withdrawn).
         Raises the engine's VitserveError (counted as rejected), or Timeout past the deadline's grace."""
-        if not work.images and not work.videos:  # every image was reused: nothing to encode
-            return Encoded(work, [])
+        if not work.pending:  # every item was handed over already: nothing to encode
+            return Encoded(work, [None] * len(work.items))
         timeout_s = work.deadline - time.monotonic() + DEADLINE_GRACE_S
         try:
             results = await unless_gone(request, self.engine.encode(work), timeout_s, self._late)
