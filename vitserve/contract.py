@@ -9,13 +9,10 @@ engine's facts and health (`EngineInfo`, `Readiness`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, Protocol
 
 import torch
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -149,16 +146,6 @@ class EncodeRequest:
     def pending(self) -> bool:
         """Some item still needs its hand-over (False: nothing for the engine to do)."""
         return any(not item.handed_over for item in self.items)
-
-    def split(self, results: Sequence[T]) -> tuple[list[T], list[list[T]]]:
-        """Results in `items` order, split into the images' and, per video, its groups' (in time order)."""
-        if len(results) != len(self.items):
-            raise ValueError(f"{len(results)} results for the {len(self.items)} items of {self.request_id}")
-        images: list[T] = []
-        videos: list[list[T]] = [[] for _ in self.videos]
-        for item, result in zip(self.items, results, strict=True):
-            (images if item.modality == "image" else videos[item.media_index]).append(result)
-        return images, videos
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from vitserve.api.body import ClientGone, read_body
-from vitserve.api.chat_parts import ChatParts, media_parts
+from vitserve.api.chat_parts import ChatParts, MediaPart, media_parts
 from vitserve.api.ec_chat import EcHandover, EcTicket
 from vitserve.api.embeds import EmbedsLayout, embeds_part, video_embeds_part
 from vitserve.api.inline import dumps_body
@@ -35,7 +35,7 @@ from vitserve.api.media import INLINE_BODY_BYTES, Encoded, Media, MediaPipeline,
 from vitserve.api.tracing import Tracing
 from vitserve.api.upstream import Upstream, relayed_headers
 from vitserve.config import Config
-from vitserve.contract import ImageResult, PreparedImage
+from vitserve.contract import ImageResult, RequestItem
 from vitserve.errors import InvalidRequest, LLMTimeout, VitserveError, openai_error
 
 log = logging.getLogger(__name__)
@@ -66,11 +66,13 @@ class ChatHandler:
 
     async def __call__(self, request: Request) -> Response:
         trace = self.tracing.start(request.headers.get("traceparent"))
-        param: list[str | None] = [None]  # the part at fault, once known
+        deadline = time.monotonic() + self.config.request_timeout_s
+        parts: ChatParts | None = None  # once the body is parsed: an error's index names its part
         try:
-            response = await self._handle(request, trace.traceparent, param)
+            body, payload, parts = await self._read(request)
+            response = await self._handle(request, body, payload, parts, deadline, trace.traceparent)
         except VitserveError as err:
-            response = _error_response(err, param[0])
+            response = _error_response(err, parts)
         except ClientGone:
             response = Response(status_code=499)
         except Exception as exc:  # the handler's own bug: a 500 in the shape the client parses
@@ -80,23 +82,28 @@ class ChatHandler:
         response.headers["traceparent"] = trace.traceparent
         return response
 
-    async def _handle(self, request: Request, traceparent: str, param: list[str | None]) -> Response:
-        deadline = time.monotonic() + self.config.request_timeout_s
+    async def _read(self, request: Request) -> tuple[bytes, Any, ChatParts]:
+        """The body as it came, parsed, and its image and video parts."""
         body = await read_body(request, self.config.max_request_bytes)
         payload = await self._parsed(body)
-        parts = media_parts(payload)
+        return body, payload, media_parts(payload)
+
+    async def _handle(
+        self, request: Request, body: bytes, payload: Any, parts: ChatParts, deadline: float, traceparent: str
+    ) -> Response:
+        """The parts rewritten (a body without media goes upstream as it came), then the request forwarded."""
         ticket = self.ec.ticket() if self.ec is not None and parts else None
         streaming = False
         try:
             if parts:
-                self._check_videos_served(parts, param)
+                self._check_videos_served(parts)
                 check_count(len(parts.images), self.config, len(parts.videos))
-                encoded = await self._encode(request, parts, deadline, traceparent, param, ticket)
+                encoded = await self._encode(request, parts, deadline, traceparent, ticket)
                 if encoded is None:
                     log.info("chat request: client disconnected while its images queued; withdrawn")
                     return Response(status_code=499)
                 handover = time.perf_counter()  # the engine's results are here: until the body is ready to go
-                await self.pre.run(self._rewrite, parts, encoded, param, ticket)
+                await self.pre.run(self._rewrite, parts, encoded, ticket)
                 if ticket is not None and self.ec is not None:
                     self.ec.strip(payload)
                     await self.pre.run(self.ec.check, ticket)  # just before: nothing upstream if one is gone
@@ -114,14 +121,16 @@ class ChatHandler:
             return _loads(body)
         return await self.pre.run(_loads, body)
 
-    def _check_videos_served(self, parts: ChatParts, param: list[str | None]) -> None:
-        """A request with a video this server cannot hand the LLM is refused before anything is decoded."""
+    def _check_videos_served(self, parts: ChatParts) -> None:
+        """A request with a video this server cannot hand the LLM is refused before anything is decoded (the
+        error names the first video part)."""
         if not parts.videos:
             return
-        param[0] = parts.videos[0].param
-        self.media.check_videos_served(len(parts.videos))
-        self.layout.check_video_served()
-        param[0] = None
+        try:
+            self.media.check_videos_served(len(parts.videos))
+            self.layout.check_video_served()
+        except VitserveError as err:
+            raise err.with_video_index(0) from None
 
     async def _encode(
         self,
@@ -129,11 +138,11 @@ class ChatHandler:
         parts: ChatParts,
         deadline: float,
         traceparent: str,
-        param: list[str | None],
         ticket: EcTicket | None,
     ) -> Encoded | None:
         """Every image and video of the request, prepared together and handed to the engine as one request;
-        with ec_storage, an image whose file is still there is left out (its part is in the ticket)."""
+        with ec_storage, an image whose file is still there is an item handed over already (its part is in
+        the ticket)."""
         media = Media(
             f"chat-{uuid.uuid4()}",
             [p.source for p in parts.images],
@@ -141,51 +150,49 @@ class ChatHandler:
             return_embeddings=True,
             traceparent=traceparent,
         )
-        try:  # a video's time vLLM would misplace is refused before any encoding
-            reuse = functools.partial(self.ec.image_hits, ticket) if self.ec and ticket else None
-            work = await self.media.prepare(media, deadline, self.layout.check_video_time, reuse)
-        except VitserveError as err:
-            if err.image_index is not None:
-                param[0] = parts.images[err.image_index].param
-            elif err.video_index is not None:
-                param[0] = parts.videos[err.video_index].param
-            raise
+        # a video's time vLLM would misplace is refused before any encoding
+        reuse = functools.partial(self.ec.image_hits, ticket) if self.ec and ticket else None
+        work = await self.media.prepare(media, deadline, self.layout.check_video_time, reuse)
         return await self.media.encode(request, work)
 
-    def _rewrite(
-        self, parts: ChatParts, encoded: Encoded, param: list[str | None], ticket: EcTicket | None
-    ) -> None:
-        """Each image_url and video_url part becomes the LLM's embedding part, in place (on the pool: the
-        inline tensor, whose base64 dumps_body makes, or a file with ec_storage). An image the ticket
-        already has a part for was not encoded."""
-        image_results, video_results = encoded.split()
-        done = ticket.hits if ticket is not None else [None] * len(parts.images)
-        fresh = iter(zip(encoded.images, image_results, strict=True))
-        for index, (part, new) in enumerate(zip(parts.images, done, strict=True)):
-            param[0] = part.param
-            if new is None:
-                image, result = next(fresh)
-                new = self._image_part(image, result, index, ticket)
-            part.part.clear()
-            part.part.update(new)
-        for index, (part, video, results) in enumerate(
-            zip(parts.videos, encoded.videos, video_results, strict=True)
-        ):
-            param[0] = part.param
-            if ticket is not None and self.ec is not None:
-                new = self.ec.video_part(ticket, video, results, index)
+    def _rewrite(self, parts: ChatParts, encoded: Encoded, ticket: EcTicket | None) -> None:
+        """Each image_url and video_url part becomes the LLM's embedding part, in place, walking the request's
+        items (on the pool: the inline tensor, whose base64 dumps_body makes, or a file with ec_storage). An
+        image handed over already gets the ticket's part."""
+        groups: list[list[ImageResult]] = [[] for _ in parts.videos]
+        for item, result in encoded.walk():
+            if item.group is None:
+                _replace(parts.images[item.media_index], self._image_part(item, result, ticket))
             else:
-                new = video_embeds_part(self.layout, video, results, index)
-            part.part.clear()
-            part.part.update(new)
-        param[0] = None
+                assert result is not None, "a video's groups are never handed over before the engine"
+                groups[item.media_index].append(result)
+        for index, (part, video, results) in enumerate(
+            zip(parts.videos, encoded.request.videos, groups, strict=True)
+        ):
+            try:
+                if ticket is not None and self.ec is not None:
+                    new = self.ec.video_part(ticket, video, results, index)
+                else:
+                    new = video_embeds_part(self.layout, video, results, index)
+            except VitserveError as err:
+                raise err.with_video_index(index) from None
+            _replace(part, new)
 
     def _image_part(
-        self, image: PreparedImage, result: ImageResult, index: int, ticket: EcTicket | None
+        self, item: RequestItem, result: ImageResult | None, ticket: EcTicket | None
     ) -> dict[str, Any]:
-        if ticket is not None and self.ec is not None:
-            return self.ec.image_part(ticket, image, result, index)
-        return embeds_part(self.layout, image, result, index)
+        """The part for an image item, checked; an error names the image by its index."""
+        index = item.media_index
+        if item.prepared is None or result is None:  # handed over already: the ticket found its file
+            hit = ticket.hits[index] if ticket is not None else None
+            assert hit is not None, "only the ticket hands an image over before the engine"
+            return hit
+        try:
+            if ticket is not None and self.ec is not None:
+                return self.ec.image_part(ticket, item.prepared, result, index)
+            return embeds_part(self.layout, item.prepared, result, index)
+        except VitserveError as err:
+            raise err.with_index(index) from None
 
     async def _forward(
         self, request: Request, body: bytes, stream: bool, traceparent: str, ticket: EcTicket | None
@@ -277,8 +284,25 @@ def _loads(body: bytes) -> Any:
         raise InvalidRequest("malformed JSON body") from None
 
 
-def _error_response(err: VitserveError, param: str | None) -> Response:
+def _replace(part: MediaPart, new: dict[str, Any]) -> None:
+    part.part.clear()
+    part.part.update(new)
+
+
+def _error_response(err: VitserveError, parts: ChatParts | None) -> Response:
+    """The error in OpenAI's shape; `param` is the JSON path of the part the error names by its image or
+    video index (the one mapping from an index to a part)."""
     if err.status >= 500:
         log.warning("%s: %s", err.code, err.message)
-    status, headers, body = openai_error(err, param)
+    status, headers, body = openai_error(err, _param(err, parts))
     return Response(body, status_code=status, headers=headers)
+
+
+def _param(err: VitserveError, parts: ChatParts | None) -> str | None:
+    if parts is None:  # the body was not parsed: no part to name
+        return None
+    if err.image_index is not None and err.image_index < len(parts.images):
+        return parts.images[err.image_index].param
+    if err.video_index is not None and err.video_index < len(parts.videos):
+        return parts.videos[err.video_index].param
+    return None

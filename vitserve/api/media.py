@@ -77,20 +77,6 @@ class Encoded:
                 videos[item.media_index].append(result)
         return images, videos
 
-    @property
-    def images(self) -> tuple[PreparedImage, ...]:
-        """The images the engine encoded."""
-        return tuple(i.prepared for i in self.request.items if i.group is None and i.prepared is not None)
-
-    @property
-    def videos(self) -> tuple[PreparedVideo, ...]:
-        return self.request.videos
-
-    def split(self) -> tuple[list[ImageResult], list[list[ImageResult]]]:
-        """The encoded images' results, and each video's groups' results in time order."""
-        images, videos = self.request.split(self.results)
-        return [r for r in images if r is not None], [[r for r in v if r is not None] for v in videos]
-
 
 @dataclass
 class MediaPipeline:
@@ -116,18 +102,17 @@ class MediaPipeline:
     ) -> EncodeRequest:
         """Admit, fetch, decode and preprocess every image and video; `check_video` refuses a prepared video
         (its error gets the video's index); `reuse` (on the pool, given every image's bytes) says which
-        images need no encoding (--llm_transport ec_storage: their file is there): those are left out of
-        the request. Raises the first item's VitserveError, counted as rejected."""
+        images are handed over already (--llm_transport ec_storage: their file is there): they stay items
+        of the request, at their index, neither decoded nor encoded. Raises the first item's VitserveError
+        (with the image's or video's index in the request), counted as rejected."""
         try:
             self.check_videos_served(len(media.videos))
             self.engine.admit(None)  # a full queue refuses before any decoding is spent
             blobs = await fetch_sources(list(media.images), self.config, deadline)
             video_blobs = await fetch_sources(list(media.videos), self.config, deadline)
-            todo = list(range(len(blobs)))
-            if reuse is not None:
-                reused = await self.pre.run(reuse, blobs)
-                todo = [i for i, done in enumerate(reused) if not done]
-            prepared = await self._prepare([blobs[i] for i in todo], todo, deadline)
+            done = await self.pre.run(reuse, blobs) if reuse is not None else [False] * len(blobs)
+            todo = [None if held else data for data, held in zip(blobs, done, strict=True)]
+            prepared = await self.pre.prepare(todo, deadline)
             videos: list[PreparedVideo] = []
             if media.videos and self.videos is not None:
                 videos = await self.videos.prepare_all(video_blobs, list(media.videos), deadline)
@@ -136,7 +121,7 @@ class MediaPipeline:
         except VitserveError:
             self.metrics.images_total.labels(outcome="rejected").inc(len(media.images))
             raise
-        count_accepted(self.metrics, prepared)
+        count_accepted(self.metrics, [p for p in prepared if p is not None])
         return EncodeRequest(
             request_id=media.request_id,
             images=tuple(prepared),
@@ -154,19 +139,11 @@ class MediaPipeline:
         timeout_s = work.deadline - time.monotonic() + DEADLINE_GRACE_S
         try:
             results = await unless_gone(request, self.engine.encode(work), timeout_s, self._late)
-        except VitserveError:
-            self.metrics.images_total.labels(outcome="rejected").inc(len(work.images))
+        except VitserveError:  # counted: the images given to the engine (docs/api.md, /metrics)
+            given = sum(1 for item in work.items if item.group is None and not item.handed_over)
+            self.metrics.images_total.labels(outcome="rejected").inc(given)
             raise
         return None if results is None else Encoded(work, results)
-
-    async def _prepare(self, blobs: list[bytes], indices: list[int], deadline: float) -> list[PreparedImage]:
-        """The images to encode; an error names the image by its index in the request."""
-        try:
-            return await self.pre.prepare(blobs, deadline)
-        except VitserveError as err:
-            if err.image_index is not None:
-                err.image_index = indices[err.image_index]
-            raise
 
     def _late(self) -> VitserveError:
         return Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -57,17 +57,24 @@ class Preprocessor:
         """Any CPU-heavy call (JSON parsing, base64) on the pool instead of the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def prepare(self, blobs: list[bytes], deadline: float) -> list[PreparedImage]:
+    async def prepare(self, blobs: Sequence[bytes | None], deadline: float) -> list[PreparedImage | None]:
+        """Each image of a request prepared, in request order; None where its blob is None (an image not to
+        prepare: handed over already). The first bad image's error carries its index in the request."""
         loop = asyncio.get_running_loop()
-        futures = [loop.run_in_executor(self.pool, self._prepare_one, data) for data in blobs]
+        futures = {
+            index: loop.run_in_executor(self.pool, self._prepare_one, data)
+            for index, data in enumerate(blobs)
+            if data is not None
+        }
         remaining = deadline - time.monotonic()
         try:
-            results = await asyncio.wait_for(
-                asyncio.gather(*futures, return_exceptions=True), max(remaining, 0)
+            done = await asyncio.wait_for(
+                asyncio.gather(*futures.values(), return_exceptions=True), max(remaining, 0)
             )
         except TimeoutError:
             raise Timeout("decoding and preprocessing passed the deadline (--request_timeout_s)") from None
-        for index, result in enumerate(results):  # the first image at fault, in request order
+        prepared: dict[int, PreparedImage] = {}
+        for index, result in zip(futures, done, strict=True):  # the first image at fault, in request order
             if isinstance(result, VitserveError):
                 raise result.with_index(index)
             if isinstance(result, BaseException):
@@ -75,7 +82,8 @@ class Preprocessor:
                 raise InvalidImage(f"image could not be preprocessed ({type(result).__name__})").with_index(
                     index
                 )
-        return results  # type: ignore[return-value]
+            prepared[index] = result
+        return [prepared.get(index) for index in range(len(blobs))]
 
     def _prepare_one(self, data: bytes) -> PreparedImage:
         prepared = prepare_image(
