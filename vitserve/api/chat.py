@@ -12,7 +12,6 @@ server's statuses and bodies pass through unchanged.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -27,16 +26,14 @@ from starlette.responses import Response, StreamingResponse
 
 from vitserve.api.body import ClientGone, read_body
 from vitserve.api.chat_parts import ChatParts, MediaPart, media_parts
-from vitserve.api.ec_chat import EcHandover, EcTicket
-from vitserve.api.embeds import EmbedsLayout, embeds_part, video_embeds_part
-from vitserve.api.inline import dumps_body
 from vitserve.api.inputs import VideoSource, check_count
 from vitserve.api.media import INLINE_BODY_BYTES, Encoded, Media, MediaPipeline, unless_gone
 from vitserve.api.tracing import Tracing
-from vitserve.api.upstream import Upstream, relayed_headers
 from vitserve.config import Config
 from vitserve.contract import ImageResult, RequestItem
 from vitserve.errors import InvalidRequest, LLMTimeout, VitserveError, openai_error
+from vitserve.handover.base import NO_MEDIA, Handover, Transport
+from vitserve.handover.upstream import Upstream, relayed_headers
 
 log = logging.getLogger(__name__)
 CHAT_ROUTE = "/v1/chat/completions"
@@ -52,8 +49,7 @@ class ChatHandler:
         media: MediaPipeline,
         tracing: Tracing,
         upstream: Upstream,
-        layout: EmbedsLayout,
-        ec: EcHandover | None = None,
+        transport: Transport,
     ):
         self.config = config
         self.media = media
@@ -61,8 +57,8 @@ class ChatHandler:
         self.metrics = media.metrics
         self.tracing = tracing
         self.upstream = upstream
-        self.layout = layout
-        self.ec = ec  # --llm_transport ec_storage (api/ec_chat.py); None: inline
+        self.transport = transport  # --llm_transport's (handover/transports.py), picked once by the app
+        self.layout = transport.layout
 
     async def __call__(self, request: Request) -> Response:
         trace = self.tracing.start(request.headers.get("traceparent"))
@@ -91,30 +87,28 @@ class ChatHandler:
     async def _handle(
         self, request: Request, body: bytes, payload: Any, parts: ChatParts, deadline: float, traceparent: str
     ) -> Response:
-        """The parts rewritten (a body without media goes upstream as it came), then the request forwarded."""
-        ticket = self.ec.ticket() if self.ec is not None and parts else None
+        """The parts rewritten by the transport's hand-over, then the request forwarded."""
+        handover = self.transport.begin() if parts else NO_MEDIA  # without media: the body as it came
         streaming = False
         try:
             if parts:
                 self._check_videos_served(parts)
                 check_count(len(parts.images), self.config, len(parts.videos))
-                encoded = await self._encode(request, parts, deadline, traceparent, ticket)
+                encoded = await self._encode(request, parts, deadline, traceparent, handover)
                 if encoded is None:
                     log.info("chat request: client disconnected while its images queued; withdrawn")
                     return Response(status_code=499)
-                handover = time.perf_counter()  # the engine's results are here: until the body is ready to go
-                await self.pre.run(self._rewrite, parts, encoded, ticket)
-                if ticket is not None and self.ec is not None:
-                    self.ec.strip(payload)
-                    await self.pre.run(self.ec.check, ticket)  # just before: nothing upstream if one is gone
-                body = await self.pre.run(dumps_body, payload)  # inline: the embeddings' base64 spliced in
-                self.metrics.stage_seconds.labels(stage="handover").observe(time.perf_counter() - handover)
-            response = await self._forward(request, body, payload.get("stream") is True, traceparent, ticket)
+                start = time.perf_counter()  # the engine's results are here: until the body is ready to go
+                await self.pre.run(self._rewrite, parts, encoded, handover)
+                body = await handover.ready(payload)  # the transport's checks just before, then its body
+                self.metrics.stage_seconds.labels(stage="handover").observe(time.perf_counter() - start)
+            stream = payload.get("stream") is True
+            response = await self._forward(request, body, stream, traceparent, handover)
             streaming = isinstance(response, StreamingResponse)
             return response
         finally:
-            if ticket is not None and not streaming:  # a stream releases its files once relayed
-                ticket.release()
+            if not streaming:  # a stream releases what it holds once relayed
+                handover.release()
 
     async def _parsed(self, body: bytes) -> Any:
         if len(body) <= INLINE_BODY_BYTES:
@@ -138,11 +132,11 @@ class ChatHandler:
         parts: ChatParts,
         deadline: float,
         traceparent: str,
-        ticket: EcTicket | None,
+        handover: Handover,
     ) -> Encoded | None:
         """Every image and video of the request, prepared together and handed to the engine as one request;
-        with ec_storage, an image whose file is still there is an item handed over already (its part is in
-        the ticket)."""
+        an image the hand-over says the LLM side holds is an item handed over already (its part is the
+        hand-over's)."""
         media = Media(
             f"chat-{uuid.uuid4()}",
             [p.source for p in parts.images],
@@ -151,18 +145,18 @@ class ChatHandler:
             traceparent=traceparent,
         )
         # a video's time vLLM would misplace is refused before any encoding
-        reuse = functools.partial(self.ec.image_hits, ticket) if self.ec and ticket else None
-        work = await self.media.prepare(media, deadline, self.layout.check_video_time, reuse)
+        work = await self.media.prepare(media, deadline, self.layout.check_video_time, handover)
         return await self.media.encode(request, work)
 
-    def _rewrite(self, parts: ChatParts, encoded: Encoded, ticket: EcTicket | None) -> None:
-        """Each image_url and video_url part becomes the LLM's embedding part, in place, walking the request's
-        items (on the pool: the inline tensor, whose base64 dumps_body makes, or a file with ec_storage). An
-        image handed over already gets the ticket's part."""
+    @staticmethod
+    def _rewrite(parts: ChatParts, encoded: Encoded, handover: Handover) -> None:
+        """Each image_url and video_url part becomes the hand-over's embedding part, in place, walking the
+        request's items (on the pool: e.g. the inline tensor, or a file written). An image handed over
+        already gets the part the hand-over kept for it."""
         groups: list[list[ImageResult]] = [[] for _ in parts.videos]
         for item, result in encoded.walk():
             if item.group is None:
-                _replace(parts.images[item.media_index], self._image_part(item, result, ticket))
+                _replace(parts.images[item.media_index], _image_part(handover, item, result))
             else:
                 assert result is not None, "a video's groups are never handed over before the engine"
                 groups[item.media_index].append(result)
@@ -170,35 +164,16 @@ class ChatHandler:
             zip(parts.videos, encoded.request.videos, groups, strict=True)
         ):
             try:
-                if ticket is not None and self.ec is not None:
-                    new = self.ec.video_part(ticket, video, results, index)
-                else:
-                    new = video_embeds_part(self.layout, video, results, index)
+                new = handover.video_part(video, results, index)
             except VitserveError as err:
                 raise err.with_video_index(index) from None
             _replace(part, new)
 
-    def _image_part(
-        self, item: RequestItem, result: ImageResult | None, ticket: EcTicket | None
-    ) -> dict[str, Any]:
-        """The part for an image item, checked; an error names the image by its index."""
-        index = item.media_index
-        if item.prepared is None or result is None:  # handed over already: the ticket found its file
-            hit = ticket.hits[index] if ticket is not None else None
-            assert hit is not None, "only the ticket hands an image over before the engine"
-            return hit
-        try:
-            if ticket is not None and self.ec is not None:
-                return self.ec.image_part(ticket, item.prepared, result, index)
-            return embeds_part(self.layout, item.prepared, result, index)
-        except VitserveError as err:
-            raise err.with_index(index) from None
-
     async def _forward(
-        self, request: Request, body: bytes, stream: bool, traceparent: str, ticket: EcTicket | None
+        self, request: Request, body: bytes, stream: bool, traceparent: str, handover: Handover
     ) -> Response:
-        """Send the request on; with ec_storage (a ticket), a non-consumer's refusal becomes vitserve's 502
-        and a stream releases the request's files once it ends."""
+        """Send the request on; the hand-over reads the answer (ec_storage: a non-consumer's refusal becomes
+        vitserve's 502), and a stream releases what the hand-over holds once it ends."""
         self.metrics.upstream_body_bytes.observe(len(body))
         deadline = time.monotonic() + self.config.llm_timeout_s
         extra = {k: request.headers[k] for k in _FORWARDED if k in request.headers}
@@ -208,30 +183,28 @@ class ChatHandler:
             "POST", CHAT_ROUTE, content=body, headers=headers
         )
         if not stream:
-            return await self._complete(request, upstream_request, deadline, ticket)
+            return await self._complete(request, upstream_request, deadline, handover)
         response = await self.upstream.send(CHAT_ROUTE, upstream_request, deadline)
         if response.status_code != 200:  # an error before the stream began: its body, as it came
             content = await self.upstream.read(response, deadline)
-            if ticket is not None:
-                EcHandover.check_answer(response.status_code, content)
+            handover.check_answer(response.status_code, content)
             return Response(content, response.status_code, relayed_headers(response.headers))
         return StreamingResponse(
-            self._relay(response, deadline, ticket),
+            self._relay(response, deadline, handover),
             status_code=200,
             headers=relayed_headers(response.headers),
-            background=BackgroundTask(ticket.release) if ticket is not None else None,
+            background=BackgroundTask(handover.release),
         )
 
     async def _complete(
-        self, request: Request, upstream_request: httpx.Request, deadline: float, ticket: EcTicket | None
+        self, request: Request, upstream_request: httpx.Request, deadline: float, handover: Handover
     ) -> Response:
         """One non-streamed completion, abandoned (the LLM server aborts it) if the client leaves first."""
 
         async def call() -> Response:
             response = await self.upstream.send(CHAT_ROUTE, upstream_request, deadline)
             content = await self.upstream.read(response, deadline)
-            if ticket is not None:
-                EcHandover.check_answer(response.status_code, content)
+            handover.check_answer(response.status_code, content)
             return Response(content, response.status_code, relayed_headers(response.headers))
 
         late = lambda: LLMTimeout(  # noqa: E731
@@ -241,7 +214,7 @@ class ChatHandler:
         return answer if answer is not None else Response(status_code=499)
 
     async def _relay(
-        self, response: httpx.Response, deadline: float, ticket: EcTicket | None
+        self, response: httpx.Response, deadline: float, handover: Handover
     ) -> AsyncIterator[bytes]:
         """The event stream unchanged. A failure after the 200 went out can only be told in the stream: one
         `data: {"error": ...}` event, as vLLM itself reports errors mid-stream, then the end."""
@@ -252,8 +225,7 @@ class ChatHandler:
             log.warning("chat stream from the LLM server ended early: %s", err.message)
             yield b"data: " + openai_error(err)[2] + b"\n\n"
         finally:
-            if ticket is not None:
-                ticket.release()
+            handover.release()
 
     def _client_auth(self, request: Request) -> str | None:
         """The client's Authorization goes upstream only when vitserve does not use it itself (--api_key)."""
@@ -282,6 +254,19 @@ def _loads(body: bytes) -> Any:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise InvalidRequest("malformed JSON body") from None
+
+
+def _image_part(handover: Handover, item: RequestItem, result: ImageResult | None) -> dict[str, Any]:
+    """The part for an image item, checked; an error names the image by its index."""
+    index = item.media_index
+    if item.prepared is None or result is None:  # handed over already: the hand-over kept its part
+        kept = handover.reused_part(index)
+        assert kept is not None, "an image is handed over before the engine only by the hand-over"
+        return kept
+    try:
+        return handover.image_part(item.prepared, result, index)
+    except VitserveError as err:
+        raise err.with_index(index) from None
 
 
 def _replace(part: MediaPart, new: dict[str, Any]) -> None:

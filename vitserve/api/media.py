@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from vitserve.api.videos import VideoFrontEnd
 from vitserve.config import Config
 from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo, RequestItem
 from vitserve.errors import InvalidRequest, Timeout, VitserveError
+from vitserve.handover.base import Handover
 from vitserve.metrics import Metrics
 
 T = TypeVar("T")
@@ -98,21 +100,22 @@ class MediaPipeline:
         media: Media,
         deadline: float,
         check_video: Callable[[PreparedVideo], None] | None = None,
-        reuse: Callable[[list[bytes]], list[bool]] | None = None,
+        handover: Handover | None = None,
     ) -> EncodeRequest:
         """Admit, fetch, decode and preprocess every image and video; `check_video` refuses a prepared video
-        (its error gets the video's index); `reuse` (on the pool, given every image's bytes) says which
-        images are handed over already (--llm_transport ec_storage: their file is there): they stay items
-        of the request, at their index, neither decoded nor encoded. Raises the first item's VitserveError
-        (with the image's or video's index in the request), counted as rejected."""
+        (its error gets the video's index); a chat request's `handover` that `reuses` is asked which images
+        it holds already, by their bytes' sha256 (computed here once, and handed to the images then prepared
+        too): those stay items of the request, at their index, handed over already (neither decoded nor
+        encoded). Raises the first item's VitserveError (with the image's or video's index in the request),
+        counted as rejected."""
         try:
             self.check_videos_served(len(media.videos))
             self.engine.admit(None)  # a full queue refuses before any decoding is spent
             blobs = await fetch_sources(list(media.images), self.config, deadline)
             video_blobs = await fetch_sources(list(media.videos), self.config, deadline)
-            done = await self.pre.run(reuse, blobs) if reuse is not None else [False] * len(blobs)
-            todo = [None if held else data for data, held in zip(blobs, done, strict=True)]
-            prepared = await self.pre.prepare(todo, deadline)
+            held, ids = await self._held(blobs, handover)
+            todo = [None if done else data for data, done in zip(blobs, held, strict=True)]
+            prepared = await self.pre.prepare(todo, deadline, ids)
             videos: list[PreparedVideo] = []
             if media.videos and self.videos is not None:
                 videos = await self.videos.prepare_all(video_blobs, list(media.videos), deadline)
@@ -145,6 +148,15 @@ class MediaPipeline:
             raise
         return None if results is None else Encoded(work, results)
 
+    async def _held(
+        self, blobs: list[bytes], handover: Handover | None
+    ) -> tuple[list[bool], list[str] | None]:
+        """Per image, whether the hand-over holds it already; and the images' sha256 when it was asked."""
+        if handover is None or not handover.reuses:
+            return [False] * len(blobs), None
+        digests = await self.pre.run(sha256_each, blobs)
+        return await handover.held(digests), digests
+
     def _late(self) -> VitserveError:
         return Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")
 
@@ -155,6 +167,11 @@ def _check_each(videos: list[PreparedVideo], check: Callable[[PreparedVideo], No
             check(video)
         except VitserveError as err:
             raise err.with_video_index(index) from None
+
+
+def sha256_each(blobs: list[bytes]) -> list[str]:
+    """Each blob's hex sha256: the image_id the engine keys its cache with (processors/prepare.py)."""
+    return [hashlib.sha256(data).hexdigest() for data in blobs]
 
 
 def count_accepted(metrics: Metrics, prepared: Sequence[PreparedImage]) -> None:

@@ -57,13 +57,17 @@ class Preprocessor:
         """Any CPU-heavy call (JSON parsing, base64) on the pool instead of the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def prepare(self, blobs: Sequence[bytes | None], deadline: float) -> list[PreparedImage | None]:
+    async def prepare(
+        self, blobs: Sequence[bytes | None], deadline: float, ids: Sequence[str] | None = None
+    ) -> list[PreparedImage | None]:
         """Each image of a request prepared, in request order; None where its blob is None (an image not to
-        prepare: handed over already). The first bad image's error carries its index in the request."""
+        prepare: handed over already). `ids`: the blobs' sha256 when the caller has them already (not
+        computed again). The first bad image's error carries its index in the request."""
         loop = asyncio.get_running_loop()
+        known = ids if ids is not None else [None] * len(blobs)
         futures = {
-            index: loop.run_in_executor(self.pool, self._prepare_one, data)
-            for index, data in enumerate(blobs)
+            index: loop.run_in_executor(self.pool, self._prepare_one, data, image_id)
+            for index, (data, image_id) in enumerate(zip(blobs, known, strict=True))
             if data is not None
         }
         remaining = deadline - time.monotonic()
@@ -85,9 +89,9 @@ class Preprocessor:
             prepared[index] = result
         return [prepared.get(index) for index in range(len(blobs))]
 
-    def _prepare_one(self, data: bytes) -> PreparedImage:
+    def _prepare_one(self, data: bytes, image_id: str | None) -> PreparedImage:
         prepared = prepare_image(
-            data, self.processor, max_image_pixels=self.max_image_pixels, draft=self.draft
+            data, self.processor, max_image_pixels=self.max_image_pixels, draft=self.draft, image_id=image_id
         )
         self.metrics.stage_seconds.labels(stage="decode").observe(prepared.decode_s)
         self.metrics.stage_seconds.labels(stage="preprocess").observe(prepared.preprocess_s)

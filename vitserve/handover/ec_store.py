@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from vitserve.api.ec_files import (
+from vitserve.handover.ec_files import (
     FILE_NAME,
     TEMP_PREFIX,
     EcFileMissing,
