@@ -2,8 +2,9 @@
 
 The API knows an engine only through `Engine` below; it never imports `vitserve.engine`, and the engine
 never imports `vitserve.api`. The dataclasses say everything the API may know about the engine: what it
-sends (`EncodeRequest` of `PreparedImage`s), what it gets back (`ImageResult` with `StageTimes`), and the
-engine's facts and health (`EngineInfo`, `Readiness`).
+sends (`EncodeRequest`: its `RequestItem`s, each an image or a video's temporal group as a `PreparedImage`),
+what it gets back (an `ItemResult` with `StageTimes` per item), and the engine's facts and health
+(`EngineInfo`, `Readiness`).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class RequestItem:
 @dataclass(frozen=True)
 class EncodeRequest:
     """Every image and video of one HTTP request, and `items`, the list of them built once from those: every
-    image, then every temporal group of each video. The engine answers one ImageResult per item, in that
+    image, then every temporal group of each video. The engine answers one ItemResult per item, in that
     order (None for an item handed over already)."""
 
     request_id: str
@@ -150,7 +151,7 @@ class EncodeRequest:
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Milliseconds one image spent in each engine stage (zero for a stage it skipped)."""
+    """Milliseconds one item spent in each engine stage (zero for a stage it skipped)."""
 
     queue_ms: float = 0.0
     encode_ms: float = 0.0
@@ -158,13 +159,13 @@ class StageTimes:
 
 
 @dataclass(frozen=True)
-class ImageResult:
-    """The engine's answer for one image of a request."""
+class ItemResult:
+    """The engine's answer for one item of a request (an image, or a video's temporal group)."""
 
     num_tokens: int
     embedding: torch.Tensor | None  # (num_tokens, dim); None unless return_embeddings was asked
     deepstack: tuple[torch.Tensor, ...] = ()  # each (num_tokens, dim)
-    cached: bool = False  # a cache hit, or another request's encode of the same image
+    cached: bool = False  # a cache hit, or another request's encode of the same item
     delivered: bool = False  # the LLM receiver acknowledged it (always False without --llm_endpoint)
     timing: StageTimes = StageTimes()
 
@@ -212,7 +213,7 @@ class Engine(Protocol):
         """Raise NotReady, EncoderFailed or QueueFull (with Retry-After) when `tokens` more queued tokens
         cannot be taken now. None: the tokens are not known yet (before decoding), count at least one."""
 
-    async def encode(self, request: EncodeRequest) -> list[ImageResult | None]:
+    async def encode(self, request: EncodeRequest) -> list[ItemResult | None]:
         """Encode (or reuse) every item of `request.items` (each image, each video group), push each to the
         LLM in that order, and return one result per item: None for an item handed over already."""
 

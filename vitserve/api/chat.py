@@ -30,7 +30,7 @@ from vitserve.api.inputs import VideoSource, check_count
 from vitserve.api.media import INLINE_BODY_BYTES, Encoded, Media, MediaPipeline, unless_gone
 from vitserve.api.tracing import Tracing
 from vitserve.config import Config
-from vitserve.contract import ImageResult, RequestItem
+from vitserve.contract import ItemResult, RequestItem
 from vitserve.errors import InvalidRequest, LLMTimeout, VitserveError, openai_error
 from vitserve.handover.base import NO_MEDIA, Handover, Transport
 from vitserve.handover.upstream import Upstream, relayed_headers
@@ -153,7 +153,7 @@ class ChatHandler:
         """Each image_url and video_url part becomes the hand-over's embedding part, in place, walking the
         request's items (on the pool: e.g. the inline tensor, or a file written). An image handed over
         already gets the part the hand-over kept for it."""
-        groups: list[list[ImageResult]] = [[] for _ in parts.videos]
+        groups: list[list[ItemResult]] = [[] for _ in parts.videos]
         for item, result in encoded.walk():
             if item.group is None:
                 _replace(parts.images[item.media_index], _image_part(handover, item, result))
@@ -256,7 +256,7 @@ def _loads(body: bytes) -> Any:
         raise InvalidRequest("malformed JSON body") from None
 
 
-def _image_part(handover: Handover, item: RequestItem, result: ImageResult | None) -> dict[str, Any]:
+def _image_part(handover: Handover, item: RequestItem, result: ItemResult | None) -> dict[str, Any]:
     """The part for an image item, checked; an error names the image by its index."""
     index = item.media_index
     if item.prepared is None or result is None:  # handed over already: the hand-over kept its part

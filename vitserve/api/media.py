@@ -27,7 +27,7 @@ from vitserve.api.inputs import ImageSource, VideoSource, fetch_sources
 from vitserve.api.preprocess import Preprocessor
 from vitserve.api.videos import VideoFrontEnd
 from vitserve.config import Config
-from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo, RequestItem
+from vitserve.contract import EncodeRequest, Engine, ItemResult, PreparedImage, PreparedVideo, RequestItem
 from vitserve.errors import InvalidRequest, Timeout, VitserveError
 from vitserve.handover.base import Handover
 from vitserve.metrics import Metrics
@@ -59,17 +59,17 @@ class Encoded:
     handed over already)."""
 
     request: EncodeRequest
-    results: list[ImageResult | None]
+    results: list[ItemResult | None]
 
-    def walk(self) -> Iterator[tuple[RequestItem, ImageResult | None]]:
+    def walk(self) -> Iterator[tuple[RequestItem, ItemResult | None]]:
         """Each item with its result, in the one order (what the renderers walk)."""
         return zip(self.request.items, self.results, strict=True)
 
-    def encoded(self) -> tuple[list[tuple[PreparedImage, ImageResult]], list[list[ImageResult]]]:
+    def encoded(self) -> tuple[list[tuple[PreparedImage, ItemResult]], list[list[ItemResult]]]:
         """For a request the engine did whole (/encode's): each image with its result, and each video's
         groups' results in time order."""
-        images: list[tuple[PreparedImage, ImageResult]] = []
-        videos: list[list[ImageResult]] = [[] for _ in self.request.videos]
+        images: list[tuple[PreparedImage, ItemResult]] = []
+        videos: list[list[ItemResult]] = [[] for _ in self.request.videos]
         for item, result in self.walk():
             if item.prepared is None or result is None:
                 raise ValueError(f"item {item.index} of {self.request.request_id} was handed over before")

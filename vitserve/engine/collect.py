@@ -2,7 +2,7 @@
 
 collect walks EncodeRequest.items (images, then each video's temporal groups in time order) with one Claim per
 item still to hand over. Item k goes to --llm_endpoint only after the items before it were acknowledged, and
-its ImageResult is built here; an item handed over already gets None.
+its ItemResult is built here; an item handed over already gets None.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from vitserve.contract import EncodedImage, EncodeRequest, ImageResult, StageTimes
+from vitserve.contract import EncodedImage, EncodeRequest, ItemResult, StageTimes
 from vitserve.engine.jobs import Claim
 from vitserve.engine.push import LLMPush
 from vitserve.errors import Timeout
@@ -24,13 +24,13 @@ async def collect(
     push: LLMPush | None,
     metrics: Metrics,
     release: Callable[[Claim], None] | None = None,
-) -> list[ImageResult | None]:
+) -> list[ItemResult | None]:
     """Await each claim in item order and push it to the LLM before the next (the send order). ``claims``:
     one per item not handed over, in `request.items` order.
     ``release``: called with each claim once its result is built, so the encoded output it holds is kept no
     longer than the answer needs it (without return_embeddings: not at all; a long video's groups would
     otherwise hold every group's embedding until the last one is encoded)."""
-    results: list[ImageResult | None] = []
+    results: list[ItemResult | None] = []
     pending = iter(claims)
     for item in request.items:
         if item.handed_over:
@@ -57,9 +57,9 @@ async def collect(
 
 def _result(
     claim: Claim, encoded: EncodedImage, send_s: float, return_embeddings: bool, delivered: bool
-) -> ImageResult:
+) -> ItemResult:
     queue_s, encode_s = claim.timing
-    return ImageResult(
+    return ItemResult(
         num_tokens=claim.prepared.item.num_tokens,
         embedding=encoded.embedding if return_embeddings else None,
         deepstack=tuple(encoded.deepstack) if return_embeddings else (),

@@ -35,7 +35,7 @@ from vitserve.config import Config
 from vitserve.contract import (
     EncodeRequest,
     EngineInfo,
-    ImageResult,
+    ItemResult,
     ProcessedImage,
     Readiness,
     RequestItem,
@@ -351,7 +351,7 @@ class Engine:
         rate = self._dispatch.tokens_per_s
         return float(min(60, max(1, math.ceil(queued / rate)))) if rate > 0 else 1.0
 
-    async def encode(self, request: EncodeRequest) -> list[ImageResult | None]:
+    async def encode(self, request: EncodeRequest) -> list[ItemResult | None]:
         """Encode `request.items` (images, videos' groups), push each to the LLM in that order, return once all
         were handed over. Cache hits, items queued or encoding (same sha256 id) and items handed over already
         are not encoded again. A video's groups are queued as a stream (fairness, engine/scheduler.py)."""
