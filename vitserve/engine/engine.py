@@ -352,9 +352,8 @@ class Engine:
         return float(min(60, max(1, math.ceil(queued / rate)))) if rate > 0 else 1.0
 
     async def encode(self, request: EncodeRequest) -> list[ItemResult | None]:
-        """Encode `request.items` (images, videos' groups), push each to the LLM in that order, return once all
-        were handed over. Cache hits, items queued or encoding (same sha256 id) and items handed over already
-        are not encoded again. A video's groups are queued as a stream (fairness, engine/scheduler.py)."""
+        """Encode `request.items` and push each to the LLM in that order; cache hits, items queued or encoding
+        (same sha256 id) and items handed over already are not encoded again."""
         self.admit(0)  # refuses when stopping, failed or starting, before any item is claimed
         todo = [(item, item.prepared) for item in request.items if item.prepared is not None]
         claims = self._jobs.claim([prepared for _, prepared in todo], request.deadline)
@@ -366,15 +365,12 @@ class Engine:
             self._dispatch.cancel(self._jobs.release(claims))
 
     def _queue(self, request: EncodeRequest, items: list[RequestItem], claims: list[Claim]) -> None:
-        """New Jobs into the queue: images' at once, each video's groups as a stream (its feed's chunks)."""
-        new = {i.index: c.job for i, c in zip(items, claims, strict=True) if c.fresh and c.job is not None}
-        self._submit([job for k, job in new.items() if request.items[k].group is None], self._dispatch.add)
+        """New Jobs into the queue: images' at once, each video's groups as a stream (fair: scheduler.py)."""
+        new = [(i, c.job) for i, c in zip(items, claims, strict=True) if c.fresh and c.job is not None]
+        self._submit([job for i, job in new if i.group is None], self._dispatch.add)
         stream = functools.partial(self._submit, add=self._dispatch.add_stream)
-        groups = [
-            (i.media_index, i.group, new[i.index]) for i in items if i.group is not None and i.index in new
-        ]
         for v, video in enumerate(request.videos):
-            fed = [(g, job) for m, g, job in groups if m == v]
+            fed = [(i.group, job) for i, job in new if i.group is not None and i.media_index == v]
             if video.feed is None:
                 stream([job for _, job in fed])
             else:
