@@ -2,21 +2,18 @@
 
 The API knows an engine only through `Engine` below; it never imports `vitserve.engine`, and the engine
 never imports `vitserve.api`. The dataclasses say everything the API may know about the engine: what it
-sends (`EncodeRequest` of `PreparedImage`s), what it gets back (`ImageResult` with `StageTimes`), and the
-engine's facts and health (`EngineInfo`, `Readiness`).
+sends (`EncodeRequest`: its `RequestItem`s, each an image or a video's temporal group as a `PreparedImage`),
+what it gets back (an `ItemResult` with `StageTimes` per item), and the engine's facts and health
+(`EngineInfo`, `Readiness`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, Protocol
 
 import torch
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -97,11 +94,14 @@ class PreparedVideo:
 
 @dataclass(frozen=True)
 class RequestItem:
-    """One item of a request as the engine queues, encodes and pushes it: an image, or one temporal group of
-    a video. `EncodeRequest.items` lists them once, in the one order every reader uses."""
+    """One item of a request: an image, or one temporal group of a video, as vLLM keeps one record per
+    multimodal item. `EncodeRequest.items` stores them once, in the one order every reader walks: the engine
+    (queue, collect), the push to the LLM, and the renderers of /encode's response and of chat's rewrite."""
 
     index: int  # its place in EncodeRequest.items (and in the engine's results, and on the LLM wire)
-    image: PreparedImage  # the image, or the group as an image of grid (1, h, w)
+    # the image, or the group as an image of grid (1, h, w); None: an item whose hand-over is already done
+    # (--llm_transport ec_storage: the image's file is there), neither decoded, nor encoded, nor sent
+    prepared: PreparedImage | None
     modality: Literal["image", "video"]
     media_index: int  # the image's index among the request's images, or the video's among its videos
     group: int | None = None  # a video's group index, in time order; None for an image
@@ -110,28 +110,29 @@ class RequestItem:
     start_s: float = 0.0  # the group's time range in the video (0 for an image)
     end_s: float = 0.0
 
+    @property
+    def handed_over(self) -> bool:
+        """The LLM has this item already: the engine skips it, and its result is None."""
+        return self.prepared is None
+
 
 @dataclass(frozen=True)
 class EncodeRequest:
-    """Every image and video of one HTTP request; the engine answers one ImageResult per item of `items`
-    (every image, then every temporal group of each video), in that order."""
+    """Every image and video of one HTTP request, and `items`, the list of them built once from those: every
+    image, then every temporal group of each video. The engine answers one ItemResult per item, in that
+    order (None for an item handed over already)."""
 
     request_id: str
-    images: tuple[PreparedImage, ...]
+    images: tuple[PreparedImage | None, ...]  # per image of the request; None: handed over already
     deadline: float  # time.monotonic() based
     return_embeddings: bool
     traceparent: str | None = (
         None  # W3C trace context: the caller's trace id, vitserve's span id; travels in the wire header
     )
     videos: tuple[PreparedVideo, ...] = ()
+    items: tuple[RequestItem, ...] = field(init=False, repr=False, compare=False)
 
-    @property
-    def tokens(self) -> int:
-        return sum(p.item.num_tokens for p in self.images) + sum(v.num_tokens for v in self.videos)
-
-    @cached_property
-    def items(self) -> tuple[RequestItem, ...]:
-        """The request's items in the one order: its images, then each video's groups in time order."""
+    def __post_init__(self) -> None:
         out = [RequestItem(i, image, "image", i) for i, image in enumerate(self.images)]
         for v, video in enumerate(self.videos):
             for g, (group, (start_s, end_s)) in enumerate(zip(video.groups, video.group_times, strict=True)):
@@ -140,22 +141,17 @@ class EncodeRequest:
                         len(out), group, "video", v, g, len(video.groups), video.video_id, start_s, end_s
                     )
                 )
-        return tuple(out)
+        object.__setattr__(self, "items", tuple(out))  # frozen: set once, here
 
-    def split(self, results: Sequence[T]) -> tuple[list[T], list[list[T]]]:
-        """Results in `items` order, split into the images' and, per video, its groups'."""
-        if len(results) != len(self.items):
-            raise ValueError(f"{len(results)} results for the {len(self.items)} items of {self.request_id}")
-        images = list(results[: len(self.images)])
-        videos: list[list[T]] = [[] for _ in self.videos]
-        for item, result in zip(self.items[len(self.images) :], results[len(self.images) :], strict=True):
-            videos[item.media_index].append(result)
-        return images, videos
+    @property
+    def pending(self) -> bool:
+        """Some item still needs its hand-over (False: nothing for the engine to do)."""
+        return any(not item.handed_over for item in self.items)
 
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Milliseconds one image spent in each engine stage (zero for a stage it skipped)."""
+    """Milliseconds one item spent in each engine stage (zero for a stage it skipped)."""
 
     queue_ms: float = 0.0
     encode_ms: float = 0.0
@@ -163,13 +159,13 @@ class StageTimes:
 
 
 @dataclass(frozen=True)
-class ImageResult:
-    """The engine's answer for one image of a request."""
+class ItemResult:
+    """The engine's answer for one item of a request (an image, or a video's temporal group)."""
 
     num_tokens: int
     embedding: torch.Tensor | None  # (num_tokens, dim); None unless return_embeddings was asked
     deepstack: tuple[torch.Tensor, ...] = ()  # each (num_tokens, dim)
-    cached: bool = False  # a cache hit, or another request's encode of the same image
+    cached: bool = False  # a cache hit, or another request's encode of the same item
     delivered: bool = False  # the LLM receiver acknowledged it (always False without --llm_endpoint)
     timing: StageTimes = StageTimes()
 
@@ -217,9 +213,9 @@ class Engine(Protocol):
         """Raise NotReady, EncoderFailed or QueueFull (with Retry-After) when `tokens` more queued tokens
         cannot be taken now. None: the tokens are not known yet (before decoding), count at least one."""
 
-    async def encode(self, request: EncodeRequest) -> list[ImageResult]:
-        """Encode (or reuse) every image and video group, push each to the LLM in order, and return one
-        result per image, then one per temporal group of each video."""
+    async def encode(self, request: EncodeRequest) -> list[ItemResult | None]:
+        """Encode (or reuse) every item of `request.items` (each image, each video group), push each to the
+        LLM in that order, and return one result per item: None for an item handed over already."""
 
     def readiness(self) -> Readiness: ...
 

@@ -39,6 +39,9 @@ class Metrics:
             ["path", "code"],
             registry=r,
         )
+        # The names say "images"; what each counts (docs/api.md, /metrics): encoded, cached, the queue and
+        # batch gauges count items (an image, or a video's temporal group); rejected, image_tokens and
+        # images_clamped count images only.
         self.images_total = Counter(p + "images", "Images by outcome", ["outcome"], registry=r)
         self.images_clamped_total = Counter(p + "images_clamped", "Images shrunk by the budget", registry=r)
         self.image_tokens = Histogram(

@@ -347,7 +347,7 @@ def test_deadline_is_504_timeout():
         try:
             err = assert_error(c.post("/encode", json={"images": [ok_image()]}), 504, "timeout")
             assert "--request_timeout_s" in err["message"]
-            assert srv.engine.queue_images == 0
+            assert srv.engine.queue_items == 0
         finally:
             srv.gate.set()
 

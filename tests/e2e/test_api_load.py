@@ -111,9 +111,9 @@ def test_client_disconnect_while_queued_is_never_encoded():
         )
         t = threading.Thread(target=impatient)
         t.start()
-        wait_until(lambda: srv.engine.queue_images == 1, "the impatient request's image queued")
+        wait_until(lambda: srv.engine.queue_items == 1, "the impatient request's image queued")
         t.join(30)
-        wait_until(lambda: srv.engine.queue_images == 0, "the disconnected request's images withdrawn")
+        wait_until(lambda: srv.engine.queue_items == 0, "the disconnected request's images withdrawn")
         srv.gate.set()
         held.join(30)
         with VitserveClient(srv.url) as c:

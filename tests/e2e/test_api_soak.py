@@ -57,7 +57,7 @@ def test_soak_mixed_traffic():
         results = [x for per in asyncio.run(everyone()) for x in per]
         with srv.client() as c:
             assert c.get("/ready").status_code == 200
-        assert srv.engine.queue_images == 0
+        assert srv.engine.queue_items == 0
         assert threading.active_count() <= threads_before + 2
     assert len(results) == rounds * clients
     for want_status, status, want_code, code in results:

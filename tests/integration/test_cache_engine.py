@@ -159,11 +159,11 @@ async def test_a_leaving_waiter_never_cancels_the_shared_encode(tmp_path):
         first = asyncio.create_task(encode(engine, "first", [x]))
         second = asyncio.create_task(encode(engine, "second", [x]))
         await until(lambda: waiters(engine, x) == 2, "both requests wait on x")
-        assert engine.queue_images == 1  # one queued copy of x
+        assert engine.queue_items == 1  # one queued copy of x
         first.cancel()  # client disconnect
         with pytest.raises(asyncio.CancelledError):
             await first
-        assert engine.queue_images == 1  # still queued for `second`
+        assert engine.queue_items == 1  # still queued for `second`
         (res,) = await second
         torch.testing.assert_close(res.embedding, fake_reference(x[0]))
         await filler
@@ -201,11 +201,11 @@ async def test_a_leaving_waiter_never_cancels_the_shared_encode(tmp_path):
         await until(lambda: encoded_images(engine) == 6, "filler3 dispatched")
         w = image(4)
         gone = [asyncio.create_task(encode(engine, f"gone{i}", [w])) for i in range(2)]
-        await until(lambda: engine.queue_images == 1, "w queued")
+        await until(lambda: engine.queue_items == 1, "w queued")
         for t in gone:
             t.cancel()
         await asyncio.gather(*gone, return_exceptions=True)
-        assert engine.queue_images == 0
+        assert engine.queue_items == 0
         await filler
         assert encoded_images(engine) == 6
         assert waiters(engine, w) == 0

@@ -88,7 +88,7 @@ async def test_concurrent_requests_batch_within_budget(tmp_path):
         assert m.value("vitserve_batch_tokens_count") >= 18 * 8 / 64  # every batch fits the 64-token budget
         assert m.value("vitserve_batch_tokens_bucket", le="64.0") == m.value("vitserve_batch_tokens_count")
         assert engine.queue_tokens == 0
-        assert engine.queue_images == 0
+        assert engine.queue_items == 0
 
 
 async def test_queue_full_names_the_flag(tmp_path):
@@ -143,11 +143,11 @@ async def test_cancelled_request_is_never_encoded_nor_sent(tmp_path):
                 )
             )
             await asyncio.sleep(0.3)
-            assert engine.queue_images == 2
+            assert engine.queue_items == 2
             gone.cancel()  # the client disconnected while its images were queued
             with pytest.raises(asyncio.CancelledError):
                 await gone
-            assert engine.queue_images == 0
+            assert engine.queue_items == 0
             await first  # acknowledged by the receiver's thread
             await asyncio.sleep(1.0)  # anything else sent would have arrived by now
             received = list(rx.got)
@@ -173,7 +173,7 @@ async def test_deadline_passes_while_queued_gives_timeout_and_drops_the_items(tm
             await encode(
                 engine, "late", [fake_item(4, 4, 2)], ["b"], deadline=deadline(0.5), return_embeddings=False
             )
-        assert engine.queue_images == 0
+        assert engine.queue_items == 0
         await first
         await asyncio.sleep(0.3)
     (log,) = os.listdir(log_dir)

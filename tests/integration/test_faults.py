@@ -69,12 +69,12 @@ async def test_queued_requests_fail_when_the_group_dies(tmp_path):
             _request(engine, "b", n=4),
         )  # 64-token budget: 1 batch each
         await asyncio.sleep(0.3)
-        assert engine.queue_images >= 4
+        assert engine.queue_items >= 4
         kill_quietly(pids[1], signal.SIGKILL)
         for task in (running, queued):
             with pytest.raises(EncoderFailed):
                 await task
-        assert engine.queue_images == 0
+        assert engine.queue_items == 0
         assert_gone(pids)
 
 

@@ -56,7 +56,7 @@ async def test_an_image_behind_a_long_video_waits_about_one_batch(tmp_path):
         )
         await asyncio.sleep(0.2)
         # groups 0-1 are in flight, 2-3 are queued, 4-7 wait beside the queue (and count as queued)
-        assert (engine.queue_images, engine.queue_tokens) == (6, 6 * 32)
+        assert (engine.queue_items, engine.queue_tokens) == (6, 6 * 32)
         image_task = asyncio.create_task(engine.encode(EncodeRequest("i", (item(1, 16),), deadline(), True)))
         await asyncio.sleep(0.2)
         gate.set()

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from vitserve.api.chat_parts import media_parts
 from vitserve.config import Config
-from vitserve.contract import ImageResult, PreparedImage, ProcessedImage
+from vitserve.contract import ItemResult, PreparedImage, ProcessedImage
 from vitserve.errors import ConfigError, InvalidRequest
 from vitserve.families import FAMILIES
 from vitserve.flags import build_config
@@ -306,12 +306,12 @@ def _transport(root: Path, family: str = "qwen3_vl") -> EcStorageTransport:
     return EcStorageTransport(setup, store)
 
 
-def _encoded(data: bytes, grid=(1, 4, 6)) -> tuple[PreparedImage, ImageResult]:
+def _encoded(data: bytes, grid=(1, 4, 6)) -> tuple[PreparedImage, ItemResult]:
     rows = grid[0] * grid[1] * grid[2] // 4
     item = ProcessedImage(torch.zeros(1), grid, rows, (28, 28), False)
     image = PreparedImage(item, hashlib.sha256(data).hexdigest(), (28, 28), 0.0, 0.0)
     main, *deep = (_tensor(rows) + k for k in range(3))  # bf16 rows, width 8; two DeepStack levels
-    return image, ImageResult(rows, main, tuple(deep))
+    return image, ItemResult(rows, main, tuple(deep))
 
 
 def _sha(data: bytes) -> str:

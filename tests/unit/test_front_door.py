@@ -16,7 +16,7 @@ from vitserve import preflight
 from vitserve.api.chat_parts import media_parts
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config, redacted_url
-from vitserve.contract import ImageResult, PreparedImage, PreparedVideo, ProcessedImage
+from vitserve.contract import ItemResult, PreparedImage, PreparedVideo, ProcessedImage
 from vitserve.errors import (
     ConfigError,
     InvalidRequest,
@@ -129,7 +129,7 @@ def test_malformed_parts_are_400_naming_the_part(payload, needle):
 def test_qwen2_5_part_is_a_dict_with_the_flat_grid_and_npy_rows():
     layout = EmbedsLayout("qwen2_5_vl", merge_size=2, width=48)
     emb = torch.randn(6, 48)
-    part = embeds_part(layout, _prepared((1, 4, 6), 6), ImageResult(6, emb), 0)
+    part = embeds_part(layout, _prepared((1, 4, 6), 6), ItemResult(6, emb), 0)
     assert part["type"] == "image_embeds"
     assert part["image_embeds"]["image_grid_thw"] == [1, 4, 6]  # flat: [[1, 4, 6]] is a 400 in vLLM
     arr = _npy(part["image_embeds"]["image_embeds"])
@@ -140,7 +140,7 @@ def test_qwen2_5_part_is_a_dict_with_the_flat_grid_and_npy_rows():
 def test_qwen3_vl_part_concatenates_deepstack_after_the_main_rows_in_order():
     layout = EmbedsLayout("qwen3_vl", merge_size=2, width=3 * 48)
     main, ds0, ds1 = torch.randn(4, 48), torch.randn(4, 48), torch.randn(4, 48)
-    part = embeds_part(layout, _prepared((1, 4, 4), 4), ImageResult(4, main, (ds0, ds1)), 0)
+    part = embeds_part(layout, _prepared((1, 4, 4), 4), ItemResult(4, main, (ds0, ds1)), 0)
     arr = torch.from_numpy(_npy(part["image_embeds"]["image_embeds"]))
     assert torch.equal(arr, torch.cat([main, ds0, ds1], dim=1))
 
@@ -148,7 +148,7 @@ def test_qwen3_vl_part_concatenates_deepstack_after_the_main_rows_in_order():
 def test_internvl_part_is_a_bare_1_n_hidden_tensor():
     layout = EmbedsLayout("internvl", merge_size=1, width=48)
     emb = torch.randn(8, 48)  # 2 tiles x 4 tokens
-    part = embeds_part(layout, _prepared((2, 4, 4), 8), ImageResult(8, emb), 0)
+    part = embeds_part(layout, _prepared((2, 4, 4), 8), ItemResult(8, emb), 0)
     arr = _npy(part["image_embeds"])
     assert arr.shape == (1, 8, 48)
     assert torch.equal(torch.from_numpy(arr[0]), emb)
@@ -168,7 +168,7 @@ def test_a_tensor_the_llm_would_misread_is_refused_before_it_leaves(family, widt
     layout = EmbedsLayout(family, merge_size=2, width=width)
     rows = grid[0] * grid[1] * grid[2] // 4
     with pytest.raises(EmbeddingMismatch) as err:
-        embeds_part(layout, _prepared(grid, rows), ImageResult(rows, emb, deepstack), 3)
+        embeds_part(layout, _prepared(grid, rows), ItemResult(rows, emb, deepstack), 3)
     assert err.value.status == 500
     assert "image 3" in err.value.message
     assert f"({rows}, {width})" in err.value.message
@@ -232,7 +232,7 @@ def test_video_part_joins_the_groups_in_time_order_with_the_flat_grid():
     layout = EmbedsLayout("qwen2_5_vl", merge_size=2, width=48)
     groups = [torch.randn(6, 48) for _ in range(3)]
     video = _video((3, 4, 6), 6, second_per_grid_t=1.0)
-    part = video_embeds_part(layout, video, [ImageResult(6, g) for g in groups], 0)
+    part = video_embeds_part(layout, video, [ItemResult(6, g) for g in groups], 0)
     assert part["type"] == "video_embeds"
     assert part["video_embeds"]["video_grid_thw"] == [3, 4, 6]
     assert set(part["video_embeds"]) == {"video_embeds", "video_grid_thw"}  # vLLM takes no second_per_grid_ts
@@ -243,7 +243,7 @@ def test_qwen3_video_part_has_each_groups_timestamp_and_deepstack_after_the_main
     layout = EmbedsLayout("qwen3_vl", merge_size=2, width=2 * 48)
     main, deep = [torch.randn(4, 48) for _ in range(2)], [torch.randn(4, 48) for _ in range(2)]
     video = _video((2, 4, 4), 4, timestamps_s=[0.25, 1.25])
-    results = [ImageResult(4, m, (d,)) for m, d in zip(main, deep, strict=True)]
+    results = [ItemResult(4, m, (d,)) for m, d in zip(main, deep, strict=True)]
     part = video_embeds_part(layout, video, results, 0)["video_embeds"]
     assert part["timestamps"] == [0.25, 1.25]
     want = torch.cat([torch.cat(main), torch.cat(deep)], dim=1)
@@ -255,7 +255,7 @@ def test_a_video_tensor_the_llm_would_misread_is_refused():
     video = _video((2, 4, 6), 6, second_per_grid_t=1.0)
     with pytest.raises(EmbeddingMismatch, match=r"video 1: .* expects \(12, 48\)"):
         video_embeds_part(
-            layout, video, [ImageResult(6, torch.zeros(6, 48)), ImageResult(5, torch.zeros(5, 48))], 1
+            layout, video, [ItemResult(6, torch.zeros(6, 48)), ItemResult(5, torch.zeros(5, 48))], 1
         )
 
 
@@ -316,7 +316,7 @@ async def test_the_inline_hand_over_puts_each_tensor_in_the_body():
     item = ProcessedImage(torch.zeros(1), (1, 4, 6), 6, (28, 28), False)
     image = PreparedImage(item, "0" * 64, (28, 28), 0.0, 0.0)
     rows = torch.arange(48, dtype=torch.float32).reshape(6, 8)
-    part = handover.image_part(image, ImageResult(6, rows), 0)
+    part = handover.image_part(image, ItemResult(6, rows), 0)
     payload = {"messages": [{"role": "user", "content": [part]}], "mm_processor_kwargs": {"x": 1}}
     sent = json.loads(await handover.ready(payload))
     assert sent["mm_processor_kwargs"] == {"x": 1}  # inline strips nothing: vLLM hashes no uuid here

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from vitserve.contract import ImageResult, PreparedImage, PreparedVideo, ProcessedImage
+from vitserve.contract import ItemResult, PreparedImage, PreparedVideo, ProcessedImage
 from vitserve.handover.embeds import EmbedsLayout
 from vitserve.handover.inline import embeds_part, video_embeds_part
 from vitserve.handover.inline_body import InlineTensor, dumps_body, npy_header
@@ -47,7 +47,7 @@ def _sent(part: dict[str, Any]) -> Any:
 def test_an_image_embedding_arrives_as_exactly_the_tensor_in_its_own_dtype(dtype):
     layout = EmbedsLayout("qwen2_5_vl", merge_size=2, width=48)
     emb = torch.randn(6, 48).to(dtype)
-    sent = _sent(embeds_part(layout, _prepared((1, 4, 6), 6), ImageResult(6, emb), 0))
+    sent = _sent(embeds_part(layout, _prepared((1, 4, 6), 6), ItemResult(6, emb), 0))
     got = vllm_load(sent["image_embeds"]["image_embeds"])
     assert got.dtype == dtype  # bf16 stays bf16: not widened to float32
     assert torch.equal(got, emb)
@@ -58,7 +58,7 @@ def test_an_image_embedding_arrives_as_exactly_the_tensor_in_its_own_dtype(dtype
 def test_deepstack_levels_arrive_after_the_main_rows_in_order(dtype):
     layout = EmbedsLayout("qwen3_vl", merge_size=2, width=4 * 32)
     main, *deep = (torch.randn(4, 32).to(dtype) for _ in range(4))
-    sent = _sent(embeds_part(layout, _prepared((1, 4, 4), 4), ImageResult(4, main, tuple(deep)), 0))
+    sent = _sent(embeds_part(layout, _prepared((1, 4, 4), 4), ItemResult(4, main, tuple(deep)), 0))
     assert torch.equal(vllm_load(sent["image_embeds"]["image_embeds"]), torch.cat([main, *deep], dim=1))
 
 
@@ -73,7 +73,7 @@ def test_a_video_arrives_as_its_groups_in_time_order_with_its_timestamps(dtype):
     video = PreparedVideo(
         groups, "v", {"grid_thw": [3, 4, 4], "timestamps_s": [0.25, 1.25, 2.25]}, (), 0.0, 0.0
     )
-    results = [ImageResult(4, m, (d,)) for m, d in zip(main, deep, strict=True)]
+    results = [ItemResult(4, m, (d,)) for m, d in zip(main, deep, strict=True)]
     sent = _sent(video_embeds_part(layout, video, results, 0))["video_embeds"]
     assert torch.equal(vllm_load(sent["video_embeds"]), torch.cat([torch.cat(main), torch.cat(deep)], dim=1))
     assert sent["timestamps"] == [0.25, 1.25, 2.25]
@@ -83,9 +83,7 @@ def test_a_video_arrives_as_its_groups_in_time_order_with_its_timestamps(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_internvl_arrives_as_a_bare_1_n_hidden_tensor(dtype):
     emb = torch.randn(8, 48).to(dtype)
-    sent = _sent(
-        embeds_part(EmbedsLayout("internvl", 1, 48), _prepared((2, 4, 4), 8), ImageResult(8, emb), 0)
-    )
+    sent = _sent(embeds_part(EmbedsLayout("internvl", 1, 48), _prepared((2, 4, 4), 8), ItemResult(8, emb), 0))
     assert torch.equal(vllm_load(sent["image_embeds"]), emb.unsqueeze(0))
 
 
@@ -118,17 +116,17 @@ def test_splicing_keeps_the_json_valid_and_the_rest_of_the_request_unchanged():
     )
     parts = [
         {"type": "text", "text": tricky},
-        embeds_part(q25, _prepared((1, 2, 2), 1), ImageResult(1, torch.randn(1, 16)), 0),
+        embeds_part(q25, _prepared((1, 2, 2), 1), ItemResult(1, torch.randn(1, 16)), 0),
         embeds_part(
             q3,
             _prepared((1, 2, 2), 1),
-            ImageResult(1, torch.randn(1, 16).bfloat16(), (torch.randn(1, 16).bfloat16(),)),
+            ItemResult(1, torch.randn(1, 16).bfloat16(), (torch.randn(1, 16).bfloat16(),)),
             1,
         ),
         embeds_part(
-            EmbedsLayout("internvl", 1, 16), _prepared((1, 2, 2), 2), ImageResult(2, torch.randn(2, 16)), 2
+            EmbedsLayout("internvl", 1, 16), _prepared((1, 2, 2), 2), ItemResult(2, torch.randn(2, 16)), 2
         ),
-        video_embeds_part(q25, video, [ImageResult(1, torch.randn(1, 16)) for _ in range(2)], 0),
+        video_embeds_part(q25, video, [ItemResult(1, torch.randn(1, 16)) for _ in range(2)], 0),
         {"type": "text", "text": tricky[::-1]},
     ]
     payload = {"model": "m", "messages": [{"role": "user", "content": parts}], "stream": True, "n": None}

@@ -14,7 +14,7 @@ from vitserve.api.tracing import (
     stage_spans,
     traces_url,
 )
-from vitserve.contract import ImageResult, PreparedImage, StageTimes
+from vitserve.contract import ItemResult, PreparedImage, StageTimes
 from vitserve.errors import ConfigError
 from vitserve.flags import build_config
 
@@ -60,8 +60,8 @@ def _image(seed: int) -> PreparedImage:
     return PreparedImage(fake_item(2, 2, seed), f"id{seed}", (56, 56), decode_s=0.002, preprocess_s=0.001)
 
 
-def _result(queue_ms: float, encode_ms: float, send_ms: float, cached: bool = False) -> ImageResult:
-    return ImageResult(4, None, cached=cached, timing=StageTimes(queue_ms, encode_ms, send_ms))
+def _result(queue_ms: float, encode_ms: float, send_ms: float, cached: bool = False) -> ItemResult:
+    return ItemResult(4, None, cached=cached, timing=StageTimes(queue_ms, encode_ms, send_ms))
 
 
 def test_stage_layout_follows_the_engine_order():

@@ -25,11 +25,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from vitserve.api.body import ClientGone, read_body
-from vitserve.api.chat_parts import ChatParts, media_parts
+from vitserve.api.chat_parts import ChatParts, MediaPart, media_parts
 from vitserve.api.inputs import VideoSource, check_count
 from vitserve.api.media import INLINE_BODY_BYTES, Encoded, Media, MediaPipeline, unless_gone
 from vitserve.api.tracing import Tracing
 from vitserve.config import Config
+from vitserve.contract import ItemResult, RequestItem
 from vitserve.errors import InvalidRequest, LLMTimeout, VitserveError, openai_error
 from vitserve.handover.base import NO_MEDIA, Handover, Transport
 from vitserve.handover.upstream import Upstream, relayed_headers
@@ -61,11 +62,13 @@ class ChatHandler:
 
     async def __call__(self, request: Request) -> Response:
         trace = self.tracing.start(request.headers.get("traceparent"))
-        param: list[str | None] = [None]  # the part at fault, once known
+        deadline = time.monotonic() + self.config.request_timeout_s
+        parts: ChatParts | None = None  # once the body is parsed: an error's index names its part
         try:
-            response = await self._handle(request, trace.traceparent, param)
+            body, payload, parts = await self._read(request)
+            response = await self._handle(request, body, payload, parts, deadline, trace.traceparent)
         except VitserveError as err:
-            response = _error_response(err, param[0])
+            response = _error_response(err, parts)
         except ClientGone:
             response = Response(status_code=499)
         except Exception as exc:  # the handler's own bug: a 500 in the shape the client parses
@@ -75,23 +78,28 @@ class ChatHandler:
         response.headers["traceparent"] = trace.traceparent
         return response
 
-    async def _handle(self, request: Request, traceparent: str, param: list[str | None]) -> Response:
-        deadline = time.monotonic() + self.config.request_timeout_s
+    async def _read(self, request: Request) -> tuple[bytes, Any, ChatParts]:
+        """The body as it came, parsed, and its image and video parts."""
         body = await read_body(request, self.config.max_request_bytes)
         payload = await self._parsed(body)
-        parts = media_parts(payload)
+        return body, payload, media_parts(payload)
+
+    async def _handle(
+        self, request: Request, body: bytes, payload: Any, parts: ChatParts, deadline: float, traceparent: str
+    ) -> Response:
+        """The parts rewritten by the transport's hand-over, then the request forwarded."""
         handover = self.transport.begin() if parts else NO_MEDIA  # without media: the body as it came
         streaming = False
         try:
             if parts:
-                self._check_videos_served(parts, param)
+                self._check_videos_served(parts)
                 check_count(len(parts.images), self.config, len(parts.videos))
-                encoded = await self._encode(request, parts, deadline, traceparent, param, handover)
+                encoded = await self._encode(request, parts, deadline, traceparent, handover)
                 if encoded is None:
                     log.info("chat request: client disconnected while its images queued; withdrawn")
                     return Response(status_code=499)
                 start = time.perf_counter()  # the engine's results are here: until the body is ready to go
-                await self.pre.run(self._rewrite, parts, encoded, param, handover)
+                await self.pre.run(self._rewrite, parts, encoded, handover)
                 body = await handover.ready(payload)  # the transport's checks just before, then its body
                 self.metrics.stage_seconds.labels(stage="handover").observe(time.perf_counter() - start)
             stream = payload.get("stream") is True
@@ -107,14 +115,16 @@ class ChatHandler:
             return _loads(body)
         return await self.pre.run(_loads, body)
 
-    def _check_videos_served(self, parts: ChatParts, param: list[str | None]) -> None:
-        """A request with a video this server cannot hand the LLM is refused before anything is decoded."""
+    def _check_videos_served(self, parts: ChatParts) -> None:
+        """A request with a video this server cannot hand the LLM is refused before anything is decoded (the
+        error names the first video part)."""
         if not parts.videos:
             return
-        param[0] = parts.videos[0].param
-        self.media.check_videos_served(len(parts.videos))
-        self.layout.check_video_served()
-        param[0] = None
+        try:
+            self.media.check_videos_served(len(parts.videos))
+            self.layout.check_video_served()
+        except VitserveError as err:
+            raise err.with_video_index(0) from None
 
     async def _encode(
         self,
@@ -122,11 +132,11 @@ class ChatHandler:
         parts: ChatParts,
         deadline: float,
         traceparent: str,
-        param: list[str | None],
         handover: Handover,
     ) -> Encoded | None:
         """Every image and video of the request, prepared together and handed to the engine as one request;
-        an image the hand-over says the LLM side holds is left out (its part is the hand-over's)."""
+        an image the hand-over says the LLM side holds is an item handed over already (its part is the
+        hand-over's)."""
         media = Media(
             f"chat-{uuid.uuid4()}",
             [p.source for p in parts.images],
@@ -134,39 +144,30 @@ class ChatHandler:
             return_embeddings=True,
             traceparent=traceparent,
         )
-        try:  # a video's time vLLM would misplace is refused before any encoding
-            work = await self.media.prepare(media, deadline, self.layout.check_video_time, handover)
-        except VitserveError as err:
-            if err.image_index is not None:
-                param[0] = parts.images[err.image_index].param
-            elif err.video_index is not None:
-                param[0] = parts.videos[err.video_index].param
-            raise
+        # a video's time vLLM would misplace is refused before any encoding
+        work = await self.media.prepare(media, deadline, self.layout.check_video_time, handover)
         return await self.media.encode(request, work)
 
     @staticmethod
-    def _rewrite(parts: ChatParts, encoded: Encoded, param: list[str | None], handover: Handover) -> None:
-        """Each image_url and video_url part becomes the hand-over's embedding part, in place (on the pool:
-        e.g. the inline tensor, or a file written). An image the hand-over already has a part for was not
-        encoded."""
-        image_results, video_results = encoded.split()
-        fresh = iter(zip(encoded.images, image_results, strict=True))
-        for index, part in enumerate(parts.images):
-            param[0] = part.param
-            new = handover.reused_part(index)
-            if new is None:
-                image, result = next(fresh)
-                new = handover.image_part(image, result, index)
-            part.part.clear()
-            part.part.update(new)
+    def _rewrite(parts: ChatParts, encoded: Encoded, handover: Handover) -> None:
+        """Each image_url and video_url part becomes the hand-over's embedding part, in place, walking the
+        request's items (on the pool: e.g. the inline tensor, or a file written). An image handed over
+        already gets the part the hand-over kept for it."""
+        groups: list[list[ItemResult]] = [[] for _ in parts.videos]
+        for item, result in encoded.walk():
+            if item.group is None:
+                _replace(parts.images[item.media_index], _image_part(handover, item, result))
+            else:
+                assert result is not None, "a video's groups are never handed over before the engine"
+                groups[item.media_index].append(result)
         for index, (part, video, results) in enumerate(
-            zip(parts.videos, encoded.videos, video_results, strict=True)
+            zip(parts.videos, encoded.request.videos, groups, strict=True)
         ):
-            param[0] = part.param
-            new = handover.video_part(video, results, index)
-            part.part.clear()
-            part.part.update(new)
-        param[0] = None
+            try:
+                new = handover.video_part(video, results, index)
+            except VitserveError as err:
+                raise err.with_video_index(index) from None
+            _replace(part, new)
 
     async def _forward(
         self, request: Request, body: bytes, stream: bool, traceparent: str, handover: Handover
@@ -255,8 +256,38 @@ def _loads(body: bytes) -> Any:
         raise InvalidRequest("malformed JSON body") from None
 
 
-def _error_response(err: VitserveError, param: str | None) -> Response:
+def _image_part(handover: Handover, item: RequestItem, result: ItemResult | None) -> dict[str, Any]:
+    """The part for an image item, checked; an error names the image by its index."""
+    index = item.media_index
+    if item.prepared is None or result is None:  # handed over already: the hand-over kept its part
+        kept = handover.reused_part(index)
+        assert kept is not None, "an image is handed over before the engine only by the hand-over"
+        return kept
+    try:
+        return handover.image_part(item.prepared, result, index)
+    except VitserveError as err:
+        raise err.with_index(index) from None
+
+
+def _replace(part: MediaPart, new: dict[str, Any]) -> None:
+    part.part.clear()
+    part.part.update(new)
+
+
+def _error_response(err: VitserveError, parts: ChatParts | None) -> Response:
+    """The error in OpenAI's shape; `param` is the JSON path of the part the error names by its image or
+    video index (the one mapping from an index to a part)."""
     if err.status >= 500:
         log.warning("%s: %s", err.code, err.message)
-    status, headers, body = openai_error(err, param)
+    status, headers, body = openai_error(err, _param(err, parts))
     return Response(body, status_code=status, headers=headers)
+
+
+def _param(err: VitserveError, parts: ChatParts | None) -> str | None:
+    if parts is None:  # the body was not parsed: no part to name
+        return None
+    if err.image_index is not None and err.image_index < len(parts.images):
+        return parts.images[err.image_index].param
+    if err.video_index is not None and err.video_index < len(parts.videos):
+        return parts.videos[err.video_index].param
+    return None

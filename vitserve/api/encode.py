@@ -87,8 +87,8 @@ class EncodeHandler:
                 "request %s: client disconnected while queued; its images were withdrawn", parsed.request_id
             )
             return Response(status_code=499)
-        images, _ = encoded.split()
-        trace.record(parsed.request_id, list(encoded.images), images)
+        images, _ = encoded.encoded()
+        trace.record(parsed.request_id, [p for p, _ in images], [r for _, r in images])
         if parsed.return_embeddings:  # base64 of every embedding: CPU work for the pool
             body = await self.media.pre.run(self._response_body, encoded)
         else:
@@ -131,9 +131,9 @@ class EncodeHandler:
 
     def _response_body(self, encoded: Encoded) -> dict[str, Any]:
         request = encoded.request
-        image_results, video_results = encoded.split()
+        image_results, video_results = encoded.encoded()
         images = []
-        for index, (p, r) in enumerate(zip(request.images, image_results, strict=True)):
+        for index, (p, r) in enumerate(image_results):
             out = {
                 "index": index,
                 "image_id": p.image_id,
@@ -151,11 +151,15 @@ class EncodeHandler:
                     out["deepstack"] = [tensor_json(t) for t in r.deepstack]
             images.append(out)
 
-        def stage(name: str) -> float:  # queue/encode/send overlap across images: the request waited the max
-            return round(max((getattr(r.timing, f"{name}_ms") for r in encoded.results), default=0.0), 3)
+        results = [r for _, r in image_results] + [r for group in video_results for r in group]
 
-        decode_s = sum(p.decode_s for p in request.images) + sum(v.times()[0] for v in request.videos)
-        preprocess_s = sum(p.preprocess_s for p in request.images) + sum(v.times()[1] for v in request.videos)
+        def stage(name: str) -> float:  # queue/encode/send overlap across items: the request waited the max
+            return round(max((getattr(r.timing, f"{name}_ms") for r in results), default=0.0), 3)
+
+        decode_s = sum(p.decode_s for p, _ in image_results) + sum(v.times()[0] for v in request.videos)
+        preprocess_s = sum(p.preprocess_s for p, _ in image_results) + sum(
+            v.times()[1] for v in request.videos
+        )
         timing = {
             "decode": round(decode_s * 1000, 3),
             "preprocess": round(preprocess_s * 1000, 3),

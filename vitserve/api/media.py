@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,7 +27,7 @@ from vitserve.api.inputs import ImageSource, VideoSource, fetch_sources
 from vitserve.api.preprocess import Preprocessor
 from vitserve.api.videos import VideoFrontEnd
 from vitserve.config import Config
-from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo
+from vitserve.contract import EncodeRequest, Engine, ItemResult, PreparedImage, PreparedVideo, RequestItem
 from vitserve.errors import InvalidRequest, Timeout, VitserveError
 from vitserve.handover.base import Handover
 from vitserve.metrics import Metrics
@@ -55,22 +55,29 @@ class Media:
 
 @dataclass(frozen=True)
 class Encoded:
-    """A request's items and the engine's result for each, in EncodeRequest.items order."""
+    """A request's items and the engine's result for each, in EncodeRequest.items order (None for an item
+    handed over already)."""
 
     request: EncodeRequest
-    results: list[ImageResult]
+    results: list[ItemResult | None]
 
-    @property
-    def images(self) -> tuple[PreparedImage, ...]:
-        return self.request.images
+    def walk(self) -> Iterator[tuple[RequestItem, ItemResult | None]]:
+        """Each item with its result, in the one order (what the renderers walk)."""
+        return zip(self.request.items, self.results, strict=True)
 
-    @property
-    def videos(self) -> tuple[PreparedVideo, ...]:
-        return self.request.videos
-
-    def split(self) -> tuple[list[ImageResult], list[list[ImageResult]]]:
-        """The images' results, and each video's groups' results in time order."""
-        return self.request.split(self.results)
+    def encoded(self) -> tuple[list[tuple[PreparedImage, ItemResult]], list[list[ItemResult]]]:
+        """For a request the engine did whole (/encode's): each image with its result, and each video's
+        groups' results in time order."""
+        images: list[tuple[PreparedImage, ItemResult]] = []
+        videos: list[list[ItemResult]] = [[] for _ in self.request.videos]
+        for item, result in self.walk():
+            if item.prepared is None or result is None:
+                raise ValueError(f"item {item.index} of {self.request.request_id} was handed over before")
+            if item.group is None:
+                images.append((item.prepared, result))
+            else:
+                videos[item.media_index].append(result)
+        return images, videos
 
 
 @dataclass
@@ -97,16 +104,18 @@ class MediaPipeline:
     ) -> EncodeRequest:
         """Admit, fetch, decode and preprocess every image and video; `check_video` refuses a prepared video
         (its error gets the video's index); a chat request's `handover` that `reuses` is asked which images
-        need no encoding (by their bytes' sha256, computed here once for the images that are then prepared
-        too): those are left out of the request. Raises the first item's VitserveError, counted as
-        rejected."""
+        it holds already, by their bytes' sha256 (computed here once, and handed to the images then prepared
+        too): those stay items of the request, at their index, handed over already (neither decoded nor
+        encoded). Raises the first item's VitserveError (with the image's or video's index in the request),
+        counted as rejected."""
         try:
             self.check_videos_served(len(media.videos))
             self.engine.admit(None)  # a full queue refuses before any decoding is spent
             blobs = await fetch_sources(list(media.images), self.config, deadline)
             video_blobs = await fetch_sources(list(media.videos), self.config, deadline)
-            todo, ids = await self._to_encode(blobs, handover)
-            prepared = await self._prepare([blobs[i] for i in todo], todo, deadline, ids)
+            held, ids = await self._held(blobs, handover)
+            todo = [None if done else data for data, done in zip(blobs, held, strict=True)]
+            prepared = await self.pre.prepare(todo, deadline, ids)
             videos: list[PreparedVideo] = []
             if media.videos and self.videos is not None:
                 videos = await self.videos.prepare_all(video_blobs, list(media.videos), deadline)
@@ -115,7 +124,7 @@ class MediaPipeline:
         except VitserveError:
             self.metrics.images_total.labels(outcome="rejected").inc(len(media.images))
             raise
-        count_accepted(self.metrics, prepared)
+        count_accepted(self.metrics, [p for p in prepared if p is not None])
         return EncodeRequest(
             request_id=media.request_id,
             images=tuple(prepared),
@@ -128,37 +137,25 @@ class MediaPipeline:
     async def encode(self, request: Request, work: EncodeRequest) -> Encoded | None:
         """The engine's results, or None when the client went away first (its queued items are withdrawn).
         Raises the engine's VitserveError (counted as rejected), or Timeout past the deadline's grace."""
-        if not work.images and not work.videos:  # every image was reused: nothing to encode
-            return Encoded(work, [])
+        if not work.pending:  # every item was handed over already: nothing to encode
+            return Encoded(work, [None] * len(work.items))
         timeout_s = work.deadline - time.monotonic() + DEADLINE_GRACE_S
         try:
             results = await unless_gone(request, self.engine.encode(work), timeout_s, self._late)
-        except VitserveError:
-            self.metrics.images_total.labels(outcome="rejected").inc(len(work.images))
+        except VitserveError:  # counted: the images given to the engine (docs/api.md, /metrics)
+            given = sum(1 for item in work.items if item.group is None and not item.handed_over)
+            self.metrics.images_total.labels(outcome="rejected").inc(given)
             raise
         return None if results is None else Encoded(work, results)
 
-    async def _to_encode(
+    async def _held(
         self, blobs: list[bytes], handover: Handover | None
-    ) -> tuple[list[int], list[str] | None]:
-        """The indices of the images to encode, and their sha256 when the hand-over asked for them."""
+    ) -> tuple[list[bool], list[str] | None]:
+        """Per image, whether the hand-over holds it already; and the images' sha256 when it was asked."""
         if handover is None or not handover.reuses:
-            return list(range(len(blobs))), None
+            return [False] * len(blobs), None
         digests = await self.pre.run(sha256_each, blobs)
-        held = await handover.held(digests)
-        todo = [i for i, done in enumerate(held) if not done]
-        return todo, [digests[i] for i in todo]
-
-    async def _prepare(
-        self, blobs: list[bytes], indices: list[int], deadline: float, ids: list[str] | None
-    ) -> list[PreparedImage]:
-        """The images to encode; an error names the image by its index in the request."""
-        try:
-            return await self.pre.prepare(blobs, deadline, ids)
-        except VitserveError as err:
-            if err.image_index is not None:
-                err.image_index = indices[err.image_index]
-            raise
+        return await handover.held(digests), digests
 
     def _late(self) -> VitserveError:
         return Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")

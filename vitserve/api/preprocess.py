@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -58,23 +58,27 @@ class Preprocessor:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     async def prepare(
-        self, blobs: list[bytes], deadline: float, ids: list[str] | None = None
-    ) -> list[PreparedImage]:
-        """`ids`: the blobs' sha256 when the caller has them already (not computed again)."""
+        self, blobs: Sequence[bytes | None], deadline: float, ids: Sequence[str] | None = None
+    ) -> list[PreparedImage | None]:
+        """Each image of a request prepared, in request order; None where its blob is None (an image not to
+        prepare: handed over already). `ids`: the blobs' sha256 when the caller has them already (not
+        computed again). The first bad image's error carries its index in the request."""
         loop = asyncio.get_running_loop()
         known = ids if ids is not None else [None] * len(blobs)
-        futures = [
-            loop.run_in_executor(self.pool, self._prepare_one, data, image_id)
-            for data, image_id in zip(blobs, known, strict=True)
-        ]
+        futures = {
+            index: loop.run_in_executor(self.pool, self._prepare_one, data, image_id)
+            for index, (data, image_id) in enumerate(zip(blobs, known, strict=True))
+            if data is not None
+        }
         remaining = deadline - time.monotonic()
         try:
-            results = await asyncio.wait_for(
-                asyncio.gather(*futures, return_exceptions=True), max(remaining, 0)
+            done = await asyncio.wait_for(
+                asyncio.gather(*futures.values(), return_exceptions=True), max(remaining, 0)
             )
         except TimeoutError:
             raise Timeout("decoding and preprocessing passed the deadline (--request_timeout_s)") from None
-        for index, result in enumerate(results):  # the first image at fault, in request order
+        prepared: dict[int, PreparedImage] = {}
+        for index, result in zip(futures, done, strict=True):  # the first image at fault, in request order
             if isinstance(result, VitserveError):
                 raise result.with_index(index)
             if isinstance(result, BaseException):
@@ -82,7 +86,8 @@ class Preprocessor:
                 raise InvalidImage(f"image could not be preprocessed ({type(result).__name__})").with_index(
                     index
                 )
-        return results  # type: ignore[return-value]
+            prepared[index] = result
+        return [prepared.get(index) for index in range(len(blobs))]
 
     def _prepare_one(self, data: bytes, image_id: str | None) -> PreparedImage:
         prepared = prepare_image(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import vitserve
-from vitserve.contract import ImageResult, PreparedImage
+from vitserve.contract import ItemResult, PreparedImage
 from vitserve.errors import ConfigError
 
 if TYPE_CHECKING:  # imported only when tracing is on
@@ -67,7 +67,7 @@ class StageSpan:
 
 def stage_spans(
     prepared: Sequence[PreparedImage],
-    results: Sequence[ImageResult],
+    results: Sequence[ItemResult],
     *,
     decode_ns: tuple[int, int],
     engine_ns: tuple[int, int],
@@ -125,7 +125,7 @@ class RequestTrace:
         """Record that `stage` ("decode", "engine") starts now."""
 
     def record(
-        self, request_id: str, prepared: Sequence[PreparedImage], results: Sequence[ImageResult]
+        self, request_id: str, prepared: Sequence[PreparedImage], results: Sequence[ItemResult]
     ) -> None:
         """The request's id, its images and the engine's results, once it answered."""
 
@@ -194,7 +194,7 @@ class _OtlpRequestTrace(RequestTrace):
         self.tracing = tracing
         self.marks: dict[str, int] = {}
         self.prepared: Sequence[PreparedImage] = ()
-        self.results: Sequence[ImageResult] = ()
+        self.results: Sequence[ItemResult] = ()
         incoming = parse_traceparent(header)
         parent = None
         if incoming is not None:
@@ -215,7 +215,7 @@ class _OtlpRequestTrace(RequestTrace):
         self.marks[stage] = time.time_ns()
 
     def record(
-        self, request_id: str, prepared: Sequence[PreparedImage], results: Sequence[ImageResult]
+        self, request_id: str, prepared: Sequence[PreparedImage], results: Sequence[ItemResult]
     ) -> None:
         self.span.set_attribute("vitserve.request_id", request_id)
         self.prepared, self.results = prepared, results

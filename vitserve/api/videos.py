@@ -30,7 +30,7 @@ import torch
 
 from vitserve.api.inputs import VideoSource
 from vitserve.config import Config
-from vitserve.contract import ImageResult, PreparedImage, PreparedVideo, ProcessedImage
+from vitserve.contract import ItemResult, PreparedImage, PreparedVideo, ProcessedImage
 from vitserve.errors import InvalidVideo, Timeout, VitserveError
 from vitserve.processors.base import VisionProcessor
 from vitserve.video import Sampling, VideoDecoder, VideoLimits, VideoPlan, VideoProcessor
@@ -250,7 +250,7 @@ def _remaining(deadline: float) -> float:
 def video_body(
     index: int,
     video: PreparedVideo,
-    results: list[ImageResult],
+    results: list[ItemResult],
     tensor_json: Callable[[torch.Tensor], dict[str, Any]],
 ) -> dict[str, Any]:
     """A video's entry of the /encode response: its metadata, and with return_embeddings its groups'

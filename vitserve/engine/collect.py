@@ -1,7 +1,8 @@
-"""Awaiting a request's Claims in order and handing each to the LLM push: the engine's send order.
+"""Awaiting a request's Claims in item order and handing each to the LLM push: the engine's send order.
 
-The claims come in EncodeRequest.items order (images, then each video's temporal groups in time order).
-Item k goes to --llm_endpoint only after items 0..k-1 were acknowledged, and its ImageResult is built here.
+collect walks EncodeRequest.items (images, then each video's temporal groups in time order) with one Claim per
+item still to hand over. Item k goes to --llm_endpoint only after the items before it were acknowledged, and
+its ItemResult is built here; an item handed over already gets None.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from vitserve.contract import EncodedImage, EncodeRequest, ImageResult, StageTimes
+from vitserve.contract import EncodedImage, EncodeRequest, ItemResult, StageTimes
 from vitserve.engine.jobs import Claim
 from vitserve.engine.push import LLMPush
 from vitserve.errors import Timeout
@@ -23,22 +24,28 @@ async def collect(
     push: LLMPush | None,
     metrics: Metrics,
     release: Callable[[Claim], None] | None = None,
-) -> list[ImageResult]:
-    """Await each claim in request order and push it to the LLM before the next (the send order).
+) -> list[ItemResult | None]:
+    """Await each claim in item order and push it to the LLM before the next (the send order). ``claims``:
+    one per item not handed over, in `request.items` order.
     ``release``: called with each claim once its result is built, so the encoded output it holds is kept no
     longer than the answer needs it (without return_embeddings: not at all; a long video's groups would
     otherwise hold every group's embedding until the last one is encoded)."""
-    results = []
-    for k, claim in enumerate(claims):
+    results: list[ItemResult | None] = []
+    pending = iter(claims)
+    for item in request.items:
+        if item.handed_over:
+            results.append(None)
+            continue
+        claim = next(pending)
         encoded = claim.cached
         if encoded is None:
             assert claim.job is not None
             # shielded: this request leaving must not cancel an encode that other requests share
             encoded = await _wait(asyncio.shield(claim.job.future), request.deadline, request.request_id)
         send_s = 0.0
-        if push is not None:  # item k goes out only after 0..k-1 were handed over
-            send_s = await push.push(request=request, item_index=k, encoded=encoded)
-        if claim.reused:  # a cache hit, or another request's encode of the same image
+        if push is not None:  # this item goes out only after the ones before it were handed over
+            send_s = await push.push(request=request, item=item, encoded=encoded)
+        if claim.reused:  # a cache hit, or another request's encode of the same image or group
             metrics.images_total.labels(outcome="cached").inc()
         delivered = push is not None  # push() returned: the receiver acknowledged it
         results.append(_result(claim, encoded, send_s, request.return_embeddings, delivered))
@@ -50,10 +57,10 @@ async def collect(
 
 def _result(
     claim: Claim, encoded: EncodedImage, send_s: float, return_embeddings: bool, delivered: bool
-) -> ImageResult:
+) -> ItemResult:
     queue_s, encode_s = claim.timing
-    return ImageResult(
-        num_tokens=claim.image.item.num_tokens,
+    return ItemResult(
+        num_tokens=claim.prepared.item.num_tokens,
         embedding=encoded.embedding if return_embeddings else None,
         deepstack=tuple(encoded.deepstack) if return_embeddings else (),
         cached=claim.reused,

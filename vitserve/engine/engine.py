@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import itertools
 import logging
 import math
 import os
@@ -36,9 +35,10 @@ from vitserve.config import Config
 from vitserve.contract import (
     EncodeRequest,
     EngineInfo,
-    ImageResult,
+    ItemResult,
     ProcessedImage,
     Readiness,
+    RequestItem,
 )
 from vitserve.engine.collect import collect
 from vitserve.engine.dispatch import Dispatcher
@@ -305,7 +305,7 @@ class Engine:
         return self._dispatch.scheduler.queued_tokens
 
     @property
-    def queue_images(self) -> int:
+    def queue_items(self) -> int:
         return self._dispatch.scheduler.queued_items
 
     @property
@@ -351,43 +351,41 @@ class Engine:
         rate = self._dispatch.tokens_per_s
         return float(min(60, max(1, math.ceil(queued / rate)))) if rate > 0 else 1.0
 
-    async def encode(self, request: EncodeRequest) -> list[ImageResult]:
-        """Encode a request's images and videos' temporal groups, push each to the LLM in order, return once
-        all were handed over. Cache hits and items already queued or encoding (same sha256 id) are not
-        encoded again. A video's groups enter the queue as a stream: one batch's worth at a time (fairness,
-        engine/scheduler.py)."""
-        self.admit(0)  # refuses when stopping, failed or starting, before any image is claimed
-        claims = self._jobs.claim(request.images, request.deadline)
-        streams = [self._jobs.claim(video.groups, request.deadline) for video in request.videos]
-        every = claims + [claim for stream in streams for claim in stream]  # EncodeRequest.items order
-        try:
-            new = self._jobs.new_jobs(claims)
-            new_groups = [self._jobs.new_jobs(stream) for stream in streams]
-            # only new Jobs count against the limit
-            self.admit(sum(job.item.num_tokens for job in [*new, *itertools.chain(*new_groups)]))
-            if self._shared is None:
-                self._dispatch.add(new)
-            else:  # local misses: the shared layer serves them or dispatches them
-                self._shared.submit(new, self._dispatch.add)
-            for video, stream, jobs in zip(request.videos, streams, new_groups, strict=True):
-                if video.feed is None:
-                    self._add_stream(jobs)
-                else:  # pixels a chunk at a time, only for the groups this request encodes
-                    fed = [(g, c.job) for g, c in enumerate(stream) if c.fresh and c.job is not None]
-                    self._start_feed(feed_groups(video.feed, fed, self._add_stream))
-            return await collect(request, every, self._push, self.metrics, self._release)
+    async def encode(self, request: EncodeRequest) -> list[ItemResult | None]:
+        """Encode `request.items` and push each to the LLM in that order; cache hits, items queued or encoding
+        (same sha256 id) and items handed over already are not encoded again."""
+        self.admit(0)  # refuses when stopping, failed or starting, before any item is claimed
+        todo = [(item, item.prepared) for item in request.items if item.prepared is not None]
+        claims = self._jobs.claim([prepared for _, prepared in todo], request.deadline)
+        try:  # only new Jobs count against the limit
+            self.admit(sum(job.item.num_tokens for job in self._jobs.new_jobs(claims)))
+            self._queue(request, [item for item, _ in todo], claims)
+            return await collect(request, claims, self._push, self.metrics, self._release)
         finally:  # result, error, timeout or disconnect: Jobs nobody else claims leave the queue
-            self._dispatch.cancel(self._jobs.release(every))
+            self._dispatch.cancel(self._jobs.release(claims))
+
+    def _queue(self, request: EncodeRequest, items: list[RequestItem], claims: list[Claim]) -> None:
+        """New Jobs into the queue: images' at once, each video's groups as a stream (fair: scheduler.py)."""
+        new = [(i, c.job) for i, c in zip(items, claims, strict=True) if c.fresh and c.job is not None]
+        self._submit([job for i, job in new if i.group is None], self._dispatch.add)
+        stream = functools.partial(self._submit, add=self._dispatch.add_stream)
+        for v, video in enumerate(request.videos):
+            fed = [(i.group, job) for i, job in new if i.group is not None and i.media_index == v]
+            if video.feed is None:
+                stream([job for _, job in fed])
+            else:
+                self._start_feed(feed_groups(video.feed, fed, stream))
 
     def _release(self, claim: Claim) -> None:
         """One collected claim let go (JobTable.release is idempotent: the request's final release skips it)."""
         self._dispatch.cancel(self._jobs.release([claim]))
 
-    def _add_stream(self, jobs: list[Job]) -> None:
+    def _submit(self, jobs: list[Job], add: Callable[[list[Job]], None]) -> None:
+        """New Jobs to the dispatcher's `add`; with --cache_url the shared layer serves them or dispatches them."""
         if self._shared is None:
-            self._dispatch.add_stream(jobs)
+            add(jobs)
         else:
-            self._shared.submit(jobs, self._dispatch.add_stream)
+            self._shared.submit(jobs, add)
 
     def _start_feed(self, work: Coroutine[Any, Any, None]) -> None:
         """A video's feed runs as its own task: groups may outlive the request that made them."""

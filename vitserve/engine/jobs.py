@@ -1,18 +1,19 @@
-"""Never encode the same image twice: one Job per unique image, one Claim per request image, the cache.
+"""Never encode the same item twice: one Job per unique item, one Claim per request item, the cache.
 
-For each image of a request, Engine.encode asks the JobTable for a Claim:
+An item is an image or a video's temporal group (contract.RequestItem). For each item of a request still to
+hand over, Engine.encode asks the JobTable for a Claim:
   1. a cache hit (--cache_gb > 0): the stored EncodedImage; no queue, no encoder;
-  2. an image with the same key already queued or being encoded (by this or another request): the
+  2. an item with the same key already queued or being encoded (by this or another request): the
      claim joins that Job (refcounted) and awaits its future through asyncio.shield (in engine/collect.py),
      so one request's cancellation or timeout never cancels the encode the others still wait for;
   3. otherwise a new Job, which the engine hands to the dispatcher.
 `release()` drops a request's claims and returns the Jobs nobody claims any more; the engine tells the
 dispatcher to cancel them (this module imports no dispatcher). A successful encode is stored in the
-cache. Deduplication runs with --cache_gb 0 too: it costs one dict lookup per image.
+cache. Deduplication runs with --cache_gb 0 too: it costs one dict lookup per item.
 
-The key is the image bytes' sha256 (the API's image_id) plus the configuration fingerprint
+The key is the item's content id (the API's image_id: an image's bytes' sha256, a group's id) plus the configuration fingerprint
 (engine/local_cache.py), set once the ranks reported their model, dtype and device. An image_id that is not
-a sha256 hex digest (a caller's own label) says nothing about the content, so such an image is always
+a sha256 hex digest (a caller's own label) says nothing about the content, so such an item is always
 encoded on its own. Everything here runs on the engine's event loop thread and never awaits between
 reading and updating the table, so it needs no lock.
 """
@@ -33,14 +34,14 @@ from vitserve.engine.local_cache import EmbeddingCache, cache_fingerprint, cache
 
 @dataclass(eq=False)
 class Job:
-    """One encode of one unique image, from its creation until its future completes."""
+    """One encode of one unique item (an image or a video group), from its creation until its future completes."""
 
     id: int
-    key: str  # cache key; "" for an image without a content id (never shared, never cached)
+    key: str  # cache key; "" for an item without a content id (never shared, never cached)
     item: ProcessedImage
     deadline: float  # time.monotonic() based: the latest deadline of the requests claiming it
     future: asyncio.Future[EncodedImage]  # or a VitserveError
-    claims: int = 0  # request images waiting on it
+    claims: int = 0  # request items waiting on it
     enqueued_at: float = field(default_factory=time.monotonic)
     queue_s: float = 0.0  # enqueue -> dispatch
     encode_s: float = 0.0  # dispatch -> result (the whole batch)
@@ -66,9 +67,9 @@ class Job:
 
 @dataclass(eq=False)
 class Claim:
-    """One request image's hold on a cache hit or on a (possibly shared) Job."""
+    """One request item's hold on a cache hit or on a (possibly shared) Job."""
 
-    image: PreparedImage  # this request's own image (its grid goes to the LLM)
+    prepared: PreparedImage  # this request's own image or group (its grid goes to the LLM)
     cached: EncodedImage | None = None  # a cache hit
     job: Job | None = None  # None for a cache hit, and once released
     fresh: bool = False  # this claim created the Job (the engine must queue it)
@@ -81,7 +82,7 @@ class Claim:
 
     @property
     def timing(self) -> tuple[float, float]:
-        """(queue_s, encode_s) of the encode this image waited for; zero for a cache hit."""
+        """(queue_s, encode_s) of the encode this item waited for; zero for a cache hit."""
         if self.job is None:
             return 0.0, 0.0
         return self.job.queue_s, self.job.encode_s
@@ -106,40 +107,41 @@ class JobTable:
         )
 
     def __len__(self) -> int:
-        """Unique images queued or encoding."""
+        """Unique items queued or encoding."""
         return len(self._jobs)
 
     def job(self, image_id: str) -> Job | None:
-        """The Job queued or encoding for this image id, if any."""
+        """The Job queued or encoding for this item's id, if any."""
         return self._jobs.get(cache_key(self.fingerprint, image_id))
 
     # ------------------------------------------------------------------------------------ claim / release
 
-    def claim(self, images: Sequence[PreparedImage], deadline: float) -> list[Claim]:
-        """One claim per image, in order. New Jobs are created but not queued (see new_jobs)."""
-        return [self._claim(image, deadline) for image in images]
+    def claim(self, items: Sequence[PreparedImage], deadline: float) -> list[Claim]:
+        """One claim per item (an image, or a video group as an image), in order. New Jobs are created but
+        not queued (see new_jobs)."""
+        return [self._claim(prepared, deadline) for prepared in items]
 
-    def _claim(self, image: PreparedImage, deadline: float) -> Claim:
-        if not is_content_id(image.image_id):
-            return Claim(image, job=self._new_job("", image.item, deadline), fresh=True)
-        key = cache_key(self.fingerprint, image.image_id)
+    def _claim(self, prepared: PreparedImage, deadline: float) -> Claim:
+        if not is_content_id(prepared.image_id):
+            return Claim(prepared, job=self._new_job("", prepared.item, deadline), fresh=True)
+        key = cache_key(self.fingerprint, prepared.image_id)
         job = self._jobs.get(key)
         if job is not None and job.failed:
             job = None  # failed a moment ago (its done callback has not run yet): encode anew
         if job is None and self.cache is not None:
             hit = self.cache.get(key)
             if hit is not None:
-                return Claim(image, cached=hit)
+                return Claim(prepared, cached=hit)
         fresh = job is None
         if job is None:
-            job = self._jobs[key] = self._new_job(key, image.item, deadline)
+            job = self._jobs[key] = self._new_job(key, prepared.item, deadline)
             job.future.add_done_callback(functools.partial(self._on_done, job))
         else:
             job.claims += 1
             job.deadline = max(
                 job.deadline, deadline
             )  # the queued job lives as long as its most patient claim
-        return Claim(image, job=job, fresh=fresh)
+        return Claim(prepared, job=job, fresh=fresh)
 
     def _new_job(self, key: str, item: ProcessedImage, deadline: float) -> Job:
         return Job(
@@ -180,7 +182,7 @@ class JobTable:
 
 
 def is_content_id(image_id: str) -> bool:
-    """True for a sha256 hex digest (what the API sends), the only ids that identify an image's content."""
+    """True for a sha256 hex digest (what the API sends), the only ids that identify an item's content."""
     return len(image_id) == 64 and all(c in _HEX for c in image_id)
 
 

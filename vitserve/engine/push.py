@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from vitserve.contract import EncodedImage, EncodeRequest, PreparedImage
+from vitserve.contract import EncodedImage, EncodeRequest, RequestItem
 from vitserve.errors import VitserveError
 from vitserve.metrics import Metrics
 from vitserve.rpc.sender import LLMSender
@@ -32,23 +32,23 @@ class LLMPush:
         """A wire-v2 receiver is connected now (ZMTP handshake done, heartbeats answered)."""
         return self._sender.reachable
 
-    async def push(self, *, request: EncodeRequest, item_index: int, encoded: EncodedImage) -> float:
-        """Send item ``item_index`` of the request (its images, then every video's groups) and wait for its
-        acknowledgement; returns the seconds that took. Raises LLMTimeout past the request's deadline (the
-        message expires with it)."""
-        image, video = _item(request, item_index)
+    async def push(self, *, request: EncodeRequest, item: RequestItem, encoded: EncodedImage) -> float:
+        """Send one item of the request (EncodeRequest.items: its images, then every video's groups) and
+        wait for its acknowledgement; returns the seconds that took. Raises LLMTimeout past the request's
+        deadline (the message expires with it)."""
+        assert item.prepared is not None, "an item handed over already is not sent again"
         start = time.monotonic()
         message = ImageEmbedding(
             request_id=request.request_id,
-            image_index=item_index,
+            image_index=item.index,  # the wire's names (docs/wire.md): an item's place, video groups included
             num_images=len(request.items),
-            image_id=image.image_id,
-            grid_thw=image.item.grid_thw,
+            image_id=item.prepared.image_id,
+            grid_thw=item.prepared.item.grid_thw,
             embedding=encoded.embedding,
             deepstack=list(encoded.deepstack),
             model=self.model,
             traceparent=request.traceparent,
-            video=video,
+            video=_video_ref(item),
         )
         delivery = self._sender.send(message, deadline=request.deadline)
         try:
@@ -70,12 +70,10 @@ class LLMPush:
         self._sender.close()
 
 
-def _item(request: EncodeRequest, index: int) -> tuple[PreparedImage, VideoGroupRef | None]:
-    """The request's item ``index`` (EncodeRequest.items) and, for a video's group, its place on the wire."""
-    item = request.items[index]
+def _video_ref(item: RequestItem) -> VideoGroupRef | None:
+    """A video group's place on the wire (the header's `video` map); None for an image."""
     if item.group is None:
-        return item.image, None
-    ref = VideoGroupRef(
+        return None
+    return VideoGroupRef(
         item.media_index, item.video_id, item.group, item.num_groups, item.start_s, item.end_s
     )
-    return item.image, ref

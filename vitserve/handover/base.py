@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vitserve.config import Config
-from vitserve.contract import ImageResult, PreparedImage, PreparedVideo
+from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
 from vitserve.handover.embeds import EmbedsLayout
 from vitserve.handover.inline_body import dumps_body
 from vitserve.metrics import Metrics
@@ -59,11 +59,11 @@ class Handover:
         """The part for image `index` when `held` said it needs no encoding, else None."""
         return None
 
-    def image_part(self, image: PreparedImage, result: ImageResult, index: int) -> dict[str, Any]:
+    def image_part(self, image: PreparedImage, result: ItemResult, index: int) -> dict[str, Any]:
         """The part that replaces image `index`'s `image_url` part, checked (EmbeddingMismatch)."""
         raise NotImplementedError(f"{type(self).__name__} hands over no images")
 
-    def video_part(self, video: PreparedVideo, results: list[ImageResult], index: int) -> dict[str, Any]:
+    def video_part(self, video: PreparedVideo, results: list[ItemResult], index: int) -> dict[str, Any]:
         """The part that replaces video `index`'s `video_url` part, checked."""
         raise NotImplementedError(f"{type(self).__name__} hands over no videos")
 

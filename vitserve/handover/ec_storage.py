@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from vitserve.config import GIB
-from vitserve.contract import ImageResult, PreparedImage, PreparedVideo
+from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
 from vitserve.errors import VitserveError
 from vitserve.handover.base import Handover, Setup, Transport
 from vitserve.handover.ec_files import ec_uuid
@@ -112,7 +112,7 @@ class EcTicket(Handover):
     def reused_part(self, index: int) -> dict[str, Any] | None:
         return self.hits[index]
 
-    def image_part(self, image: PreparedImage, result: ImageResult, index: int) -> dict[str, Any]:
+    def image_part(self, image: PreparedImage, result: ItemResult, index: int) -> dict[str, Any]:
         """The part for an image the engine encoded: its file written (checked first, as inline)."""
         tensor = llm_tensor(self.layout, result)
         check_tensor(self.layout, image, tensor, index)
@@ -121,7 +121,7 @@ class EcTicket(Handover):
         self._write(uuid, tensor, {"kind": "image", "grid": json.dumps(grid)})
         return self._named(uuid, "image", grid)
 
-    def video_part(self, video: PreparedVideo, results: list[ImageResult], index: int) -> dict[str, Any]:
+    def video_part(self, video: PreparedVideo, results: list[ItemResult], index: int) -> dict[str, Any]:
         """The part for a video: its file written unless it is still there."""
         tensor, grid = checked_video_tensor(self.layout, video, results, index)
         uuid = ec_uuid(self.transport.fingerprint(), "video", *(g.image_id for g in video.groups))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vitserve.contract import ImageResult, PreparedImage, PreparedVideo
+from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
 from vitserve.errors import InvalidRequest, InvalidVideoSampling, VitserveError
 from vitserve.families import FAMILIES
 
@@ -95,7 +95,7 @@ class EmbedsLayout:
         return self.grid_rows(image.item.grid_thw)
 
 
-def llm_tensor(layout: EmbedsLayout, result: ImageResult) -> torch.Tensor:
+def llm_tensor(layout: EmbedsLayout, result: ItemResult) -> torch.Tensor:
     """The image's rows as the LLM takes them: (N, width); DeepStack levels concatenated after the main."""
     if result.embedding is None:
         raise EmbeddingMismatch("the engine returned no embedding for an image of a chat request")
@@ -115,7 +115,7 @@ def check_tensor(layout: EmbedsLayout, image: PreparedImage, tensor: torch.Tenso
         )
 
 
-def video_tensor(layout: EmbedsLayout, video: PreparedVideo, results: list[ImageResult]) -> torch.Tensor:
+def video_tensor(layout: EmbedsLayout, video: PreparedVideo, results: list[ItemResult]) -> torch.Tensor:
     """The video's rows in time order, its groups joined (each DeepStack level joined the same way, then
     concatenated after the main rows as for an image)."""
     if any(r.embedding is None for r in results):
@@ -127,7 +127,7 @@ def video_tensor(layout: EmbedsLayout, video: PreparedVideo, results: list[Image
 
 
 def checked_video_tensor(
-    layout: EmbedsLayout, video: PreparedVideo, results: list[ImageResult], index: int
+    layout: EmbedsLayout, video: PreparedVideo, results: list[ItemResult], index: int
 ) -> tuple[torch.Tensor, list[int]]:
     """The video's tensor and its flat grid [T, h, w], refused (500) when its shape is not the LLM's."""
     tensor = video_tensor(layout, video, results)

@@ -22,15 +22,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from vitserve.contract import ImageResult, PreparedImage, PreparedVideo
+from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
 from vitserve.handover.base import Handover, Transport
 from vitserve.handover.embeds import EmbedsLayout, check_tensor, checked_video_tensor, llm_tensor
 from vitserve.handover.inline_body import InlineTensor
 
 
-def embeds_part(
-    layout: EmbedsLayout, image: PreparedImage, result: ImageResult, index: int
-) -> dict[str, Any]:
+def embeds_part(layout: EmbedsLayout, image: PreparedImage, result: ItemResult, index: int) -> dict[str, Any]:
     """The content part that replaces image `index`'s `image_url` part, checked."""
     tensor = llm_tensor(layout, result)
     check_tensor(layout, image, tensor, index)
@@ -43,7 +41,7 @@ def embeds_part(
 
 
 def video_embeds_part(
-    layout: EmbedsLayout, video: PreparedVideo, results: list[ImageResult], index: int
+    layout: EmbedsLayout, video: PreparedVideo, results: list[ItemResult], index: int
 ) -> dict[str, Any]:
     """The content part that replaces video `index`'s `video_url` part, checked: `video_grid_thw` [T, h, w],
     and for Qwen3-VL / Qwen3.5 each group's `timestamps` (the "<t seconds>" text vLLM puts before it).
@@ -61,10 +59,10 @@ class InlineHandover(Handover):
     def __init__(self, transport: InlineTransport):
         self.transport = transport
 
-    def image_part(self, image: PreparedImage, result: ImageResult, index: int) -> dict[str, Any]:
+    def image_part(self, image: PreparedImage, result: ItemResult, index: int) -> dict[str, Any]:
         return embeds_part(self.transport.layout, image, result, index)
 
-    def video_part(self, video: PreparedVideo, results: list[ImageResult], index: int) -> dict[str, Any]:
+    def video_part(self, video: PreparedVideo, results: list[ItemResult], index: int) -> dict[str, Any]:
         return video_embeds_part(self.transport.layout, video, results, index)
 
     async def ready(self, payload: dict[str, Any]) -> bytes:

@@ -1,7 +1,8 @@
 """The embedding message to the LLM server and its acknowledgement, wire version 3 (docs/wire.md).
 
-One ZMQ multipart message per image and per temporal group of a video (vitserve's DEALER -> the receiver's
-ROUTER); v3 added the `video` map of a group's message (v2 carried images only):
+One ZMQ multipart message per item of a request, an image or a temporal group of a video (vitserve's DEALER
+-> the receiver's ROUTER); v3 added the `video` map of a group's message (v2 carried images only). The header
+keeps v2's field names: `image_index` and `num_images` count items, `image_id` is an item's content id:
 
     frame 0   msgpack map (the header below)
     frame 1   the embedding's raw bytes, little-endian, C-contiguous, (num_tokens, dim) in `dtype`
@@ -89,13 +90,14 @@ class VideoGroupRef:
 
 @dataclass
 class ImageEmbedding:
-    """One image's (or one video group's) embedding message: the one record the engine builds, rpc/wire.py
-    encodes and the LLM server's receiver decodes (docs/integration.md)."""
+    """One item's embedding message (an image, or a video's temporal group): the one record the engine
+    builds, rpc/wire.py encodes and the LLM server's receiver decodes (docs/integration.md). The field names
+    are the wire's (docs/wire.md)."""
 
     request_id: str  # the /encode request it belongs to
-    image_index: int  # position of the message in that request, 0-based: its images, then its videos' groups
-    num_images: int  # messages of that request; they arrive in image_index order
-    image_id: str  # hex sha256 of the image bytes as received by vitserve
+    image_index: int  # the item's place in that request, 0-based: its images, then its videos' groups
+    num_images: int  # the request's items (messages); they arrive in image_index order
+    image_id: str  # the item's content id: an image's bytes' sha256, a group's cache key (docs/wire.md)
     grid_thw: tuple[int, int, int]  # patch grid before spatial merge
     embedding: torch.Tensor  # (num_tokens, dim)
     deepstack: list[torch.Tensor] = field(default_factory=list)  # each (n, d), Qwen3-VL / Qwen3.5 only
