@@ -8,7 +8,10 @@ ROUTER); v3 added the `video` map of a group's message (v2 carried images only):
     frame 2.. one per deepstack tensor, same dtype, shapes in `deepstack_shapes`
 
 and one single-frame acknowledgement back per message the receiver handed to its application:
-msgpack {"v": 3, "ack": message_id}.
+msgpack {"v": 3, "ack": message_id}. vitserve's vLLM connector (vitserve/vllm_connector.py) also reads the
+optional header field `uuid` (the vLLM encoder-cache key), may refuse a message (`{"v": 3, "nack": id,
+"reason": str}`) and answers a holds query (`{"v": 3, "holds": [uuid, ...], "query_id": str}` ->
+`{"v": 3, "held": [...], "query_id": str}`); docs/wire.md, "vitserve's vLLM connector".
 
 Decoding trusts nothing: the header is parsed by msgpack only (never pickle; no ext hooks, string map
 keys only, size-capped), every field is type-checked, and every frame size must equal dtype x shape
@@ -18,15 +21,39 @@ before a tensor is built over it. Anything else raises WireError, which the rece
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import torch
 
 from vitserve.rpc.tensors import dtype_name, tensor_from_buffer, tensor_to_buffer
+
+try:
+    import msgpack
+
+    def _pack(value: Any) -> bytes:
+        packed: bytes = msgpack.packb(value, use_bin_type=True)
+        return packed
+
+    def _unpack(raw: memoryview) -> Any:
+        # msgpack only: no pickle, no ext_hook/object_hook (ext types stay inert ExtType values and
+        # fail the type checks), str/bytes map keys only, strings decoded as UTF-8.
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+
+except ImportError:  # vLLM's environment: msgspec (a vLLM requirement) reads the same bytes, no msgpack there
+    import msgspec
+
+    def _pack(value: Any) -> bytes:
+        packed: bytes = msgspec.msgpack.encode(value)
+        return packed
+
+    def _unpack(raw: memoryview) -> Any:
+        # ext types stay inert msgspec Ext values and fail the type checks; so do non-string map keys
+        return msgspec.msgpack.decode(raw)
+
 
 WIRE_VERSION = 3  # also `vitserve.WIRE_VERSION` (loaded lazily from here)
 EMBEDDING_DTYPES = ("float32", "float16", "bfloat16")
@@ -77,6 +104,7 @@ class ImageEmbedding:
     expires_at: float = 0.0  # Unix time (seconds); past it the message is dropped, never returned
     traceparent: str | None = None  # W3C trace context of the /encode request, when it had one
     video: VideoGroupRef | None = None  # a video's temporal group; None for an image
+    uuid: str | None = None  # the vLLM encoder-cache key, for vitserve's vLLM connector (is_cache_key)
     num_tokens: int = field(init=False)  # merged tokens = rows of the embedding
     dtype: str = field(init=False)  # "float32" | "float16" | "bfloat16", of embedding and deepstack
 
@@ -112,8 +140,10 @@ def encode_embedding_message(message: ImageEmbedding) -> list[bytes | memoryview
         header["traceparent"] = message.traceparent
     if message.video is not None:
         header["video"] = message.video.to_header()
+    if message.uuid is not None:
+        header["uuid"] = message.uuid
     _check_header(header)  # the sender refuses what a receiver would reject
-    frames: list[bytes | memoryview] = [msgpack.packb(header, use_bin_type=True)]
+    frames: list[bytes | memoryview] = [_pack(header)]
     frames.append(tensor_to_buffer(embedding))
     frames.extend(tensor_to_buffer(d) for d in deepstack)
     return frames
@@ -167,13 +197,13 @@ def decode_embedding_message(frames: Sequence[Any]) -> ImageEmbedding:
         expires_at=header["expires_at"],
         traceparent=header.get("traceparent"),
         video=VideoGroupRef(**header["video"]) if "video" in header else None,
+        uuid=header.get("uuid"),
     )
 
 
 def encode_ack(message_id: str) -> bytes:
     """The one-frame acknowledgement of a message the receiver handed to its application."""
-    ack: bytes = msgpack.packb({"v": WIRE_VERSION, "ack": message_id}, use_bin_type=True)
-    return ack
+    return _pack({"v": WIRE_VERSION, "ack": message_id})
 
 
 def decode_ack(frame: Any) -> str:
@@ -206,9 +236,7 @@ def _parse_header(raw: memoryview) -> dict[str, Any]:  # also parses acknowledge
     if raw.nbytes > MAX_HEADER_BYTES:
         raise WireError(f"header frame is {raw.nbytes} bytes, over the {MAX_HEADER_BYTES}-byte limit")
     try:
-        # msgpack only: no pickle, no ext_hook/object_hook (ext types stay inert ExtType values and
-        # fail the type checks), str/bytes map keys only, strings decoded as UTF-8.
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+        header = _unpack(raw)
     except Exception as exc:  # msgpack raises several unrelated types for malformed input
         raise WireError(f"header frame is not a single msgpack value ({type(exc).__name__})") from None
     if not isinstance(header, dict):
@@ -230,6 +258,19 @@ def _check_header(h: dict[str, Any]) -> None:
     _check_shapes(h)
     if "video" in h:
         _check_video(h["video"])
+    if "uuid" in h and not is_cache_key(h["uuid"]):
+        raise WireError(
+            f"uuid must be 1-{MAX_ID_CHARS} of [0-9A-Za-z_:.-] without '..', got {_kind(h['uuid'])}"
+        )
+
+
+_CACHE_KEY = re.compile(r"[0-9A-Za-z_:.\-]+")
+
+
+def is_cache_key(x: Any) -> bool:
+    """A vLLM encoder-cache key the connector may use as a file name: vitserve's are 64 hex characters;
+    no '/', no '..' (vLLM prefixes a LoRA's name with ':')."""
+    return _is_id(x) and _CACHE_KEY.fullmatch(x) is not None and ".." not in x
 
 
 _VIDEO_FIELDS = ("index", "video_id", "group", "groups", "start_s", "end_s")

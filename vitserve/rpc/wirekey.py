@@ -1,0 +1,82 @@
+"""The wire's shared secret (`key_file` of vitserve's vLLM connector, `--wire_key_file` of vitserve): ZMQ's own
+CURVE security with both keypairs derived from one secret, so a single file configures both ends.
+
+    server secret key = sha256("vitserve-server" + secret), client secret key = sha256("vitserve-client" + secret)
+    (32 bytes each, Curve25519), public keys from them (zmq.curve_public)
+
+The connector's ROUTER is a CURVE server whose ZAP handler admits only the derived client public key: a peer
+without the secret fails the handshake, and nothing it sends is ever read. Traffic is encrypted too.
+
+    sock = ctx.socket(zmq.DEALER); configure_client(sock, read_key_file(path)); sock.connect(endpoint)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import zmq
+import zmq.auth.thread
+from zmq.utils import z85
+
+log = logging.getLogger(__name__)
+
+MIN_SECRET_BYTES = 16
+ZAP_DOMAIN = "vitserve"
+
+
+def read_key_file(path: str | Path) -> bytes:
+    """The secret in `path` (surrounding whitespace removed); ValueError when it is too short to be one."""
+    secret = Path(path).read_bytes().strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"the wire key file {path} holds {len(secret)} bytes; a secret needs {MIN_SECRET_BYTES}+"
+        )
+    return secret
+
+
+def keypair(secret: bytes, role: str) -> tuple[bytes, bytes]:
+    """(public, secret) z85 CURVE keys of `role` ("server" or "client") for this shared secret."""
+    secret_key = z85.encode(hashlib.sha256(b"vitserve-" + role.encode() + secret).digest())
+    return zmq.curve_public(secret_key), secret_key
+
+
+def configure_client(sock: zmq.Socket[bytes], secret: bytes) -> None:
+    """Make `sock` (vitserve's DEALER) a CURVE client of the connector keyed by `secret`; before connect()."""
+    public, secret_key = keypair(secret, "client")
+    sock.curve_secretkey = secret_key
+    sock.curve_publickey = public
+    sock.curve_serverkey = keypair(secret, "server")[0]
+
+
+def configure_server(sock: zmq.Socket[bytes], secret: bytes) -> zmq.auth.thread.ThreadAuthenticator:
+    """Make `sock` (the connector's ROUTER) a CURVE server keyed by `secret`, before bind(), and start the ZAP
+    handler on its context that admits only the client key derived from the same secret. The caller stops the
+    returned authenticator when it closes the socket."""
+    auth = zmq.auth.thread.ThreadAuthenticator(sock.context, log=log)
+    auth.start()
+    auth.configure_curve_callback(ZAP_DOMAIN, _OnlyKey(keypair(secret, "client")[0]))
+    public, secret_key = keypair(secret, "server")
+    sock.zap_domain = ZAP_DOMAIN.encode()
+    sock.curve_secretkey = secret_key
+    sock.curve_publickey = public
+    sock.curve_server = True
+    return auth
+
+
+class _OnlyKey:
+    """zmq.auth's credentials provider: admits one client public key."""
+
+    def __init__(self, public: bytes) -> None:
+        self.public = public
+        self.refused = 0  # handshakes refused (a peer without the secret)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key == self.public:
+            return True
+        self.refused += 1
+        log.warning(
+            "refused a wire peer without the shared key (domain %s): %d refused so far", domain, self.refused
+        )
+        return False
