@@ -41,6 +41,7 @@ NON_VITSERVE_FLAGS = {
     "trust-request-mm-kwargs": "vllm serve --trust-request-mm-kwargs (docs/vllm.md, Video)",
     "gpu-memory-utilization": "vllm serve --gpu-memory-utilization (docs/vllm.md)",
     "ec-transfer-config": "vllm serve --ec-transfer-config (docs/vllm.md, The encoder-cache hand-over)",
+    "no-deps": "pip install --no-deps vitserve into vLLM's environment (docs/vllm.md, vitserve's own connector)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
 # The outside notes' scenario IDs ("scenario L3", test_f5_..., "(B10)"): cite docs/design.md's invariants instead.

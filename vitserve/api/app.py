@@ -27,14 +27,16 @@ from vitserve.api.tracing import Tracing, make_tracing
 from vitserve.api.videos import VideoFrontEnd
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import GIB, Config
-from vitserve.contract import Engine
+from vitserve.contract import Engine, Readiness
 from vitserve.errors import InvalidRequest, NotReady, VitserveError, http_error
 from vitserve.handover.ec_storage import EcHandover
 from vitserve.handover.ec_store import EcStore
 from vitserve.handover.embeds import EmbedsLayout
 from vitserve.handover.upstream import Upstream
+from vitserve.handover.wire import WireHandover
 from vitserve.metrics import CONTENT_TYPE, Metrics
 from vitserve.processors.base import VisionProcessor
+from vitserve.rpc.sender import LLMSender
 
 log = logging.getLogger(__name__)
 _HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
@@ -118,6 +120,11 @@ def create_app(
     @app.get("/ready")
     async def ready() -> Response:  # while draining, the edge answers instead
         readiness = engine.readiness()
+        wire: WireHandover | None = getattr(app.state, "wire", None)
+        if readiness.ready and wire is not None and not wire.sender.reachable:
+            readiness = Readiness(
+                False, f"no vitserve connector is connected at --llm_endpoint {wire.endpoint}"
+            )
         if not readiness.ready:  # polled every few seconds while starting: debug, not a warning
             return error_response(NotReady(f"not ready: {readiness.reason}"), level=logging.DEBUG)
         return JSONResponse({"status": "ready"})
@@ -157,7 +164,9 @@ def _add_front_door(
         width=preflight.llm_embeds_width(checkpoint),
         tokens_per_second=(checkpoint.config.get("vision_config") or {}).get("tokens_per_second"),
     )
-    chat = ChatHandler(config, media, tracing, upstream, layout, _ec_handover(config, media, layout))
+    handover = _ec_handover(config, media, layout) or _wire_handover(config, media, layout)
+    app.state.wire = handover if isinstance(handover, WireHandover) else None
+    chat = ChatHandler(config, media, tracing, upstream, layout, handover)
 
     @app.post(CHAT_ROUTE, responses=ERROR_RESPONSES)
     async def chat_completions(request: Request) -> Response:
@@ -184,6 +193,14 @@ def _ec_handover(config: Config, media: MediaPipeline, layout: EmbedsLayout) -> 
     return EcHandover(store, layout, lambda: media.engine.info().fingerprint)
 
 
+def _wire_handover(config: Config, media: MediaPipeline, layout: EmbedsLayout) -> WireHandover | None:
+    """--llm_transport wire: a DEALER connected to vitserve's vLLM connector at --llm_endpoint."""
+    if config.llm_transport != "wire" or config.llm_endpoint is None:
+        return None
+    sender = LLMSender(config.llm_endpoint, key_file=config.wire_key_file)
+    return WireHandover(sender, layout, media.engine.info, media.metrics, config.request_timeout_s)
+
+
 async def close_app(app: FastAPI) -> None:
     """Release what create_app made: the preprocessing pool, the video decoders and the upstream
     connections."""
@@ -193,6 +210,9 @@ async def close_app(app: FastAPI) -> None:
     upstream: Upstream | None = getattr(app.state, "upstream", None)
     if upstream is not None:
         await upstream.aclose()
+    wire: WireHandover | None = getattr(app.state, "wire", None)
+    if wire is not None:
+        wire.sender.close()
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -37,12 +37,14 @@ from vitserve.handover.ec_storage import EcHandover, EcTicket
 from vitserve.handover.embeds import EmbedsLayout, embeds_part, video_embeds_part
 from vitserve.handover.inline import dumps_body
 from vitserve.handover.upstream import Upstream, relayed_headers
+from vitserve.handover.wire import WireHandover, WireTicket
 
 log = logging.getLogger(__name__)
 CHAT_ROUTE = "/v1/chat/completions"
 MODELS_ROUTE = "/v1/models"
 # The request headers that go upstream besides content type, authorization and traceparent.
 _FORWARDED = ("accept", "x-request-id", "tracestate")
+Ticket = EcTicket | WireTicket  # one request's hand-over state (ec_storage's files, wire's messages)
 
 
 class ChatHandler:
@@ -53,7 +55,7 @@ class ChatHandler:
         tracing: Tracing,
         upstream: Upstream,
         layout: EmbedsLayout,
-        ec: EcHandover | None = None,
+        ec: EcHandover | WireHandover | None = None,
     ):
         self.config = config
         self.media = media
@@ -62,7 +64,9 @@ class ChatHandler:
         self.tracing = tracing
         self.upstream = upstream
         self.layout = layout
-        self.ec = ec  # --llm_transport ec_storage (handover/ec_storage.py); None: inline
+        # --llm_transport ec_storage (handover/ec_storage.py) or wire (handover/wire.py); None: inline. Typed Any
+        # until the transports share one interface: each takes its own ticket, which the union cannot say
+        self.ec: Any = ec
 
     async def __call__(self, request: Request) -> Response:
         trace = self.tracing.start(request.headers.get("traceparent"))
@@ -98,8 +102,7 @@ class ChatHandler:
                 handover = time.perf_counter()  # the engine's results are here: until the body is ready to go
                 await self.pre.run(self._rewrite, parts, encoded, param, ticket)
                 if ticket is not None and self.ec is not None:
-                    self.ec.strip(payload)
-                    await self.pre.run(self.ec.check, ticket)  # just before: nothing upstream if one is gone
+                    await self._hand_over(payload, ticket, deadline, traceparent)
                 body = await self.pre.run(dumps_body, payload)  # inline: the embeddings' base64 spliced in
                 self.metrics.stage_seconds.labels(stage="handover").observe(time.perf_counter() - handover)
             response = await self._forward(request, body, payload.get("stream") is True, traceparent, ticket)
@@ -108,6 +111,16 @@ class ChatHandler:
         finally:
             if ticket is not None and not streaming:  # a stream releases its files once relayed
                 ticket.release()
+
+    async def _hand_over(self, payload: Any, ticket: Ticket, deadline: float, traceparent: str) -> None:
+        """Just before the request goes upstream: ec_storage checks every file it names, wire pushes every
+        embedding and waits for the connector's acknowledgements; nothing goes upstream if one fails."""
+        assert self.ec is not None
+        self.ec.strip(payload)
+        if isinstance(self.ec, WireHandover) and isinstance(ticket, WireTicket):
+            await self.ec.deliver(ticket, deadline, traceparent)
+        elif isinstance(self.ec, EcHandover) and isinstance(ticket, EcTicket):
+            await self.pre.run(self.ec.check, ticket)
 
     async def _parsed(self, body: bytes) -> Any:
         if len(body) <= INLINE_BODY_BYTES:
@@ -130,7 +143,7 @@ class ChatHandler:
         deadline: float,
         traceparent: str,
         param: list[str | None],
-        ticket: EcTicket | None,
+        ticket: Ticket | None,
     ) -> Encoded | None:
         """Every image and video of the request, prepared together and handed to the engine as one request;
         with ec_storage, an image whose file is still there is left out (its part is in the ticket)."""
@@ -153,7 +166,7 @@ class ChatHandler:
         return await self.media.encode(request, work)
 
     def _rewrite(
-        self, parts: ChatParts, encoded: Encoded, param: list[str | None], ticket: EcTicket | None
+        self, parts: ChatParts, encoded: Encoded, param: list[str | None], ticket: Ticket | None
     ) -> None:
         """Each image_url and video_url part becomes the LLM's embedding part, in place (on the pool: the
         inline tensor, whose base64 dumps_body makes, or a file with ec_storage). An image the ticket
@@ -181,14 +194,15 @@ class ChatHandler:
         param[0] = None
 
     def _image_part(
-        self, image: PreparedImage, result: ImageResult, index: int, ticket: EcTicket | None
+        self, image: PreparedImage, result: ImageResult, index: int, ticket: Ticket | None
     ) -> dict[str, Any]:
         if ticket is not None and self.ec is not None:
-            return self.ec.image_part(ticket, image, result, index)
+            part: dict[str, Any] = self.ec.image_part(ticket, image, result, index)
+            return part
         return embeds_part(self.layout, image, result, index)
 
     async def _forward(
-        self, request: Request, body: bytes, stream: bool, traceparent: str, ticket: EcTicket | None
+        self, request: Request, body: bytes, stream: bool, traceparent: str, ticket: Ticket | None
     ) -> Response:
         """Send the request on; with ec_storage (a ticket), a non-consumer's refusal becomes vitserve's 502
         and a stream releases the request's files once it ends."""
@@ -205,8 +219,8 @@ class ChatHandler:
         response = await self.upstream.send(CHAT_ROUTE, upstream_request, deadline)
         if response.status_code != 200:  # an error before the stream began: its body, as it came
             content = await self.upstream.read(response, deadline)
-            if ticket is not None:
-                EcHandover.check_answer(response.status_code, content)
+            if ticket is not None and self.ec is not None:
+                self.ec.check_answer(response.status_code, content)
             return Response(content, response.status_code, relayed_headers(response.headers))
         return StreamingResponse(
             self._relay(response, deadline, ticket),
@@ -216,15 +230,15 @@ class ChatHandler:
         )
 
     async def _complete(
-        self, request: Request, upstream_request: httpx.Request, deadline: float, ticket: EcTicket | None
+        self, request: Request, upstream_request: httpx.Request, deadline: float, ticket: Ticket | None
     ) -> Response:
         """One non-streamed completion, abandoned (the LLM server aborts it) if the client leaves first."""
 
         async def call() -> Response:
             response = await self.upstream.send(CHAT_ROUTE, upstream_request, deadline)
             content = await self.upstream.read(response, deadline)
-            if ticket is not None:
-                EcHandover.check_answer(response.status_code, content)
+            if ticket is not None and self.ec is not None:
+                self.ec.check_answer(response.status_code, content)
             return Response(content, response.status_code, relayed_headers(response.headers))
 
         late = lambda: LLMTimeout(  # noqa: E731
@@ -234,7 +248,7 @@ class ChatHandler:
         return answer if answer is not None else Response(status_code=499)
 
     async def _relay(
-        self, response: httpx.Response, deadline: float, ticket: EcTicket | None
+        self, response: httpx.Response, deadline: float, ticket: Ticket | None
     ) -> AsyncIterator[bytes]:
         """The event stream unchanged. A failure after the 200 went out can only be told in the stream: one
         `data: {"error": ...}` event, as vLLM itself reports errors mid-stream, then the end."""
