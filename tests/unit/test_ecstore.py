@@ -1,0 +1,157 @@
+"""The scheduler side of vitserve's vLLM connector without vLLM (vitserve/rpc/ecstore.py): real ZMQ on loopback,
+real files; what it keeps, refuses, evicts and expires, and what a worker reads back."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import torch
+import zmq
+
+from vitserve.rpc import wirekey
+from vitserve.rpc.ecstore import EmbeddingStore, Shape, as_dict, read_entry
+from vitserve.rpc.replies import Ack, Held, Nack, decode_reply, encode_holds
+from vitserve.rpc.wire import ImageEmbedding, encode_embedding_message
+
+WIDTH = 24  # 8 main columns and 2 DeepStack levels of 8
+SECRET = b"s" * 32
+REPLY_MS = 30_000  # a reply that must come; a refused one is waited for 2 s
+
+
+@pytest.fixture
+def store(tmp_path):
+    with contextlib.closing(
+        EmbeddingStore("tcp://127.0.0.1:*", 4 * 12 * WIDTH * 4, Shape(WIDTH, 2), directory=str(tmp_path))
+    ) as s:
+        yield s
+
+
+def frames(uuid: str, rows: int = 12, grid=(1, 6, 8), expires_in: float = 60.0, dtype=torch.float32) -> list:
+    g = torch.Generator().manual_seed(rows)
+    parts = [torch.randn(rows, 8, generator=g).to(dtype) for _ in range(3)]
+    message = ImageEmbedding(
+        request_id="r",
+        image_index=0,
+        num_images=1,
+        image_id="0" * 64,
+        grid_thw=grid,
+        embedding=parts[0],
+        deepstack=parts[1:],
+        expires_at=time.time() + expires_in,
+        uuid=uuid,
+    )
+    return encode_embedding_message(message)
+
+
+def send(store: EmbeddingStore, message: list, key: bytes | None = None, wait_ms: int = REPLY_MS):
+    with zmq.Context.instance().socket(zmq.DEALER) as sock:
+        sock.linger = 0
+        if key is not None:
+            wirekey.configure_client(sock, key)
+        sock.connect(store.endpoint)
+        sock.send_multipart(message)
+        return decode_reply(sock.recv()) if sock.poll(wait_ms) else None
+
+
+def test_a_message_is_kept_whole_as_main_and_deepstack_side_by_side(store):
+    message = frames("a" * 64)
+    assert isinstance(send(store, message), Ack)
+    entry = store.get("a" * 64)
+    assert (entry.rows, entry.width, entry.dtype) == (12, WIDTH, "float32")
+    from vitserve.rpc.wire import decode_embedding_message
+
+    sent = decode_embedding_message([bytes(f) for f in message])
+    expected = torch.cat([sent.embedding, *sent.deepstack], dim=-1)
+    where = as_dict(entry)
+    assert torch.equal(read_entry(where["path"], where["dtype"], where["rows"], where["width"]), expected)
+    assert store.counters()["received"] == 1
+    assert store.counters()["held_bytes"] == 12 * WIDTH * 4
+
+
+def test_a_bfloat16_message_stays_bfloat16(store):
+    assert isinstance(send(store, frames("b" * 64, dtype=torch.bfloat16)), Ack)
+    where = as_dict(store.get("b" * 64))
+    assert read_entry(where["path"], where["dtype"], where["rows"], where["width"]).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("over", "why"),
+    [
+        ({"rows": 5}, "rows"),
+        ({"grid": (1, 6, 6)}, "rows"),
+        ({"uuid": None}, "uuid"),
+        ({"expires_in": -1.0}, "expired"),
+    ],
+)
+def test_what_cannot_be_kept_is_refused_and_nothing_of_it_stays(store, over, why):
+    uuid = over.pop("uuid", "c" * 64)
+    reply = send(store, frames(uuid, **over))
+    assert isinstance(reply, Nack)
+    assert why in reply.reason
+    assert store.counters()["held"] == 0
+    assert list(store.dir.iterdir()) == []
+
+
+def test_a_wrong_width_is_refused(tmp_path):
+    with contextlib.closing(
+        EmbeddingStore("tcp://127.0.0.1:*", 10**6, Shape(16, 2), directory=str(tmp_path))
+    ) as s:
+        reply = send(s, frames("d" * 64))
+        assert isinstance(reply, Nack)
+        assert "width 24" in reply.reason
+
+
+def test_the_bound_evicts_the_oldest_unpinned_and_refuses_when_the_rest_is_pinned(store):
+    for i in range(4):
+        assert isinstance(send(store, frames(f"{i}" * 64)), Ack)
+    store.pin("0" * 64, "req-1")
+    assert isinstance(send(store, frames("4" * 64)), Ack)  # evicts "1", the oldest unpinned
+    assert store.get("0" * 64) is not None
+    assert store.get("1" * 64) is None
+    assert store.counters()["evicted"] == 1
+    for uuid in ("2", "3", "4"):
+        store.pin(uuid * 64, "req-2")
+    reply = send(store, frames("5" * 64))
+    assert isinstance(reply, Nack)
+    assert "max_gb" in reply.reason
+    assert store.counters()["held_bytes"] <= store.max_bytes
+
+
+def test_holds_queries_answer_what_is_held_and_keep_it(store):
+    assert isinstance(send(store, frames("e" * 64, expires_in=0.5)), Ack)
+    until = time.time() + 60
+    assert send(store, [encode_holds(["e" * 64, "f" * 64], "q", expires_at=until)]) == Held("q", ("e" * 64,))
+    assert store.get("e" * 64).expires_at >= until
+
+
+def test_an_unpinned_entry_goes_at_its_expiry_and_a_pinned_one_stays(store):
+    assert isinstance(send(store, frames("1" * 64, expires_in=0.3)), Ack)
+    assert isinstance(send(store, frames("2" * 64, expires_in=0.3)), Ack)
+    store.pin("2" * 64, "req")
+    while store.get("1" * 64) is not None:  # the receiver thread sweeps every 0.2 s
+        time.sleep(0.05)
+    assert store.counters()["expired"] == 1
+    assert store.get("2" * 64) is not None
+
+
+def test_garbage_is_counted_and_unanswered(store):
+    assert send(store, [b"\xc1garbage"], wait_ms=2000) is None
+    assert store.counters()["rejected"] == 1
+    assert isinstance(send(store, frames("7" * 64)), Ack)  # and the next message is taken
+
+
+def test_with_a_key_a_stranger_is_never_read(tmp_path):
+    with contextlib.closing(
+        EmbeddingStore("tcp://127.0.0.1:*", 10**6, Shape(WIDTH, 2), key=SECRET, directory=str(tmp_path))
+    ) as s:
+        assert send(s, frames("8" * 64), key=None, wait_ms=2000) is None
+        assert send(s, frames("8" * 64), key=b"x" * 32, wait_ms=2000) is None
+        assert s.counters() == {**s.counters(), "received": 0, "rejected": 0, "held": 0}
+        assert isinstance(send(s, frames("9" * 64), key=SECRET), Ack)
+
+
+def test_a_taken_endpoint_is_an_oserror(store, tmp_path):
+    with pytest.raises(OSError, match="cannot bind"):
+        EmbeddingStore(store.endpoint, 10, Shape(0, 2), directory=str(tmp_path))

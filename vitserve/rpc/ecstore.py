@@ -1,0 +1,293 @@
+"""The scheduler side of vitserve's vLLM connector without vLLM (vitserve/vllm_connector.py is the glue): a ZMQ
+ROUTER that takes vitserve's wire messages (docs/wire.md, "vitserve's vLLM connector") and keeps each embedding,
+whole and checked, as a file in shared memory that vLLM's workers read.
+
+Where the bytes live: one file per uuid, `<dir>/<uuid>`, the raw (rows, width) tensor (main rows and every
+DeepStack level concatenated along the last dimension) in the message's dtype, written to a temporary name and
+renamed, so a worker never sees a partial file. `dir` is a fresh directory under /dev/shm (RAM) by default.
+vLLM runs its workers in other processes (always on a CPU; with several GPUs too): a file in /dev/shm is the one
+thing every process on the host reads without copying through the engine.
+
+The bound: `max_bytes` over the files held. An arrival that does not fit evicts unpinned entries, oldest first;
+when pinned ones fill it, the arrival is refused (nack). An entry is pinned while a request that names it is
+scheduled (vllm_connector.py pins it when the request passes ensure_cache_available and unpins it when the
+request finishes); an unpinned one is dropped at its expiry (the message's `expires_at`, extended by a holds
+query that names it, or by a scheduling attempt). Nothing here ever waits on vLLM's scheduler: the receiver
+thread and the scheduler share only `_lock`, held for dictionary updates.
+
+Counters (`counters()`; logged every 30 s when they moved, and at shutdown): received, refused (nack), rejected
+(not the wire: garbage, a stranger without the key never gets this far), expired, evicted, held_bytes, held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from vitserve.rpc import wirekey
+from vitserve.rpc.replies import HoldsQuery, decode_inbound, encode_held, encode_nack
+from vitserve.rpc.tensors import DTYPES, tensor_to_buffer
+from vitserve.rpc.wire import ImageEmbedding, WireError, encode_ack
+
+DEFAULT_HOLD_S = 30.0  # a holds query without expires_at keeps what it names this long
+TOUCH_S = 10.0  # a scheduling attempt keeps an unpinned entry at least this long
+MAX_FRAME_BYTES = 2**31  # ZMQ_MAXMSGSIZE: a forged 100 GB frame is cut before it is allocated
+_POLL_MS = 200
+_LOG_EVERY_S = 30.0
+
+
+@dataclass
+class Entry:
+    """One embedding held: its file and what a request needs to check it against."""
+
+    path: Path
+    dtype: str
+    rows: int
+    width: int
+    nbytes: int
+    expires_at: float  # Unix time; an unpinned entry past it is dropped
+    pins: set[str] = field(default_factory=set)  # request ids that will load it
+
+
+@dataclass
+class Shape:
+    """What a message must agree with: the model's width (0: unchecked) and spatial merge."""
+
+    width: int
+    merge: int
+
+
+class EmbeddingStore:
+    """Binds `endpoint` and keeps what arrives (see the module docstring); `close()` stops and deletes."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        max_bytes: int,
+        shape: Shape,
+        *,
+        key: bytes | None = None,
+        directory: str | None = None,
+        log: logging.Logger | None = None,
+    ) -> None:
+        self.max_bytes, self.shape = max_bytes, shape
+        self.log = log or logging.getLogger(__name__)
+        self.entries: dict[str, Entry] = {}  # insertion order = arrival order: eviction takes the oldest
+        self.counts = dict.fromkeys(("received", "refused", "rejected", "expired", "evicted"), 0)
+        self._lock = threading.Lock()
+        self._closing = False
+        root = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        self.dir = Path(tempfile.mkdtemp(prefix="vitserve-ec-", dir=root))
+        self._ctx = zmq.Context(io_threads=1)
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._auth = wirekey.configure_server(self._sock, key) if key is not None else None
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self._stop_socket()
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise OSError(f"vitserve's connector cannot bind {endpoint!r}: {exc}") from exc
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._thread = threading.Thread(target=self._run, name="vitserve-ec-receiver", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the scheduler's side (any thread)
+
+    def get(self, uuid: str) -> Entry | None:
+        with self._lock:
+            return self.entries.get(uuid)
+
+    def touch(self, uuid: str) -> Entry | None:
+        """The entry, kept at least TOUCH_S longer (a request is about to name it), or None."""
+        with self._lock:
+            entry = self.entries.get(uuid)
+            if entry is not None:
+                entry.expires_at = max(entry.expires_at, time.time() + TOUCH_S)
+            return entry
+
+    def pin(self, uuid: str, request_id: str) -> Entry | None:
+        with self._lock:
+            entry = self.entries.get(uuid)
+            if entry is not None:
+                entry.pins.add(request_id)
+            return entry
+
+    def unpin(self, uuids: set[str], request_id: str) -> None:
+        with self._lock:
+            for uuid in uuids:
+                if (entry := self.entries.get(uuid)) is not None:
+                    entry.pins.discard(request_id)
+                    entry.expires_at = max(entry.expires_at, time.time() + TOUCH_S)
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            held = sum(e.nbytes for e in self.entries.values())
+            return {**self.counts, "held_bytes": held, "held": len(self.entries)}
+
+    def close(self) -> None:
+        self._closing = True
+        self._thread.join(5)
+        self.log.info("vitserve connector on %s closed: %s", self.endpoint, self.counters())
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ the receiver thread
+
+    def _run(self) -> None:
+        logged, last = time.monotonic(), self.counters()
+        try:
+            while not self._closing:
+                if self._sock.poll(_POLL_MS, zmq.POLLIN):
+                    self._take(self._sock.recv_multipart(copy=False))
+                self._expire(time.time())
+                if time.monotonic() - logged > _LOG_EVERY_S:
+                    logged, now = time.monotonic(), self.counters()
+                    if now != last:
+                        self.log.info("vitserve connector on %s: %s", self.endpoint, now)
+                    last = now
+        except Exception:
+            self.log.exception(
+                "vitserve connector on %s: the receiver failed; it takes nothing more", self.endpoint
+            )
+        finally:
+            self._stop_socket()
+
+    def _stop_socket(self) -> None:
+        self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.term()
+
+    def _take(self, frames: list[zmq.Frame]) -> None:
+        peer, body = frames[0], frames[1:]
+        try:
+            message = decode_inbound(body)
+        except WireError as exc:
+            self.counts["rejected"] += 1
+            nbytes = sum(len(f) for f in body)
+            self.log.warning(
+                "vitserve connector: rejected a message (%d frames, %d bytes): %s", len(body), nbytes, exc
+            )
+            return
+        if isinstance(message, HoldsQuery):
+            self._reply(peer, encode_held(self._holds(message), message.query_id))
+            return
+        reason = self._keep(message)
+        if reason is None:
+            self.counts["received"] += 1
+            self._reply(peer, encode_ack(message.message_id))
+        else:
+            self.counts["refused"] += 1
+            self.log.warning(
+                "vitserve connector: refused message %s (request %s, uuid %s): %s",
+                message.message_id,
+                message.request_id,
+                message.uuid,
+                reason,
+            )
+            self._reply(peer, encode_nack(message.message_id, reason))
+
+    def _reply(self, peer: zmq.Frame, frame: bytes) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # a peer that is gone: the reply is dropped
+            self._sock.send_multipart([peer, frame], flags=zmq.NOBLOCK)
+
+    def _holds(self, query: HoldsQuery) -> list[str]:
+        until = query.expires_at if query.expires_at is not None else time.time() + DEFAULT_HOLD_S
+        with self._lock:
+            held = [u for u in query.uuids if u in self.entries]
+            for uuid in held:
+                self.entries[uuid].expires_at = max(self.entries[uuid].expires_at, until)
+        return held
+
+    def _keep(self, m: ImageEmbedding) -> str | None:
+        """Check and keep one message; None when kept, else why it was refused (nothing of it is kept)."""
+        reason = self._check(m)
+        if reason is not None:
+            return reason
+        assert m.uuid is not None
+        tensor = torch.cat([m.embedding, *m.deepstack], dim=-1) if m.deepstack else m.embedding
+        rows, width = (int(d) for d in tensor.shape)
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            held = self.entries.get(m.uuid)
+            if held is not None and (held.rows, held.width, held.dtype) == (rows, width, m.dtype):
+                held.expires_at = max(held.expires_at, m.expires_at)  # the same embedding again
+                return None
+            if held is not None and held.pins:
+                return f"uuid {m.uuid} is held with another shape and a scheduled request will load it"
+            if held is not None:
+                self._drop(m.uuid, "")
+            if not self._make_room(nbytes):
+                return f"{nbytes} bytes do not fit in max_gb ({self.max_bytes} bytes; the rest is pinned)"
+        path = self.dir / m.uuid
+        temp = self.dir / f".{m.uuid}.{m.message_id[:32]}.tmp"
+        with open(temp, "wb") as f:
+            f.write(tensor_to_buffer(tensor))
+        os.replace(temp, path)
+        with self._lock:
+            self.entries[m.uuid] = Entry(path, m.dtype, rows, width, nbytes, m.expires_at)
+        return None
+
+    def _check(self, m: ImageEmbedding) -> str | None:
+        if m.uuid is None:
+            return "the message names no uuid (the connector keeps embeddings by their encoder-cache key)"
+        if m.expires_at <= time.time():
+            return f"expired {time.time() - m.expires_at:.3f} s ago"
+        rows = m.num_tokens
+        if any(int(d.shape[0]) != rows for d in m.deepstack):
+            return (
+                f"deepstack rows {[int(d.shape[0]) for d in m.deepstack]} differ from the embedding's {rows}"
+            )
+        t, h, w = m.grid_thw
+        merge = self.shape.merge
+        if rows != t * h * w // (merge * merge) or (h % merge) or (w % merge):
+            return (
+                f"{rows} rows, but grid {list(m.grid_thw)} with merge {merge} needs {t * h * w // merge**2}"
+            )
+        width = sum(int(x.shape[1]) for x in (m.embedding, *m.deepstack))
+        if self.shape.width and width != self.shape.width:
+            return f"width {width}, but this model needs {self.shape.width} (hidden size x (1 + DeepStack levels))"
+        return None
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict unpinned entries, oldest first, until nbytes fit (under _lock)."""
+        held = sum(e.nbytes for e in self.entries.values())
+        for uuid in [u for u, e in self.entries.items() if not e.pins]:
+            if held + nbytes <= self.max_bytes:
+                break
+            held -= self.entries[uuid].nbytes
+            self._drop(uuid, "evicted")
+        return held + nbytes <= self.max_bytes
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            for uuid in [u for u, e in self.entries.items() if not e.pins and e.expires_at <= now]:
+                self._drop(uuid, "expired")
+
+    def _drop(self, uuid: str, counter: str) -> None:
+        entry = self.entries.pop(uuid)
+        with contextlib.suppress(FileNotFoundError):
+            entry.path.unlink()
+        if counter:
+            self.counts[counter] += 1
+
+
+def read_entry(path: str, dtype: str, rows: int, width: int) -> torch.Tensor:
+    """A held embedding as a private CPU tensor (the worker's side: a copy, so the file may go at once)."""
+    tensor = torch.from_file(path, shared=False, size=rows * width, dtype=DTYPES[dtype])
+    return tensor.view(rows, width)
+
+
+def as_dict(entry: Entry) -> dict[str, Any]:
+    return {"path": str(entry.path), "dtype": entry.dtype, "rows": entry.rows, "width": entry.width}
