@@ -14,7 +14,8 @@ another host and any number of replicas may feed one vLLM.
   or no connector connected is a 502 naming the connector's --ec-transfer-config, a message sent and never
   acknowledged is 504 `llm_timeout`.
 - vLLM's error for an item its connector could not provide (it failed the request through the connector's
-  take_unavailable_requests) is a 502 in OpenAI's shape (`check_answer`).
+  take_unavailable_requests: a bare 500) is a 502 in OpenAI's shape (`check_answer`); in a stream, which vLLM
+  has begun with 200 already, its error event is relayed as it comes.
 - `mm_processor_kwargs` / `media_io_kwargs` are removed as for ec_storage (vLLM would hash them into the uuid).
 """
 
@@ -46,8 +47,6 @@ HOLDS_WAIT_S = 1.0  # a holds query unanswered this long: every image is pushed 
 KNOWN_ITEMS = 65_536  # uuids this replica pushed, with their grids (a repeated image's part needs its grid)
 # What a vLLM that is not an EC consumer answers a metadata-only part with (400), as for ec_storage.
 _NOT_CONSUMER = b"The data should contain the fields"
-# What vLLM answers when its connector could not provide an item (the scheduler failed the request).
-_UNAVAILABLE = (b"encoder", b"unavailable")
 CONFIG_HINT = (
     'start vLLM with --ec-transfer-config \'{"ec_connector":"VitserveECConnector","ec_connector_module_path":'
     '"vitserve.vllm_connector","ec_role":"ec_consumer","ec_connector_extra_config":{"endpoint":"tcp://0.0.0.0:5600"}}\''
@@ -258,18 +257,21 @@ class WireHandover:
 
     @staticmethod
     def check_answer(status: int, content: bytes) -> None:
-        """A non-consumer's 400 for a metadata-only part, or vLLM's error for an item its connector could not
-        provide, becomes vitserve's 502 (OpenAI's shape) that says what to do."""
+        """A non-consumer's 400 for a metadata-only part, or vLLM's failure of the request, becomes vitserve's 502
+        (OpenAI's shape) that says what to do. vLLM 0.32 answers a request its connector failed (an item that
+        never arrived or was let go: take_unavailable_requests) with a bare 500 "Internal server error"; its log
+        names the item ("vitserve connector: request ... fails")."""
         if status == 400 and _NOT_CONSUMER in content:
             raise NotAConsumer(
                 "the LLM server at --llm_url is not an encoder-cache consumer (it asked for the tensor of a "
                 f"metadata-only embedding part); {CONFIG_HINT}"
             )
-        if status >= 400 and all(word in content.lower() for word in _UNAVAILABLE):
-            detail = _error_message(content)
+        if status == 500:
             raise ItemUnavailable(
-                f"vLLM could not obtain an embedding from its connector ({detail}); the request may be sent "
-                "again (vitserve pushes its embeddings again)"
+                f"vLLM failed the request ({_error_message(content)}): with --llm_transport wire, what it answers "
+                "when its connector could not provide an embedding the request names (let go under its max_gb, "
+                "or past its deadline; vLLM's log says 'vitserve connector: request ... fails'). vLLM is healthy; "
+                "sending the request again pushes the embeddings again"
             )
 
 
