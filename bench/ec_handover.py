@@ -10,7 +10,7 @@ Per width, bfloat16 (a GPU tower's dtype), best and median of the repeats:
 - read: what vLLM's ECExampleConnector does on a cache miss, safetensors.torch.load_file(path)["ec_cache"]
   (on a CPU it memory-maps the file), then a copy into the encoder cache (vLLM copies it into its own tensor
   before the forward; `.clone()` here);
-- inline: vitserve.handover.inline.dumps_body for the same tensor (what the inline transport builds instead).
+- inline: vitserve.handover.inline_body.dumps_body for the same tensor (what the inline transport builds instead).
 The directory is --dir (default /dev/shm, where the two processes share it on one host).
 
 Each run appends its record to bench/out/ec_handover.jsonl and prints RESULTS.md's table. Issue 33's target:
@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from bench import record  # noqa: E402
 from vitserve.handover.ec_files import check_file, file_path, write_file  # noqa: E402
-from vitserve.handover.inline import InlineTensor, dumps_body  # noqa: E402
+from vitserve.handover.inline_body import InlineTensor, dumps_body  # noqa: E402
 
 TOKENS = 2700  # a 1080p image at Qwen's 28-pixel merged patches (45 x 60 merged)
 

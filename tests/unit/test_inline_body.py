@@ -1,4 +1,4 @@
-"""The upstream chat body with inline embeddings (handover/inline.py): every tensor decodes, as vLLM decodes it, to
+"""The upstream chat body with inline embeddings (handover/inline_body.py): every tensor decodes, as vLLM decodes it, to
 exactly the tensor the part was built from, in its own dtype; splicing the base64 in keeps the JSON valid and
 the rest of the request unchanged, for every kind of part."""
 
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from vitserve.contract import ImageResult, PreparedImage, PreparedVideo, ProcessedImage
-from vitserve.handover.embeds import EmbedsLayout, embeds_part, video_embeds_part
-from vitserve.handover.inline import InlineTensor, dumps_body, npy_header
+from vitserve.handover.embeds import EmbedsLayout
+from vitserve.handover.inline import embeds_part, video_embeds_part
+from vitserve.handover.inline_body import InlineTensor, dumps_body, npy_header
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

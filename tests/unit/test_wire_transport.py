@@ -21,9 +21,10 @@ from vitserve.contract import ImageResult, PreparedImage, ProcessedImage
 from vitserve.errors import ConfigError, LLMTimeout
 from vitserve.families import FAMILIES
 from vitserve.flags import build_config
+from vitserve.handover.base import Setup
 from vitserve.handover.ec_files import ec_uuid
 from vitserve.handover.embeds import EmbeddingMismatch, EmbedsLayout
-from vitserve.handover.wire import ConnectorUnavailable, WireHandover
+from vitserve.handover.wire import ConnectorUnavailable, WireTransport
 from vitserve.metrics import Metrics
 from vitserve.preflight import check_wire
 from vitserve.rpc.replies import HoldsQuery, decode_inbound, encode_held, encode_nack
@@ -182,13 +183,14 @@ def test_a_sender_with_the_key_is_admitted_and_one_without_is_never_connected(tm
 # ------------------------------------------------------------------------------------------ hand-over
 
 
-class _Info:
-    fingerprint, model = "fingerprint", "tiny"
+async def _inline(fn, *args):
+    return fn(*args)  # the preprocessing pool's place, run where it is awaited
 
 
-def _handover(endpoint: str, family: str = "qwen3_vl") -> WireHandover:
+def _transport(endpoint: str, family: str = "qwen3_vl") -> WireTransport:
     layout = EmbedsLayout(family=family, merge_size=2, width=24 if family == "qwen3_vl" else 8)
-    return WireHandover(LLMSender(endpoint), layout, lambda: _Info(), Metrics(), request_timeout_s=10)
+    setup = Setup(Config(request_timeout_s=10), layout, Metrics(), _inline, lambda: "fingerprint")
+    return WireTransport(setup, sender=LLMSender(endpoint))
 
 
 def _encoded(data: bytes, grid=(1, 4, 6), width: int = 8) -> tuple[PreparedImage, ImageResult]:
@@ -201,57 +203,59 @@ def _encoded(data: bytes, grid=(1, 4, 6), width: int = 8) -> tuple[PreparedImage
 
 def test_an_image_is_pushed_under_ec_storages_uuid_before_its_metadata_only_part_goes(tmp_path):
     peer = Peer()
-    wire = _handover(peer.endpoint)
+    wire = _transport(peer.endpoint)
     try:
-        ticket = wire.ticket()
+        request = wire.begin()
         image, result = _encoded(b"image bytes")
-        part = wire.image_part(ticket, image, result, 0)
+        part = request.image_part(image, result, 0)
         uuid = ec_uuid("fingerprint", "image", image.image_id)
         assert part == {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 6]}, "uuid": uuid}
-        asyncio.run(wire.deliver(ticket, time.monotonic() + 10, None))
+        asyncio.run(request.deliver())
         (message,) = peer.received
         assert isinstance(message, ImageEmbedding)
         assert message.uuid == uuid
         assert [tuple(t.shape) for t in (message.embedding, *message.deepstack)] == [(6, 8)] * 3
         assert torch.equal(message.deepstack[1], result.deepstack[1])
         # the same image again, and a new one: the connector holds the first, so its part comes at once
-        again = wire.ticket()
-        assert wire.image_hits(again, [b"image bytes", b"new"]) == [True, False]
-        assert again.hits == [part, None]
+        again = wire.begin()
+        digests = [hashlib.sha256(data).hexdigest() for data in (b"image bytes", b"new")]
+        assert asyncio.run(again.held(digests)) == [True, False]
+        assert [again.reused_part(0), again.reused_part(1)] == [part, None]
         peer.kept.clear()  # the connector let it go (loaded, or past its deadline): it is pushed again
-        assert wire.image_hits(wire.ticket(), [b"image bytes"]) == [False]
+        assert asyncio.run(wire.begin().held(digests[:1])) == [False]
     finally:
         wire.sender.close()
         peer.close()
 
 
 def test_a_wrong_width_is_refused_before_anything_is_sent():
-    wire = _handover("tcp://127.0.0.1:9")  # nothing listens; nothing may be tried either
+    wire = _transport("tcp://127.0.0.1:9")  # nothing listens; nothing may be tried either
     try:
         image, result = _encoded(b"x", width=7)
         with pytest.raises(EmbeddingMismatch, match=r"expects \(6, 24\)"):
-            wire.image_part(wire.ticket(), image, result, 0)
+            wire.begin().image_part(image, result, 0)
     finally:
         wire.sender.close()
 
 
 def test_a_refusal_or_no_connector_is_a_502_naming_the_connectors_config():
     refusing = Peer(lambda m: encode_nack(m.message_id, "bound full"))
-    wire = _handover(refusing.endpoint)
+    wire = _transport(refusing.endpoint)
     try:
-        ticket = wire.ticket()
-        wire.image_part(ticket, *_encoded(b"y"), 0)
+        request = wire.begin()
+        request.image_part(*_encoded(b"y"), 0)
         with pytest.raises(ConnectorUnavailable, match="bound full.*--ec-transfer-config") as info:
-            asyncio.run(wire.deliver(ticket, time.monotonic() + 10, None))
+            asyncio.run(request.ready({"messages": [], "media_io_kwargs": {}}))
         assert info.value.status == 502
     finally:
         wire.sender.close()
         refusing.close()
-    nobody = _handover("tcp://127.0.0.1:9")
+    nobody = _transport("tcp://127.0.0.1:9")
     try:
-        ticket = nobody.ticket()
-        nobody.image_part(ticket, *_encoded(b"z"), 0)
+        assert nobody.readiness() == "no vitserve connector is connected at --llm_endpoint tcp://127.0.0.1:9"
+        request = nobody.begin()
+        request.image_part(*_encoded(b"z"), 0)
         with pytest.raises(ConnectorUnavailable, match="no connector is connected"):
-            asyncio.run(nobody.deliver(ticket, time.monotonic() + 10, None))
+            asyncio.run(request.deliver())
     finally:
         nobody.sender.close()

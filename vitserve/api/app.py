@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,17 +25,15 @@ from vitserve.api.preprocess import Preprocessor
 from vitserve.api.tracing import Tracing, make_tracing
 from vitserve.api.videos import VideoFrontEnd
 from vitserve.checkpoint import Checkpoint
-from vitserve.config import GIB, Config
+from vitserve.config import Config
 from vitserve.contract import Engine, Readiness
 from vitserve.errors import InvalidRequest, NotReady, VitserveError, http_error
-from vitserve.handover.ec_storage import EcHandover
-from vitserve.handover.ec_store import EcStore
+from vitserve.handover.base import Setup, Transport
 from vitserve.handover.embeds import EmbedsLayout
+from vitserve.handover.transports import open_transport
 from vitserve.handover.upstream import Upstream
-from vitserve.handover.wire import WireHandover
 from vitserve.metrics import CONTENT_TYPE, Metrics
 from vitserve.processors.base import VisionProcessor
-from vitserve.rpc.sender import LLMSender
 
 log = logging.getLogger(__name__)
 _HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
@@ -120,11 +117,10 @@ def create_app(
     @app.get("/ready")
     async def ready() -> Response:  # while draining, the edge answers instead
         readiness = engine.readiness()
-        wire: WireHandover | None = getattr(app.state, "wire", None)
-        if readiness.ready and wire is not None and not wire.sender.reachable:
-            readiness = Readiness(
-                False, f"no vitserve connector is connected at --llm_endpoint {wire.endpoint}"
-            )
+        transport: Transport | None = getattr(app.state, "transport", None)
+        reason = transport.readiness() if readiness.ready and transport is not None else None
+        if reason is not None:  # the transport's peer (wire: vitserve's vLLM connector) is not connected
+            readiness = Readiness(False, reason)
         if not readiness.ready:  # polled every few seconds while starting: debug, not a warning
             return error_response(NotReady(f"not ready: {readiness.reason}"), level=logging.DEBUG)
         return JSONResponse({"status": "ready"})
@@ -164,9 +160,11 @@ def _add_front_door(
         width=preflight.llm_embeds_width(checkpoint),
         tokens_per_second=(checkpoint.config.get("vision_config") or {}).get("tokens_per_second"),
     )
-    handover = _ec_handover(config, media, layout) or _wire_handover(config, media, layout)
-    app.state.wire = handover if isinstance(handover, WireHandover) else None
-    chat = ChatHandler(config, media, tracing, upstream, layout, handover)
+    # --llm_transport's, picked once (handover/transports.py); ec_storage takes over an earlier run's files now
+    app.state.transport = transport = open_transport(
+        Setup(config, layout, metrics, media.pre.run, lambda: media.engine.info().fingerprint)
+    )
+    chat = ChatHandler(config, media, tracing, upstream, transport)
 
     @app.post(CHAT_ROUTE, responses=ERROR_RESPONSES)
     async def chat_completions(request: Request) -> Response:
@@ -180,39 +178,18 @@ def _add_front_door(
         return await chat.models(request)
 
 
-def _ec_handover(config: Config, media: MediaPipeline, layout: EmbedsLayout) -> EcHandover | None:
-    """--llm_transport ec_storage: the directory's files (an earlier run's taken over now) and the hand-over."""
-    if config.llm_transport != "ec_storage" or config.ec_storage_path is None:
-        return None
-    store = EcStore(
-        Path(config.ec_storage_path),
-        ttl_s=config.ec_ttl_s,
-        max_bytes=int(config.ec_storage_gb * GIB),
-        metrics=media.metrics,
-    )
-    return EcHandover(store, layout, lambda: media.engine.info().fingerprint)
-
-
-def _wire_handover(config: Config, media: MediaPipeline, layout: EmbedsLayout) -> WireHandover | None:
-    """--llm_transport wire: a DEALER connected to vitserve's vLLM connector at --llm_endpoint."""
-    if config.llm_transport != "wire" or config.llm_endpoint is None:
-        return None
-    sender = LLMSender(config.llm_endpoint, key_file=config.wire_key_file)
-    return WireHandover(sender, layout, media.engine.info, media.metrics, config.request_timeout_s)
-
-
 async def close_app(app: FastAPI) -> None:
-    """Release what create_app made: the preprocessing pool, the video decoders and the upstream
-    connections."""
+    """Release what create_app made: the preprocessing pool, the video decoders, the upstream
+    connections and the transport."""
     app.state.preprocessor.close()
     if app.state.videos is not None:
         app.state.videos.close()
     upstream: Upstream | None = getattr(app.state, "upstream", None)
     if upstream is not None:
         await upstream.aclose()
-    wire: WireHandover | None = getattr(app.state, "wire", None)
-    if wire is not None:
-        wire.sender.close()
+    transport: Transport | None = getattr(app.state, "transport", None)
+    if transport is not None:
+        await transport.close()
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
