@@ -65,6 +65,7 @@ class VllmServer:
         limit_mm: dict[str, int] | None = None,
         extra_args: tuple[str, ...] = (),
         wait: bool = True,
+        extra_env: dict[str, str] | None = None,
     ):
         self.checkpoint = Path(checkpoint)
         self.port = _free_port()
@@ -102,6 +103,7 @@ class VllmServer:
             "VLLM_LOGGING_LEVEL": "WARNING",
         }
         env.pop("PYTHONPATH", None)  # vitserve's tree is not vLLM's
+        env.update(extra_env or {})  # tests/vllm/test_connector.py puts vitserve's package alone on the path
         self.started = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(

@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.docblocks import ROOT, blocks, doc_files, flags, links, named_paths
-from vitserve.flags import FLAGS
-from vitserve.flags.spec import parse_bool
+from vitserve.flags import FLAGS, parse_bool
 
 # Flags the docs mention that belong to another program; each says whose it is.
 NON_VITSERVE_FLAGS = {
@@ -41,7 +40,7 @@ NON_VITSERVE_FLAGS = {
     "trust-request-mm-kwargs": "vllm serve --trust-request-mm-kwargs (docs/vllm.md, Video)",
     "gpu-memory-utilization": "vllm serve --gpu-memory-utilization (docs/vllm.md)",
     "ec-transfer-config": "vllm serve --ec-transfer-config (docs/vllm.md, The encoder-cache hand-over)",
-    "no-deps": "pip install --no-deps vitserve into vLLM's environment (docs/vllm.md, vitserve's own connector)",
+    "no-deps": "pip install --no-deps vitserve (docs/vllm.md, vitserve's vLLM connector)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
 # The outside notes' scenario IDs ("scenario L3", test_f5_..., "(B10)"): cite docs/design.md's invariants instead.

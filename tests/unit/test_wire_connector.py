@@ -144,7 +144,7 @@ def _exchange(server_secret: bytes, client_secret: bytes | None) -> bytes | None
             wirekey.configure_client(dealer, client_secret)
         dealer.connect(f"tcp://127.0.0.1:{port}")
         dealer.send(b"hello")
-        if router.poll(2000):  # a refused handshake never delivers: 2 s is the wait for what never comes
+        if router.poll(1000):  # a refused handshake never delivers: 1 s is the wait for what never comes
             return router.recv_multipart()[1]
         return None
     finally:

@@ -16,7 +16,8 @@ query that names it, or by a scheduling attempt). Nothing here ever waits on vLL
 thread and the scheduler share only `_lock`, held for dictionary updates.
 
 Counters (`counters()`; logged every 30 s when they moved, and at shutdown): received, refused (nack), rejected
-(not the wire: garbage, a stranger without the key never gets this far), expired, evicted, held_bytes, held.
+(not the wire), handshakes_failed (a peer without the key, or one that speaks no ZMTP: nothing of it is read),
+expired, evicted, held_bytes, held.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from vitserve.rpc import wirekey
 from vitserve.rpc.replies import HoldsQuery, decode_inbound, encode_held, encode_nack
@@ -45,6 +47,12 @@ TOUCH_S = 10.0  # a scheduling attempt keeps an unpinned entry at least this lon
 MAX_FRAME_BYTES = 2**31  # ZMQ_MAXMSGSIZE: a forged 100 GB frame is cut before it is allocated
 _POLL_MS = 200
 _LOG_EVERY_S = 30.0
+# a peer whose ZMTP handshake fails: no key or another key (CURVE), or not ZMTP at all (garbage on the port)
+_REFUSED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 @dataclass
@@ -84,7 +92,9 @@ class EmbeddingStore:
         self.max_bytes, self.shape = max_bytes, shape
         self.log = log or logging.getLogger(__name__)
         self.entries: dict[str, Entry] = {}  # insertion order = arrival order: eviction takes the oldest
-        self.counts = dict.fromkeys(("received", "refused", "rejected", "expired", "evicted"), 0)
+        self.counts = dict.fromkeys(
+            ("received", "refused", "rejected", "handshakes_failed", "expired", "evicted"), 0
+        )
         self._lock = threading.Lock()
         self._closing = False
         root = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
@@ -100,6 +110,7 @@ class EmbeddingStore:
             shutil.rmtree(self.dir, ignore_errors=True)
             raise OSError(f"vitserve's connector cannot bind {endpoint!r}: {exc}") from exc
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._monitor = self._sock.get_monitor_socket(_REFUSED_EVENTS)
         self._thread = threading.Thread(target=self._run, name="vitserve-ec-receiver", daemon=True)
         self._thread.start()
 
@@ -146,10 +157,16 @@ class EmbeddingStore:
 
     def _run(self) -> None:
         logged, last = time.monotonic(), self.counters()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._closing:
-                if self._sock.poll(_POLL_MS, zmq.POLLIN):
+                events = dict(poller.poll(_POLL_MS))
+                if self._sock in events:
                     self._take(self._sock.recv_multipart(copy=False))
+                if self._monitor in events:
+                    self._on_monitor()
                 self._expire(time.time())
                 if time.monotonic() - logged > _LOG_EVERY_S:
                     logged, now = time.monotonic(), self.counters()
@@ -163,7 +180,24 @@ class EmbeddingStore:
         finally:
             self._stop_socket()
 
+    def _on_monitor(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            self.counts["handshakes_failed"] += 1
+            failed = self.counts["handshakes_failed"]
+            if failed & (failed - 1):  # a refused peer retries every 100 ms: log the 1st, 2nd, 4th, 8th, ...
+                continue
+            self.log.warning(
+                "vitserve connector on %s: a peer's handshake failed (%s): without the key, or not vitserve's wire; "
+                "nothing of it was read (%d so far)",
+                self.endpoint,
+                zmq.Event(event["event"]).name,
+                failed,
+            )
+
     def _stop_socket(self) -> None:
+        if hasattr(self, "_monitor"):
+            self._monitor.close(linger=0)
         self._sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
@@ -228,8 +262,12 @@ class EmbeddingStore:
                 return f"uuid {m.uuid} is held with another shape and a scheduled request will load it"
             if held is not None:
                 self._drop(m.uuid, "")
+            if nbytes > self.max_bytes:
+                return f"{nbytes} bytes are more than max_gb allows ({self.max_bytes} bytes)"
             if not self._make_room(nbytes):
-                return f"{nbytes} bytes do not fit in max_gb ({self.max_bytes} bytes; the rest is pinned)"
+                return (
+                    f"{nbytes} bytes do not fit in max_gb ({self.max_bytes} bytes) beside the pinned tensors"
+                )
         path = self.dir / m.uuid
         temp = self.dir / f".{m.uuid}.{m.message_id[:32]}.tmp"
         with open(temp, "wb") as f:

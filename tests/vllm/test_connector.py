@@ -1,0 +1,252 @@
+"""vitserve's own vLLM encoder-cache connector (vitserve/vllm_connector.py, docs/vllm.md) loaded by module path
+into a real vLLM: one more vLLM server, Qwen3-VL (DeepStack, its tower kept) with `--ec-transfer-config` naming
+`vitserve.vllm_connector`, vitserve importable there only as its own package (PYTHONPATH to a directory holding
+nothing but `vitserve`: what `pip install --no-deps vitserve` gives), the connector's port on loopback TCP, its
+files in a directory of its own, and a key file.
+
+A correct push gives vLLM's own answer for the raw image (identical tokens, logprobs within 1e-4: the tensor is
+what transformers' tower computes from the same pixels, an image whose size needs no resize); everything
+else (an unknown uuid, too few rows, a stranger without the key, garbage, a vanished sender, a full bound)
+ends in a refusal or an error answer, vLLM's /health stays 200 and the next request is answered.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+import uuid as uuidlib
+
+import httpx
+import pytest
+import torch
+import zmq
+from PIL import Image
+
+from tests.checkpoints import hf_reference, make_servable_checkpoint
+from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
+from tests.vllm.stack import png
+from tests.vllm_server import VllmServer
+from vitserve.rpc import wirekey
+from vitserve.rpc.replies import Ack, Held, Nack, decode_reply, encode_holds
+from vitserve.rpc.wire import ImageEmbedding, encode_embedding_message
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+FAMILY = "qwen3_vl"
+SECRET = b"a test secret of 32 bytes, fixed"
+MAX_GB = 0.00005  # ~52 KiB: a few of these images' tensors (12 rows x 192 floats, 9 KiB), not a 120-row one
+WAIT_S = 1.0  # the connector's wait_s: how long a request whose items never came is deferred
+REPLY_S = 30.0  # a reply that must come (generous for a loaded machine); a refused peer's wait is 2 s
+
+
+@pytest.fixture(scope="module")
+def consumer(tmp_path_factory):
+    """(checkpoint, the connector's endpoint, the vLLM server)."""
+    tmp = tmp_path_factory.mktemp("connector")
+    ckpt = make_servable_checkpoint(FAMILY, tmp / FAMILY, max_units=512)
+    (tmp / "pkg").mkdir()
+    (tmp / "pkg" / "vitserve").symlink_to(os.path.abspath("vitserve"))
+    (tmp / "key").write_bytes(SECRET + b"\n")
+    (tmp / "shm").mkdir()
+    with _socket() as s:
+        port = s.bind_to_random_port("tcp://127.0.0.1")  # free now; vLLM binds it a minute later
+    endpoint = f"tcp://127.0.0.1:{port}"
+    config = {
+        "ec_connector": "VitserveECConnector",
+        "ec_connector_module_path": "vitserve.vllm_connector",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {
+            "endpoint": endpoint,
+            "max_gb": MAX_GB,
+            "key_file": str(tmp / "key"),
+            "wait_s": WAIT_S,
+            "shm_dir": str(tmp / "shm"),
+        },
+    }
+    server = VllmServer(
+        ckpt,
+        tmp,
+        extra_args=("--ec-transfer-config", json.dumps(config)),
+        extra_env={"PYTHONPATH": str(tmp / "pkg")},
+    )
+    try:
+        yield ckpt, endpoint, server
+    finally:
+        server.stop()
+
+
+def _socket(key: bytes | None = None) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    if key is not None:
+        wirekey.configure_client(sock, key)
+    return sock
+
+
+def _send(endpoint: str, frames: list, key: bytes | None = SECRET, wait_s: float = REPLY_S):
+    """Send one message from a fresh DEALER; the reply (decoded), or None if none came within wait_s."""
+    with _socket(key) as sock:
+        sock.connect(endpoint)
+        sock.send_multipart(frames)
+        if not sock.poll(int(wait_s * 1000)):
+            return None
+        return decode_reply(sock.recv())
+
+
+def _embedding(ckpt, image: bytes) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    """transformers' tower on the image's pixels: (main rows, DeepStack levels, grid)."""
+    from transformers import AutoImageProcessor
+
+    processed = AutoImageProcessor.from_pretrained(str(ckpt))(
+        images=Image.open(io.BytesIO(image)).convert("RGB"), return_tensors="pt"
+    )
+    embeds, deepstack = hf_reference(ckpt, FAMILY)(processed["pixel_values"], processed["image_grid_thw"])
+    return embeds, deepstack, processed["image_grid_thw"][0].tolist()
+
+
+def _message(uuid: str, embeds, deepstack, grid) -> list:
+    return encode_embedding_message(
+        ImageEmbedding(
+            request_id="r",
+            image_index=0,
+            num_images=1,
+            image_id="0" * 64,
+            grid_thw=tuple(grid),
+            embedding=embeds,
+            deepstack=deepstack,
+            expires_at=time.time() + 120,
+            uuid=uuid,
+        )
+    )
+
+
+def _zeros(rows: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A tensor of the model's width: 64 main columns and 2 DeepStack levels of 64 (tests/checkpoints.py)."""
+    return torch.zeros(rows, 64), [torch.zeros(rows, 64)] * 2
+
+
+def _part(uuid: str, grid) -> dict:
+    return {"type": "image_embeds", "image_embeds": {"image_grid_thw": list(grid)}, "uuid": uuid}
+
+
+def _new_uuid() -> str:
+    return uuidlib.uuid4().hex * 2
+
+
+def _assert_error_then_healthy(ckpt, server, part) -> None:
+    """A request naming `part` is answered with an error; vLLM stays healthy and answers the next request."""
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat_request(str(ckpt), part), timeout=120)
+    assert r.status_code >= 400, r.text
+    assert "error" in r.json(), r.text
+    assert server.alive()
+    complete(server.url, {**chat_request(str(ckpt), image_url_part(png(64, 64, seed=9))), "max_tokens": 2})
+    assert server.alive()
+
+
+@pytest.fixture(scope="module")
+def pushed(consumer):
+    """One image pushed (acknowledged), its uuid, grid and raw bytes."""
+    ckpt, endpoint, _ = consumer
+    image = png(128, 96, seed=31)  # a multiple of patch x merge (32 px): no resize, so the pixels agree
+    embeds, deepstack, grid = _embedding(ckpt, image)
+    uuid = _new_uuid()
+    frames = _message(uuid, embeds, deepstack, grid)
+    reply = _send(endpoint, frames)
+    assert reply == Ack(json_header(frames)["message_id"])
+    return uuid, grid, image
+
+
+def json_header(frames) -> dict:
+    import msgpack
+
+    return msgpack.unpackb(frames[0])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_pushed_image_gives_vllms_own_answer(consumer, pushed, stream):
+    ckpt, endpoint, server = consumer
+    uuid, grid, image = pushed
+    given = complete(server.url, chat_request(str(ckpt), _part(uuid, grid), stream=stream))
+    own = complete(server.url, chat_request(str(ckpt), image_url_part(image), stream=stream))
+    assert_same_answer(own, given)
+    held = _send(endpoint, [encode_holds([uuid, _new_uuid()], "q-1")])
+    assert held == Held("q-1", (uuid,))  # still held after its load: a repeat need not be pushed again
+
+
+def test_an_unknown_uuid_is_an_error_and_vllm_stays_healthy(consumer):
+    ckpt, _, server = consumer
+    _assert_error_then_healthy(ckpt, server, _part(_new_uuid(), [1, 6, 8]))
+
+
+def test_too_few_rows_are_refused_and_a_grid_that_disagrees_fails_the_request(consumer, pushed):
+    ckpt, endpoint, server = consumer
+    uuid, grid, _ = pushed
+    short = _new_uuid()
+    reply = _send(endpoint, _message(short, *_zeros(5), grid))
+    assert isinstance(reply, Nack)
+    assert "rows" in reply.reason
+    _assert_error_then_healthy(ckpt, server, _part(short, grid))
+    # a tensor held with the rows of its grid, named with another grid: wrong rows for that request
+    _assert_error_then_healthy(ckpt, server, _part(uuid, [1, 8, 8]))
+
+
+def test_a_sender_without_the_key_gets_nothing_kept(consumer, pushed):
+    ckpt, endpoint, server = consumer
+    _, grid, image = pushed
+    embeds, deepstack, _ = _embedding(ckpt, image)
+    stranger = _new_uuid()
+    for key in (None, b"not the secret, but 32 bytes ..."):
+        assert _send(endpoint, _message(stranger, embeds, deepstack, grid), key=key, wait_s=2) is None
+    assert _send(endpoint, [encode_holds([stranger], "q-2")]) == Held("q-2", ())
+    _assert_error_then_healthy(ckpt, server, _part(stranger, grid))
+
+
+def test_garbage_on_the_connectors_port_changes_nothing(consumer, pushed):
+    ckpt, endpoint, server = consumer
+    uuid, grid, _ = pushed
+    for frames in ([b"\x00" * 100], [b"GET / HTTP/1.1\r\n\r\n", b"x"], [json_header_bytes()]):
+        assert _send(endpoint, frames, wait_s=2) is None  # keyed peer, bad message: skipped, not answered
+    with socket_raw(endpoint) as raw:  # a plain TCP peer that speaks no ZMTP at all
+        raw.sendall(os.urandom(4096))
+    assert server.alive()
+    assert _send(endpoint, [encode_holds([uuid], "q-3")]) == Held("q-3", (uuid,))
+    complete(server.url, {**chat_request(str(ckpt), _part(uuid, grid)), "max_tokens": 2})
+
+
+def json_header_bytes() -> bytes:
+    import msgpack
+
+    return msgpack.packb({"v": 3, "message_id": "m", "uuid": "../../etc"})
+
+
+def socket_raw(endpoint: str):
+    import socket
+
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def test_a_sender_that_vanishes_after_its_push_costs_nothing(consumer, pushed):
+    ckpt, endpoint, server = consumer
+    _, grid, image = pushed
+    embeds, deepstack, _ = _embedding(ckpt, image)
+    uuid = _new_uuid()
+    sock = _socket(SECRET)
+    sock.connect(endpoint)
+    sock.send_multipart(_message(uuid, embeds, deepstack, grid))
+    assert sock.poll(int(REPLY_S * 1000))
+    sock.close(0)  # gone between the push and the request: the tensor is held, the request is answered
+    given = complete(server.url, chat_request(str(ckpt), _part(uuid, grid)))
+    assert given.tokens
+    assert server.alive()
+
+
+def test_a_push_over_the_memory_bound_is_refused(consumer):
+    ckpt, endpoint, server = consumer
+    big = _new_uuid()
+    grid = [1, 20, 24]  # 120 rows x 192 floats = 90 KiB, over max_gb's ~52 KiB
+    reply = _send(endpoint, _message(big, *_zeros(120), grid))
+    assert isinstance(reply, Nack)
+    assert "max_gb" in reply.reason
+    _assert_error_then_healthy(ckpt, server, _part(big, grid))
