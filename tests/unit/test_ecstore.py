@@ -4,6 +4,7 @@ real files; what it keeps, refuses, evicts and expires, and what a worker reads 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import pytest
@@ -160,3 +161,17 @@ def test_with_a_key_a_stranger_is_never_read(tmp_path):
 def test_a_taken_endpoint_is_an_oserror(store, tmp_path):
     with pytest.raises(OSError, match="cannot bind"):
         EmbeddingStore(store.endpoint, 10, Shape(0, 2), directory=str(tmp_path))
+
+
+def test_a_directory_a_killed_vllm_left_is_removed_and_a_live_ones_is_not(tmp_path):
+    dead = tmp_path / "vitserve-ec-999999999-abc"  # no such pid (above Linux's pid_max)
+    (dead / "x").mkdir(parents=True)
+    live = tmp_path / f"vitserve-ec-{os.getpid()}-def"
+    live.mkdir()
+    with contextlib.closing(
+        EmbeddingStore("tcp://127.0.0.1:*", 10, Shape(0, 2), directory=str(tmp_path))
+    ) as s:
+        assert not dead.exists()
+        assert live.is_dir()
+        assert s.dir.name.startswith(f"vitserve-ec-{os.getpid()}-")
+    assert not s.dir.exists()

@@ -1,8 +1,8 @@
 """vitserve's own vLLM encoder-cache connector (vitserve/vllm_connector.py, docs/vllm.md) loaded by module path
-into a real vLLM: one more vLLM server, Qwen3-VL (DeepStack, its tower kept) with `--ec-transfer-config` naming
-`vitserve.vllm_connector`, vitserve importable there only as its own package (PYTHONPATH to a directory holding
-nothing but `vitserve`: what `pip install --no-deps vitserve` gives), the connector's port on loopback TCP, its
-files in a directory of its own, and a key file.
+into a real vLLM: tests/vllm/connector_server.py's one more vLLM server, Qwen3-VL (DeepStack, its tower kept),
+vitserve on its path as its package alone, the connector's port on loopback TCP with a key file.
+The pushes here come from raw DEALER sockets keyed with rpc/wirekey.py, so that a refusal (nack) and a
+missing reply can be read as they are.
 
 A correct push gives vLLM's own answer for the raw image (identical tokens, logprobs within 1e-4: the tensor is
 what transformers' tower computes from the same pixels, an image whose size needs no resize); everything
@@ -13,67 +13,34 @@ ends in a refusal or an error answer, vLLM's /health stays 200 and the next requ
 from __future__ import annotations
 
 import io
-import json
 import os
+import socket
 import time
 import uuid as uuidlib
 
 import httpx
+import msgpack
 import pytest
 import torch
 import zmq
 from PIL import Image
 
-from tests.checkpoints import hf_reference, make_servable_checkpoint
+from tests.checkpoints import hf_reference
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
+from tests.vllm.connector_server import FAMILY, SECRET
 from tests.vllm.stack import png
-from tests.vllm_server import VllmServer
 from vitserve.rpc import wirekey
 from vitserve.rpc.replies import Ack, Held, Nack, decode_reply, encode_holds
 from vitserve.rpc.wire import ImageEmbedding, encode_embedding_message
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-FAMILY = "qwen3_vl"
-SECRET = b"a test secret of 32 bytes, fixed"
-MAX_GB = 0.00005  # ~52 KiB: a few of these images' tensors (12 rows x 192 floats, 9 KiB), not a 120-row one
-WAIT_S = 1.0  # the connector's wait_s: how long a request whose items never came is deferred
 REPLY_S = 30.0  # a reply that must come (generous for a loaded machine); a refused peer's wait is 2 s
 
 
 @pytest.fixture(scope="module")
-def consumer(tmp_path_factory):
-    """(checkpoint, the connector's endpoint, the vLLM server)."""
-    tmp = tmp_path_factory.mktemp("connector")
-    ckpt = make_servable_checkpoint(FAMILY, tmp / FAMILY, max_units=512)
-    (tmp / "pkg").mkdir()
-    (tmp / "pkg" / "vitserve").symlink_to(os.path.abspath("vitserve"))
-    (tmp / "key").write_bytes(SECRET + b"\n")
-    (tmp / "shm").mkdir()
-    with _socket() as s:
-        port = s.bind_to_random_port("tcp://127.0.0.1")  # free now; vLLM binds it a minute later
-    endpoint = f"tcp://127.0.0.1:{port}"
-    config = {
-        "ec_connector": "VitserveECConnector",
-        "ec_connector_module_path": "vitserve.vllm_connector",
-        "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {
-            "endpoint": endpoint,
-            "max_gb": MAX_GB,
-            "key_file": str(tmp / "key"),
-            "wait_s": WAIT_S,
-            "shm_dir": str(tmp / "shm"),
-        },
-    }
-    server = VllmServer(
-        ckpt,
-        tmp,
-        extra_args=("--ec-transfer-config", json.dumps(config)),
-        extra_env={"PYTHONPATH": str(tmp / "pkg")},
-    )
-    try:
-        yield ckpt, endpoint, server
-    finally:
-        server.stop()
+def consumer(connector_vllm):
+    """(checkpoint, the connector's endpoint, the vLLM server): tests/vllm/connector_server.py's, shared."""
+    return connector_vllm.ckpt, connector_vllm.endpoint, connector_vllm.server
 
 
 def _socket(key: bytes | None = None) -> zmq.Socket:
@@ -153,14 +120,8 @@ def pushed(consumer):
     uuid = _new_uuid()
     frames = _message(uuid, embeds, deepstack, grid)
     reply = _send(endpoint, frames)
-    assert reply == Ack(json_header(frames)["message_id"])
+    assert reply == Ack(msgpack.unpackb(frames[0])["message_id"])
     return uuid, grid, image
-
-
-def json_header(frames) -> dict:
-    import msgpack
-
-    return msgpack.unpackb(frames[0])
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
@@ -205,26 +166,15 @@ def test_a_sender_without_the_key_gets_nothing_kept(consumer, pushed):
 def test_garbage_on_the_connectors_port_changes_nothing(consumer, pushed):
     ckpt, endpoint, server = consumer
     uuid, grid, _ = pushed
-    for frames in ([b"\x00" * 100], [b"GET / HTTP/1.1\r\n\r\n", b"x"], [json_header_bytes()]):
+    forged = msgpack.packb({"v": 3, "message_id": "m", "uuid": "../../etc"})
+    for frames in ([b"\x00" * 100], [b"GET / HTTP/1.1\r\n\r\n", b"x"], [forged]):
         assert _send(endpoint, frames, wait_s=2) is None  # keyed peer, bad message: skipped, not answered
-    with socket_raw(endpoint) as raw:  # a plain TCP peer that speaks no ZMTP at all
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as raw:  # a TCP peer that speaks no ZMTP
         raw.sendall(os.urandom(4096))
     assert server.alive()
     assert _send(endpoint, [encode_holds([uuid], "q-3")]) == Held("q-3", (uuid,))
     complete(server.url, {**chat_request(str(ckpt), _part(uuid, grid)), "max_tokens": 2})
-
-
-def json_header_bytes() -> bytes:
-    import msgpack
-
-    return msgpack.packb({"v": 3, "message_id": "m", "uuid": "../../etc"})
-
-
-def socket_raw(endpoint: str):
-    import socket
-
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=10)
 
 
 def test_a_sender_that_vanishes_after_its_push_costs_nothing(consumer, pushed):

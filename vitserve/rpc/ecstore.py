@@ -4,7 +4,8 @@ whole and checked, as a file in shared memory that vLLM's workers read.
 
 Where the bytes live: one file per uuid, `<dir>/<uuid>`, the raw (rows, width) tensor (main rows and every
 DeepStack level concatenated along the last dimension) in the message's dtype, written to a temporary name and
-renamed, so a worker never sees a partial file. `dir` is a fresh directory under /dev/shm (RAM) by default.
+renamed, so a worker never sees a partial file. `dir` is a fresh directory under /dev/shm (RAM) by default,
+`vitserve-ec-<pid>-*`, removed at close; one whose process is gone (a killed vLLM) is removed at the next start.
 vLLM runs its workers in other processes (always on a CPU; with several GPUs too): a file in /dev/shm is the one
 thing every process on the host reads without copying through the engine.
 
@@ -98,7 +99,8 @@ class EmbeddingStore:
         self._lock = threading.Lock()
         self._closing = False
         root = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-        self.dir = Path(tempfile.mkdtemp(prefix="vitserve-ec-", dir=root))
+        _remove_orphans(Path(root), self.log)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"vitserve-ec-{os.getpid()}-", dir=root))
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -319,6 +321,26 @@ class EmbeddingStore:
             entry.path.unlink()
         if counter:
             self.counts[counter] += 1
+
+
+def _remove_orphans(root: Path, log: logging.Logger) -> None:
+    """Directories a killed vLLM left (its pid is in the name and gone): /dev/shm is RAM, up to max_gb each."""
+    for orphan in root.glob("vitserve-ec-*-*"):
+        pid = orphan.name.split("-")[2]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(orphan, ignore_errors=True)
+        log.warning("vitserve connector: removed %s, left by process %s, which is gone", orphan, pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def read_entry(path: str, dtype: str, rows: int, width: int) -> torch.Tensor:

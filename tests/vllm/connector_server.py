@@ -1,0 +1,75 @@
+"""The one real vLLM with vitserve's own encoder-cache connector (vitserve/vllm_connector.py, docs/vllm.md) that
+tests/vllm's connector tests share: Qwen3-VL (DeepStack; its tower kept, so it also answers raw images),
+`--ec-transfer-config` naming `vitserve.vllm_connector` by module path, vitserve importable there only as its own
+package (PYTHONPATH to a directory holding nothing but `vitserve`: what `pip install --no-deps vitserve` gives,
+and vLLM's packages untouched), the connector's port on loopback TCP, its files in a directory of its own, a
+key file, a small byte bound and a short wait.
+
+tests/vllm/conftest.py's session fixture `connector_vllm` starts it once for every module that asks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from tests.checkpoints import make_servable_checkpoint
+from tests.vllm_server import VllmServer
+
+FAMILY = "qwen3_vl"
+SECRET = b"a test secret of 32 bytes, fixed"
+MAX_GB = 0.00005  # ~52 KiB: a few 128x96 images' tensors (12 rows x 192 floats, 9 KiB), not a 120-row one
+WAIT_S = 1.0  # the connector's wait_s: how long a request whose items never came is deferred
+
+
+@dataclass
+class ConnectorVllm:
+    ckpt: Path
+    endpoint: str  # the connector's ZMQ address (vitserve's --llm_endpoint)
+    key_file: Path  # its key_file (vitserve's --wire_key_file)
+    server: VllmServer
+
+    @property
+    def model(self) -> str:
+        return str(self.ckpt)
+
+
+def _free_tcp_endpoint() -> str:
+    with zmq.Context.instance().socket(zmq.ROUTER) as s:
+        s.linger = 0
+        port = s.bind_to_random_port("tcp://127.0.0.1")  # free now; vLLM binds it a minute later
+    return f"tcp://127.0.0.1:{port}"
+
+
+def start(tmp: Path) -> ConnectorVllm:
+    """Start it under `tmp` and wait until it is ready; the caller stops `.server`."""
+    ckpt = make_servable_checkpoint(FAMILY, tmp / FAMILY, max_units=512)
+    (tmp / "pkg").mkdir()
+    (tmp / "pkg" / "vitserve").symlink_to(Path(__file__).resolve().parents[2] / "vitserve")
+    key_file = tmp / "key"
+    key_file.write_bytes(SECRET + b"\n")
+    (tmp / "shm").mkdir()
+    endpoint = _free_tcp_endpoint()
+    config = {
+        "ec_connector": "VitserveECConnector",
+        "ec_connector_module_path": "vitserve.vllm_connector",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {
+            "endpoint": endpoint,
+            "max_gb": MAX_GB,
+            "key_file": str(key_file),
+            "wait_s": WAIT_S,
+            "shm_dir": str(tmp / "shm"),
+        },
+    }
+    server = VllmServer(
+        ckpt,
+        tmp,
+        extra_args=("--ec-transfer-config", json.dumps(config)),
+        extra_env={"PYTHONPATH": os.fspath(tmp / "pkg")},
+    )
+    return ConnectorVllm(ckpt, endpoint, key_file, server)
