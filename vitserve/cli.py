@@ -1,6 +1,6 @@
 """The `vitserve` entry point: flags + VITSERVE_* environment -> one frozen Config -> Service.run().
 
-The flags and the environment are read by vitserve/flags.py (`build_config`); VITSERVE_RUNTIME_DIR sets the
+The flags and the environment are read by vitserve/flags/ (`build_config`); VITSERVE_RUNTIME_DIR sets the
 runtime directory. This module is the composition root: start-up checks (exit 2 and one line), the banner,
 the stop handlers, and the Service (or, on a node other than 0, its ranks only).
 """

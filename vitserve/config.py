@@ -35,7 +35,8 @@ class Config:
     # how the front door hands embeddings over (docs/vllm.md): "inline" in the JSON body, or "ec_storage": as
     # vLLM's encoder-cache producer, files under ec_storage_path (the consumer's shared_storage_path), an unused
     # file kept ec_ttl_s at most, the directory bounded to ec_storage_gb (least recently used first)
-    llm_transport: str = "inline"
+    llm_transport: str = "inline"  # or "wire": pushed to vitserve's vLLM connector at llm_endpoint
+    wire_key_file: str | None = None  # the connector's shared secret (wire only); its path, never its bytes
     ec_storage_path: str | None = None
     ec_ttl_s: float = 600.0
     ec_storage_gb: float = 4.0

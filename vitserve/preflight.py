@@ -40,6 +40,8 @@ def check(config: Config) -> Checkpoint:
         llm_embeds_width(checkpoint)
     if config.llm_transport == "ec_storage":
         check_ec_storage(config, checkpoint.family)
+    if config.llm_transport == "wire":
+        check_wire(config, checkpoint.family)
     smallest = smallest_image(checkpoint)
     if smallest is not None:
         check_budget(config.visual_batch_max_tokens, checkpoint.family, *smallest)
@@ -77,11 +79,7 @@ def llm_embeds_width(checkpoint: Checkpoint) -> int:
 def check_ec_storage(config: Config, family: Family) -> None:
     """--llm_transport ec_storage: a family whose vLLM parser takes a metadata-only part, and a directory
     this process can create files in (made if missing)."""
-    if family.layout == "tiles":
-        raise ConfigError(
-            f"--llm_transport ec_storage cannot serve {family.name}: vLLM takes its image embeddings only as a "
-            "bare tensor, with no metadata-only form; use --llm_transport inline"
-        )
+    _check_metadata_parts("ec_storage", family)
     path = Path(config.ec_storage_path or "")
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -92,6 +90,29 @@ def check_ec_storage(config: Config, family: Family) -> None:
             f"--ec_storage_path {path} is not a writable directory ({exc.strerror or exc}); give the "
             "directory the vLLM consumer reads (its shared_storage_path)"
         ) from None
+
+
+def check_wire(config: Config, family: Family) -> None:
+    """--llm_transport wire: a family whose vLLM parser takes a metadata-only part, and a key file this process
+    can read (its contents are the connector's shared secret: never logged)."""
+    _check_metadata_parts("wire", family)
+    if config.wire_key_file is None:
+        return
+    try:
+        Path(config.wire_key_file).read_bytes()  # its length is checked where it is used (rpc/wirekey.py)
+    except OSError as exc:
+        raise ConfigError(
+            f"--wire_key_file {config.wire_key_file} cannot be read ({exc.strerror or exc}); give the file that "
+            "holds the connector's key_file secret"
+        ) from None
+
+
+def _check_metadata_parts(transport: str, family: Family) -> None:
+    if family.layout == "tiles":
+        raise ConfigError(
+            f"--llm_transport {transport} cannot serve {family.name}: vLLM takes its image embeddings only as a "
+            "bare tensor, with no metadata-only form; use --llm_transport inline"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ --tp

@@ -8,7 +8,8 @@ import vitserve
 from vitserve.cli import OPENMP_SPIN, openmp_defaults
 from vitserve.config import MIB, Config
 from vitserve.errors import ConfigError
-from vitserve.flags import FLAGS, GROUPS, build_config, build_parser, default_text, env_name, parse_size
+from vitserve.flags import FLAGS, GROUPS, build_config, build_parser, default_text, env_name
+from vitserve.flags.spec import parse_size
 
 
 def test_no_flags_no_env_gives_the_spec_defaults():

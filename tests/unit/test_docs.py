@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from tests.docblocks import ROOT, blocks, doc_files, flags, links, named_paths
-from vitserve.flags import FLAGS, parse_bool
+from vitserve.flags import FLAGS
+from vitserve.flags.spec import parse_bool
 
 # Flags the docs mention that belong to another program; each says whose it is.
 NON_VITSERVE_FLAGS = {

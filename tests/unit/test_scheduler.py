@@ -24,7 +24,7 @@ def test_empty_queue_has_no_batch():
 
 
 def test_packs_from_head_and_stops_at_first_misfit_which_stays_first():
-    s = Scheduler(budget_tokens=10, max_batch_images=8)
+    s = Scheduler(visual_batch_max_tokens=10, visual_infer_batch_size=8)
     for name, tokens in [("a", 4), ("b", 4), ("c", 5), ("d", 1)]:
         s.add(name, tokens)
     # "c" does not fit after a+b; "d" would, but strict FIFO never skips ahead to it.
@@ -35,7 +35,7 @@ def test_packs_from_head_and_stops_at_first_misfit_which_stays_first():
 
 def test_item_over_budget_is_admitted_alone_never_spins():
     # TEI #723: an entry larger than the budget pushed back forever. Here it goes out alone.
-    s = Scheduler(budget_tokens=10, max_batch_images=8)
+    s = Scheduler(visual_batch_max_tokens=10, visual_infer_batch_size=8)
     s.add("small", 3)
     s.add("huge", 50)
     s.add("tail", 3)
@@ -43,21 +43,21 @@ def test_item_over_budget_is_admitted_alone_never_spins():
 
 
 def test_budget_zero_is_unlimited_but_image_cap_holds():
-    s = Scheduler(budget_tokens=0, max_batch_images=2)
+    s = Scheduler(visual_batch_max_tokens=0, visual_infer_batch_size=2)
     for i in range(5):
         s.add(i, 10**9)
     assert drain(s) == [[0, 1], [2, 3], [4]]
 
 
 def test_exact_fill_is_one_batch():
-    s = Scheduler(budget_tokens=12, max_batch_images=8)
+    s = Scheduler(visual_batch_max_tokens=12, visual_infer_batch_size=8)
     for i, t in enumerate([4, 4, 4, 1]):
         s.add(i, t)
     assert drain(s) == [[0, 1, 2], [3]]
 
 
 def test_cancel_skips_without_reordering_and_updates_accounting():
-    s = Scheduler(budget_tokens=100, max_batch_images=2)
+    s = Scheduler(visual_batch_max_tokens=100, visual_infer_batch_size=2)
     for name in "abcd":
         s.add(name, 10)
     assert s.cancel("b") is True
@@ -70,7 +70,7 @@ def test_cancel_skips_without_reordering_and_updates_accounting():
 
 
 def test_cancelled_then_readded_id_goes_to_the_tail():
-    s = Scheduler(budget_tokens=0, max_batch_images=10)
+    s = Scheduler(visual_batch_max_tokens=0, visual_infer_batch_size=10)
     s.add("a", 1)
     s.add("b", 1)
     s.cancel("a")
@@ -80,7 +80,7 @@ def test_cancelled_then_readded_id_goes_to_the_tail():
 
 
 def test_all_cancelled_gives_none():
-    s = Scheduler(budget_tokens=5, max_batch_images=3)
+    s = Scheduler(visual_batch_max_tokens=5, visual_infer_batch_size=3)
     s.add(1, 1)
     s.add(2, 1)
     s.cancel(1)
@@ -245,7 +245,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 def test_a_long_video_keeps_one_batch_queued_so_an_image_behind_it_waits_one_batch():
-    s = Scheduler(budget_tokens=10, max_batch_images=8)
+    s = Scheduler(visual_batch_max_tokens=10, visual_infer_batch_size=8)
     s.add_stream([(f"g{k}", 4) for k in range(10)])  # 40 tokens: 2 groups per batch
     s.add("image", 3)
     assert (s.queued_items, s.queued_tokens) == (11, 43)
@@ -256,7 +256,7 @@ def test_a_long_video_keeps_one_batch_queued_so_an_image_behind_it_waits_one_bat
 
 
 def test_cancelling_a_streams_queued_and_waiting_items():
-    s = Scheduler(budget_tokens=0, max_batch_images=2)
+    s = Scheduler(visual_batch_max_tokens=0, visual_infer_batch_size=2)
     s.add_stream([("a", 1), ("b", 1), ("c", 1), ("d", 1)])
     assert s.cancel("c")  # waiting
     assert "c" not in s
@@ -274,7 +274,7 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 
 
 def test_cancelling_a_waiting_group_that_did_not_fit_lets_the_groups_behind_it_enter_at_once():
-    s = Scheduler(budget_tokens=10, max_batch_images=8)
+    s = Scheduler(visual_batch_max_tokens=10, visual_infer_batch_size=8)
     s.add_stream([("a", 6), ("b", 6), ("c", 1)])  # b does not fit beside a: b and c wait
     s.add("image", 1)
     assert s.cancel("b")

@@ -1,4 +1,4 @@
-"""--visual_mem_gb's flags and records (vitserve/flags.py, vitserve/worker/reservation/sizing.py, record.py):
+"""--visual_mem_gb's flags and records (vitserve/flags/encoder_budget.py, vitserve/worker/reservation/sizing.py, record.py):
 who sets the budget, what is refused, the diagnostic's knobs, and the stored budget's round trip. The search
 itself runs in real ranks: tests/integration/test_visual_mem_gb.py."""
 

@@ -69,7 +69,9 @@ def start(tmp: Path) -> ConnectorVllm:
     server = VllmServer(
         ckpt,
         tmp,
-        extra_args=("--ec-transfer-config", json.dumps(config)),
+        limit_mm={"image": 4, "video": 1},  # tests/vllm/test_wire.py sends a video through vitserve
+        # and compares vLLM's own video path, which takes the sampling per request (media_io_kwargs)
+        extra_args=("--ec-transfer-config", json.dumps(config), "--trust-request-mm-kwargs"),
         extra_env={"PYTHONPATH": os.fspath(tmp / "pkg")},
     )
     return ConnectorVllm(ckpt, endpoint, key_file, server)

@@ -26,7 +26,7 @@ from vitserve.api.tracing import Tracing, make_tracing
 from vitserve.api.videos import VideoFrontEnd
 from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
-from vitserve.contract import Engine
+from vitserve.contract import Engine, Readiness
 from vitserve.errors import InvalidRequest, NotReady, VitserveError, http_error
 from vitserve.handover.base import Setup, Transport
 from vitserve.handover.embeds import EmbedsLayout
@@ -117,6 +117,10 @@ def create_app(
     @app.get("/ready")
     async def ready() -> Response:  # while draining, the edge answers instead
         readiness = engine.readiness()
+        transport: Transport | None = getattr(app.state, "transport", None)
+        reason = transport.readiness() if readiness.ready and transport is not None else None
+        if reason is not None:  # the transport's peer (wire: vitserve's vLLM connector) is not connected
+            readiness = Readiness(False, reason)
         if not readiness.ready:  # polled every few seconds while starting: debug, not a warning
             return error_response(NotReady(f"not ready: {readiness.reason}"), level=logging.DEBUG)
         return JSONResponse({"status": "ready"})

@@ -91,13 +91,14 @@ def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dic
         "llm_endpoint": config.llm_endpoint,
         "llm_url": _redacted(config.llm_url),
         "llm_timeout_s": config.llm_timeout_s,
-        "llm_transport": config.llm_transport,  # how --llm_url gets embeddings: inline or ec_storage
+        "llm_transport": config.llm_transport,  # how --llm_url gets embeddings: inline, ec_storage or wire
         "ec_storage_path": config.ec_storage_path,  # the vLLM consumer's shared_storage_path; None: inline
         "ec_ttl_s": config.ec_ttl_s,
         "ec_storage_gb": config.ec_storage_gb,
         "security": {
             "api_key": config.api_key is not None,
             "llm_api_key": config.llm_api_key is not None,
+            "wire_key": config.wire_key_file is not None,  # --llm_transport wire with a shared secret
             "allow_image_urls": config.allow_image_urls,
             "allowed_url_domains": list(config.allowed_url_domains),
         },

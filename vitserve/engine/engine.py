@@ -115,7 +115,7 @@ class Engine:
 
     async def start(self) -> None:
         """Spawn dp x tp ranks and return once every rank reported READY (after its reservation)."""
-        if self.config.llm_endpoint:  # first: a bad --llm_endpoint fails before any rank is spawned
+        if self.config.llm_endpoint and self.config.llm_transport != "wire":  # first: fails before any spawn
             self._push = LLMPush(self.config.llm_endpoint, self.metrics)
             self.readiness_checks.append(self._llm_receiver_check)
         self._ipc_dir = tempfile.mkdtemp(prefix="vitserve-")  # 0700: only this user reaches the sockets

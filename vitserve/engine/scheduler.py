@@ -45,17 +45,19 @@ from collections.abc import Hashable, Sequence
 class Scheduler:
     """FIFO packer of items under a per-batch token budget and image cap.
 
-    budget_tokens: the most tokens in one batch (`--visual_batch_max_tokens`); 0 = unlimited.
-    max_batch_images: the most items in one batch (`--visual_infer_batch_size`), >= 1.
+    visual_batch_max_tokens: the most tokens in one batch (`--visual_batch_max_tokens`); 0 = unlimited.
+    visual_infer_batch_size: the most items in one batch (`--visual_infer_batch_size`), >= 1.
     """
 
-    def __init__(self, budget_tokens: int, max_batch_images: int):
-        if budget_tokens < 0:
-            raise ValueError(f"budget_tokens must be >= 0 (0 = unlimited), got {budget_tokens}")
-        if max_batch_images < 1:
-            raise ValueError(f"max_batch_images must be >= 1, got {max_batch_images}")
-        self.budget_tokens = budget_tokens
-        self.max_batch_images = max_batch_images
+    def __init__(self, visual_batch_max_tokens: int, visual_infer_batch_size: int):
+        if visual_batch_max_tokens < 0:
+            raise ValueError(
+                f"visual_batch_max_tokens must be >= 0 (0 = unlimited), got {visual_batch_max_tokens}"
+            )
+        if visual_infer_batch_size < 1:
+            raise ValueError(f"visual_infer_batch_size must be >= 1, got {visual_infer_batch_size}")
+        self.visual_batch_max_tokens = visual_batch_max_tokens
+        self.visual_infer_batch_size = visual_infer_batch_size
         # Arrival order as (seq, item_id). An entry is live iff _live[item_id][0] == seq, so an id that
         # is cancelled and then added again is queued at the tail, not at its old position.
         self._order: deque[tuple[int, Hashable]] = deque()
@@ -144,16 +146,20 @@ class Scheduler:
         """The next batch of item ids in FIFO order, or None when nothing is queued.
 
         Takes items from the head while the running token sum stays within the budget and the batch
-        has fewer than max_batch_images items; the first item is always taken (see the module doc).
+        has fewer than visual_infer_batch_size items; the first item is always taken (see the module doc).
         """
         batch: list[Hashable] = []
         batch_tokens = 0
-        while len(batch) < self.max_batch_images:
+        while len(batch) < self.visual_infer_batch_size:
             head = self._peek_live()
             if head is None:
                 break
             item_id, tokens = head
-            if batch and self.budget_tokens and batch_tokens + tokens > self.budget_tokens:
+            if (
+                batch
+                and self.visual_batch_max_tokens
+                and batch_tokens + tokens > self.visual_batch_max_tokens
+            ):
                 break  # does not fit: it stays at the head and opens the next batch
             self._order.popleft()
             del self._live[item_id]
@@ -184,8 +190,8 @@ class Scheduler:
                 if item_id not in self._waiting or self._stream_of.get(item_id) != stream:  # cancelled
                     waiting.popleft()
                     continue
-                full = window[0] >= self.max_batch_images or (
-                    self.budget_tokens and window[1] + tokens > self.budget_tokens
+                full = window[0] >= self.visual_infer_batch_size or (
+                    self.visual_batch_max_tokens and window[1] + tokens > self.visual_batch_max_tokens
                 )
                 if window[0] and full:
                     break

@@ -100,6 +100,10 @@ class Transport:
         """The payload as the upstream body (compact JSON, inline tensors spliced in), on the pool."""
         return await self.setup.run(dumps_body, payload)  # type: ignore[no-any-return]
 
+    def readiness(self) -> str | None:
+        """Why /ready answers 503 for this transport (wire: no connector connected); None: no reason."""
+        return None
+
     async def close(self) -> None:
         """Release what the transport holds for the app's lifetime (sockets, threads)."""
         return

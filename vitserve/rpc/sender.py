@@ -20,6 +20,9 @@ the receiver has room, reads acknowledgements, and fails each wait whose deadlin
 - ZMTP heartbeats notice a receiver that vanished without closing its connection (a dead host).
 - A peer that is not a wire-v2 receiver (a v1 PULL socket) drops the connection during the ZMTP
   handshake (socket types must match): logged once, and the message waits for a real receiver.
+- vitserve's vLLM connector (--llm_transport wire, docs/vllm.md) may refuse a message (a nack with its
+  reason: its bound is full, the tensor is not what it can keep): the delivery fails with WireRefused at once.
+  It also answers holds queries (`holds`): which of some uuids it still keeps, over the same connection.
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from vitserve.errors import ConfigError, LLMTimeout, NotReady
-from vitserve.rpc.wire import ImageEmbedding, WireError, decode_ack, encode_embedding_message
+from vitserve.errors import ConfigError, LLMTimeout, NotReady, VitserveError
+from vitserve.rpc.holds import PendingHolds, Queries
+from vitserve.rpc.replies import Held, Nack, decode_reply
+from vitserve.rpc.wire import ImageEmbedding, WireError, encode_embedding_message
+from vitserve.rpc.wirekey import configure_client, read_key_file
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,12 @@ DEFAULT_HEARTBEAT_S = 1.0  # ZMTP ping interval; a receiver silent for 3 interva
 EXPIRY_MARGIN_S = 0.25  # a message expires this long before its request's deadline (docs/wire.md)
 _MAX_WAIT_S = 0.1  # longest single poll of the I/O thread
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+class WireRefused(VitserveError):
+    """The receiver refused a message (a nack) and keeps nothing of it; its reason is in the message."""
+
+    status, code = 502, "llm_refused"
 
 
 @dataclass(eq=False)
@@ -83,7 +95,12 @@ class LLMSender:
     """
 
     def __init__(
-        self, endpoint: str, *, sndhwm: int = DEFAULT_SNDHWM, heartbeat_s: float = DEFAULT_HEARTBEAT_S
+        self,
+        endpoint: str,
+        *,
+        sndhwm: int = DEFAULT_SNDHWM,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        key_file: str | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.bytes_sent = 0  # header + tensor bytes handed to ZMQ (first sends only)
@@ -93,19 +110,22 @@ class LLMSender:
         self.late_acks = 0  # acknowledgements that came after their message's deadline
         self.resent = 0  # sent again on a new connection
         self.reachable = False  # a v2 receiver completed the handshake and has not disconnected
+        self.refused = 0  # messages the receiver refused (nack)
+        self._connected = threading.Event()  # set while reachable (wait_reachable)
+        self._queries = Queries()  # holds queries (rpc/holds.py)
         self._closing = False
         self._inbox: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
         self._outbox: deque[Delivery] = deque()  # submitted, not yet taken by ZMQ
         self._unacked: dict[str, Delivery] = {}  # taken by ZMQ, no ack yet
         self._handshaking = False  # connected, ZMTP handshake not done yet
         self._refused_logged = False
-        self._init_socket(sndhwm, heartbeat_s)
+        self._init_socket(sndhwm, heartbeat_s, key_file)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name="vitserve-llm-io", daemon=True)
         self._thread.start()
 
-    def _init_socket(self, sndhwm: int, heartbeat_s: float) -> None:
+    def _init_socket(self, sndhwm: int, heartbeat_s: float, key_file: str | None) -> None:
         if not self.endpoint.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"--llm_endpoint must be tcp://host:port or ipc:///path, got {self.endpoint!r}")
         self._ctx = zmq.Context(io_threads=1)  # private: close() terminates it without touching others
@@ -114,6 +134,13 @@ class LLMSender:
         self._sock.setsockopt(zmq.LINGER, 0)  # what is unacknowledged at close has failed already
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * heartbeat_s * 1000))
+        if key_file is not None:  # CURVE keys derived from the connector's secret (rpc/wirekey.py)
+            try:
+                configure_client(self._sock, read_key_file(key_file))
+            except (OSError, ValueError) as exc:
+                self._sock.close(linger=0)
+                self._ctx.term()
+                raise ConfigError(f"--wire_key_file: {exc}") from None
         self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
         try:
             self._sock.connect(self.endpoint)  # asynchronous: the receiver may bind later
@@ -141,6 +168,24 @@ class LLMSender:
         self._inbox.put(delivery)
         self._wake()
         return delivery
+
+    def holds(self, uuids: list[str], timeout_s: float, *, deadline: float) -> set[str]:
+        """Which of `uuids` the receiver keeps now (blocking, at most timeout_s); it keeps those until the
+        request's deadline (time.monotonic()) at least. Empty when no receiver is connected, or none answers
+        in time: the caller then sends what it needs again."""
+        if not uuids or not self.reachable or self._closing:
+            return set()
+        query = PendingHolds(list(uuids), time.monotonic() + timeout_s, expires_at(deadline))
+        self._queries.put(query)
+        self._wake()
+        try:
+            return query.held.result(timeout_s + _MAX_WAIT_S)
+        except (VitserveError, TimeoutError):
+            return set()
+
+    def wait_reachable(self, timeout_s: float) -> bool:
+        """Block until a receiver is connected (True) or timeout_s passed (False)."""
+        return self._connected.wait(timeout_s)
 
     def close(self) -> None:
         """Stop the I/O thread; every message not acknowledged yet fails with NotReady."""
@@ -174,7 +219,9 @@ class LLMSender:
             while not self._closing:
                 self._take_inbox()
                 wait_s = self._expire(time.monotonic())
-                sending = self._outbox and self.reachable  # a handshake completed: see the module docstring
+                sending = (
+                    self._outbox or self._queries.unsent
+                ) and self.reachable  # handshake done: docstring
                 poller.register(self._sock, zmq.POLLIN | (zmq.POLLOUT if sending else 0))
                 events = dict(poller.poll(max(1, int(wait_s * 1000))))
                 if self._wake_r in events:
@@ -184,6 +231,7 @@ class LLMSender:
                 if events.get(self._sock, 0) & zmq.POLLIN:
                     self._read_acks()
                 if events.get(self._sock, 0) & zmq.POLLOUT:
+                    self._queries.send(self._sock)
                     self._send_queued()
         except Exception:
             log.exception("the sender to --llm_endpoint %s failed; it sends nothing more", self.endpoint)
@@ -198,8 +246,10 @@ class LLMSender:
         closed = NotReady("the server shut down before the LLM receiver acknowledged this image")
         for delivery in [*self._outbox, *self._unacked.values()]:
             _settle(delivery, closed)
+        self._queries.fail_all(closed)
 
     def _take_inbox(self) -> None:
+        self._queries.take()
         while True:
             try:
                 self._outbox.append(self._inbox.get_nowait())
@@ -219,7 +269,8 @@ class LLMSender:
                     _settle(d, self._timeout(d))
                 else:
                     wait_s = min(wait_s, d.deadline - now)
-        return wait_s
+        next_query = self._queries.expire(now, LLMTimeout(f"no answer to a holds query from {self.endpoint}"))
+        return wait_s if next_query is None else min(wait_s, max(next_query - now, 0.0))
 
     def _forget(self, d: Delivery) -> None:
         if self._unacked.get(d.message_id) is d:
@@ -254,21 +305,33 @@ class LLMSender:
             self._unacked[d.message_id] = d
 
     def _read_acks(self) -> None:
+        """Acknowledgements, refusals (nack) and answers to holds queries."""
         while True:
             try:
                 frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
-                message_id = decode_ack(frames[0])
+                reply = decode_reply(frames[0])
             except WireError as exc:
                 log.error("ignored a reply from the LLM receiver at %s: %s", self.endpoint, exc)
                 continue
-            d = self._unacked.pop(message_id, None) or self._queued_again(message_id)
-            if d is None:
-                self.late_acks += 1  # timed out (or sent twice and acknowledged already)
-            elif _settle(d, None):
-                self.delivered += 1
+            if isinstance(reply, Held):
+                self._queries.answer(reply.query_id, reply.uuids)
+            else:
+                self._settle_reply(reply.message_id, reply.reason if isinstance(reply, Nack) else None)
+
+    def _settle_reply(self, message_id: str, nack_reason: str | None) -> None:
+        d = self._unacked.pop(message_id, None) or self._queued_again(message_id)
+        if d is None:
+            self.late_acks += 1  # timed out (or sent twice and acknowledged already)
+        elif nack_reason is not None:
+            if _settle(
+                d, WireRefused(f"the receiver at {self.endpoint} refused an embedding: {nack_reason}")
+            ):
+                self.refused += 1
+        elif _settle(d, None):
+            self.delivered += 1
 
     def _queued_again(self, message_id: str) -> Delivery | None:
         """A sent message that a handshake put back in the outbox (_resend_unacked) before its
@@ -287,14 +350,18 @@ class LLMSender:
                 self._handshaking = True
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.reachable, self._handshaking, self._refused_logged = True, False, False
+                self._connected.set()
                 self._resend_unacked()
             elif event == zmq.EVENT_DISCONNECTED:
                 self.reachable = False
+                self._connected.clear()
+                self._queries.disconnected()
                 if self._handshaking and not self._refused_logged:  # libzmq retries: log once
                     self._refused_logged = True
                     log.error(
                         "the peer at --llm_endpoint %s dropped the connection during the ZMTP handshake: "
-                        "it is not a wire-v2 EmbeddingReceiver (a v1 PULL receiver?); see docs/wire.md",
+                        "it is not a wire-v2 EmbeddingReceiver (a v1 PULL receiver?), or it wants another key "
+                        "(the connector's key_file and --wire_key_file differ); see docs/wire.md",
                         self.endpoint,
                     )
                 self._handshaking = False

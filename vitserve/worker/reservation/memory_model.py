@@ -14,7 +14,8 @@ c is 0 (memory_fit_is_quadratic). The prediction at the budget's worst case, tim
 reservation.
 
 Which shapes: the worst case at max(budget/128, MIN_PROBE_TOKENS) tokens, doubling up to budget/4, until
-MIN_PROBES are in and one took PROBE_TARGET_S (budget 0: fractions of the processor's largest image).
+MIN_PROBES are in and one took RESERVATION_PROBE_TARGET_S (budget 0: fractions of the processor's largest
+image).
 Seconds are fitted the same way (never below the largest probe's time per token); when the full-budget
 stress is predicted to take at most FULL_STRESS_MAX_S per forward (a GPU, a small tower, a small budget) the
 rank runs the real full-budget stress instead and nothing is extrapolated. Probes too small to time (a few
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 # bench/reservation.py measures the ratios.
 MODEL_FACTOR = 3.0
 FULL_STRESS_MAX_S = 3.0  # run the real full-budget stress when it is predicted to take at most this
-PROBE_TARGET_S = 1.0  # add probes (doubling) until one takes this long
+RESERVATION_PROBE_TARGET_S = 1.0  # add probes (doubling) until one takes this long
 FIRST_PROBE_FRACTION = 128  # the first probe is budget // this tokens ...
 MIN_PROBE_TOKENS = 64  # ... and at least this many (smaller shapes measure mostly noise)
 LARGEST_PROBE_FRACTION = 4  # no probe above budget // this: beyond it, run the full stress
@@ -195,8 +196,8 @@ def estimate(
     scale: what the probe budgets are fractions of (the budget; with budget 0 the largest image). full: the
     shape of the full budget's worst case. measure(b): the worst case at budget b, measured like the full
     stress. Stops once MIN_PROBES are in and either the full stress is predicted to take <= fast_enough_s
-    (None: run it) or the last probe took PROBE_TARGET_S (or max_probes are in). The prediction is trusted
-    early only when even the quadratic bound from the largest probe (upper_bound_seconds) is within
+    (None: run it) or the last probe took RESERVATION_PROBE_TARGET_S (or max_probes are in). The prediction
+    is trusted early only when even the quadratic bound from the largest probe (upper_bound_seconds) is within
     fast_enough_s; otherwise the probes go on, and it is trusted at the last one. Probes of a few
     milliseconds are mostly noise: three of them (a tiny Qwen2-VL at 64-256 tokens of 8,192, on a CPU)
     once fitted ~1.3 s for a forward that takes 11-15 s, and the five-forward stress took 55 s.
@@ -215,7 +216,7 @@ def estimate(
         last = len(probes) == len(candidates)
         if est.predicted_seconds <= fast_enough_s and (last or est.upper_bound_seconds <= fast_enough_s):
             return None
-        if probes[-1].seconds >= PROBE_TARGET_S:
+        if probes[-1].seconds >= RESERVATION_PROBE_TARGET_S:
             break
     return _estimate(probes, full, quadratic_memory)
 

@@ -4,11 +4,12 @@ memory target").
     res = size_for_memory(encoder, shape, knobs, lambda: fresh_meter(device), say=print)  # every rank of a group
 
 1. Probe: the full-budget stress (stress.run_full) at budgets doubling from the family's smallest image (at
-   least MIN_PROBE_TOKENS), each measured as the reservation measures it: meter.py's published bytes (CPU: RSS
-   growth x HEAP_FACTOR; CUDA: pool growth x POOL_FACTOR). Probing stops at the first probe above the target
-   (out of memory counts), at one above CLOSE_ENOUGH of it or one that took PROBE_TARGET_S once MIN_PROBES are
-   in, or at MAX_PROBES. (Stopping at half the target after a few tiny probes missed by far: a tiny tower's heap
-   grew 38, 74, 103 MiB at 256, 512, 665 tokens, and a fit through the first three put 0.1 GiB at 778.)
+   least memory_model.MIN_PROBE_TOKENS), each measured as the reservation measures it: meter.py's published
+   bytes (CPU: RSS growth x HEAP_FACTOR; CUDA: pool growth x POOL_FACTOR). Probing stops at the first probe
+   above the target (out of memory counts), at one above CLOSE_ENOUGH of it or one that took
+   SIZING_PROBE_TARGET_S once memory_model.MIN_PROBES are in, or at MAX_PROBES. (Stopping at half the target
+   after a few tiny probes missed by far: a tiny tower's heap grew 38, 74, 103 MiB at 256, 512, 665 tokens,
+   and a fit through the first three put 0.1 GiB at 778.)
 2. Target (_target): between the largest run within the target and the next one over it, where the line
    between them crosses the target; with no run over it, where memory_model.fit (its quadratic term on every
    device) does, extrapolated at most EXTRAPOLATION times past proportional. Rounded down to the worst case's
@@ -38,20 +39,18 @@ from vitserve.config import GIB, Config
 from vitserve.errors import MemoryTargetError
 from vitserve.model.base import Encoder
 from vitserve.worker.reservation import memory_model, stress
-from vitserve.worker.reservation.memory_model import Fit, Shape
+from vitserve.worker.reservation.memory_model import MIN_PROBE_TOKENS, MIN_PROBES, Fit, Shape
 from vitserve.worker.reservation.meter import Meter, meter_for
 from vitserve.worker.reservation.record import Method, Reservation, StressShape
 from vitserve.worker.reservation.worst_case import worst_case_units
 
 log = logging.getLogger(__name__)
 
-MIN_PROBE_TOKENS = memory_model.MIN_PROBE_TOKENS  # smaller probes measure mostly noise
-MIN_PROBES = memory_model.MIN_PROBES
 MAX_PROBES = 12  # 64 .. 131,072 tokens
 # Stop doubling (and extrapolate) once a probe took this long; below it the probes go on until one is over the
-# target. Higher than memory_model.PROBE_TARGET_S: a tiny tower's probes take ~1 s on a loaded 2-core machine,
-# and extrapolating from them missed (1. above).
-PROBE_TARGET_S = 10.0
+# target. Higher than memory_model.RESERVATION_PROBE_TARGET_S: a tiny tower's probes take ~1 s on a loaded
+# 2-core machine, and extrapolating from them missed (1. above).
+SIZING_PROBE_TARGET_S = 10.0
 # Stop doubling once a probe is above this share of the target. Probing past the target costs the longest run of
 # all and, on a CPU, leaves a heap after which every smaller run reads more (a tiny tower: 512 tokens read 81 MiB
 # as a probe and 105 MiB validated after a 2,048-token probe; 1,007 read over 0.2 GiB where 1,024 had read 0.174).
@@ -210,7 +209,7 @@ def _probe(
         if probe.bytes > knobs.target_bytes:  # bracketed: the target lies below this probe
             break
         close = probe.bytes > knobs.target_bytes * CLOSE_ENOUGH
-        if len(probes) >= MIN_PROBES and (close or probe.seconds >= PROBE_TARGET_S):  # fit from here
+        if len(probes) >= MIN_PROBES and (close or probe.seconds >= SIZING_PROBE_TARGET_S):  # fit from here
             break
         bigger = _round(encoder, shape, knobs, budget * 2)
         if bigger <= budget:  # the worst case stops growing (InternVL: the batch-size cap)

@@ -1,0 +1,166 @@
+"""vitserve --llm_transport wire in front of a real vLLM that runs vitserve's own encoder-cache connector
+(vitserve/vllm_connector.py, loaded by module path; docs/vllm.md "The wire hand-over"): the session's one
+connector vLLM (tests/vllm/connector_server.py, `connector_vllm`: Qwen3-VL with DeepStack, a key file, a ~52 KiB
+bound, so the images here are small), shared with tests/vllm/test_connector.py: no vLLM start-up of their own.
+vitserve and vLLM share no directory: every embedding crosses TCP on loopback to the connector, and vitserve's
+in-process service (tests/e2e/live.py cli_in_process: what the transport adds lives in the app, not in the CLI
+process) sends vLLM only metadata-only parts.
+
+Tokens must equal vLLM's own from the raw media and logprobs agree within 1e-4 (the tower runs in float32 here,
+so the connector holds what vLLM's own tower computes, up to the round-off of another order). What was pushed is
+read from vitserve's vitserve_llm_messages_total{outcome} counter, what reached vLLM from its own counters.
+"""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
+
+import httpx
+import pytest
+
+from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
+from tests.videos import make_clip
+from tests.vllm.connector_server import ConnectorVllm
+from tests.vllm.stack import metric, png, vitserve_in_process
+from vitserve.handover.wire import WireRequest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+BODY_LIMIT = 64 * 1024  # SPEC §10's bound on the body upstream holds for wire's parts too
+
+
+def _wire_args(consumer: ConnectorVllm, endpoint: str | None = None) -> tuple[str, ...]:
+    endpoint = endpoint or consumer.endpoint
+    return ("--llm_transport", "wire", "--llm_endpoint", endpoint, "--wire_key_file", str(consumer.key_file))
+
+
+def _vitserve(consumer: ConnectorVllm, name: str, endpoint: str | None = None):
+    args = _wire_args(consumer, endpoint)
+    return vitserve_in_process(consumer.ckpt, consumer.server.url, consumer.ckpt.parent / name, *args)
+
+
+@pytest.fixture(scope="module")
+def consumer(connector_vllm) -> ConnectorVllm:
+    connector_vllm.server.wait_ready()
+    return connector_vllm
+
+
+@pytest.fixture(scope="module")
+def wire(consumer):
+    """vitserve with --llm_transport wire in front of the connector's vLLM."""
+    with _vitserve(consumer, "wire-vs") as server:
+        yield server
+
+
+def _delivered(url: str) -> float:
+    return metric(url, "vitserve_llm_messages_total", outcome="delivered")
+
+
+def _through(url: str, body: dict) -> tuple[object, float, float]:
+    """The answer through vitserve, the messages it pushed for it and the bytes of the body it sent upstream."""
+    pushed0, sent0 = _delivered(url), metric(url, "vitserve_upstream_body_bytes_sum")
+    answer = complete(url, body)
+    return answer, _delivered(url) - pushed0, metric(url, "vitserve_upstream_body_bytes_sum") - sent0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_wire_one_image_equals_vllms_own(consumer, wire, stream):
+    ckpt, vllm = consumer.ckpt, consumer.server
+    body = chat_request(str(ckpt), image_url_part(png(160, 120, seed=61 + stream)), stream=stream)
+    through, pushed, sent = _through(wire.url, body)
+    assert_same_answer(complete(vllm.url, body), through)
+    assert pushed == 1
+    assert sent <= BODY_LIMIT
+
+
+@pytest.fixture(scope="module")
+def wire_clip() -> bytes:
+    from tests.vllm.test_front_door import CLIP_FPS, CLIP_FRAMES
+
+    return make_clip(CLIP_FRAMES, "mp4", fps=Fraction(CLIP_FPS), size=(160, 96))
+
+
+def test_wire_several_images_and_a_video(consumer, wire, wire_clip):
+    from tests.vllm.test_front_door import RAW_VIDEO_TOL, VIDEO_SAMPLING, _video_url_part
+
+    ckpt, vllm = consumer.ckpt, consumer.server
+    # small images: the consumer's max_gb (~52 KiB) holds them all at once (tests/vllm/test_connector.py)
+    body = chat_request(str(ckpt), image_url_part(png(96, 64, seed=62)))
+    body["messages"][0]["content"][1:1] = [image_url_part(png(64, 96, seed=63 + i)) for i in range(2)]
+    through, pushed, _ = _through(wire.url, body)
+    assert_same_answer(complete(vllm.url, body), through)
+    assert pushed == 3
+    video = chat_request(str(ckpt), _video_url_part(wire_clip))
+    direct = complete(vllm.url, {**video, "media_io_kwargs": {"video": {"num_frames": -1}}})
+    through, pushed, _ = _through(wire.url, {**video, "mm_processor_kwargs": VIDEO_SAMPLING})
+    assert_same_answer(direct, through, tol=RAW_VIDEO_TOL)
+    assert pushed == 1  # the whole video in one message
+
+
+def test_wire_a_repeated_image_the_connector_holds_is_not_pushed_again(consumer, wire):
+    ckpt = consumer.ckpt
+    body = chat_request(str(ckpt), image_url_part(png(160, 120, seed=64)))
+    first, pushed, _ = _through(wire.url, body)
+    assert pushed == 1
+    tokens = metric(wire.url, "vitserve_image_tokens_count")  # observed for every image decoded
+    second, pushed, _ = _through(wire.url, body)
+    assert pushed == 0
+    assert metric(wire.url, "vitserve_image_tokens_count") == tokens
+    assert_same_answer(first, second, tol=0.0)
+
+
+def _free_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_wire_with_no_connector_listening_is_a_clean_502_and_vllm_never_asked(consumer):
+    ckpt, vllm = consumer.ckpt, consumer.server
+    with _vitserve(consumer, "wire-none", _free_endpoint()) as server:
+        assert httpx.get(server.url + "/ready", timeout=10).status_code == 503  # no connector connected
+        body = chat_request(str(ckpt), image_url_part(png(64, 64, seed=65)))
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 502, r.text
+        error = r.json()["error"]
+        assert error["code"] == "llm_connector_unavailable"
+        assert "--ec-transfer-config" in error["message"]
+        assert "VitserveECConnector" in error["message"]
+        assert metric(server.url, "vitserve_upstream_requests_total") == 0
+    assert vllm.alive()
+
+
+def test_wire_vllms_error_for_an_item_its_connector_lacks_is_a_502(consumer, wire, monkeypatch):
+    """The request reaches vLLM naming a uuid the connector never got (its push is skipped here, as when the
+    connector let an item go between vitserve's holds query and vLLM's lookup): vLLM fails that request through
+    the connector, vitserve answers 502 in OpenAI's shape, and both serve the next request."""
+    ckpt, vllm = consumer.ckpt, consumer.server
+    body = chat_request(str(ckpt), image_url_part(png(96, 64, seed=66)))
+
+    async def lost(self):
+        return None
+
+    with monkeypatch.context() as patched:
+        patched.setattr(WireRequest, "deliver", lost)
+        r = httpx.post(wire.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "llm_item_unavailable"
+    assert vllm.alive()
+    assert_same_answer(complete(vllm.url, body), complete(wire.url, body))
+
+
+def test_wire_two_replicas_share_no_directory_and_every_request_is_answered(consumer, wire):
+    """Many to one: a second replica (its own process state, its own DEALER) beside the module's, both feeding
+    the one connector at once; every answer equals vLLM's own on the raw image."""
+    ckpt, vllm = consumer.ckpt, consumer.server
+    bodies = [chat_request(str(ckpt), image_url_part(png(64 + 16 * i, 64, seed=70 + i))) for i in range(6)]
+    expected = [complete(vllm.url, b) for b in bodies]
+    with _vitserve(consumer, "wire-2") as second:
+        urls = [wire.url, second.url] * 3
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(complete, urls, bodies))
+        for want, got in zip(expected, answers, strict=True):
+            assert_same_answer(want, got)
+        assert _delivered(second.url) == 3
+    assert vllm.alive()

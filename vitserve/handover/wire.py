@@ -1,0 +1,299 @@
+"""--llm_transport wire (docs/vllm.md, "The wire hand-over"): each image and video of a chat request is pushed
+over ZMQ (docs/wire.md) to vitserve's own vLLM connector (vitserve/vllm_connector.py, bound at --llm_endpoint)
+and acknowledged there BEFORE the request goes to vLLM (--llm_url) with metadata-only parts that name it by
+uuid; the connector loads it into vLLM's encoder cache. No directory is shared, so vLLM may run on another
+host and any number of replicas may feed one vLLM.
+
+- The uuids and parts are ec_storage's (handover/ec_files.py `ec_uuid`, handover/ec_storage.py): an image's
+  uuid comes from its bytes and the engine's fingerprint, a video's from its groups' ids. The message header
+  carries it as `uuid`.
+- One message per item: an image is its embedding and its DeepStack frames; a video is ONE message with the
+  whole video's rows (grid [T, h, w]), its groups' rows joined in time order, each DeepStack level likewise.
+- A repeated image: when this replica pushed it before (so knows its grid) and the connector says it still
+  holds it (a holds query over the same connection, `held`), it is neither decoded, encoded nor pushed again;
+  the query keeps it there until the request's deadline.
+- Every message must be acknowledged by the request's deadline; otherwise nothing goes upstream: a refusal
+  (nack) or no connector connected is a 502 naming the connector's --ec-transfer-config, a message sent and
+  never acknowledged is 504 `llm_timeout`.
+- vLLM's error for an item its connector could not provide (it failed the request through the connector's
+  take_unavailable_requests: a bare 500) is a 502 in OpenAI's shape (`check_answer`); in a stream, which vLLM
+  has begun with 200 already, its error event is relayed as it comes.
+- `mm_processor_kwargs` / `media_io_kwargs` are removed as for ec_storage (vLLM would hash them into the uuid).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid as uuid_mod
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from vitserve.contract import ImageResult, PreparedImage, PreparedVideo
+from vitserve.errors import LLMTimeout, VitserveError
+from vitserve.handover.base import Handover, Setup, Transport
+from vitserve.handover.ec_files import ec_uuid
+from vitserve.handover.ec_storage import NotAConsumer, strip
+from vitserve.handover.embeds import EmbeddingMismatch
+from vitserve.rpc.sender import Delivery, LLMSender, WireRefused
+from vitserve.rpc.wire import ImageEmbedding
+
+CONNECT_WAIT_S = 2.0  # a request waits this long at most for a connector to be connected before its 502
+HOLDS_WAIT_S = 1.0  # a holds query unanswered this long: every image is pushed again
+KNOWN_ITEMS = 65_536  # uuids this replica pushed, with their grids (a repeated image's part needs its grid)
+# What a vLLM that is not an EC consumer answers a metadata-only part with (400), as for ec_storage.
+_NOT_CONSUMER = b"The data should contain the fields"
+CONFIG_HINT = (
+    'start vLLM with --ec-transfer-config \'{"ec_connector":"VitserveECConnector","ec_connector_module_path":'
+    '"vitserve.vllm_connector","ec_role":"ec_consumer","ec_connector_extra_config":{"endpoint":"tcp://0.0.0.0:5600"}}\''
+    " bound where --llm_endpoint points (docs/vllm.md)"
+)
+
+
+class ConnectorUnavailable(VitserveError):
+    """vitserve's vLLM connector (--llm_endpoint) is not connected, or refused an embedding: nothing was sent to
+    vLLM."""
+
+    status, code = 502, "llm_connector_unavailable"
+
+
+class ItemUnavailable(VitserveError):
+    """vLLM failed the request because its connector could not provide an item it names."""
+
+    status, code = 502, "llm_item_unavailable"
+
+
+class WireTransport(Transport):
+    """The DEALER connected to the connector, and the grids of what this replica pushed."""
+
+    name = "wire"
+
+    def __init__(self, setup: Setup, sender: LLMSender | None = None):
+        super().__init__(setup)
+        config = setup.config
+        if sender is None:
+            if config.llm_endpoint is None:  # flags refuse this; a guard for direct callers
+                raise ValueError("--llm_transport wire needs --llm_endpoint")
+            sender = LLMSender(config.llm_endpoint, key_file=config.wire_key_file)
+        self.sender = sender
+        self._fingerprint = ""
+        self._known: OrderedDict[str, list[int]] = OrderedDict()  # uuid -> grid
+        self._lock = threading.Lock()  # parts are made on the pool's threads
+
+    @property
+    def endpoint(self) -> str:
+        return self.sender.endpoint
+
+    def fingerprint(self) -> str:
+        if not self._fingerprint:
+            self._fingerprint = self.setup.fingerprint()
+        return self._fingerprint
+
+    def begin(self) -> WireRequest:
+        """A request's hand-over; its deadline is the request's (--request_timeout_s from now)."""
+        return WireRequest(self, time.monotonic() + self.setup.config.request_timeout_s)
+
+    def readiness(self) -> str | None:
+        """Why /ready is 503: no connector connected."""
+        if self.sender.reachable:
+            return None
+        return f"no vitserve connector is connected at --llm_endpoint {self.endpoint}"
+
+    def grid(self, uuid: str) -> list[int] | None:
+        with self._lock:
+            return self._known.get(uuid)
+
+    def remember(self, uuid: str, grid: list[int]) -> None:
+        with self._lock:
+            self._known[uuid] = grid
+            self._known.move_to_end(uuid)
+            while len(self._known) > KNOWN_ITEMS:
+                self._known.popitem(last=False)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.sender.close)
+
+
+class WireRequest(Handover):
+    """One request's messages: made with its parts, pushed and acknowledged in `ready`."""
+
+    reuses = True
+
+    def __init__(self, transport: WireTransport, deadline: float):
+        self.transport = transport
+        self.layout = transport.layout
+        self.metrics = transport.setup.metrics
+        self.deadline = deadline  # time.monotonic()
+        self.request_id = f"chat-{uuid_mod.uuid4().hex}"
+        self.messages: list[ImageEmbedding] = []
+        self.hits: list[dict[str, Any] | None] = []  # per image: its part when the connector holds it
+
+    # -------------------------------------------------------------- the parts (on the preprocessing pool)
+
+    async def held(self, digests: list[str]) -> list[bool]:
+        return await self.transport.setup.run(self.lookup, digests)  # type: ignore[no-any-return]
+
+    def lookup(self, digests: list[str]) -> list[bool]:
+        """One holds query for the images this replica pushed before; an unanswered one means none is held."""
+        fingerprint = self.transport.fingerprint()
+        uuids = [ec_uuid(fingerprint, "image", digest) for digest in digests]
+        grids = {u: g for u in uuids if (g := self.transport.grid(u)) is not None}
+        sender = self.transport.sender
+        held = sender.holds(list(grids), HOLDS_WAIT_S, deadline=self.deadline) if grids else set()
+        self.hits = [_part(u, "image", grids[u]) if u in held else None for u in uuids]
+        return [hit is not None for hit in self.hits]
+
+    def reused_part(self, index: int) -> dict[str, Any] | None:
+        return self.hits[index] if index < len(self.hits) else None
+
+    def image_part(self, image: PreparedImage, result: ImageResult, index: int) -> dict[str, Any]:
+        """The part for an image the engine encoded; its message joins the request (checked first)."""
+        if result.embedding is None:
+            raise EmbeddingMismatch("the engine returned no embedding for an image of a chat request")
+        grid = [int(n) for n in image.item.grid_thw]
+        self._check(f"image {index}", result.embedding, list(result.deepstack), grid)
+        uuid = ec_uuid(self.transport.fingerprint(), "image", image.image_id)
+        self._add(uuid, image.image_id, grid, result.embedding, list(result.deepstack))
+        return _part(uuid, "image", grid)
+
+    def video_part(self, video: PreparedVideo, results: list[ImageResult], index: int) -> dict[str, Any]:
+        """The part for a video: one message with its groups' rows joined in time order."""
+        if any(r.embedding is None for r in results):
+            raise EmbeddingMismatch("the engine returned no embedding for a video group of a chat request")
+        main = torch.cat([r.embedding for r in results if r.embedding is not None])  # (T*h*w/m^2, hidden)
+        levels = len(results[0].deepstack) if results else 0
+        deep = [torch.cat([r.deepstack[k] for r in results]) for k in range(levels)]
+        grid = [int(x) for x in video.metadata["grid_thw"]]  # type: ignore[attr-defined]
+        self._check(f"video {index}", main, deep, grid)
+        uuid = ec_uuid(self.transport.fingerprint(), "video", *(g.image_id for g in video.groups))
+        self._add(uuid, video.video_id, grid, main, deep)
+        part = _part(uuid, "video", grid)
+        if self.layout.video_time == "timestamps":
+            part["video_embeds"]["timestamps"] = video.metadata["timestamps_s"]
+        return part
+
+    def _check(self, what: str, main: torch.Tensor, deep: list[torch.Tensor], grid: list[int]) -> None:
+        """Refuse (500) rows or a width that are not what vLLM will assume, before anything is sent."""
+        rows = self.layout.grid_rows(grid)
+        shapes = [tuple(t.shape) for t in (main, *deep)]
+        width = sum(s[1] for s in shapes if len(s) == 2)
+        if any(len(s) != 2 or s[0] != rows for s in shapes) or width != self.layout.width:
+            raise EmbeddingMismatch(
+                f"{what}: embedding of shapes {shapes}, but the LLM server expects ({rows}, {self.layout.width}) "
+                f"for grid {grid} ({self.layout.family}); nothing was sent to it"
+            )
+
+    def _add(
+        self, uuid: str, item_id: str, grid: list[int], main: torch.Tensor, deep: list[torch.Tensor]
+    ) -> None:
+        self.messages.append(
+            ImageEmbedding(
+                request_id=self.request_id,
+                image_index=len(self.messages),
+                num_images=0,  # set in deliver, once every item is known
+                image_id=item_id,
+                grid_thw=(grid[0], grid[1], grid[2]),
+                embedding=main.contiguous(),
+                deepstack=[d.contiguous() for d in deep],
+                model=self.transport.setup.config.model,
+                uuid=uuid,
+            )
+        )
+
+    # ------------------------------------------------------------------------ the push (event loop)
+
+    async def ready(self, payload: dict[str, Any]) -> bytes:
+        """The fields vLLM hashes uuids with removed, every embedding pushed and acknowledged: nothing goes
+        upstream if one is not."""
+        strip(payload)
+        await self.deliver()
+        return await self.transport.body(payload)
+
+    async def deliver(self) -> None:
+        """Push every message and return once the connector acknowledged them all. Raises
+        ConnectorUnavailable (no connector, or a refusal) or LLMTimeout."""
+        if not self.messages:
+            return
+        start = time.perf_counter()
+        sender = self.transport.sender
+        if not sender.reachable:
+            wait = min(CONNECT_WAIT_S, max(self.deadline - time.monotonic(), 0.0))
+            if not await asyncio.to_thread(sender.wait_reachable, wait):
+                self._count("llm_connector_unavailable", len(self.messages))
+                raise self._unreachable("no connector is connected")
+        deliveries = []
+        for message in self.messages:
+            message.num_images = len(self.messages)
+            deliveries.append(sender.send(message, deadline=self.deadline))
+        try:
+            for d in deliveries:
+                await self._acked(d)
+        finally:
+            for d in deliveries:
+                d.acked.cancel()  # the rest are withdrawn when one failed or the client left
+        for message in self.messages:
+            self.transport.remember(message.uuid or "", list(message.grid_thw))
+        self.metrics.embedding_bytes_sent_total.inc(sum(d.nbytes for d in deliveries))
+        self.metrics.stage_seconds.labels(stage="send").observe(time.perf_counter() - start)
+
+    async def _acked(self, d: Delivery) -> None:
+        try:
+            await asyncio.wrap_future(d.acked)
+        except WireRefused as exc:
+            self._count("refused")
+            raise self._unreachable(exc.message) from None
+        except LLMTimeout:
+            self._count("llm_timeout")
+            if d.sent_at is None:  # never handed to a connector: it went away
+                raise self._unreachable("no connector was connected until the deadline") from None
+            raise
+        except asyncio.CancelledError:
+            self._count("withdrawn")
+            raise
+        self._count("delivered")
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        self.metrics.llm_messages_total.labels(outcome=outcome).inc(n)
+
+    def _unreachable(self, why: str) -> ConnectorUnavailable:
+        return ConnectorUnavailable(
+            f"vitserve's vLLM connector at --llm_endpoint {self.transport.endpoint} did not take the request's "
+            f"embeddings ({why}); nothing was sent to vLLM. Is vLLM running with its connector? {CONFIG_HINT}"
+        )
+
+    def check_answer(self, status: int, content: bytes) -> None:
+        check_answer(status, content)
+
+
+def _part(uuid: str, kind: str, grid: list[int]) -> dict[str, Any]:
+    return {"type": f"{kind}_embeds", f"{kind}_embeds": {f"{kind}_grid_thw": grid}, "uuid": uuid}
+
+
+def check_answer(status: int, content: bytes) -> None:
+    """A non-consumer's 400 for a metadata-only part, or vLLM's failure of the request, becomes vitserve's 502
+    (OpenAI's shape) that says what to do. vLLM 0.32 answers a request its connector failed (an item that never
+    arrived or was let go: take_unavailable_requests) with a bare 500 "Internal server error"; its log names the
+    item ("vitserve connector: request ... fails")."""
+    if status == 400 and _NOT_CONSUMER in content:
+        raise NotAConsumer(
+            "the LLM server at --llm_url is not an encoder-cache consumer (it asked for the tensor of a "
+            f"metadata-only embedding part); {CONFIG_HINT}"
+        )
+    if status == 500:
+        raise ItemUnavailable(
+            f"vLLM failed the request ({_error_message(content)}): with --llm_transport wire, what it answers "
+            "when its connector could not provide an embedding the request names (let go under its max_gb, "
+            "or past its deadline; vLLM's log says 'vitserve connector: request ... fails'). vLLM is healthy; "
+            "sending the request again pushes the embeddings again"
+        )
+
+
+def _error_message(content: bytes) -> str:
+    try:
+        return str(json.loads(content)["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return content[:300].decode("utf-8", "replace")

@@ -1,0 +1,98 @@
+"""Holds queries (docs/wire.md): the sender asks the receiver which of some uuids it still keeps, over the same
+DEALER connection as the embeddings, and the receiver answers `{"held": [...], "query_id": ...}` (the codec is
+rpc/replies.py). What it says it holds it keeps at least until the query's `expires_at`.
+
+vitserve's vLLM connector (--llm_transport wire) keeps an embedding until the request that names it has loaded it
+or its deadline passed; a repeated image is pushed again only when the connector no longer holds it. These
+queries live in the sender's I/O thread (`Queries`); callers wait on `PendingHolds.held`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import uuid
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+
+import zmq
+
+from vitserve.rpc.replies import encode_holds
+
+
+@dataclass(eq=False)
+class PendingHolds:
+    """Which of `uuids` the receiver keeps. `held` resolves to that subset, or raises (no answer by the
+    deadline, sender closed)."""
+
+    uuids: list[str]
+    deadline: float  # time.monotonic() based
+    keep_until: float  # Unix time: what is held is kept at least until then (the request's expiry)
+    query_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    held: Future[set[str]] = field(default_factory=Future)
+    sent: bool = False  # on the current connection
+
+
+class Queries:
+    """The queries of one sender; every method but `put` runs on its I/O thread."""
+
+    def __init__(self) -> None:
+        self._inbox: queue.SimpleQueue[PendingHolds] = queue.SimpleQueue()
+        self._open: dict[str, PendingHolds] = {}  # by query_id
+
+    def put(self, query: PendingHolds) -> None:
+        self._inbox.put(query)
+
+    def take(self) -> None:
+        while True:
+            try:
+                query = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._open[query.query_id] = query
+
+    @property
+    def unsent(self) -> bool:
+        return any(not q.sent for q in self._open.values())
+
+    def send(self, sock: zmq.Socket[bytes]) -> None:
+        """Send each query not sent on this connection yet, while the socket takes them."""
+        for q in self._open.values():
+            if q.sent:
+                continue
+            try:
+                sock.send(encode_holds(q.uuids, q.query_id, q.keep_until), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            q.sent = True
+
+    def answer(self, query_id: str, held: tuple[str, ...]) -> None:
+        query = self._open.pop(query_id, None)
+        if query is not None:
+            _resolve(query.held, set(held) & set(query.uuids))
+
+    def expire(self, now: float, late: Exception) -> float | None:
+        """Fail the queries past their deadline; returns the next deadline (None: no query open)."""
+        for q in [q for q in self._open.values() if q.deadline <= now]:
+            del self._open[q.query_id]
+            _resolve(q.held, exc=late)
+        return min((q.deadline for q in self._open.values()), default=None)
+
+    def disconnected(self) -> None:
+        """Asked again on the next connection while their deadline lasts."""
+        for q in self._open.values():
+            q.sent = False
+
+    def fail_all(self, exc: Exception) -> None:
+        self.take()
+        for q in self._open.values():
+            _resolve(q.held, exc=exc)
+        self._open.clear()
+
+
+def _resolve(future: Future[set[str]], result: set[str] | None = None, exc: Exception | None = None) -> None:
+    with contextlib.suppress(InvalidStateError):
+        if exc is None:
+            future.set_result(result or set())
+        else:
+            future.set_exception(exc)
