@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from vitserve.config import Config
-from vitserve.contract import ImageResult, PreparedImage, ProcessedImage
+from vitserve.contract import ItemResult, PreparedImage, ProcessedImage
 from vitserve.errors import ConfigError, LLMTimeout
 from vitserve.families import FAMILIES
 from vitserve.flags import build_config
@@ -193,12 +193,12 @@ def _transport(endpoint: str, family: str = "qwen3_vl") -> WireTransport:
     return WireTransport(setup, sender=LLMSender(endpoint))
 
 
-def _encoded(data: bytes, grid=(1, 4, 6), width: int = 8) -> tuple[PreparedImage, ImageResult]:
+def _encoded(data: bytes, grid=(1, 4, 6), width: int = 8) -> tuple[PreparedImage, ItemResult]:
     rows = grid[0] * grid[1] * grid[2] // 4
     item = ProcessedImage(torch.zeros(1), grid, rows, (28, 28), False)
     image = PreparedImage(item, hashlib.sha256(data).hexdigest(), (28, 28), 0.0, 0.0)
     main, *deep = (torch.full((rows, width), float(k)) for k in range(3))  # two DeepStack levels
-    return image, ImageResult(rows, main, tuple(deep))
+    return image, ItemResult(rows, main, tuple(deep))
 
 
 def test_an_image_is_pushed_under_ec_storages_uuid_before_its_metadata_only_part_goes(tmp_path):

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from vitserve.contract import ImageResult, PreparedImage, PreparedVideo
+from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
 from vitserve.errors import LLMTimeout, VitserveError
 from vitserve.handover.base import Handover, Setup, Transport
 from vitserve.handover.ec_files import ec_uuid
@@ -150,7 +150,7 @@ class WireRequest(Handover):
     def reused_part(self, index: int) -> dict[str, Any] | None:
         return self.hits[index] if index < len(self.hits) else None
 
-    def image_part(self, image: PreparedImage, result: ImageResult, index: int) -> dict[str, Any]:
+    def image_part(self, image: PreparedImage, result: ItemResult, index: int) -> dict[str, Any]:
         """The part for an image the engine encoded; its message joins the request (checked first)."""
         if result.embedding is None:
             raise EmbeddingMismatch("the engine returned no embedding for an image of a chat request")
@@ -160,7 +160,7 @@ class WireRequest(Handover):
         self._add(uuid, image.image_id, grid, result.embedding, list(result.deepstack))
         return _part(uuid, "image", grid)
 
-    def video_part(self, video: PreparedVideo, results: list[ImageResult], index: int) -> dict[str, Any]:
+    def video_part(self, video: PreparedVideo, results: list[ItemResult], index: int) -> dict[str, Any]:
         """The part for a video: one message with its groups' rows joined in time order."""
         if any(r.embedding is None for r in results):
             raise EmbeddingMismatch("the engine returned no embedding for a video group of a chat request")
