@@ -104,23 +104,37 @@ def test_a_wrong_width_is_refused(tmp_path):
         assert "width 24" in reply.reason
 
 
-def test_the_bound_evicts_the_oldest_unpinned_and_refuses_when_the_rest_is_pinned(store):
+def test_the_bound_evicts_only_spent_entries_oldest_first_and_refuses_beside_the_rest(store):
     for i in range(4):
         assert isinstance(send(store, frames(f"{i}" * 64)), Ack)
-    store.pin("0" * 64, "req-1")
-    assert isinstance(send(store, frames("4" * 64)), Ack)  # evicts "1", the oldest unpinned
+    # Acknowledged and not loaded yet: their requests may be on the way, so a new arrival does not push them out.
+    reply = send(store, frames("4" * 64))
+    assert isinstance(reply, Nack)
+    assert "acknowledged and not yet loaded" in reply.reason
+    assert all(store.get(f"{i}" * 64) is not None for i in range(4))
+    for uuid in ("0", "1"):  # two requests load and finish: their entries are spent
+        store.pin(uuid * 64, f"req-{uuid}")
+        store.unpin({uuid * 64}, f"req-{uuid}")
+    store.pin("0" * 64, "req-again")  # a third request names "0" again: pinned, never evicted
+    assert isinstance(send(store, frames("4" * 64)), Ack)  # evicts "1", the oldest spent unpinned one
     assert store.get("0" * 64) is not None
     assert store.get("1" * 64) is None
     assert store.counters()["evicted"] == 1
-    for uuid in ("2", "3", "4"):
-        store.pin(uuid * 64, "req-2")
-    reply = send(store, frames("5" * 64))
-    assert isinstance(reply, Nack)
-    assert "beside the pinned" in reply.reason
     reply = send(store, frames("6" * 64, rows=60, grid=(1, 10, 24)))
     assert isinstance(reply, Nack)
     assert "more than max_gb" in reply.reason
     assert store.counters()["held_bytes"] <= store.max_bytes
+
+
+def test_a_holds_query_makes_a_spent_entry_kept_again(store):
+    for i in range(4):
+        assert isinstance(send(store, frames(f"{i}" * 64)), Ack)
+    store.pin("0" * 64, "req-0")
+    store.unpin({"0" * 64}, "req-0")
+    assert send(store, [encode_holds(["0" * 64], "q-1")]) == Held("q-1", ("0" * 64,))
+    reply = send(store, frames("4" * 64))  # nothing is spent any more
+    assert isinstance(reply, Nack)
+    assert store.get("0" * 64) is not None
 
 
 def test_holds_queries_answer_what_is_held_and_keep_it(store):

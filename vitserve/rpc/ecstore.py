@@ -9,8 +9,10 @@ renamed, so a worker never sees a partial file. `dir` is a fresh directory under
 vLLM runs its workers in other processes (always on a CPU; with several GPUs too): a file in /dev/shm is the one
 thing every process on the host reads without copying through the engine.
 
-The bound: `max_bytes` over the files held. An arrival that does not fit evicts unpinned entries, oldest first;
-when pinned ones fill it, the arrival is refused (nack). An entry is pinned while a request that names it is
+The bound: `max_bytes` over the files held. An arrival that does not fit evicts, oldest first, unpinned entries
+that are spent: loaded by the request that named them, or past their expiry. An acknowledged entry that no request
+has loaded yet is never evicted before its expiry (its sender was told it is kept, and its request may be on its
+way): when such entries and pinned ones fill the bound, the arrival is refused (nack). An entry is pinned while a request that names it is
 scheduled (vllm_connector.py pins it when the request passes ensure_cache_available and unpins it when the
 request finishes); an unpinned one is dropped at its expiry (the message's `expires_at`, extended by a holds
 query that names it, or by a scheduling attempt). Nothing here ever waits on vLLM's scheduler: the receiver
@@ -67,6 +69,7 @@ class Entry:
     nbytes: int
     expires_at: float  # Unix time; an unpinned entry past it is dropped
     pins: set[str] = field(default_factory=set)  # request ids that will load it
+    loaded: bool = False  # a request that named it finished, and no holds query asked for it since
 
 
 @dataclass
@@ -142,6 +145,7 @@ class EmbeddingStore:
             for uuid in uuids:
                 if (entry := self.entries.get(uuid)) is not None:
                     entry.pins.discard(request_id)
+                    entry.loaded = True
                     entry.expires_at = max(entry.expires_at, time.time() + TOUCH_S)
 
     def counters(self) -> dict[str, int]:
@@ -242,8 +246,9 @@ class EmbeddingStore:
         until = query.expires_at if query.expires_at is not None else time.time() + DEFAULT_HOLD_S
         with self._lock:
             held = [u for u in query.uuids if u in self.entries]
-            for uuid in held:
+            for uuid in held:  # promised to a request again: kept like a fresh arrival
                 self.entries[uuid].expires_at = max(self.entries[uuid].expires_at, until)
+                self.entries[uuid].loaded = False
         return held
 
     def _keep(self, m: ImageEmbedding) -> str | None:
@@ -259,6 +264,7 @@ class EmbeddingStore:
             held = self.entries.get(m.uuid)
             if held is not None and (held.rows, held.width, held.dtype) == (rows, width, m.dtype):
                 held.expires_at = max(held.expires_at, m.expires_at)  # the same embedding again
+                held.loaded = False
                 return None
             if held is not None and held.pins:
                 return f"uuid {m.uuid} is held with another shape and a scheduled request will load it"
@@ -268,7 +274,8 @@ class EmbeddingStore:
                 return f"{nbytes} bytes are more than max_gb allows ({self.max_bytes} bytes)"
             if not self._make_room(nbytes):
                 return (
-                    f"{nbytes} bytes do not fit in max_gb ({self.max_bytes} bytes) beside the pinned tensors"
+                    f"{nbytes} bytes do not fit in max_gb ({self.max_bytes} bytes) beside the tensors "
+                    "acknowledged and not yet loaded or expired"
                 )
         path = self.dir / m.uuid
         temp = self.dir / f".{m.uuid}.{m.message_id[:32]}.tmp"
@@ -301,9 +308,10 @@ class EmbeddingStore:
         return None
 
     def _make_room(self, nbytes: int) -> bool:
-        """Evict unpinned entries, oldest first, until nbytes fit (under _lock)."""
+        """Evict spent entries (unpinned, and loaded or expired), oldest first, until nbytes fit (under _lock)."""
         held = sum(e.nbytes for e in self.entries.values())
-        for uuid in [u for u, e in self.entries.items() if not e.pins]:
+        now = time.time()
+        for uuid in [u for u, e in self.entries.items() if not e.pins and (e.loaded or e.expires_at <= now)]:
             if held + nbytes <= self.max_bytes:
                 break
             held -= self.entries[uuid].nbytes
