@@ -5,12 +5,12 @@ and vLLM's ECExampleConnector reads it, against the inline body's build and pars
     python bench/ec_handover.py --quick    # 2 repeats
 
 Per width, bfloat16 (a GPU tower's dtype), best and median of the repeats:
-- write: vitserve.api.ec_files.write_file (safetensors of the tensor to a temporary name, then a rename);
+- write: vitserve.handover.ec_files.write_file (safetensors of the tensor to a temporary name, then a rename);
 - check: ec_files.check_file (the header only: the check before every upstream request);
 - read: what vLLM's ECExampleConnector does on a cache miss, safetensors.torch.load_file(path)["ec_cache"]
   (on a CPU it memory-maps the file), then a copy into the encoder cache (vLLM copies it into its own tensor
   before the forward; `.clone()` here);
-- inline: vitserve.api.inline.dumps_body for the same tensor (what the inline transport builds instead).
+- inline: vitserve.handover.inline_body.dumps_body for the same tensor (what the inline transport builds instead).
 The directory is --dir (default /dev/shm, where the two processes share it on one host).
 
 Each run appends its record to bench/out/ec_handover.jsonl and prints RESULTS.md's table. Issue 33's target:
@@ -35,8 +35,8 @@ import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
 from bench import record  # noqa: E402
-from vitserve.api.ec_files import check_file, file_path, write_file  # noqa: E402
-from vitserve.api.inline import InlineTensor, dumps_body  # noqa: E402
+from vitserve.handover.ec_files import check_file, file_path, write_file  # noqa: E402
+from vitserve.handover.inline_body import InlineTensor, dumps_body  # noqa: E402
 
 TOKENS = 2700  # a 1080p image at Qwen's 28-pixel merged patches (45 x 60 merged)
 

@@ -18,7 +18,7 @@ images and inline embeddings); in front of it, vitserve `--llm_transport inline`
 has it, `--llm_transport ec_storage` on that directory. Modes, in one sitting, per image size, one client,
 a new image per request (no cache on either side can answer), alternating which mode goes first:
 - vllm: the raw image straight to vLLM (its own tower);
-- inline: through vitserve, the embedding base64 in the body (api/inline.py);
+- inline: through vitserve, the embedding base64 in the body (handover/inline_body.py);
 - ec_storage: through vitserve, the embedding in a file, a metadata-only part in the body.
 Per point: ttft p50 (first content event, streamed), upstream bytes per request and vitserve's hand-over
 (`vitserve_upstream_body_bytes`, `vitserve_stage_seconds{stage="handover"}`: the engine's results

@@ -7,7 +7,7 @@ One image's embedding, (2,700, width), in bfloat16 (a GPU tower's dtype) and flo
 and dtype, best of the repeats, both code paths in one sitting:
 - before: the code before issue 33 (`.npy` of the tensor widened to float32, base64 with the stdlib, the
   string through json.dumps; kept here as `before_body`);
-- after: vitserve.api.inline.dumps_body (bf16 as torch.save bytes, base64 spliced into the JSON).
+- after: vitserve.handover.inline_body.dumps_body (bf16 as torch.save bytes, base64 spliced into the JSON).
 
 vLLM's side runs in the vLLM venv (scripts/vllm-env.sh; env VITSERVE_TEST_VLLM_PYTHON wins) on the bodies
 written to a temporary directory: what its OpenAI server does with one, json.loads (Starlette's
@@ -50,7 +50,7 @@ def before_body(payload: dict, tensor) -> bytes:  # type: ignore[no-untyped-def]
 
 
 def after_body(payload: dict, tensor) -> bytes:  # type: ignore[no-untyped-def]
-    from vitserve.api.inline import InlineTensor, dumps_body
+    from vitserve.handover.inline_body import InlineTensor, dumps_body
 
     _part(payload)["image_embeds"]["image_embeds"] = InlineTensor(tensor)
     return dumps_body(payload)

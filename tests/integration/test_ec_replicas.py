@@ -1,5 +1,5 @@
-"""Replicas sharing one --ec_storage_path (api/ec_store.py, docs/vllm.md): two real processes, each with its
-own EcStore on one directory under a tight byte bound, race lookups, writes, pins and evictions of the same
+"""Replicas sharing one --ec_storage_path (handover/ec_store.py, docs/vllm.md): two real processes, each with
+its own EcStore on one directory under a tight byte bound, race lookups, writes, pins and evictions of the same
 uuids. Each round is one request: its files are pinned (a reuse or a write), checked as vitserve checks them
 before sending, read whole as vLLM reads them, then released. No file in flight may ever be missing, and the
 directory as a whole keeps to its bound. A replica that dies holding pins holds nothing any more."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vitserve.api.ec_files import FILE_NAME, EcStorageError, ec_uuid, file_path
-from vitserve.api.ec_store import EcStore
+from vitserve.handover.ec_files import FILE_NAME, EcStorageError, ec_uuid, file_path
+from vitserve.handover.ec_store import EcStore
 from vitserve.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(180)

@@ -296,3 +296,16 @@ def test_the_layer_check_reads_what_design_md_writes():
     assert design_layers("## Package layers\n\n" + row) == [{"cli"}, {"flags"}, {"api", "engine", "client"}]
     order = "its imports run one way, `node` \\| `service` > `collect` > `jobs`; then"
     assert design_engine_order(order) == [{"node", "service"}, {"collect"}, {"jobs"}]
+
+
+# --- docs/design.md's hand-over section against vitserve/handover/ ------------------------------------------
+
+
+def test_design_md_names_every_module_and_transport_of_the_hand_over():
+    from vitserve.handover.transports import TRANSPORTS
+
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## The hand-over to the LLM server", 1)[1].split("\n## ", 1)[0]
+    modules = sorted(p.name for p in (ROOT / "vitserve" / "handover").glob("*.py") if p.name != "__init__.py")
+    assert [m for m in modules if f"handover/{m}`" not in section] == []
+    assert [name for name in TRANSPORTS if f"`{name}`" not in section] == []

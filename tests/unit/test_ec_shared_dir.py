@@ -1,8 +1,8 @@
-"""Two EcStores on one directory, as two vitserve replicas sharing one --ec_storage_path (api/ec_store.py,
-api/ec_pins.py): pins one takes hold against the other's eviction and start-up clean-up, either reuses the
-other's files, and the byte bound counts the directory's files, whoever wrote them. Their locks are `flock`s
-on separate open files, which conflict within one process as between two (tests/integration/test_ec_replicas.py
-runs two real processes)."""
+"""Two EcStores on one directory, as two vitserve replicas sharing one --ec_storage_path
+(handover/ec_store.py, handover/ec_pins.py): pins one takes hold against the other's eviction and start-up
+clean-up, either reuses the other's files, and the byte bound counts the directory's files, whoever wrote
+them. Their locks are `flock`s on separate open files, which conflict within one process as between two
+(tests/integration/test_ec_replicas.py runs two real processes)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from vitserve.api.ec_files import FILE_NAME, ec_uuid, file_path
-from vitserve.api.ec_pins import PINS_DIR, DirPins
-from vitserve.api.ec_store import EcStore
+from vitserve.handover.ec_files import FILE_NAME, ec_uuid, file_path
+from vitserve.handover.ec_pins import PINS_DIR, DirPins
+from vitserve.handover.ec_store import EcStore
 from vitserve.metrics import Metrics
 
 

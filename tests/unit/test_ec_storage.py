@@ -4,9 +4,13 @@ read back with the safetensors library vLLM loads them with. The clock is a vari
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import io
+import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -14,8 +18,13 @@ import torch
 from safetensors.torch import load_file
 
 from vitserve.api.chat_parts import media_parts
-from vitserve.api.ec_chat import EcHandover, NotAConsumer
-from vitserve.api.ec_files import (
+from vitserve.config import Config
+from vitserve.contract import ImageResult, PreparedImage, ProcessedImage
+from vitserve.errors import ConfigError, InvalidRequest
+from vitserve.families import FAMILIES
+from vitserve.flags import build_config
+from vitserve.handover.base import NO_MEDIA, Setup
+from vitserve.handover.ec_files import (
     FILE_NAME,
     EcFileMissing,
     EcStorageError,
@@ -26,14 +35,10 @@ from vitserve.api.ec_files import (
     is_uuid,
     write_file,
 )
-from vitserve.api.ec_pins import PINS_DIR
-from vitserve.api.ec_store import EcStore
-from vitserve.api.embeds import EmbedsLayout
-from vitserve.config import Config
-from vitserve.contract import ImageResult, PreparedImage, ProcessedImage
-from vitserve.errors import ConfigError, InvalidRequest
-from vitserve.families import FAMILIES
-from vitserve.flags import build_config
+from vitserve.handover.ec_pins import PINS_DIR
+from vitserve.handover.ec_storage import EcStorageTransport, NotAConsumer, strip
+from vitserve.handover.ec_store import EcStore
+from vitserve.handover.embeds import EmbedsLayout
 from vitserve.metrics import Metrics
 from vitserve.preflight import check_ec_storage
 
@@ -296,10 +301,16 @@ def test_preflight_refuses_internvl_and_a_directory_it_cannot_write(tmp_path):
 # ------------------------------------------------------------------------------------------------ hand-over
 
 
-def _handover(root: Path, family: str = "qwen3_vl") -> EcHandover:
+async def _run(fn, *args):
+    """The pool, in the caller's thread: the steps are the same, the order is deterministic."""
+    return fn(*args)
+
+
+def _transport(root: Path, family: str = "qwen3_vl") -> EcStorageTransport:
     layout = EmbedsLayout(family=family, merge_size=2, width=24 if family == "qwen3_vl" else 8)
-    store, _ = _store(root)
-    return EcHandover(store, layout, lambda: "fingerprint")
+    store, metrics = _store(root)
+    setup = Setup(Config(), layout, metrics, _run, lambda: "fingerprint")
+    return EcStorageTransport(setup, store)
 
 
 def _encoded(data: bytes, grid=(1, 4, 6)) -> tuple[PreparedImage, ImageResult]:
@@ -310,60 +321,79 @@ def _encoded(data: bytes, grid=(1, 4, 6)) -> tuple[PreparedImage, ImageResult]:
     return image, ImageResult(rows, main, tuple(deep))
 
 
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def test_an_encoded_image_becomes_its_file_and_a_metadata_only_part(tmp_path):
-    ec = _handover(tmp_path)
-    ticket = ec.ticket()
+    ec = _transport(tmp_path)
+    ticket = ec.begin()
     image, result = _encoded(b"image bytes")
-    part = ec.image_part(ticket, image, result, 0)
+    part = ticket.image_part(image, result, 0)
     uuid = part["uuid"]
     assert part == {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 6]}, "uuid": uuid}
     saved = load_file(str(tmp_path / uuid / FILE_NAME))["ec_cache"]
     assert saved.dtype == torch.bfloat16  # the tower's dtype, not widened
     assert torch.equal(saved, torch.cat([result.embedding, *result.deepstack], dim=1))  # DeepStack after main
     assert ticket.expected == [(uuid, 6, 24)]
-    ec.check(ticket)
+    ticket.check()
     # the same bytes again: the part at once, from the file, before any decoding
-    again = ec.ticket()
-    assert ec.image_hits(again, [b"image bytes", b"other bytes"]) == [True, False]
-    assert again.hits == [part, None]
+    again = ec.begin()
+    assert again.reuses
+    assert asyncio.run(again.held([_sha(b"image bytes"), _sha(b"other bytes")])) == [True, False]
+    assert (again.reused_part(0), again.reused_part(1)) == (part, None)
     assert again.pinned == [uuid]
 
 
+def test_ready_strips_the_hashed_fields_checks_the_files_and_sends_a_small_body(tmp_path):
+    ec = _transport(tmp_path)
+    ticket = ec.begin()
+    part = ticket.image_part(*_encoded(b"image bytes"), 0)
+    payload = {"messages": [{"role": "user", "content": [part]}], "mm_processor_kwargs": {"x": 1}}
+    body = asyncio.run(ticket.ready(payload))
+    assert json.loads(body) == {"messages": [{"role": "user", "content": [part]}]}
+    (tmp_path / part["uuid"] / FILE_NAME).unlink()
+    with pytest.raises(EcFileMissing, match="is gone"):  # nothing goes upstream then
+        asyncio.run(ticket.ready(payload))
+
+
 def test_a_file_deleted_between_write_and_send_is_vitserves_error(tmp_path):
-    ec = _handover(tmp_path)
-    ticket = ec.ticket()
-    part = ec.image_part(ticket, *_encoded(b"image bytes"), 0)
+    ec = _transport(tmp_path)
+    ticket = ec.begin()
+    part = ticket.image_part(*_encoded(b"image bytes"), 0)
     (tmp_path / part["uuid"] / FILE_NAME).unlink()
     with pytest.raises(EcFileMissing, match="is gone") as caught:
-        ec.check(ticket)
+        ticket.check()
     assert (caught.value.status, caught.value.code) == (500, "ec_file_missing")
 
 
 def test_pins_hold_a_requests_files_until_it_is_released_once(tmp_path):
-    ec = _handover(tmp_path)
+    ec = _transport(tmp_path)
     ec.store.max_bytes = 0  # every unpinned file goes at once
-    ticket = ec.ticket()
-    uuid = ec.image_part(ticket, *_encoded(b"a"), 0)["uuid"]
+    ticket = ec.begin()
+    uuid = ticket.image_part(*_encoded(b"a"), 0)["uuid"]
     assert ec.store.uuids() == [uuid]
     ticket.release()
     ticket.release()  # a stream releases twice (its end, and the response's background task)
     assert ec.store.uuids() == []
 
 
-def test_a_non_consumers_refusal_is_a_502_saying_how_to_start_vllm():
+def test_a_non_consumers_refusal_is_a_502_saying_how_to_start_vllm(tmp_path):
     vllm_400 = (
         b'{"error":{"message":"The data should contain the fields: {\'image_grid_thw\', \'image_embeds\'}"}}'
     )
+    ticket = _transport(tmp_path).begin()
     with pytest.raises(NotAConsumer, match="--ec-transfer-config") as caught:
-        EcHandover.check_answer(400, vllm_400)
+        ticket.check_answer(400, vllm_400)
     assert (caught.value.status, caught.value.code) == (502, "llm_not_ec_consumer")
-    EcHandover.check_answer(400, b'{"error":{"message":"max_tokens too large"}}')  # passed through
-    EcHandover.check_answer(200, vllm_400)
+    ticket.check_answer(400, b'{"error":{"message":"max_tokens too large"}}')  # passed through
+    ticket.check_answer(200, vllm_400)
+    NO_MEDIA.check_answer(400, vllm_400)  # a request without media is not this transport's
 
 
 def test_the_fields_vllm_hashes_uuids_with_are_removed():
     payload = {"messages": [], "mm_processor_kwargs": {"x": 1}, "media_io_kwargs": {"video": {}}, "top_p": 1}
-    EcHandover.strip(payload)
+    strip(payload)
     assert payload == {"messages": [], "top_p": 1}
 
 
@@ -371,3 +401,42 @@ def test_a_clients_uuid_is_refused_naming_its_part():
     part = {"type": "image_url", "image_url": {"url": "https://x/a.png"}, "uuid": "../../etc/passwd"}
     with pytest.raises(InvalidRequest, match=r"messages\[0\]\.content\[0\]: a 'uuid' is not accepted"):
         media_parts({"messages": [{"role": "user", "content": [part]}]})
+
+
+class _Admits:
+    """The one engine call preparing makes: a queue with room (Engine.admit)."""
+
+    def admit(self, tokens):
+        return None
+
+
+async def test_an_image_missed_by_ec_storage_has_its_sha256_computed_once(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from vitserve.api.inputs import ImageSource
+    from vitserve.api.media import Media, MediaPipeline
+    from vitserve.api.preprocess import Preprocessor
+    from vitserve.processors import load_image_processor
+
+    buf = io.BytesIO()
+    Image.linear_gradient("L").resize((64, 64)).convert("RGB").save(buf, "PNG")
+    data = buf.getvalue()
+    hashed: list[bytes] = []
+    real_sha256 = hashlib.sha256
+
+    def counting(payload=b"", *args, **kw):
+        hashed.append(bytes(payload))
+        return real_sha256(payload, *args, **kw)
+
+    processor = load_image_processor("qwen2_5_vl", budget_tokens=64)
+    pre = Preprocessor(processor, max_image_pixels=0, metrics=Metrics(), workers=1)
+    media = MediaPipeline(Config(), _Admits(), pre, Metrics())  # type: ignore[arg-type]
+    ticket = _transport(tmp_path).begin()
+    monkeypatch.setattr(hashlib, "sha256", counting)
+    try:
+        work = await media.prepare(Media("r", [ImageSource(data=data)]), time.monotonic() + 60, None, ticket)
+    finally:
+        pre.close()
+    assert ticket.reused_part(0) is None  # a miss: looked up by its digest, then decoded and prepared
+    assert [p.image_id for p in work.images] == [real_sha256(data).hexdigest()]
+    assert hashed.count(data) == 1

@@ -14,11 +14,8 @@ import torch
 from tests.checkpoints import make_checkpoint
 from vitserve import preflight
 from vitserve.api.chat_parts import media_parts
-from vitserve.api.embeds import EmbeddingMismatch, EmbedsLayout, embeds_part, video_embeds_part
-from vitserve.api.inline import InlineTensor
-from vitserve.api.upstream import api_base
 from vitserve.checkpoint import Checkpoint
-from vitserve.config import redacted_url
+from vitserve.config import Config, redacted_url
 from vitserve.contract import ImageResult, PreparedImage, PreparedVideo, ProcessedImage
 from vitserve.errors import (
     ConfigError,
@@ -29,6 +26,10 @@ from vitserve.errors import (
     openai_error,
 )
 from vitserve.flags import build_config
+from vitserve.handover.embeds import EmbeddingMismatch, EmbedsLayout
+from vitserve.handover.inline import embeds_part, video_embeds_part
+from vitserve.handover.inline_body import InlineTensor
+from vitserve.handover.upstream import api_base
 
 PNG_B64 = base64.b64encode(b"\x89PNG fake bytes").decode()
 
@@ -288,3 +289,59 @@ def test_internvl_video_is_refused_before_decoding_naming_why():
     with pytest.raises(InvalidRequest, match="not served for internvl.*send the video to /encode"):
         EmbedsLayout("internvl", merge_size=1, width=48).check_video_served()
     EmbedsLayout("qwen2_vl", merge_size=2, width=48).check_video_served()
+
+
+def test_each_transport_is_one_line_of_the_table_under_its_flag_value():
+    from vitserve.handover.base import Transport
+    from vitserve.handover.transports import TRANSPORTS
+
+    assert {"inline", "ec_storage"} <= set(TRANSPORTS)
+    for name, cls in TRANSPORTS.items():
+        assert issubclass(cls, Transport)
+        assert cls.name == name
+
+
+async def test_the_inline_hand_over_puts_each_tensor_in_the_body():
+    from vitserve.handover.base import Setup
+    from vitserve.handover.inline import InlineTransport
+    from vitserve.metrics import Metrics
+
+    async def run(fn, *args):
+        return fn(*args)
+
+    layout = EmbedsLayout(family="qwen2_5_vl", merge_size=2, width=8)
+    handover = InlineTransport(Setup(Config(), layout, Metrics(), run, lambda: "fp")).begin()
+    assert not handover.reuses
+    assert handover.reused_part(0) is None
+    item = ProcessedImage(torch.zeros(1), (1, 4, 6), 6, (28, 28), False)
+    image = PreparedImage(item, "0" * 64, (28, 28), 0.0, 0.0)
+    rows = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    part = handover.image_part(image, ImageResult(6, rows), 0)
+    payload = {"messages": [{"role": "user", "content": [part]}], "mm_processor_kwargs": {"x": 1}}
+    sent = json.loads(await handover.ready(payload))
+    assert sent["mm_processor_kwargs"] == {"x": 1}  # inline strips nothing: vLLM hashes no uuid here
+    b64 = sent["messages"][0]["content"][0]["image_embeds"]["image_embeds"]
+    assert torch.equal(torch.from_numpy(np.load(io.BytesIO(base64.b64decode(b64)))), rows)
+    handover.check_answer(400, b"The data should contain the fields")  # relayed as it came
+    handover.release()
+
+
+def test_the_front_door_never_branches_on_a_transport():
+    """api/chat.py and api/media.py know the hand-over only through its interface (handover/base.py): no
+    transport's name, class or module appears in them."""
+    import ast
+    from pathlib import Path
+
+    from vitserve.handover.transports import TRANSPORTS
+
+    banned = set(TRANSPORTS) | {cls.__name__ for cls in TRANSPORTS.values()} | {"llm_transport"}
+    root = Path(__file__).resolve().parents[2] / "vitserve" / "api"
+    for name in ("chat.py", "media.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        handover = {m for m in imported if m and m.startswith("vitserve.handover")}
+        assert handover <= {"vitserve.handover.base", "vitserve.handover.upstream"}, name
+        words = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        words |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        words |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        assert not banned & words, name

@@ -1,4 +1,4 @@
-"""The upstream chat body with inline embeddings (api/inline.py): every tensor decodes, as vLLM decodes it, to
+"""The upstream chat body with inline embeddings (handover/inline_body.py): every tensor decodes, as vLLM decodes it, to
 exactly the tensor the part was built from, in its own dtype; splicing the base64 in keeps the JSON valid and
 the rest of the request unchanged, for every kind of part."""
 
@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from vitserve.api.embeds import EmbedsLayout, embeds_part, video_embeds_part
-from vitserve.api.inline import InlineTensor, dumps_body, npy_header
 from vitserve.contract import ImageResult, PreparedImage, PreparedVideo, ProcessedImage
+from vitserve.handover.embeds import EmbedsLayout
+from vitserve.handover.inline import embeds_part, video_embeds_part
+from vitserve.handover.inline_body import InlineTensor, dumps_body, npy_header
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -19,7 +19,7 @@ import pytest
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
 from tests.vllm import servers
 from tests.vllm.stack import Stack, metric, png, vitserve_in_process
-from vitserve.api.ec_files import FILE_NAME, check_file, is_uuid
+from vitserve.handover.ec_files import FILE_NAME, check_file, is_uuid
 
 BODY_LIMIT = 64 * 1024  # SPEC §10: at most this much goes upstream per request, whatever the images
 # --ec_storage_gb of the vitserve these cases start: ~63 KiB, above any one file of these images (at most ~46 KB:

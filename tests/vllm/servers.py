@@ -4,7 +4,7 @@ its tower ("bare"), each with its tiny checkpoint: started at once, without wait
 Every one is an encoder-cache consumer (docs/vllm.md) of `ec_dir(tmp)`, so the same servers take vitserve's
 inline embeddings, raw media, and --llm_transport ec_storage's files (a consumer still does the first two:
 the inline tests run against consumers). They take per-request `media_io_kwargs` (--trust-request-mm-kwargs)
-instead of a server-wide --media-io-kwargs, which vLLM would hash into every video uuid (api/ec_chat.py).
+instead of a server-wide --media-io-kwargs, which vLLM would hash into every video uuid (handover/ec_storage.py).
 "plain" is the one vLLM that is not a consumer (Qwen2.5-VL without a tower, the cheapest to start): it is
 what refuses ec_storage's metadata-only parts, and no consumer can show that.
 

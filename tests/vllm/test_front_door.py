@@ -54,8 +54,8 @@ from tests.vllm.stack import BUDGET, Stack, vitserve_in_process
 from tests.vllm.stack import metric as _metric
 from tests.vllm.stack import png as _png
 from tests.vllm.stack import start_vitserve as _vitserve
-from vitserve.api.inline import InlineTensor, dumps_body
 from vitserve.checkpoint import Checkpoint
+from vitserve.handover.inline_body import InlineTensor, dumps_body
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 SIZES = {"exact": (112, 84), "resized": (301, 203), "clamped": (1500, 1000)}
@@ -190,7 +190,7 @@ def test_pil_resize_equals_vllm_given_transformers_pil_pixels(stack):
 
 
 def test_a_bfloat16_embedding_is_sent_as_torch_save_and_vllm_reads_exactly_its_values(stack):
-    """A bf16 tower's embedding stays bf16 on the wire (api/inline.py: torch.save bytes, which vLLM loads with
+    """A bf16 tower's embedding stays bf16 on the wire (handover/inline_body.py: torch.save bytes, which vLLM loads with
     torch.load(weights_only=True)): vLLM answers exactly as it does given the same values widened to float32
     as `.npy` (bf16 -> float32 is exact, and vLLM casts to its float32 either way), logprob for logprob."""
     width = Checkpoint.open(stack.ckpt).llm_embeds_width

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,22 +16,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import vitserve
 from vitserve import preflight
 from vitserve.api.chat import CHAT_ROUTE, MODELS_ROUTE, ChatHandler
-from vitserve.api.ec_chat import EcHandover
-from vitserve.api.ec_store import EcStore
 from vitserve.api.edge import Edge, ServerState
-from vitserve.api.embeds import EmbedsLayout
 from vitserve.api.encode import EncodeHandler
 from vitserve.api.info import info_body
 from vitserve.api.media import MediaPipeline
 from vitserve.api.openapi import DOCS_ASSETS_URL, ENCODE_OPENAPI, ERROR_RESPONSES, add_schemas
 from vitserve.api.preprocess import Preprocessor
 from vitserve.api.tracing import Tracing, make_tracing
-from vitserve.api.upstream import Upstream
 from vitserve.api.videos import VideoFrontEnd
 from vitserve.checkpoint import Checkpoint
-from vitserve.config import GIB, Config
+from vitserve.config import Config
 from vitserve.contract import Engine
 from vitserve.errors import InvalidRequest, NotReady, VitserveError, http_error
+from vitserve.handover.base import Setup, Transport
+from vitserve.handover.embeds import EmbedsLayout
+from vitserve.handover.transports import open_transport
+from vitserve.handover.upstream import Upstream
 from vitserve.metrics import CONTENT_TYPE, Metrics
 from vitserve.processors.base import VisionProcessor
 
@@ -157,7 +156,11 @@ def _add_front_door(
         width=preflight.llm_embeds_width(checkpoint),
         tokens_per_second=(checkpoint.config.get("vision_config") or {}).get("tokens_per_second"),
     )
-    chat = ChatHandler(config, media, tracing, upstream, layout, _ec_handover(config, media, layout))
+    # --llm_transport's, picked once (handover/transports.py); ec_storage takes over an earlier run's files now
+    app.state.transport = transport = open_transport(
+        Setup(config, layout, metrics, media.pre.run, lambda: media.engine.info().fingerprint)
+    )
+    chat = ChatHandler(config, media, tracing, upstream, transport)
 
     @app.post(CHAT_ROUTE, responses=ERROR_RESPONSES)
     async def chat_completions(request: Request) -> Response:
@@ -171,28 +174,18 @@ def _add_front_door(
         return await chat.models(request)
 
 
-def _ec_handover(config: Config, media: MediaPipeline, layout: EmbedsLayout) -> EcHandover | None:
-    """--llm_transport ec_storage: the directory's files (an earlier run's taken over now) and the hand-over."""
-    if config.llm_transport != "ec_storage" or config.ec_storage_path is None:
-        return None
-    store = EcStore(
-        Path(config.ec_storage_path),
-        ttl_s=config.ec_ttl_s,
-        max_bytes=int(config.ec_storage_gb * GIB),
-        metrics=media.metrics,
-    )
-    return EcHandover(store, layout, lambda: media.engine.info().fingerprint)
-
-
 async def close_app(app: FastAPI) -> None:
-    """Release what create_app made: the preprocessing pool, the video decoders and the upstream
-    connections."""
+    """Release what create_app made: the preprocessing pool, the video decoders, the upstream
+    connections and the transport."""
     app.state.preprocessor.close()
     if app.state.videos is not None:
         app.state.videos.close()
     upstream: Upstream | None = getattr(app.state, "upstream", None)
     if upstream is not None:
         await upstream.aclose()
+    transport: Transport | None = getattr(app.state, "transport", None)
+    if transport is not None:
+        await transport.close()
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

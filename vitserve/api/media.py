@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from vitserve.api.videos import VideoFrontEnd
 from vitserve.config import Config
 from vitserve.contract import EncodeRequest, Engine, ImageResult, PreparedImage, PreparedVideo
 from vitserve.errors import InvalidRequest, Timeout, VitserveError
+from vitserve.handover.base import Handover
 from vitserve.metrics import Metrics
 
 T = TypeVar("T")
@@ -91,22 +93,20 @@ class MediaPipeline:
         media: Media,
         deadline: float,
         check_video: Callable[[PreparedVideo], None] | None = None,
-        reuse: Callable[[list[bytes]], list[bool]] | None = None,
+        handover: Handover | None = None,
     ) -> EncodeRequest:
         """Admit, fetch, decode and preprocess every image and video; `check_video` refuses a prepared video
-        (its error gets the video's index); `reuse` (on the pool, given every image's bytes) says which
-        images need no encoding (--llm_transport ec_storage: their file is there): those are left out of
-        the request. Raises the first item's VitserveError, counted as rejected."""
+        (its error gets the video's index); a chat request's `handover` that `reuses` is asked which images
+        need no encoding (by their bytes' sha256, computed here once for the images that are then prepared
+        too): those are left out of the request. Raises the first item's VitserveError, counted as
+        rejected."""
         try:
             self.check_videos_served(len(media.videos))
             self.engine.admit(None)  # a full queue refuses before any decoding is spent
             blobs = await fetch_sources(list(media.images), self.config, deadline)
             video_blobs = await fetch_sources(list(media.videos), self.config, deadline)
-            todo = list(range(len(blobs)))
-            if reuse is not None:
-                reused = await self.pre.run(reuse, blobs)
-                todo = [i for i, done in enumerate(reused) if not done]
-            prepared = await self._prepare([blobs[i] for i in todo], todo, deadline)
+            todo, ids = await self._to_encode(blobs, handover)
+            prepared = await self._prepare([blobs[i] for i in todo], todo, deadline, ids)
             videos: list[PreparedVideo] = []
             if media.videos and self.videos is not None:
                 videos = await self.videos.prepare_all(video_blobs, list(media.videos), deadline)
@@ -138,10 +138,23 @@ class MediaPipeline:
             raise
         return None if results is None else Encoded(work, results)
 
-    async def _prepare(self, blobs: list[bytes], indices: list[int], deadline: float) -> list[PreparedImage]:
+    async def _to_encode(
+        self, blobs: list[bytes], handover: Handover | None
+    ) -> tuple[list[int], list[str] | None]:
+        """The indices of the images to encode, and their sha256 when the hand-over asked for them."""
+        if handover is None or not handover.reuses:
+            return list(range(len(blobs))), None
+        digests = await self.pre.run(sha256_each, blobs)
+        held = await handover.held(digests)
+        todo = [i for i, done in enumerate(held) if not done]
+        return todo, [digests[i] for i in todo]
+
+    async def _prepare(
+        self, blobs: list[bytes], indices: list[int], deadline: float, ids: list[str] | None
+    ) -> list[PreparedImage]:
         """The images to encode; an error names the image by its index in the request."""
         try:
-            return await self.pre.prepare(blobs, deadline)
+            return await self.pre.prepare(blobs, deadline, ids)
         except VitserveError as err:
             if err.image_index is not None:
                 err.image_index = indices[err.image_index]
@@ -157,6 +170,11 @@ def _check_each(videos: list[PreparedVideo], check: Callable[[PreparedVideo], No
             check(video)
         except VitserveError as err:
             raise err.with_video_index(index) from None
+
+
+def sha256_each(blobs: list[bytes]) -> list[str]:
+    """Each blob's hex sha256: the image_id the engine keys its cache with (processors/prepare.py)."""
+    return [hashlib.sha256(data).hexdigest() for data in blobs]
 
 
 def count_accepted(metrics: Metrics, prepared: Sequence[PreparedImage]) -> None:

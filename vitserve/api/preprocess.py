@@ -57,9 +57,16 @@ class Preprocessor:
         """Any CPU-heavy call (JSON parsing, base64) on the pool instead of the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def prepare(self, blobs: list[bytes], deadline: float) -> list[PreparedImage]:
+    async def prepare(
+        self, blobs: list[bytes], deadline: float, ids: list[str] | None = None
+    ) -> list[PreparedImage]:
+        """`ids`: the blobs' sha256 when the caller has them already (not computed again)."""
         loop = asyncio.get_running_loop()
-        futures = [loop.run_in_executor(self.pool, self._prepare_one, data) for data in blobs]
+        known = ids if ids is not None else [None] * len(blobs)
+        futures = [
+            loop.run_in_executor(self.pool, self._prepare_one, data, image_id)
+            for data, image_id in zip(blobs, known, strict=True)
+        ]
         remaining = deadline - time.monotonic()
         try:
             results = await asyncio.wait_for(
@@ -77,9 +84,9 @@ class Preprocessor:
                 )
         return results  # type: ignore[return-value]
 
-    def _prepare_one(self, data: bytes) -> PreparedImage:
+    def _prepare_one(self, data: bytes, image_id: str | None) -> PreparedImage:
         prepared = prepare_image(
-            data, self.processor, max_image_pixels=self.max_image_pixels, draft=self.draft
+            data, self.processor, max_image_pixels=self.max_image_pixels, draft=self.draft, image_id=image_id
         )
         self.metrics.stage_seconds.labels(stage="decode").observe(prepared.decode_s)
         self.metrics.stage_seconds.labels(stage="preprocess").observe(prepared.preprocess_s)

@@ -17,14 +17,22 @@ from vitserve.processors.draft import JpegDraft
 
 
 def prepare_image(
-    data: bytes, processor: VisionProcessor, *, max_image_pixels: int, draft: JpegDraft | None = None
+    data: bytes,
+    processor: VisionProcessor,
+    *,
+    max_image_pixels: int,
+    draft: JpegDraft | None = None,
+    image_id: str | None = None,
 ) -> PreparedImage:
     """Decode and preprocess one image; raises the typed errors of decoding and of the token plan.
 
     ``draft``: a JpegDraft for the same processor when --jpeg_draft is on, else None (full decode).
+    ``image_id``: the bytes' hex sha256 when the caller computed it already (a chat request's hand-over
+    looked the image up by it); else computed here.
     """
     t0 = time.perf_counter()
-    image_id = hashlib.sha256(data).hexdigest()
+    if image_id is None:
+        image_id = hashlib.sha256(data).hexdigest()
     decoded = decode_image(data, max_image_pixels=max_image_pixels, draft_target=draft)
     t1 = time.perf_counter()
     try:

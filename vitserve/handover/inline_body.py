@@ -1,9 +1,9 @@
-"""The upstream chat body with its embeddings inline: tensors spliced in as base64, never through JSON.
+"""The upstream chat body, with any embeddings inline: tensors spliced in as base64, never through JSON.
 
-An embedding part (api/embeds.py) holds an `InlineTensor`, not a string. `dumps_body` serializes the rest of
-the request with a placeholder where each tensor goes, then joins the JSON pieces with each tensor's base64:
-the JSON encoder never scans the embeddings (base64's alphabet needs no escaping inside a JSON string), and
-the large bytes are copied once, into the body.
+An inline embedding part (handover/inline.py) holds an `InlineTensor`, not a string. `dumps_body` (every
+transport's body) serializes the rest of the request with a placeholder where each tensor goes, then joins
+the JSON pieces with each tensor's base64: the JSON encoder never scans the embeddings (base64's alphabet
+needs no escaping inside a JSON string), and the large bytes are copied once, into the body.
 
 The tensor's bytes, as vLLM loads them (its ImageEmbeddingMediaIO / VideoEmbeddingMediaIO):
 - a dtype numpy has (float32, float16, ...): `.npy` bytes (no pickle; vLLM recognises numpy's magic and

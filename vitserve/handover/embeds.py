@@ -1,34 +1,21 @@
-"""The LLM server's embedding part for one encoded image, and the check it passes before it leaves.
+"""What the LLM server assumes of an embedding, and the check every transport's tensor passes before it leaves.
 
-vLLM started with --enable-mm-embeds takes precomputed embeddings in place of an image (docs/vllm.md):
-- Qwen2-VL / Qwen2.5-VL: `{"type": "image_embeds", "image_embeds": {"image_embeds": B64, "image_grid_thw":
-  [t, h, w]}}`. The grid sets how many placeholder tokens the prompt gets (t*h*w / merge**2) and the M-RoPE
-  positions, so it is the grid the processor made, flat.
-- Qwen3-VL / Qwen3.5: the same, with the DeepStack features concatenated along the hidden dimension in
-  `deepstack_visual_indexes` order: `[main, ds_0, ds_1, ...]`, shape (N, hidden * (1 + levels)).
-- InternVL: a bare base64 tensor of shape (1, N, hidden).
-
-B64 is base64 of `.npy` bytes (numpy's format: no pickle; vLLM recognises its magic and loads it with
-np.load), or for bfloat16, which numpy lacks, of `torch.save` bytes (vLLM loads them with
-torch.load(weights_only=True)): the tower's dtype on the wire, and vLLM casts to its own. The parts built here
-hold the tensor (api/inline.py InlineTensor); its base64 is spliced into the body when it is serialized.
-
-vLLM does not check every field of these payloads: fewer rows than the grid implies, a 3-D tensor for a
-Qwen model or the wrong width kill its engine process (EngineDeadError), and the dict form has no width
-check at all. So every tensor is checked here against what the LLM will assume, and a mismatch is
-vitserve's own 500 that never reaches the LLM server.
+vLLM does not check every field of an embedding part (docs/vllm.md): fewer rows than the grid implies, a 3-D
+tensor for a Qwen model or the wrong width kill its engine process (EngineDeadError), and the dict form has
+no width check at all; its encoder-cache connectors take a file's rows on trust. So every tensor is checked
+here against what the LLM will assume (`EmbedsLayout`: rows from the grid, the width with Qwen3-VL's
+DeepStack levels concatenated after the main rows), and a mismatch is vitserve's own 500 that never reaches
+the LLM server. The parts themselves are each transport's (handover/inline.py, handover/ec_storage.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from vitserve.api.inline import InlineTensor
 from vitserve.contract import ImageResult, PreparedImage, PreparedVideo
 from vitserve.errors import InvalidRequest, InvalidVideoSampling, VitserveError
 from vitserve.families import FAMILIES
@@ -128,20 +115,6 @@ def check_tensor(layout: EmbedsLayout, image: PreparedImage, tensor: torch.Tenso
         )
 
 
-def embeds_part(
-    layout: EmbedsLayout, image: PreparedImage, result: ImageResult, index: int
-) -> dict[str, Any]:
-    """The content part that replaces image `index`'s `image_url` part, checked."""
-    tensor = llm_tensor(layout, result)
-    check_tensor(layout, image, tensor, index)
-    if layout.tiles:
-        return {"type": "image_embeds", "image_embeds": InlineTensor(tensor.unsqueeze(0))}  # (1, N, hidden)
-    return {
-        "type": "image_embeds",
-        "image_embeds": {"image_embeds": InlineTensor(tensor), "image_grid_thw": list(image.item.grid_thw)},
-    }
-
-
 def video_tensor(layout: EmbedsLayout, video: PreparedVideo, results: list[ImageResult]) -> torch.Tensor:
     """The video's rows in time order, its groups joined (each DeepStack level joined the same way, then
     concatenated after the main rows as for an image)."""
@@ -166,16 +139,3 @@ def checked_video_tensor(
             f"({rows}, {layout.width}) for grid {grid} ({layout.family}); nothing was sent to it"
         )
     return tensor, grid
-
-
-def video_embeds_part(
-    layout: EmbedsLayout, video: PreparedVideo, results: list[ImageResult], index: int
-) -> dict[str, Any]:
-    """The content part that replaces video `index`'s `video_url` part, checked: `video_grid_thw` [T, h, w],
-    and for Qwen3-VL / Qwen3.5 each group's `timestamps` (the "<t seconds>" text vLLM puts before it).
-    Qwen2.5-VL's second_per_grid_ts is not sent: vLLM takes none (check_video_time)."""
-    tensor, grid = checked_video_tensor(layout, video, results, index)
-    embeds: dict[str, Any] = {"video_embeds": InlineTensor(tensor), "video_grid_thw": grid}
-    if layout.video_time == "timestamps":
-        embeds["timestamps"] = video.metadata["timestamps_s"]
-    return {"type": "video_embeds", "video_embeds": embeds}

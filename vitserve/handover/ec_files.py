@@ -117,7 +117,7 @@ def write_file(root: Path, uuid: str, tensor: torch.Tensor, metadata: dict[str, 
 
 def _temp_file(directory: Path) -> str:
     """A new temporary file in `directory`, made if missing. Another replica's sweep may remove the directory
-    while it is still empty (api/ec_store.py): then it is made again."""
+    while it is still empty (handover/ec_store.py): then it is made again."""
     for attempt in range(3):
         directory.mkdir(parents=True, exist_ok=True)
         try:

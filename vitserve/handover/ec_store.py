@@ -1,6 +1,6 @@
 """The encoder-cache directory's lifetime (--llm_transport ec_storage, docs/vllm.md): which files vitserve
 holds there, and when each goes. Several vitserve replicas may share the directory: what decides is the
-directory itself (api/ec_pins.py), never one process's memory.
+directory itself (handover/ec_pins.py), never one process's memory.
 
 - A file lives while any request that names it is in flight, in any process (`pin` ... `unpin`, counted here:
   one image twice in a request is two pins; the first pin takes a lock every process sees, the last lets it
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from vitserve.api.ec_files import (
+from vitserve.handover.ec_files import (
     TEMP_PREFIX,
     EcFileMissing,
     FileInfo,
@@ -45,7 +45,7 @@ from vitserve.api.ec_files import (
     is_uuid,
     write_file,
 )
-from vitserve.api.ec_pins import PINS_DIR, DirPins, OnDisk, scan
+from vitserve.handover.ec_pins import PINS_DIR, DirPins, OnDisk, scan
 from vitserve.metrics import Metrics
 
 PRODUCER = "vitserve"  # the `producer` metadata of every file vitserve writes
@@ -98,7 +98,7 @@ class EcStore:
     # ------------------------------------------------------------------------------------------ use
 
     def lookup(self, uuid: str) -> Entry | None:
-        """The entry, pinned, when its file (any replica's) is there (a reuse); else None and nothing pinned."""
+        """The entry, pinned, when its file (any replica's) is there (a reuse); else None, nothing pinned."""
         with self._lock:
             self._pin(uuid)
             info = self._info(uuid)

@@ -1,5 +1,5 @@
-"""What every process sharing one --ec_storage_path sees of the others (api/ec_store.py, docs/vllm.md): pins,
-and the files as they are on disk.
+"""What every process sharing one --ec_storage_path sees of the others (handover/ec_store.py,
+docs/vllm.md): pins, and the files as they are on disk.
 
 A pin is a shared `flock` on `DIR/.vitserve-pins/<uuid>`, held by the process that pins the uuid for as long
 as any request of its names it. A removal (eviction, the clean-up of an earlier run's leftovers) takes an
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vitserve.api.ec_files import FILE_NAME, EcStorageError, is_uuid
+from vitserve.handover.ec_files import FILE_NAME, EcStorageError, is_uuid
 
 PINS_DIR = ".vitserve-pins"  # in DIR, beside the uuids' directories (no uuid: 64 hex digits)
 
