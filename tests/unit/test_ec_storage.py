@@ -35,6 +35,7 @@ from vitserve.handover.ec_files import (
     is_uuid,
     write_file,
 )
+from vitserve.handover.ec_pins import PINS_DIR
 from vitserve.handover.ec_storage import EcStorageTransport, NotAConsumer, strip
 from vitserve.handover.ec_store import EcStore
 from vitserve.handover.embeds import EmbedsLayout
@@ -148,6 +149,8 @@ def test_a_write_that_fails_is_a_storage_error_and_leaves_nothing(tmp_path):
 
 
 def _put(store: EcStore, name: str, rows: int = 4) -> str:
+    if isinstance(store.clock, Clock):
+        store.clock.now += 0.001  # one write after another: least recently used is well defined
     uuid = ec_uuid("fp", "image", name)
     store.pin(uuid)
     store.put(uuid, _tensor(rows), {"grid": "[1, 4, 4]"})
@@ -213,8 +216,12 @@ def test_the_sweep_removes_empty_directories_but_not_files_or_pinned_ones(tmp_pa
     store.pin(pending)
     (tmp_path / pending).mkdir()  # about to be written
     store.maintain()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([kept, "other", pending])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([kept, "other", pending, PINS_DIR])
     assert metrics.value("vitserve_ec_swept_dirs_total") == 1
+    store.unpin([pending])  # never written: its directory and its lock file go at the next upkeep
+    store.maintain()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([kept, "other", PINS_DIR])
+    assert os.listdir(tmp_path / PINS_DIR) == [kept]
 
 
 def test_start_up_takes_over_an_earlier_runs_files_and_removes_broken_ones(tmp_path):

@@ -98,9 +98,7 @@ def write_file(root: Path, uuid: str, tensor: torch.Tensor, metadata: dict[str, 
     path = file_path(root, uuid)
     temp: str | None = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
-        os.close(fd)
+        temp = _temp_file(path.parent)
         # save_file writes the tensor's bytes straight to the file: 1.8x faster than save() to bytes and a
         # write at width 16,384 (bench/ec_handover.py), one copy of ~90 MB less per 1080p image
         save_file({TENSOR: tensor.detach().cpu().contiguous()}, temp, metadata=metadata)
@@ -115,6 +113,22 @@ def write_file(root: Path, uuid: str, tensor: torch.Tensor, metadata: dict[str, 
                 os.unlink(temp)
     rows, width = tensor.shape
     return FileInfo(int(rows), int(width), _dtype_name(tensor.dtype), size, dict(metadata))
+
+
+def _temp_file(directory: Path) -> str:
+    """A new temporary file in `directory`, made if missing. Another replica's sweep may remove the directory
+    while it is still empty (handover/ec_store.py): then it is made again."""
+    for attempt in range(3):
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            fd, temp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=directory)
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+            continue
+        os.close(fd)
+        return temp
+    raise AssertionError("unreachable")
 
 
 def check_file(root: Path, uuid: str, rows: int | None = None, width: int | None = None) -> FileInfo:
