@@ -51,7 +51,7 @@ from vitserve.errors import ConfigError, EncoderFailed, MemoryTargetError, NotRe
 from vitserve.metrics import Metrics
 from vitserve.model.base import Encoder
 from vitserve.worker import rendezvous
-from vitserve.worker.rank import load_configured_encoder, startup_timeout_s
+from vitserve.worker.args import load_configured_encoder, startup_timeout_s
 from vitserve.worker.rendezvous import Rendezvous
 from vitserve.worker.reservation import StressShape
 from vitserve.worker.reservation.published import remove_killed
