@@ -22,7 +22,8 @@ from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.engine import Engine
 from vitserve.engine.groups import WorkerGroup
 from vitserve.worker import messages as m
-from vitserve.worker.rank import RankWorker, WorkerArgs
+from vitserve.worker.args import WorkerArgs
+from vitserve.worker.rank import RankWorker
 from vitserve.worker.reservation.meter import Meter
 from vitserve.worker.reservation.worst_case import qwen_item
 

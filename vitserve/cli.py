@@ -39,6 +39,7 @@ def render_banner(service: Service) -> str:
     (vitserve/api/info.py), so the two always list the same settings."""
     from vitserve.api.info import banner, info_body
 
+    assert service.processor is not None, "the banner is printed once the Service serves its app"
     info = info_body(service.config, service.engine, service.processor)
     return banner(info, f"http://{service.config.host}:{service.port}")
 
@@ -61,8 +62,11 @@ def _stress_shape(config: Config, processor: VisionProcessor) -> StressShape:
 
 
 def build_service(config: Config, checkpoint: Checkpoint) -> Service:
-    """Node 0's service for a config preflight.check passed: the socket, the processor, the engine (its ranks
-    start when the service runs). main runs it; tests run it in a thread (tests/e2e/live.py cli_in_process)."""
+    """Node 0's service for a config preflight.check passed: the socket, the processor for the flags (its
+    per-image limits bound the ranks' worst case; it preprocesses the warm-up image), the engine (its ranks
+    start when the service runs), and the Service, which serves with that processor, or with --visual_mem_gb
+    alone builds one at the budget the ranks chose (_processor_for). main runs it; tests run it in a thread
+    (tests/e2e/live.py cli_in_process)."""
     from vitserve.api.listen import bind_socket
 
     sock = bind_socket(config.host, config.port)  # before the API's imports (~7 s): a busy port fails at once
@@ -82,17 +86,19 @@ def build_service(config: Config, checkpoint: Checkpoint) -> Service:
     return Service(
         config,
         engine,
-        processor,
+        functools.partial(_processor_for, checkpoint, config, processor),
         metrics,
         sock=sock,
         banner=render_banner,
-        processor_for=functools.partial(_processor_for, checkpoint),
     )
 
 
-def _processor_for(checkpoint: Checkpoint, config: Config) -> VisionProcessor:
-    """The processor at a budget the ranks chose (--visual_mem_gb): Service._adopt_budget."""
-    return _load_processor(config, checkpoint)
+def _processor_for(
+    checkpoint: Checkpoint, flags: Config, loaded: VisionProcessor, config: Config
+) -> VisionProcessor:
+    """The processor the Service serves with, for the Config the engine's start decided: the one loaded for
+    the flags when that is the flags' Config, else (--visual_mem_gb alone) one at the ranks' budget."""
+    return loaded if config is flags else _load_processor(config, checkpoint)
 
 
 def _exit_now(signum: int, _frame: object) -> None:

@@ -58,7 +58,8 @@ class Config:
     # --visual_mem_gb (docs/engine.md, "A budget from a memory target"): each rank's worst case must fit in this
     # many GiB. budget_source is no flag: "flag" when --visual_batch_max_tokens sets the budget (with
     # --visual_mem_gb too, it is checked against it), "visual_mem_gb" when the ranks choose it; until they
-    # have, visual_batch_max_tokens is 0 and the engine and the service adopt their choice once it is known.
+    # have, visual_batch_max_tokens is 0; the Config to serve with, holding their choice, is built once
+    # (engine/startup.py decided_config), before the scheduler, the image processor and the app.
     visual_mem_gb: float | None = None
     budget_source: str = "flag"
     api_key: str | None = None

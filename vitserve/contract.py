@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from vitserve.config import Config
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -185,9 +190,6 @@ class EngineInfo:
     # everything besides an image's bytes that decides its embedding (the weights' content digest, budget,
     # resize, dtype, versions: the engine cache's fingerprint); "" until the ranks are ready
     fingerprint: str = ""
-    budget_tokens: int | None = (
-        None  # chosen by the ranks for --visual_mem_gb; None: the flag's budget stands
-    )
 
 
 @dataclass(frozen=True)
@@ -203,8 +205,9 @@ class Engine(Protocol):
 
     failed: asyncio.Event  # set when no encoder group is left: the Service exits with code 1
 
-    async def start(self) -> None:
-        """Start every encoder group; return once all are ready, or raise ConfigError naming the flag."""
+    async def start(self) -> Config:
+        """Start every encoder group; once all are ready, return the Config to serve with (with --visual_mem_gb
+        alone, the budget the ranks chose), or raise ConfigError naming the flag."""
 
     async def shutdown(self) -> None:
         """Stop taking work, stop the groups, remove what start() made. Safe to call twice or unstarted."""

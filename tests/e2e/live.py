@@ -61,7 +61,7 @@ def live_server(
             if make_engine
             else thread_engine(config, metrics, gate=gate, encoder=encoder)
         )
-    service = Service(config, engine, processor, metrics, sock=bind_socket("127.0.0.1", 0))
+    service = Service(config, engine, lambda _config: processor, metrics, sock=bind_socket("127.0.0.1", 0))
     with serving(service) as result:
         try:
             yield Live(f"http://127.0.0.1:{service.port}", service, engine, metrics, config, result, gate)

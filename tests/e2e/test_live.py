@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.live import live_server
+from tests.e2e.live import cli_in_process, live_server
 
 
 # Before: live_server waited its full 300 s start limit for a server whose thread had already returned 1,
@@ -16,3 +16,17 @@ def test_a_start_up_that_fails_is_raised_at_once_with_its_exit_code():
         live_server(llm_endpoint="tcp://256.0.0.1:x"),  # refused by the engine before any rank starts
     ):
         pytest.fail("the server started")
+
+
+@pytest.mark.timeout(300)
+def test_the_ranks_of_an_in_process_service_write_to_the_tests_stderr(tmp_path, capfd):
+    """The ranks of an in-process service are forked from the session's forkserver, whose stdout and stderr
+    are a pipe tests/conftest.py copies to this process's fd 2 as it comes: their phase lines reach the
+    running test's capture (capfd) as the CLI process's reach its stderr. Without the copy they would go
+    where the forkserver's stderr went when the session started, which no test reads."""
+    argv = ["--model", "demo", "--port", "0", "--device", "cpu", "--visual_batch_max_tokens", "256"]
+    with cli_in_process(argv, tmp_path):
+        pass
+    err = capfd.readouterr().err
+    assert "vitserve [group 0]" in err
+    assert "loading weights: --model demo" in err

@@ -167,7 +167,7 @@ def test_stop_during_startup_cancels_the_start_and_exits_0():
         group_factory=functools.partial(ThreadGroup, gate=gate),
         warmup_image=warmup_image(processor),
     )
-    service = Service(config, engine, processor, metrics, sock=bind_socket("127.0.0.1", 0))
+    service = Service(config, engine, lambda _config: processor, metrics, sock=bind_socket("127.0.0.1", 0))
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(code=asyncio.run(service.run())), daemon=True)
     thread.start()

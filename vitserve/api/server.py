@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import signal
 import socket
@@ -27,12 +26,14 @@ import time
 from collections.abc import Callable, Iterator
 
 import uvicorn
+from fastapi import FastAPI
 from PIL import Image
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vitserve.api.app import close_app, create_app
 from vitserve.api.edge import ServerState
 from vitserve.api.listen import bind_socket
+from vitserve.api.starting import starting_app
 from vitserve.config import Config
 from vitserve.contract import Engine, ProcessedImage
 from vitserve.errors import MemoryTargetError
@@ -74,8 +75,8 @@ def warmup_image(processor: VisionProcessor) -> ProcessedImage:
 
 
 class _AppSwitch:
-    """The ASGI app uvicorn serves: the Service's current app, which --visual_mem_gb replaces once, when the
-    ranks have chosen the budget and before any request is admitted (Service._adopt_budget)."""
+    """The ASGI app uvicorn serves: the start-up app (api/starting.py) until the Service has built its app
+    from the decided Config (--visual_mem_gb alone), else the app from the start."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -91,23 +92,25 @@ class Service:
         self,
         config: Config,
         engine: Engine,
-        processor: VisionProcessor,
+        processor_for: Callable[[Config], VisionProcessor],
         metrics: Metrics,
         *,
         sock: socket.socket | None = None,
         banner: Callable[[Service], str] | None = None,
-        processor_for: Callable[[Config], VisionProcessor] | None = None,
     ):
-        """processor_for: the image processor for a config (the CLI's); --visual_mem_gb alone rebuilds the
-        processor and the app with it once the ranks have chosen the budget."""
+        """processor_for: the image processor for the Config to serve with (the CLI's loader). The processor
+        and the app are built from the Config the budget is decided in: here when the flags give the budget;
+        with --visual_mem_gb alone, once the engine's start returned the ranks' choice (run)."""
         self.config = config
         self.engine = engine
-        self.processor = processor
         self.metrics = metrics
         self.state = ServerState()
-        self.app = create_app(config, engine, processor, metrics, state=self.state)
-        self._switch = _AppSwitch(self.app)
         self._processor_for = processor_for
+        self.processor: VisionProcessor | None = None
+        self.app: FastAPI | None = None
+        self._switch = _AppSwitch(starting_app(config, engine, metrics, self.state))
+        if config.budget_source != "visual_mem_gb":
+            self._open_front(config)
         self.sock = sock or bind_socket(config.host, config.port)
         self.port: int = self.sock.getsockname()[1]  # the real one when --port 0
         self.banner = banner
@@ -116,6 +119,17 @@ class Service:
         self._hurry = False  # a second stop request: the drain no longer waits for active requests
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started = threading.Event()
+
+    def _open_front(self, config: Config) -> None:
+        """The image processor and the app, built once, from the Config the budget is decided in."""
+        self.config = config
+        self.processor = self._processor_for(config)
+        self.app = create_app(config, self.engine, self.processor, self.metrics, state=self.state)
+        self._switch.app = self.app
+
+    async def _close_front(self) -> None:
+        if self.app is not None:
+            await close_app(self.app)
 
     def request_stop(self) -> None:
         """Thread-safe: what SIGTERM does."""
@@ -128,36 +142,23 @@ class Service:
         self._install_signals()
         server = http_server(self._switch, self.config.log_level)
         serving = asyncio.create_task(server.serve(sockets=[self.sock]))
-        code = await self._start_engine()
-        if code is not None:
+        decided = await self._start_engine()
+        if not isinstance(decided, Config):  # the exit code
             server.should_exit = True
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await serving
-            return code
-        await self._adopt_budget()
+            return decided
+        if self.app is None:  # --visual_mem_gb alone: built now, with the budget the ranks chose
+            self._open_front(decided)
         if self.banner is not None:  # printed whatever --log_level says: it is the record of every guard
             print(self.banner(self), file=sys.stderr, flush=True)
         self.started.set()
         return await self._serve_until_stopped(server, serving)
 
-    async def _adopt_budget(self) -> None:
-        """--visual_mem_gb alone: the budget the ranks chose becomes the processor's clamp and every budget
-        the API applies, exactly as if --visual_batch_max_tokens had given it (docs/engine.md)."""
-        chosen = self.engine.info().budget_tokens
-        if chosen is None or chosen == self.config.visual_batch_max_tokens:
-            return
-        if self._processor_for is None:
-            raise RuntimeError("--visual_mem_gb chose a budget, but the Service has no processor_for")
-        old = self.app
-        self.config = dataclasses.replace(self.config, visual_batch_max_tokens=chosen)
-        self.processor = self._processor_for(self.config)
-        self.app = create_app(self.config, self.engine, self.processor, self.metrics, state=self.state)
-        self._switch.app = self.app
-        await close_app(old)
-
-    async def _start_engine(self) -> int | None:
-        """Start the engine unless a stop request comes first. None once it is ready, else the exit code:
-        1 when start-up failed, 2 when --visual_mem_gb cannot be met, 128 + the signal number when a signal stopped it (0 for request_stop)."""
+    async def _start_engine(self) -> Config | int:
+        """Start the engine unless a stop request comes first. The Config it decided once it is ready, else
+        the exit code: 1 when start-up failed, 2 when --visual_mem_gb cannot be met, 128 + the signal number
+        when a signal stopped it (0 for request_stop)."""
         assert self._stop is not None
         starting = asyncio.create_task(self.engine.start(), name="vitserve-engine-start")
         stop = asyncio.create_task(self._stop.wait())
@@ -168,21 +169,21 @@ class Service:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await starting
             await self.engine.shutdown()  # marks the engine stopping; nothing is left to stop
-            await close_app(self.app)
+            await self._close_front()
             by = signal.Signals(self._signum).name if self._signum is not None else "request"
             log.info("stopped by %s during start-up; the encoder ranks are gone", by)
             return 128 + self._signum if self._signum is not None else 0
         try:
-            starting.result()
+            decided = starting.result()
         except MemoryTargetError as exc:  # a setting that can never work: one line, exit 2 (docs/api.md)
             print(f"vitserve: start-up failed: {exc}", file=sys.stderr, flush=True)
-            await close_app(self.app)
+            await self._close_front()
             return 2
         except Exception as exc:  # start-up failed: the engine's message names the knob
             log.error("start-up failed: %s", exc)
-            await close_app(self.app)
+            await self._close_front()
             return 1
-        return None  # a stop that came with READY is seen by _serve_until_stopped: it drains at once
+        return decided  # a stop that came with READY is seen by _serve_until_stopped: it drains at once
 
     async def _serve_until_stopped(self, server: _Server, serving: asyncio.Task[None]) -> int:
         assert self._stop is not None
@@ -216,7 +217,7 @@ class Service:
             await self.engine.shutdown()
         except Exception as exc:
             log.error("engine shutdown failed: %s", exc)
-        await close_app(self.app)
+        await self._close_front()
 
     async def _watch_engine(self) -> None:
         """Returns when the engine says no encoder group is left (engine.failed, an asyncio.Event)."""

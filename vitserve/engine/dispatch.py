@@ -34,28 +34,33 @@ ERROR_GRACE_S = 0.2  # collect the other ranks' errors before failing a group (r
 
 
 class Dispatcher:
-    def __init__(self, config: Config, metrics: Metrics, warmup: ProcessedImage | None = None):
-        self.config = config
+    def __init__(self, metrics: Metrics, warmup: ProcessedImage | None = None):
         self.metrics = metrics
         self.warmup = warmup  # each group encodes it once before it counts as READY; None: no warm-up
-        self.scheduler = Scheduler(config.visual_batch_max_tokens, config.visual_infer_batch_size)
+        # built by open() from the Config the ranks' start-up decided (engine/startup.py decided_config):
+        # until then the groups start and warm up, and nothing is queued
+        self.scheduler: Scheduler | None = None
         self.groups: list[WorkerGroup] = []
         self.queued: dict[int, Job] = {}  # job id -> Job, for the ids the scheduler hands back
         self.all_failed = asyncio.Event()  # set when no group is left to serve
         self.tokens_per_s = 0.0  # EWMA of encode throughput, for Retry-After
         self._batch_ids = 0
 
-    def adopt_budget(self, config: Config) -> None:
-        """The budget the ranks chose for --visual_mem_gb, before any work is queued (Engine.start)."""
-        assert not self.queued, "the budget changes only before the first request"
-        self.config = config
+    def open(self, config: Config) -> None:
+        """The queue, with the decided budget (Engine.start, once every group is ready)."""
+        assert self.scheduler is None, "the queue opens once"
         self.scheduler = Scheduler(config.visual_batch_max_tokens, config.visual_infer_batch_size)
+
+    @property
+    def _queue(self) -> Scheduler:
+        assert self.scheduler is not None, "no work is queued before the engine has started"
+        return self.scheduler
 
     # ------------------------------------------------------------------------------------ queue
 
     def add(self, jobs: list[Job]) -> None:
         for job in jobs:
-            self.scheduler.add(job.id, job.item.num_tokens)
+            self._queue.add(job.id, job.item.num_tokens)
             self.queued[job.id] = job
         self._update_queue_gauges()
         self.dispatch()
@@ -63,7 +68,7 @@ class Dispatcher:
     def add_stream(self, jobs: list[Job]) -> None:
         """A video's temporal groups, in order: one batch's worth enters the queue now, the rest as those
         are dispatched (Scheduler.add_stream)."""
-        self.scheduler.add_stream([(job.id, job.item.num_tokens) for job in jobs])
+        self._queue.add_stream([(job.id, job.item.num_tokens) for job in jobs])
         for job in jobs:
             self.queued[job.id] = job
         self._update_queue_gauges()
@@ -72,7 +77,7 @@ class Dispatcher:
     def cancel(self, jobs: list[Job]) -> None:
         """Forget Jobs nobody waits for: queued ones never reach a group, in-flight results are dropped."""
         for job in jobs:
-            if self.scheduler.cancel(job.id):
+            if self.scheduler is not None and self.scheduler.cancel(job.id):
                 self.queued.pop(job.id, None)
             if not job.future.done():
                 job.future.cancel()  # an in-flight result for it is dropped on arrival
@@ -81,7 +86,9 @@ class Dispatcher:
         self._update_queue_gauges()
 
     def dispatch(self) -> None:
-        """Give every idle group the next batch from the head of the queue."""
+        """Give every idle group the next batch from the head of the queue (none before open)."""
+        if self.scheduler is None:
+            return
         for group in self.groups:
             if not group.idle:
                 continue
@@ -92,7 +99,7 @@ class Dispatcher:
 
     def _next_jobs(self) -> list[Job]:
         now = time.monotonic()
-        while (ids := self.scheduler.next_batch()) is not None:
+        while (ids := self._queue.next_batch()) is not None:
             live = []
             for job in (self.queued.pop(i) for i in ids):  # type: ignore[call-overload]  # ids are our ints
                 if job.deadline <= now:  # past --request_timeout_s while queued: dropped, never encoded
@@ -112,8 +119,8 @@ class Dispatcher:
             self.metrics.stage_seconds.labels(stage="queue").observe(job.queue_s)
         self.metrics.batch_tokens.observe(batch.tokens)
         self.metrics.batch_images.observe(len(jobs))
-        if self.config.budget_enabled:
-            self.metrics.batch_fill_ratio.observe(batch.tokens / self.config.visual_batch_max_tokens)
+        if budget := self._queue.visual_batch_max_tokens:
+            self.metrics.batch_fill_ratio.observe(batch.tokens / budget)
         self._update_queue_gauges()
         try:
             group.start_batch(batch)
@@ -121,8 +128,9 @@ class Dispatcher:
             self.fail_group(group, f"could not hand a batch to group {group.index}: {exc}")
 
     def _update_queue_gauges(self) -> None:
-        self.metrics.queue_tokens.set(self.scheduler.queued_tokens)
-        self.metrics.queue_images.set(self.scheduler.queued_items)
+        if self.scheduler is not None:
+            self.metrics.queue_tokens.set(self.scheduler.queued_tokens)
+            self.metrics.queue_images.set(self.scheduler.queued_items)
 
     # ------------------------------------------------------------------------------------ status socket
 
@@ -269,7 +277,7 @@ class Dispatcher:
 
     def _fail_queue(self, exc: Exception) -> None:
         for job in self.queued.values():
-            self.scheduler.cancel(job.id)
+            self._queue.cancel(job.id)
             job.settle(exc=exc)
         self.queued.clear()
         self._update_queue_gauges()

@@ -1,10 +1,14 @@
 """The engine: what the HTTP front end calls (contract.Engine). Owns admission, Jobs, groups and the LLM push.
 
     engine = Engine(config, metrics, warmup_image=item)  # a small ProcessedImage (api/server.py warmup_image)
-    await engine.start()                         # spawn dp x tp ranks, wait for every READY + warm-up encode
+    config = await engine.start()                # spawn dp x tp ranks, wait for every READY + warm-up encode
     engine.admit(None)                           # the one queue rule; raises QueueFull with Retry-After
     results = await engine.encode(EncodeRequest(...))
     await engine.shutdown()                      # STOP, join, clean files
+
+`start()` returns the Config to serve with: the flags' own, or with --visual_mem_gb alone the budget the
+ranks chose (engine/startup.py `decided_config`, the one place it is decided); the queue opens with it, and
+`engine.config` is it from then on (before, it is the flags' Config the ranks were spawned with).
 
 This is the only module that calls both the JobTable (jobs.py) and the Dispatcher (dispatch.py): a new
 Job goes to the dispatcher's queue, and the Jobs a request leaves orphaned go to `dispatch.cancel`.
@@ -16,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
@@ -47,11 +50,12 @@ from vitserve.engine.groups import TERM_GRACE_S, GroupState, Watchdog, WorkerGro
 from vitserve.engine.jobs import Claim, Job, JobTable
 from vitserve.engine.local_cache import make_cache
 from vitserve.engine.push import LLMPush
-from vitserve.errors import ConfigError, EncoderFailed, MemoryTargetError, NotReady, QueueFull
+from vitserve.engine.startup import decided_config, wait_ready
+from vitserve.errors import EncoderFailed, NotReady, QueueFull
 from vitserve.metrics import Metrics
 from vitserve.model.base import Encoder
 from vitserve.worker import rendezvous
-from vitserve.worker.rank import load_configured_encoder, startup_timeout_s
+from vitserve.worker.args import load_configured_encoder
 from vitserve.worker.rendezvous import Rendezvous
 from vitserve.worker.reservation import StressShape
 from vitserve.worker.reservation.published import remove_killed
@@ -99,7 +103,7 @@ class Engine:
         self._init_state()
 
     def _init_state(self) -> None:
-        self._dispatch = Dispatcher(self.config, self.metrics, self.warmup_image)
+        self._dispatch = Dispatcher(self.metrics, self.warmup_image)
         self.failed = self._dispatch.all_failed  # set when no encoder group is left
         self._jobs = JobTable(make_cache(self.config, self.metrics))  # cache + dedup
         self._started = False
@@ -113,9 +117,13 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ start / stop
 
-    async def start(self) -> None:
-        """Spawn dp x tp ranks and return once every rank reported READY (after its reservation)."""
-        if self.config.llm_endpoint and self.config.llm_transport != "wire":  # first: fails before any spawn
+    async def start(self) -> Config:
+        """Spawn dp x tp ranks; once every group is ready (its ranks' READYs, then the warm-up encode), open
+        the queue with the Config their start-up decided (engine/startup.py decided_config) and return it:
+        the Service builds its image processor and app from it."""
+        if (
+            self.config.llm_endpoint and self.config.llm_transport != "wire"
+        ):  # first: a bad --llm_endpoint fails before any rank is spawned
             self._push = LLMPush(self.config.llm_endpoint, self.metrics)
             self.readiness_checks.append(self._llm_receiver_check)
         self._ipc_dir = tempfile.mkdtemp(prefix="vitserve-")  # 0700: only this user reaches the sockets
@@ -142,11 +150,12 @@ class Engine:
         for group in groups:
             group.spawn()
         try:
-            await self._wait_ready()
+            await wait_ready(groups, self.config)
         except BaseException:
             await self._teardown()
             raise
-        self._adopt_budget()
+        self.config = decided_config(self.config, groups)  # the flags' Config, or it with the chosen budget
+        self._dispatch.open(self.config)
         info = self.info()
         if self._push is not None:
             self._push.model = info.model  # known once the ranks loaded it
@@ -157,16 +166,7 @@ class Engine:
 
             self._shared = await open_shared_cache(self.config, self.metrics)
         self._started = True
-
-    def _adopt_budget(self) -> None:
-        """--visual_mem_gb alone: the budget the ranks chose (the smallest over the DP groups, each of which
-        agreed on one over its TP ranks) becomes the scheduler's, as if --visual_batch_max_tokens gave it."""
-        if self.config.budget_source != "visual_mem_gb":
-            return
-        chosen = min(msg.budget_tokens for g in self._dispatch.groups for msg in g.ready.values())
-        self.config = dataclasses.replace(self.config, visual_batch_max_tokens=chosen)
-        self._dispatch.adopt_budget(self.config)
-        log.info("--visual_mem_gb %g: the budget is %d tokens", self.config.visual_mem_gb, chosen)
+        return self.config
 
     def _open_sockets(self) -> None:
         self._zmq = zmq.asyncio.Context()
@@ -179,26 +179,6 @@ class Engine:
     def _rendezvous(self, group: int) -> Rendezvous:
         assert self._ipc_dir is not None
         return rendezvous.resolve(self.config, self._environ, group=group, private_dir=self._ipc_dir)
-
-    async def _wait_ready(self) -> None:
-        limit = startup_timeout_s(self.config)
-        end = time.monotonic() + limit
-        groups = self._dispatch.groups
-        while not all(g.state is GroupState.READY for g in groups):
-            failed = [g for g in groups if g.state is GroupState.FAILED]
-            setting = next((g.setting_error for g in groups if g.setting_error), None)
-            if setting is not None:  # --visual_mem_gb cannot be met: the rank's one line, exit 2
-                raise MemoryTargetError(setting)
-            if failed:
-                raise ConfigError(
-                    f"encoder start-up failed: {failed[0].failure}{_startup_hint(failed[0].failure)}"
-                )
-            if time.monotonic() > end:
-                raise ConfigError(
-                    f"encoder ranks did not finish start-up within {limit:g}s "
-                    "(--dist_timeout_s, at least 120 s)"
-                )
-            await asyncio.sleep(0.05)
 
     async def shutdown(self) -> None:
         """Refuse new work and stop the ranks. The Service lets the active requests finish first (its
@@ -267,7 +247,7 @@ class Engine:
         return Readiness(True, "ok")
 
     def _llm_receiver_check(self) -> str | None:
-        """Wire v2 (docs/wire.md): not ready while no LLM receiver is connected to --llm_endpoint."""
+        """The wire (docs/wire.md): not ready while no LLM receiver is connected to --llm_endpoint."""
         if self._push is not None and not self._push.reachable:
             return f"no LLM receiver is connected at --llm_endpoint {self._push.endpoint}"
         return None
@@ -288,9 +268,6 @@ class Engine:
             reserved_memory_bytes={rank: msg.reserved_bytes for rank, msg in readies},
             reserved_source=first.reserved_source,
             fingerprint=self._jobs.fingerprint,
-            budget_tokens=self.config.visual_batch_max_tokens
-            if self.config.budget_source == "visual_mem_gb"
-            else None,
         )
 
     # -------------------------------------------------------------------- views for the CLI and tests
@@ -302,11 +279,13 @@ class Engine:
 
     @property
     def queue_tokens(self) -> int:
-        return self._dispatch.scheduler.queued_tokens
+        queue = self._dispatch.scheduler
+        return queue.queued_tokens if queue is not None else 0
 
     @property
     def queue_items(self) -> int:
-        return self._dispatch.scheduler.queued_items
+        queue = self._dispatch.scheduler
+        return queue.queued_items if queue is not None else 0
 
     @property
     def llm_messages_sent(self) -> int:
@@ -392,9 +371,3 @@ class Engine:
         task = asyncio.ensure_future(work)
         self._feeds.add(task)
         task.add_done_callback(self._feeds.discard)
-
-
-def _startup_hint(failure: str | None) -> str:
-    if not (failure and "out of memory" in failure.lower()):
-        return ""
-    return "; the worst-case reservation did not fit: lower --visual_batch_max_tokens, raise --tp, or set --visual_mem_gb"

@@ -40,8 +40,8 @@ from vitserve.contract import ProcessedImage
 from vitserve.engine.jobs import Job
 from vitserve.model.base import Encoder
 from vitserve.worker import messages as m
+from vitserve.worker.args import WorkerArgs
 from vitserve.worker.process import run_worker
-from vitserve.worker.rank import WorkerArgs
 from vitserve.worker.rendezvous import Rendezvous
 from vitserve.worker.reservation import StressShape
 

@@ -31,7 +31,7 @@ from vitserve.config import Config
 from vitserve.engine.groups import TERM_GRACE_S, WorkerGroup
 from vitserve.worker import messages as m
 from vitserve.worker import rendezvous
-from vitserve.worker.rank import load_configured_encoder
+from vitserve.worker.args import load_configured_encoder
 from vitserve.worker.reservation import StressShape
 from vitserve.worker.reservation.published import remove_killed
 

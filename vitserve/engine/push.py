@@ -29,7 +29,7 @@ class LLMPush:
 
     @property
     def reachable(self) -> bool:
-        """A wire-v2 receiver is connected now (ZMTP handshake done, heartbeats answered)."""
+        """A ROUTER receiver is connected now (ZMTP handshake done, heartbeats answered)."""
         return self._sender.reachable
 
     async def push(self, *, request: EncodeRequest, item: RequestItem, encoded: EncodedImage) -> float:

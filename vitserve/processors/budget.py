@@ -8,12 +8,18 @@ guarantee it even with ``max_pixels`` clamped to ``budget * factor**2``:
 - in its grow branch (area below ``min_pixels``) both sides are rounded *up*, so a thin image, or a budget
   close to ``min_pixels``, overshoots (1x100 at min 4 tokens -> 1x20 tokens).
 
-The rule used here: take exactly what the clamped HF processor would produce. When that is over the budget:
-- HF was shrinking (one side forced to one patch group): `shrink_grid`, which caps the other side at the
-  budget (the same rule shrinks video frames, video/plan.py);
-- HF was growing a small image to ``min_pixels``: pick the grid with ``min_tokens <= tokens <= budget``
-  whose aspect ratio is closest to the image's; when ``budget < min_tokens`` there is none and the image
-  is refused with OverTokenBudget (the processor's minimum is above the budget).
+The rule used here: take exactly what the clamped HF processor would produce. When that is over the budget,
+the path depends on the branch HF took (`plan_qwen`):
+- HF's shrink branch (above the clamped max_pixels, one side forced up to one patch group): `shrink_grid`,
+  which keeps that side at one token and cuts the other to the budget (1 x budget);
+- HF's grow branch (below ``min_pixels``, enlarged to it with both sides rounded up) and ``budget >=
+  min_tokens``: not `shrink_grid` (it could fall below the processor's minimum) but `_fit_grow`, the grid
+  with ``min_tokens <= tokens <= budget`` whose aspect ratio is closest to the image's;
+- HF's grow branch and ``budget < min_tokens``: no grid fits, and the image is refused with OverTokenBudget
+  (413: the processor's minimum is above the budget);
+- HF's round branch is never over the budget (its area is within the clamped max_pixels).
+Video frames take `shrink_grid` in every over-budget case, a frame grown to ``min_pixels`` included: it is
+shrunk, below ``min_pixels`` if need be, where an image would be fitted or refused (video/plan.py).
 In HF's shrink branch the result may be below ``min_pixels`` (HF itself does that when
 ``max_pixels < min_pixels``); vitserve follows HF there.
 Aspect ratio above 200 -> AspectRatioTooLarge (HF's own limit). A side that would round to zero (only with
@@ -92,15 +98,18 @@ def _hf_branch(height: int, width: int, factor: int, min_pixels: int, max_pixels
 
 
 def shrink_grid(gh: int, gw: int, budget: int) -> tuple[int, int]:
-    """The one shrink-to-budget rule, for images and video frames alike: the merged-token grid scaled down
-    to at most ``budget`` tokens, the aspect ratio kept as far as whole tokens allow (each side at least 1).
+    """The shrink-to-budget rule: the merged-token grid scaled down to at most ``budget`` tokens, the aspect
+    ratio kept as far as whole tokens allow (each side at least 1).
 
-    Images reach it only from HF's shrink branch with one side forced up to a single patch group; there it
-    caps the other side at the budget (1 x budget). Video frames also reach it when --max_video_tokens
-    leaves a group fewer tokens than transformers' video processor gives (which knows no such limit), or
-    when Qwen3-VL's rule bounds all frames together and rounds their count up: both sides shrink then.
-    Where an image and a frame of one size still get different grids, it is because transformers' image
-    and video processors do (their own min/max pixels, Qwen3-VL's all-frames bound): video/plan.py."""
+    Images reach it only from HF's shrink branch, with one side forced up to a single patch group; there it
+    keeps that side and caps the other at the budget (1 x budget). A small image HF grew to min_pixels that
+    is still over the budget does not come here: `plan_qwen` fits it with `_fit_grow`, or refuses it. Video
+    frames reach it whenever a group's grid is over its budget (video/plan.py), grown frames included: when
+    --max_video_tokens leaves a group fewer tokens than transformers' video processor gives (which knows no
+    such limit), or when Qwen3-VL's rule bounds all frames together and rounds their count up; both sides
+    shrink then. Where an image and a frame of one size still get different grids, it is because of this,
+    or because transformers' image and video processors do (their own min/max pixels, Qwen3-VL's all-frames
+    bound): video/plan.py."""
     if gh * gw <= budget:
         return gh, gw
     scale = math.sqrt(budget / (gh * gw))

@@ -18,8 +18,8 @@ the receiver has room, reads acknowledgements, and fails each wait whose deadlin
   so a receiver restarting mid-request does not cost the request. One handed to ZMQ in the moment the
   connection broke, before the monitor said so, may also go out from the pipe: the same dropped copy.
 - ZMTP heartbeats notice a receiver that vanished without closing its connection (a dead host).
-- A peer that is not a wire-v2 receiver (a v1 PULL socket) drops the connection during the ZMTP
-  handshake (socket types must match): logged once, and the message waits for a real receiver.
+- A peer that is not an acknowledging ROUTER receiver (a v1 PULL socket) drops the connection during the
+  ZMTP handshake (socket types must match): logged once, and the message waits for a real receiver.
 - vitserve's vLLM connector (--llm_transport wire, docs/vllm.md) may refuse a message (a nack with its
   reason: its bound is full, the tensor is not what it can keep): the delivery fails with WireRefused at once.
   It also answers holds queries (`holds`): which of some uuids it still keeps, over the same connection.
@@ -88,7 +88,7 @@ def expires_at(deadline: float) -> float:
 
 
 class LLMSender:
-    """Sends wire-v2 messages to `endpoint` (tcp://host:port or ipc:///path) and tracks their acks.
+    """Sends wire-v3 messages to `endpoint` (tcp://host:port or ipc:///path) and tracks their acks.
 
     Thread-safe: send/submit may be called from any thread. `delivered`, `timed_out`,
     `late_acks` and `resent` count outcomes; `reachable` says whether a v2 receiver is connected now.

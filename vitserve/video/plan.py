@@ -10,8 +10,9 @@ Both are set inside the video processor the way the image clamp is (vitserve/pro
 budget ``b`` becomes transformers' ``size["longest_edge"]``, per frame (``b * factor**2``, Qwen2-VL/2.5-VL)
 or over all frames (``b * factor**2 * n``, Qwen3-VL/3.5, whose limit is a total), and transformers' own
 resize rule is run with it (``longest_edge`` in the plan). Where that rule still overshoots ``b`` (a side
-forced up to one patch group, or a frame grown to ``min_pixels``), the grid is shrunk to fit and the plan
-says ``hf_native=False``. InternVL's tiles cannot shrink: over a limit is a 413 that names it.
+forced up to one patch group, or a frame grown to ``min_pixels``), the grid is shrunk to fit with the images'
+`shrink_grid`, below ``min_pixels`` if need be (an image grown to it is fitted or refused instead:
+processors/budget.py), and the plan says ``hf_native=False``. InternVL's tiles cannot shrink: over a limit is a 413 that names it.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def plan_video(
     gh, gw = res_h // f, res_w // f
     hf_native = True
     if budget > 0 and gh * gw > budget:
-        gh, gw = shrink_grid(gh, gw, budget)  # the images' rule (processors/budget.py)
+        gh, gw = shrink_grid(gh, gw, budget)  # shrunk in every case, grown frames too (processors/budget.py)
         res_h, res_w, hf_native = gh * f, gw * f, False
     m = settings.merge_size
     return VideoPlan(

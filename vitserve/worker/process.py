@@ -12,8 +12,9 @@ import signal
 
 import torch
 
+from vitserve.worker.args import WorkerArgs, on_cuda
 from vitserve.worker.liveness import die_with_parent
-from vitserve.worker.rank import RankWorker, WorkerArgs, on_cuda
+from vitserve.worker.rank import RankWorker
 
 
 def run_worker(args: WorkerArgs) -> None:

@@ -18,73 +18,25 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import zmq
 
-from vitserve.checkpoint import Checkpoint
-from vitserve.config import Config
 from vitserve.contract import EncodedImage, ProcessedImage
 from vitserve.errors import ConfigError, MemoryTargetError
 from vitserve.model.base import Encoder
 from vitserve.rpc.tensors import dtype_name
 from vitserve.worker import broadcast
 from vitserve.worker import messages as m
+from vitserve.worker.args import WorkerArgs, on_cuda, startup_timeout_s
 from vitserve.worker.liveness import LivenessThread, LoopCounters
-from vitserve.worker.rendezvous import Rendezvous, beat_for, open_store
-from vitserve.worker.reservation import PeakWatch, Reservation, StressShape, reserve_for_rank
+from vitserve.worker.rendezvous import beat_for, open_store
+from vitserve.worker.reservation import PeakWatch, Reservation, reserve_for_rank
 from vitserve.worker.reservation.published import publish_reservation, remove_reservation
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerArgs:
-    """Everything a rank needs, handed over once at spawn (multiprocessing pickles it into the child)."""
-
-    config: Config
-    stress_shape: StressShape  # the worst case's bounds, built once by the CLI from its image processor
-    encoder_factory: Callable[[Config], Encoder]
-    group: int  # DP group index
-    rank: int  # rank inside the group
-    rendezvous: Rendezvous  # where this group's torch.distributed store is
-    batch_endpoint: str  # rank 0 only: binds it; the engine's PUSH connects and sends batches
-    status_endpoint: str  # every rank: where READY / ALIVE / RESULT / ERROR go
-    parent_pid: int | None  # the rank exits when this process is gone; None: a thread of the engine's process
-
-    @property
-    def global_rank(self) -> int:
-        return self.config.global_rank(self.group, self.rank)
-
-    @property
-    def local_index(self) -> int:
-        """The rank's number among the ranks of this node (its CUDA device); the global rank on one node."""
-        return self.global_rank - self.config.node_ranks.start
-
-
-def startup_timeout_s(config: Config) -> float:
-    """How long start-up (spawn, rendezvous, weights, reservation) may take: --dist_timeout_s, at least 120 s."""
-    return max(config.dist_timeout_s, 120.0)
-
-
-def on_cuda(config: Config) -> bool:
-    """Whether --device puts the ranks on CUDA (auto: when it is available)."""
-    return config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
-
-
-def load_configured_encoder(checkpoint: Checkpoint, config: Config) -> Encoder:
-    """The default encoder_factory, bound to the checkpoint the entry point opened (functools.partial):
-    it on this rank's device (set by _init_device) in --dtype."""
-    from vitserve.model import load_encoder
-
-    device = (
-        f"cuda:{torch.cuda.current_device()}" if on_cuda(config) else config.device.replace("auto", "cpu")
-    )
-    return load_encoder(checkpoint, device=device, dtype=config.dtype)
 
 
 class RankFailed(Exception):
