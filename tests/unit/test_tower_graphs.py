@@ -190,16 +190,25 @@ def test_window_slots_bound_bounds_hf_window_count(seed):
 
 # ---- CUDA (skipped without a device; bench/gpu_check.sh runs them) --------------------------------------
 @cuda
-def test_cuda_varlen_probe_and_one_call_attention():
-    from vitserve.model.fast_varlen import reference_attention, varlen_attention
+@pytest.mark.parametrize("head_dim", [80, 72])  # Qwen2.5-VL-7B's, Qwen3-VL-8B's
+def test_cuda_varlen_probe_and_one_call_attention(head_dim):
+    from vitserve.model.fast_varlen import (
+        kernels_ran,
+        reference_attention,
+        reset_kernels_ran,
+        varlen_attention,
+    )
 
     device = torch.device("cuda")
-    q, k, v = (torch.randn(150, 4, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
+    qkv = torch.randn(150, 3, 4, head_dim, device=device, dtype=torch.bfloat16)  # as a real call: views
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     bounds = [0, 64, 64, 128, 150, 150]  # empty segments, as bucket padding leaves
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    got = varlen_attention(q, k, v, cu, 64, 0.125)
-    assert got is not None, "no varlen kernel ran on this CUDA device"
-    want = reference_attention(q.float(), k.float(), v.float(), bounds, 0.125).reshape(150, -1)
+    reset_kernels_ran()
+    got = varlen_attention(q, k, v, cu, 64, head_dim**-0.5)
+    assert got is not None, f"no varlen kernel ran on this CUDA device at head_dim {head_dim}"
+    assert sum(kernels_ran().values()) == 1
+    want = reference_attention(q.float(), k.float(), v.float(), bounds, head_dim**-0.5).reshape(150, -1)
     assert (got.float() - want).abs().max().item() <= 2e-2 * want.abs().max().item()  # bf16: 8-bit mantissa
 
 
