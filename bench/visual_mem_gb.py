@@ -81,7 +81,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
 
         def fits(budget: int) -> bool:
             run = sizing._stress(
-                enc, dataclasses.replace(shape, budget_tokens=budget), sizing.fresh_meter(enc.device)
+                enc,
+                dataclasses.replace(shape, visual_batch_max_tokens=budget),
+                sizing.fresh_meter(enc.device),
             )
             readings.append((budget, run.bytes / GIB))
             print(f"  {budget} tokens: {run.bytes / GIB:.4f} GiB", flush=True)

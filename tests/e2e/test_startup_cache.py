@@ -47,4 +47,4 @@ def test_a_restart_reuses_the_reservation_and_a_changed_budget_measures_again(tm
     warning = [line for line in changed.splitlines() if "measured under another setup" in line]
     assert warning, changed[-3000:]
     assert "WARNING" in warning[0]
-    assert "budget_tokens 64 -> 128" in warning[0]
+    assert "visual_batch_max_tokens 64 -> 128" in warning[0]

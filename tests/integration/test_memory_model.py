@@ -42,8 +42,10 @@ def _serving_batch(enc, shape, rng: random.Random) -> list:
 
     if shape.max_tiles_per_image:  # InternVL: every tile is encoded alone; only their grouping varies
         cap = rng.randint(1, shape.max_tiles_per_image)
-        return worst_case_items(enc, shape.budget_tokens, shape.max_batch_images, max_tiles_per_image=cap)
-    budget, images = shape.budget_tokens, rng.randint(1, shape.max_batch_images)
+        return worst_case_items(
+            enc, shape.visual_batch_max_tokens, shape.visual_infer_batch_size, max_tiles_per_image=cap
+        )
+    budget, images = shape.visual_batch_max_tokens, rng.randint(1, shape.visual_infer_batch_size)
     cuts = sorted(rng.sample(range(1, budget), images - 1))
     parts = [b - a for a, b in zip([0, *cuts], [*cuts, budget], strict=True)]
     return [item for part in parts for item in worst_case_items(enc, part, 1)]  # one image of each part

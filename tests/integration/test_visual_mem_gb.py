@@ -48,9 +48,13 @@ def _setup(path: str, runtime_dir: str, tp: int):
     shape = StressShape(0, MAX_IMAGES, max_image_tokens=16384, min_image_tokens=4)  # the CLI's, budget 0
     with torch.inference_mode():
         # the process's first forward also reads one-time set-up (threads, oneDNN): not part of the reference
-        sizing._stress(enc, dataclasses.replace(shape, budget_tokens=16), sizing.fresh_meter(enc.device))
+        sizing._stress(
+            enc, dataclasses.replace(shape, visual_batch_max_tokens=16), sizing.fresh_meter(enc.device)
+        )
         ref = sizing._stress(
-            enc, dataclasses.replace(shape, budget_tokens=REFERENCE_TOKENS), sizing.fresh_meter(enc.device)
+            enc,
+            dataclasses.replace(shape, visual_batch_max_tokens=REFERENCE_TOKENS),
+            sizing.fresh_meter(enc.device),
         )
     return enc, shape, ref.bytes / GIB
 

@@ -268,7 +268,7 @@ def test_the_stress_shape_carries_the_processors_per_image_limits(checkpoint):
     flags_only = StressShape.of(Config(model=qwen, visual_batch_max_tokens=256, visual_infer_batch_size=4))
     assert flags_only == StressShape(256, 4)
     off = shape(qwen, visual_batch_max_tokens=0, visual_infer_batch_size=4)
-    assert (off.budget_tokens, off.max_batch_images, off.max_image_tokens) == (0, 4, 64)
+    assert (off.visual_batch_max_tokens, off.visual_infer_batch_size, off.max_image_tokens) == (0, 4, 64)
     assert shape(qwen, visual_batch_max_tokens=16).max_image_tokens == 16  # the clamp to the budget
     demo = shape("demo", visual_batch_max_tokens=0)
     assert demo.max_image_tokens == 16384  # the published Qwen2.5-VL processor's max_pixels / 28^2

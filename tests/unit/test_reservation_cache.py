@@ -46,10 +46,10 @@ def test_a_stored_entry_is_found_under_the_same_key(tmp_path):
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"shape": StressShape(4096, 64, max_image_tokens=16384)}, "budget_tokens 8192 -> 4096"),
+        ({"shape": StressShape(4096, 64, max_image_tokens=16384)}, "visual_batch_max_tokens 8192 -> 4096"),
         ({"tp": 2}, "tp 1 -> 2"),
         ({"dtype": torch.bfloat16}, "dtype 'float32' -> 'bfloat16'"),
-        ({"shape": StressShape(8192, 8, max_image_tokens=16384)}, "max_batch_images 64 -> 8"),
+        ({"shape": StressShape(8192, 8, max_image_tokens=16384)}, "visual_infer_batch_size 64 -> 8"),
         ({"shape": StressShape(8192, 64, max_image_tokens=4096)}, "max_image_tokens 16384 -> 4096"),
         ({"family": "qwen2_vl"}, "family 'qwen2_5_vl' -> 'qwen2_vl'"),
     ],

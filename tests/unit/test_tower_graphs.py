@@ -190,16 +190,25 @@ def test_window_slots_bound_bounds_hf_window_count(seed):
 
 # ---- CUDA (skipped without a device; bench/gpu_check.sh runs them) --------------------------------------
 @cuda
-def test_cuda_varlen_probe_and_one_call_attention():
-    from vitserve.model.fast_varlen import reference_attention, varlen_attention
+@pytest.mark.parametrize("head_dim", [80, 72])  # Qwen2.5-VL-7B's, Qwen3-VL-8B's
+def test_cuda_varlen_probe_and_one_call_attention(head_dim):
+    from vitserve.model.fast_varlen import (
+        kernels_ran,
+        reference_attention,
+        reset_kernels_ran,
+        varlen_attention,
+    )
 
     device = torch.device("cuda")
-    q, k, v = (torch.randn(150, 4, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
+    qkv = torch.randn(150, 3, 4, head_dim, device=device, dtype=torch.bfloat16)  # as a real call: views
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     bounds = [0, 64, 64, 128, 150, 150]  # empty segments, as bucket padding leaves
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    got = varlen_attention(q, k, v, cu, 64, 0.125)
-    assert got is not None, "no varlen kernel ran on this CUDA device"
-    want = reference_attention(q.float(), k.float(), v.float(), bounds, 0.125).reshape(150, -1)
+    reset_kernels_ran()
+    got = varlen_attention(q, k, v, cu, 64, head_dim**-0.5)
+    assert got is not None, f"no varlen kernel ran on this CUDA device at head_dim {head_dim}"
+    assert sum(kernels_ran().values()) == 1
+    want = reference_attention(q.float(), k.float(), v.float(), bounds, head_dim**-0.5).reshape(150, -1)
     assert (got.float() - want).abs().max().item() <= 2e-2 * want.abs().max().item()  # bf16: 8-bit mantissa
 
 
@@ -240,13 +249,54 @@ def test_cuda_graphs_refused_where_they_cannot_work(overrides, named):
     preflight.check(Config(model="demo", cuda_graphs=True, device="cuda", dtype="bfloat16"))  # accepted
 
 
-def test_serving_buckets_end_at_the_budget_and_the_image_cap():
+def test_serving_buckets_end_at_the_budgets_rows_and_the_image_cap():
+    """A budget counts merged tokens, a bucket patch rows: 4 rows per token for every Qwen tower."""
     from vitserve.worker.graphs import serving_buckets
     from vitserve.worker.reservation import StressShape
 
-    assert serving_buckets(StressShape(16384, 64)) == ([1024, 2048, 4096, 8192, 16384], [1, 4, 16, 64])
-    assert serving_buckets(StressShape(3000, 8)) == ([1024, 2048, 3000], [1, 4, 8])
-    assert serving_buckets(StressShape(0, 2))[0] == [1024, 2048, 4096, 8192, 16384]
+    assert serving_buckets(StressShape(16384, 64), 4) == (
+        [1024, 2048, 4096, 8192, 16384, 32768, 65536],
+        [1, 4, 16, 64],
+    )
+    assert serving_buckets(StressShape(4096, 64), 4)[0] == [1024, 2048, 4096, 8192, 16384]
+    assert serving_buckets(StressShape(3000, 8), 4) == ([1024, 2048, 4096, 8192, 12000], [1, 4, 8])
+    assert serving_buckets(StressShape(0, 2), 4)[0] == [1024, 2048, 4096, 8192, 16384, 32768, 65536]
+
+
+def _full_batches(patch: int) -> dict[str, list[tuple[int, int, int]]]:
+    """Batches of a 16,384-token budget (65,536 rows) in patches (t, h, w), merge 2: one image of the whole
+    budget, 64 equal images (448 px at patch 14), a mixed set filled up to the budget."""
+    mixed = [(1, 2 * h, 2 * w) for h, w in [(8, 8), (12, 16), (17, 23), (24, 12), (19, 29), (10, 10)]]
+    fill, used = [], 0
+    while used + mixed[len(fill) % 6][1] * mixed[len(fill) % 6][2] // 4 <= 16384 and len(fill) < 64:
+        grid = mixed[len(fill) % 6]
+        fill.append(grid)
+        used += grid[1] * grid[2] // 4
+    return {"one image": [(1, 256, 256)], "64 images": [(1, 32, 32)] * 64, "mixed": fill}
+
+
+@pytest.mark.parametrize(
+    "family", ["qwen2_5_vl", "qwen3_vl"]
+)  # Qwen2.5-VL-7B's kind (windows), Qwen3-VL-8B's
+def test_a_16384_token_budget_replays_in_a_graph(family):
+    """The StressShape a rank gets for --visual_batch_max_tokens 16384 --visual_infer_batch_size 64: every
+    full batch of that budget (65,536 patch rows) has a graph, so --cuda_graphs replays at production size."""
+    from vitserve.config import Config
+    from vitserve.worker.graphs import serving_buckets
+    from vitserve.worker.reservation import StressShape
+
+    shape = StressShape.of(Config(model="demo", visual_batch_max_tokens=16384, visual_infer_batch_size=64))
+    tower = make_tower(family)  # tiny widths; the real patch, merge and window sizes
+    merge = int(tower.spatial_merge_size)
+    runner = TowerRunner(tower, *serving_buckets(shape, merge * merge))
+    for name, grids in _full_batches(int(tower.config.patch_size)).items():
+        grid_thw = torch.tensor(grids)
+        rows = int(grid_thw.prod(-1).sum())
+        assert rows <= 4 * shape.visual_batch_max_tokens
+        key = runner.key_for_grid(grid_thw, runner.keys)
+        assert key is not None, f"{family}: no graph holds the {name} batch ({rows} rows)"
+        assert key.bucket == choose_bucket(rows, [k.bucket for k in runner.keys])
+    assert max(k.bucket for k in runner.keys) == 65536
 
 
 def test_capture_for_serving_refuses_a_cpu_rank():
@@ -279,3 +329,31 @@ def test_a_rank_without_a_gpu_refuses_cuda_graphs_before_loading():
     worker.cfg = Config(model="demo")
     worker._init_device()  # without the flag the CPU serves
     assert worker.device.type == "cpu"
+
+
+def _calls(fn) -> list[str]:
+    """The dotted names of the calls in fn's source, in order (ast: no CUDA needed to read them)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    return [ast.unparse(n.func) for n in sorted(calls, key=lambda n: (n.lineno, n.col_offset))]
+
+
+def test_the_graph_pool_is_read_with_one_side_stream_and_no_cached_blocks():
+    """Structural (capture needs a device): one side stream per capture, shared by every key's warm-up and
+    capture; the free cached blocks released before the pool is read at both ends; the rank then holds its
+    reservation again and PeakWatch counts from after the capture."""
+    from vitserve.model import tower_graphs
+    from vitserve.worker.graphs import capture_for_serving
+
+    capture = _calls(TowerRunner.capture)
+    assert capture.count("torch.cuda.Stream") == 1
+    assert capture.count("_settled_reserved") == 2
+    assert "torch.cuda.Stream" not in _calls(TowerRunner._capture_one)
+    assert _calls(tower_graphs._settled_reserved)[:2] == ["torch.cuda.synchronize", "torch.cuda.empty_cache"]
+    serving = _calls(capture_for_serving)
+    after = serving[serving.index("runner.capture") :]
+    assert after.index("CudaMeter(device).hold") < after.index("torch.cuda.reset_peak_memory_stats")

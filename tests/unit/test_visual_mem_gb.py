@@ -14,7 +14,7 @@ from vitserve.worker.reservation.sizing import Knobs, Measured, diagnostic
 KNOBS = Knobs(
     target_gb=2.0,
     tp=2,
-    max_batch_images=64,
+    visual_infer_batch_size=64,
     max_video_tokens=16384,
     dtype="bfloat16",
     weights_bytes=650 << 20,

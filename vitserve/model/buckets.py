@@ -9,7 +9,9 @@ to `slots` segments with empty ones (offsets repeating the total), which attend 
 The graph key is (bucket, full-attention slots, window slots): graphs are captured for a ladder of slot counts
 per bucket (vitserve/model/tower_graphs.py); a batch takes the smallest captured graph that holds it, and a
 batch that no graph holds (above the largest bucket, more images than any ladder step) runs eagerly, unpadded.
-Pure code: tested on the CPU.
+Units: a bucket counts patch ROWS (what the tower's blocks see); a budget counts MERGED TOKENS (Config's
+`visual_batch_max_tokens`, what the LLM receives). One merged token is merge**2 rows (4 for every Qwen tower):
+`budget_rows` converts, and nothing else mixes the two. Pure code: tested on the CPU.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384)  # patch rows; multiples of every merge unit (4)
+# patch rows; multiples of every merge unit (4); the top is a 16,384-token budget (65,536 rows)
+DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DEFAULT_IMAGE_LADDER = (1, 4, 16, 64)  # images per batch that each bucket's graphs are captured for
 
 
@@ -29,6 +32,11 @@ class GraphKey:
     bucket: int  # padded patch rows
     full_slots: int  # segments of the full-attention offsets (images + padding + empty)
     window_slots: int  # segments of the window offsets; 0 when the tower has no window layers
+
+
+def budget_rows(visual_batch_max_tokens: int, merge_unit: int) -> int:
+    """The patch rows of a full batch under a budget of merged tokens: tokens * merge**2 (merge_unit)."""
+    return visual_batch_max_tokens * merge_unit
 
 
 def choose_bucket(rows: int, buckets: Sequence[int]) -> int | None:

@@ -29,7 +29,7 @@ from vitserve.model.fast_alloc import tune_cpu_allocator
 from vitserve.model.fast_attention import PlanCache, packed_attention
 from vitserve.model.fast_linear import linear, use_onednn_linears
 from vitserve.model.fast_mlp import inplace_activation, is_rms_norm, mlp_kind, rms_norm_forward
-from vitserve.model.fast_varlen import varlen_attention
+from vitserve.model.fast_varlen import count_grouped, varlen_attention
 
 
 def optimize(visual: nn.Module, family: str) -> nn.Module:
@@ -136,6 +136,7 @@ def qwen_attention_forward(
             max_seqlen = self._vitserve_plans.get(cu_seqlens).max_length
         out = varlen_attention(qk[:, 0], qk[:, 1], qkv[:, 2], cu_seqlens, int(max_seqlen), self.scaling)
     if out is None:
+        count_grouped()  # which attention served: bench/gpu_check.py reads fast_varlen.kernels_ran
         plan = self._vitserve_plans.get(cu_seqlens)
         out = packed_attention(qk[:, 0], qk[:, 1], qkv[:, 2], plan, self.scaling)  # (N, H*D)
     projected: torch.Tensor = self.proj(out)

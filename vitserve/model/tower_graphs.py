@@ -14,9 +14,10 @@ cut from the output. The real rows equal the unpadded forward's to float round-o
 test_tower_graphs.py). A batch no captured graph holds runs the same body eagerly, unpadded.
 
 Graphs share one memory pool, captured largest first so the smaller ones reuse its blocks; inputs are static
-buffers per bucket. `capture` returns what the pool grew by, which the rank adds to the reservation it
-publishes. `compile_blocks` runs each block through torch.compile (CUDA: fuses the rotary, norm, activation
-and residual elementwise kernels); it is off unless asked for.
+buffers per bucket; every warm-up and capture runs on one side stream. `capture` returns the bytes the
+graphs hold (cached blocks released before it reads), which the rank adds to the reservation it publishes.
+`compile_blocks` runs each block through torch.compile (CUDA: fuses the rotary, norm, activation and
+residual elementwise kernels); it is off unless asked for.
 """
 
 from __future__ import annotations
@@ -117,20 +118,8 @@ class TowerRunner:
     # ---- the three parts -------------------------------------------------------------------------------
     def stem(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> Prepared:
         """HF's forward up to the first block, with HF's helpers (vitserve/model/grid_setup.py for Qwen2.5)."""
-        from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
-
         v: Any = self.visual
-        merge = int(v.spatial_merge_size)
-        window_index = cu_window = None
-        if self.windowed:
-            from vitserve.model.grid_setup import grid_setups, window_setup
-
-            setup = grid_setups(v).kwargs(v, grid_thw) or window_setup(v, grid_thw)
-            position_ids, cu_full = setup["position_ids"], setup["cu_seqlens"]
-            window_index, cu_window = setup["window_index"], setup["cu_window_seqlens"]
-        else:
-            position_ids = get_vision_position_ids(grid_thw, merge)
-            cu_full = get_vision_cu_seqlens(grid_thw)
+        position_ids, cu_full, window_index, cu_window = self._setup(grid_thw)
         hidden = v.patch_embed(pixels)  # (rows, width)
         if hasattr(v, "pos_embed"):  # Qwen3-VL / Qwen3.5: the learned grid, interpolated per image
             hidden = hidden + self._pos_embeds(grid_thw).to(hidden.dtype)
@@ -147,6 +136,28 @@ class TowerRunner:
             full_bounds=[int(x) for x in cu_full.tolist()],
             window_bounds=None if cu_window is None else [int(x) for x in cu_window.tolist()],
             window_index=window_index,
+        )
+
+    def _setup(self, grid_thw: torch.Tensor) -> tuple[Any, torch.Tensor, Any, Any]:
+        """(position ids, full offsets, window index, window offsets) of a batch: host-side, from grid_thw."""
+        from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+
+        v: Any = self.visual
+        if self.windowed:
+            from vitserve.model.grid_setup import grid_setups, window_setup
+
+            setup = grid_setups(v).kwargs(v, grid_thw) or window_setup(v, grid_thw)
+            return (
+                setup["position_ids"],
+                setup["cu_seqlens"],
+                setup["window_index"],
+                setup["cu_window_seqlens"],
+            )
+        return (
+            get_vision_position_ids(grid_thw, int(v.spatial_merge_size)),
+            get_vision_cu_seqlens(grid_thw),
+            None,
+            None,
         )
 
     def _pos_embeds(self, grid_thw: torch.Tensor) -> torch.Tensor:
@@ -209,6 +220,15 @@ class TowerRunner:
         chunk = self.window_rows or 1
         return pick_key(keys, prep.rows, len(prep.full_bounds) - 1, windows, chunk)
 
+    def key_for_grid(
+        self, grid_thw: torch.Tensor, keys: Sequence[GraphKey] | dict[GraphKey, Any]
+    ) -> GraphKey | None:
+        """key_for a batch of these images, from the stem's own offsets (no pixels, no forward)."""
+        _, cu_full, _, cu_window = self._setup(grid_thw)
+        windows = 0 if cu_window is None else len(cu_window) - 1
+        rows = int(grid_thw.prod(-1).sum())
+        return pick_key(keys, rows, len(cu_full) - 1, windows, self.window_rows or 1)
+
     def run_unpadded(self, prep: Prepared) -> Outputs:
         device = prep.hidden.device
         cu_full = torch.tensor(prep.full_bounds, dtype=torch.int32, device=device)
@@ -254,25 +274,35 @@ class TowerRunner:
     def capture(self, dtype: torch.dtype, keys: Sequence[GraphKey] | None = None) -> int:
         """Capture a graph per key (default: the bucket ladder), largest first, in one shared pool.
 
-        Returns the bytes the CUDA caching allocator's reserved memory grew by (the pool, the static
-        buffers). Call after the weights are final and the varlen probe ran (one eager forward does it).
+        Returns the bytes the graphs hold: the pool and the static buffers. The warm-ups (kernels chosen,
+        workspaces made, outside any graph) all run on ONE side stream, which the captures use too; its
+        cached blocks serve no other stream, so the allocator's free cached blocks are released
+        (empty_cache) before and after, and what is read is the growth of the pool's segments that stay
+        in use. A caller that held memory as free cached blocks (a rank's reservation, meter.py) holds it
+        again afterwards (vitserve/worker/graphs.py). Call after the weights are final and the varlen probe
+        ran (one eager forward does it).
         """
         device = next(self.visual.parameters()).device
         if device.type != "cuda":
             raise ValueError("TowerRunner.capture needs a CUDA tower")
-        if varlen_kernel(device, dtype) is None:  # the grouped SDPA path syncs with the host: not capturable
+        v: Any = self.visual
+        attn = v.blocks[0].attn
+        heads = int(attn.num_heads)
+        if varlen_kernel(device, dtype, heads, attn.qkv.out_features // 3 // heads) is None:
+            # the grouped SDPA path syncs with the host: not capturable
             raise ValueError(f"TowerRunner.capture: no varlen attention kernel runs in {dtype} on {device}")
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_reserved(device)
+        before = _settled_reserved(device)
         pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         for key in sorted(keys if keys is not None else self.keys, reverse=True):
-            self.graphs[key] = self._capture_one(key, dtype, device, pool)
-        torch.cuda.synchronize(device)
-        grown = torch.cuda.memory_reserved(device) - before
+            self.graphs[key] = self._capture_one(key, dtype, device, pool, side)
+        grown = _settled_reserved(device) - before
         log.info("captured %d CUDA graphs, %.0f MiB", len(self.graphs), grown / 2**20)
         return grown
 
-    def _capture_one(self, key: GraphKey, dtype: torch.dtype, device: torch.device, pool: Any) -> _Captured:
+    def _capture_one(
+        self, key: GraphKey, dtype: torch.dtype, device: torch.device, pool: Any, side: Any
+    ) -> _Captured:
         v: Any = self.visual
         if key.bucket not in self._inputs:
             head_dim = v.blocks[0].attn.qkv.out_features // 3 // int(v.blocks[0].attn.num_heads)
@@ -290,15 +320,21 @@ class TowerRunner:
             window = fill_slots(pad_bounds([0], key.bucket, self.window_rows), key.window_slots)
             cu_window = torch.tensor(window, dtype=torch.int32, device=device)
         args = (hidden, cos, sin, cu_full, cu_window, key.bucket, self.window_rows)
-        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.inference_mode():
             self.body(*args)  # warm-up: kernels chosen, workspaces made, outside the graph
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, stream=side):
             merged, levels = self.body(*args)
         return _Captured(graph, cu_full, cu_window, merged, levels)
+
+
+def _settled_reserved(device: torch.device) -> int:
+    """The CUDA pool's reserved bytes once the work is done and its free cached blocks are released."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved(device))
 
 
 def _call_block(

@@ -1,10 +1,12 @@
 """--cuda_graphs: the rank captures its tower's forward in CUDA graphs per token bucket at start-up.
 
 After the reservation is measured (or adopted) and before it is published: the graphs' pool is memory the
-rank holds for as long as it serves, so the published bytes grow by what the capture grew the CUDA pool by,
-and so does the bound PeakWatch checks each batch against. Buckets: vitserve.model.buckets' defaults up to
-the budget, the budget itself (a full batch pads to nothing); the image ladder up to --visual_infer_batch_size.
-A batch no graph holds runs eagerly (vitserve/model/tower_graphs.py).
+rank holds for as long as it serves, so the published bytes grow by what the graphs hold (their pool and
+static buffers, read with the cached blocks released: tower_graphs.py), and so does the bound PeakWatch
+checks each batch against; the reservation is then held again on top of them. Buckets (patch rows): vitserve.model.buckets'
+defaults below the budget's rows (its merged tokens x merge**2), then those rows (a full batch pads to
+nothing); the image ladder up to --visual_infer_batch_size. A batch no graph holds runs eagerly
+(vitserve/model/tower_graphs.py).
 """
 
 from __future__ import annotations
@@ -16,23 +18,26 @@ from typing import Any
 import torch
 
 from vitserve.errors import ConfigError
-from vitserve.model.buckets import DEFAULT_BUCKETS, DEFAULT_IMAGE_LADDER
+from vitserve.model.buckets import DEFAULT_BUCKETS, DEFAULT_IMAGE_LADDER, budget_rows
 from vitserve.worker.reservation import PeakWatch, Reservation, StressShape
+from vitserve.worker.reservation.meter import CudaMeter
 
 log = logging.getLogger(__name__)
 
 
-def serving_buckets(shape: StressShape) -> tuple[list[int], list[int]]:
-    """(buckets, image ladder) for a rank serving under `shape` (budget 0: the default buckets)."""
-    budget = shape.budget_tokens
-    if budget <= 0:
+def serving_buckets(shape: StressShape, merge_unit: int) -> tuple[list[int], list[int]]:
+    """(buckets in patch rows, image ladder) for a rank serving under `shape` (budget 0: the default buckets).
+
+    The budget counts merged tokens and a bucket patch rows (vitserve/model/buckets.py): a full batch of a
+    16,384-token budget is 65,536 rows (merge_unit 4), and the top bucket is exactly that, so it pads to
+    nothing."""
+    if shape.visual_batch_max_tokens <= 0:
         buckets = list(DEFAULT_BUCKETS)
     else:
-        top = budget - budget % 4  # whole merge units
+        top = budget_rows(shape.visual_batch_max_tokens, merge_unit)  # whole merge units by construction
         buckets = sorted({b for b in DEFAULT_BUCKETS if b < top} | {top})
-    ladder = sorted(
-        {i for i in DEFAULT_IMAGE_LADDER if i < shape.max_batch_images} | {shape.max_batch_images}
-    )
+    images = shape.visual_infer_batch_size
+    ladder = sorted({i for i in DEFAULT_IMAGE_LADDER if i < images} | {images})
     return buckets, ladder
 
 
@@ -48,9 +53,9 @@ def capture_for_serving(
         raise ConfigError(
             f"--cuda_graphs needs a Qwen tower on a CUDA device; this rank runs {encoder.family} on {device}"
         )
-    buckets, ladder = serving_buckets(shape)
-    runner = TowerRunner(visual, buckets, ladder)
     patch, merge = int(visual.config.patch_size), int(visual.spatial_merge_size)
+    buckets, ladder = serving_buckets(shape, merge * merge)
+    runner = TowerRunner(visual, buckets, ladder)
     width = int(visual.config.in_channels) * int(visual.config.temporal_patch_size) * patch * patch
     side = 2 * merge  # one small image: runs the varlen probe and picks the kernels, outside any capture
     pixels = torch.zeros(side * side, width, dtype=encoder.dtype, device=device)
@@ -62,6 +67,11 @@ def capture_for_serving(
         except ValueError as exc:
             raise ConfigError(f"--cuda_graphs: {exc}; run without --cuda_graphs") from exc
     install(visual, runner)
+    # capture released the allocator's free cached blocks, the reservation's among them (meter.py holds it
+    # as such): hold it again on top of the graphs, as a warm start holds a stored one, and let PeakWatch
+    # count from here (the warm-ups' peak is gone with their blocks)
+    CudaMeter(device).hold(res.bytes)
+    torch.cuda.reset_peak_memory_stats(device)
     if watch is not None:
         watch.published += grown
     log.info("--cuda_graphs: %d graphs, buckets %s, %.0f MiB added to the reservation", len(runner.graphs),

@@ -182,7 +182,8 @@ class RankWorker:
             from vitserve.worker.graphs import capture_for_serving
 
             shape = dataclasses.replace(
-                self.args.stress_shape, budget_tokens=res.budget_tokens or self.cfg.visual_batch_max_tokens
+                self.args.stress_shape,
+                visual_batch_max_tokens=res.budget_tokens or self.cfg.visual_batch_max_tokens,
             )
             res = capture_for_serving(
                 self.encoder, shape, res, self.peak_watch

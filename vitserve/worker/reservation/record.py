@@ -69,8 +69,8 @@ class Reservation:
 class StressShape:
     """The worst case's bounds (worst_case.py): the budget and image cap, and the processor's per-image limits."""
 
-    budget_tokens: int  # --visual_batch_max_tokens (0: no vitserve clamp)
-    max_batch_images: int  # --visual_infer_batch_size
+    visual_batch_max_tokens: int  # merged tokens per batch (0: no vitserve clamp), the Config's name
+    visual_infer_batch_size: int  # images per batch, the Config's name
     max_tiles_per_image: int | None = None  # InternVL: the processor's max_patches + the thumbnail
     max_image_tokens: int | None = None  # the processor's largest image in tokens; bounds budget 0
     min_image_tokens: int | None = None  # the family's smallest image (one tile): --visual_mem_gb's floor

@@ -53,9 +53,9 @@ def reserve_for_rank(
         res = sizing.size_for_memory(encoder, shape, knobs, lambda: sizing.fresh_meter(device), say)
         stored.store(path, key, res)
     else:
-        say(f"stress: measuring the worst case at --visual_batch_max_tokens {shape.budget_tokens}")
+        say(f"stress: measuring the worst case at --visual_batch_max_tokens {shape.visual_batch_max_tokens}")
         res = stress.measure(encoder, shape, progress=say)
         stored.store(path, key, res)
     if cfg.visual_mem_gb is not None and not sized:  # both flags: the flag's budget must fit the target
-        sizing.check_fits(sizing.Knobs.of(cfg, encoder, shape), res, shape.budget_tokens, device)
+        sizing.check_fits(sizing.Knobs.of(cfg, encoder, shape), res, shape.visual_batch_max_tokens, device)
     return res, PeakWatch(device, res.baseline, res.bytes, path)

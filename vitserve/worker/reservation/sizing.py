@@ -67,7 +67,7 @@ class Knobs:
 
     target_gb: float  # --visual_mem_gb
     tp: int
-    max_batch_images: int  # --visual_infer_batch_size
+    visual_infer_batch_size: int
     max_video_tokens: int
     dtype: str
     weights_bytes: int  # this rank's share of the tower's weights
@@ -86,7 +86,7 @@ class Knobs:
         return cls(
             target_gb=cfg.visual_mem_gb,
             tp=cfg.tp,
-            max_batch_images=cfg.visual_infer_batch_size,
+            visual_infer_batch_size=cfg.visual_infer_batch_size,
             max_video_tokens=cfg.max_video_tokens,
             dtype=str(encoder.dtype).removeprefix("torch."),
             weights_bytes=int(stress.agree_max(float(weights), encoder.device)),
@@ -119,7 +119,7 @@ def size_for_memory(
             f"--visual_mem_gb {knobs.target_gb:g}: validating --visual_batch_max_tokens {budget} (try {len(tried) + 1})"
         )
         meter = new_meter()
-        run = _stress(encoder, dataclasses.replace(shape, budget_tokens=budget), meter)
+        run = _stress(encoder, dataclasses.replace(shape, visual_batch_max_tokens=budget), meter)
         tried.append(run)
         if run.bytes <= knobs.target_bytes:
             meter.report()
@@ -184,7 +184,7 @@ def diagnostic(knobs: Knobs, measured: list[Measured], what: str) -> str:
     return (
         f"--visual_mem_gb {knobs.target_gb:g} per rank: {what} (measured peaks, as reserved: {peaks}; beside "
         f"{_gib(knobs.weights_bytes)} of weights; --tp {knobs.tp}, --visual_infer_batch_size "
-        f"{knobs.max_batch_images}, --max_video_tokens {knobs.max_video_tokens}, --dtype {knobs.dtype}, the "
+        f"{knobs.visual_infer_batch_size}, --max_video_tokens {knobs.max_video_tokens}, --dtype {knobs.dtype}, the "
         f"family's smallest image {knobs.min_image_tokens} tokens); {change}, raise --tp, lower "
         "--visual_infer_batch_size, or use --dtype bfloat16 on a GPU"
     )
@@ -200,7 +200,7 @@ def _probe(
     probes: list[Measured] = []
     budget = _round(encoder, shape, knobs, max(knobs.min_image_tokens, MIN_PROBE_TOKENS))
     while len(probes) < MAX_PROBES and budget <= MAX_BUDGET_TOKENS:
-        probe = _stress(encoder, dataclasses.replace(shape, budget_tokens=budget), new_meter())
+        probe = _stress(encoder, dataclasses.replace(shape, visual_batch_max_tokens=budget), new_meter())
         probes.append(probe)
         say(
             f"--visual_mem_gb {knobs.target_gb:g}: probe {len(probes)} at {budget} tokens: "
@@ -261,14 +261,14 @@ def _stress(encoder: Encoder, shape: StressShape, meter: Meter) -> Measured:
             meter.published(meter.measure(lambda: stress.run_full(encoder, shape, lambda line: None)))
         )
     except torch.cuda.OutOfMemoryError:
-        log.warning("out of memory at --visual_batch_max_tokens %d", shape.budget_tokens)
+        log.warning("out of memory at --visual_batch_max_tokens %d", shape.visual_batch_max_tokens)
         nbytes = math.inf
     seconds = stress.agree_max(time.monotonic() - start, encoder.device)
-    return Measured(shape.budget_tokens, stress.agree_max(nbytes, encoder.device), seconds)
+    return Measured(shape.visual_batch_max_tokens, stress.agree_max(nbytes, encoder.device), seconds)
 
 
 def _shape(encoder: Encoder, shape: StressShape, budget: int) -> Shape:
-    units, _ = worst_case_units(encoder, budget, shape.max_batch_images, **shape.bounds())
+    units, _ = worst_case_units(encoder, budget, shape.visual_infer_batch_size, **shape.bounds())
     return Shape.of_units(units)
 
 
@@ -282,7 +282,7 @@ def _round(encoder: Encoder, shape: StressShape, knobs: Knobs, budget: int) -> i
 def _reservation(
     encoder: Encoder, shape: StressShape, knobs: Knobs, run: Measured, meter: Meter, probes: int
 ) -> Reservation:
-    units, images = worst_case_units(encoder, run.budget, shape.max_batch_images, **shape.bounds())
+    units, images = worst_case_units(encoder, run.budget, shape.visual_infer_batch_size, **shape.bounds())
     detail = (
         f"sized for --visual_mem_gb {knobs.target_gb:g}: {probes} probes, the full-budget stress at "
         f"{run.budget} tokens measured {_gib(run.bytes)}"

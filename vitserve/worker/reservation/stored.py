@@ -78,7 +78,9 @@ def cache_key(
         "threads": torch.get_num_threads() if device.type == "cpu" else 0,
         "tp": tp,
         "rank": rank,
-        **asdict(shape),  # budget_tokens, max_batch_images and the processor's per-image limits
+        **asdict(
+            shape
+        ),  # visual_batch_max_tokens, visual_infer_batch_size and the processor's per-image limits
         "vitserve": vitserve.__version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

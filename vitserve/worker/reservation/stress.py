@@ -52,7 +52,9 @@ def measure(
     """
     say = progress or (lambda line: None)
     meter = meter_for(encoder.device)
-    units, images = worst_case_units(encoder, shape.budget_tokens, shape.max_batch_images, **shape.bounds())
+    units, images = worst_case_units(
+        encoder, shape.visual_batch_max_tokens, shape.visual_infer_batch_size, **shape.bounds()
+    )
     full = memory_model.Shape.of_units(units)
     est = memory_model.estimate(
         _probe_scale(shape),
@@ -99,22 +101,22 @@ def override(device: torch.device | str, override_gb: float) -> Reservation:
 
 def _probe_scale(shape: StressShape) -> int:
     """What the probes are fractions of: the budget, or with budget 0 the processor's largest image (the
-    worst case is then max_batch_images of those, and the model's linear term carries the count)."""
-    if shape.budget_tokens > 0:
-        return shape.budget_tokens
+    worst case is then visual_infer_batch_size of those, and the model's linear term carries the count)."""
+    if shape.visual_batch_max_tokens > 0:
+        return shape.visual_batch_max_tokens
     return shape.max_image_tokens or DISABLED_BUDGET_TOKENS
 
 
 def _probe(
     encoder: Encoder, meter: Meter, shape: StressShape, budget: int, say: Progress
 ) -> memory_model.Probe:
-    units, _ = worst_case_units(encoder, budget, shape.max_batch_images, **shape.bounds())
+    units, _ = worst_case_units(encoder, budget, shape.visual_infer_batch_size, **shape.bounds())
     probe_shape = memory_model.Shape.of_units(units)
     start = time.monotonic()
 
     def run() -> None:
         # built inside the measured window: at runtime a batch's pixels are live during its forward too
-        encoder.encode(worst_case_items(encoder, budget, shape.max_batch_images, **shape.bounds()))
+        encoder.encode(worst_case_items(encoder, budget, shape.visual_infer_batch_size, **shape.bounds()))
 
     nbytes = meter.measure(run)
     seconds = agree_max(time.monotonic() - start, encoder.device)  # every TP rank decides alike
@@ -147,9 +149,11 @@ def agree_max(value: float, device: torch.device | str) -> float:
 
 def run_full(encoder: Encoder, shape: StressShape, say: Progress) -> None:
     """The full-budget stress: every batch of stress_batches through the production forward, one at a time."""
-    count = stress_batch_count(encoder, shape.budget_tokens, shape.max_batch_images)
+    count = stress_batch_count(encoder, shape.visual_batch_max_tokens, shape.visual_infer_batch_size)
     start = time.monotonic()
-    batches = stress_batches(encoder, shape.budget_tokens, shape.max_batch_images, **shape.bounds())
+    batches = stress_batches(
+        encoder, shape.visual_batch_max_tokens, shape.visual_infer_batch_size, **shape.bounds()
+    )
     for k, items in enumerate(batches, 1):
         # Batches are built inside the measured window: at runtime a batch's pixel tensors are live in the
         # worker during its forward too, so on CPU they belong to the peak.
