@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -76,6 +77,12 @@ def alternate(arms: Sequence[T], i: int) -> list[T]:
     return list(arms) if i % 2 == 0 else list(reversed(arms))
 
 
+def rotate(arms: Sequence[T], i: int) -> list[T]:
+    """The arms rotated by `i`: with more than two, each goes first in turn (with two, as `alternate`)."""
+    shift = i % len(arms)
+    return [*arms[shift:], *arms[:shift]]
+
+
 def timed(fn: Callable[[], object], repeats: int) -> list[float]:
     """Wall seconds of `repeats` calls."""
     times = []
@@ -89,6 +96,21 @@ def timed(fn: Callable[[], object], repeats: int) -> list[float]:
 def best_median(times: Sequence[float]) -> tuple[float, float]:
     """(best, median): the best is the least disturbed by a shared machine, the median the typical."""
     return min(times), statistics.median(times)
+
+
+def nearest(xs: Sequence[float], q: float, digits: int | None = None) -> float | None:
+    """The nearest-rank `q` quantile (0..1), rounded to `digits` if given; None for no samples."""
+    if not xs:
+        return None
+    x = sorted(xs)[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+    return x if digits is None else round(x, digits)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server the benchmark starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def pct(xs: Sequence[float], q: int) -> float | None:

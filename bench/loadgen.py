@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from bench import harness
+
 
 def json_bodies(images: list[bytes], per_request: int = 1) -> list[bytes]:
     """SPEC §2 JSON bodies, `per_request` consecutive images each."""
@@ -45,10 +47,7 @@ class PointResult:
         return self.images_ok / self.elapsed_s if self.elapsed_s else 0.0
 
     def percentile(self, q: float) -> float | None:
-        if not self.latencies_s:
-            return None
-        xs = sorted(self.latencies_s)
-        return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+        return harness.nearest(self.latencies_s, q / 100)
 
     def summary(self) -> dict:
         return {

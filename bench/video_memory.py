@@ -55,8 +55,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import record  # noqa: E402
-from bench.startup import free_port  # noqa: E402
+from bench import harness  # noqa: E402
 from tests.cli import Cli  # noqa: E402
 from tests.videos import make_clip  # noqa: E402
 
@@ -112,7 +111,7 @@ class Sampler(threading.Thread):
 
 
 def one_clip(name: str, clip: bytes, args: argparse.Namespace, log: Path) -> dict:
-    port = free_port()
+    port = harness.free_port()
     with tempfile.TemporaryDirectory(prefix="vitserve-bench-vmem-") as tmp:
         env = {**os.environ, "VITSERVE_RUNTIME_DIR": tmp, "OMP_NUM_THREADS": "1"}
         server = Cli(
@@ -162,21 +161,17 @@ def one_clip(name: str, clip: bytes, args: argparse.Namespace, log: Path) -> dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__, quick="8 s and 60 s clips")
     ap.add_argument("--short_s", type=float, default=10.0)
     ap.add_argument("--long_s", type=float, default=600.0)
     ap.add_argument("--source_fps", type=int, default=2, help="the clips' frame rate")
     ap.add_argument("--fps", type=float, default=0.5, help="the request's sampling fps")
     ap.add_argument("--size", type=int, default=336, help="frame width and height (a multiple of 28)")
     ap.add_argument("--budget", type=int, default=288, help="--visual_batch_max_tokens (see above)")
-    ap.add_argument("--quick", action="store_true", help="8 s and 60 s clips")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
     if args.quick:
         args.short_s, args.long_s = 8.0, 60.0
-    record.unwind_on_sigterm()
-    args.out.mkdir(parents=True, exist_ok=True)
-    run = record.begin("video_memory", args)
+    run = harness.begin("video_memory", args)
     rows = []
     for name, seconds in (("short", args.short_s), ("long", args.long_s)):
         frames = round(seconds * args.source_fps)
@@ -191,7 +186,7 @@ def main() -> None:
         for key in ("peak_sum_rss_mib", "peak_sum_pss_mib", "sum_hwm_mib", "api_hwm_mib")
     }
     print(json.dumps({"long / short": ratios}))
-    record.finish(run, {"clips": rows, "ratios": ratios}, args.out)
+    harness.finish(run, {"clips": rows, "ratios": ratios}, args)
 
 
 if __name__ == "__main__":

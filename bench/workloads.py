@@ -85,9 +85,14 @@ def png_bytes(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
+def photos(size: tuple[int, int], n: int, seed: int = 0) -> list[bytes]:
+    """`n` photo-like JPEGs of one size, seeds `seed`, `seed + 1`, ..."""
+    return [jpeg_bytes(photo_like(*size, seed + i)) for i in range(n)]
+
+
 def small_workload(n: int, seed: int = 0) -> list[bytes]:
     """224x224 JPEGs (thumbnails)."""
-    return [jpeg_bytes(photo_like(*SMALL_SIZE, seed + i)) for i in range(n)]
+    return photos(SMALL_SIZE, n, seed)
 
 
 def mixed_workload(n: int, seed: int = 100) -> list[bytes]:
@@ -99,7 +104,7 @@ def mixed_workload(n: int, seed: int = 100) -> list[bytes]:
 
 def large_workload(n: int, seed: int = 200) -> list[bytes]:
     """12 MP (4000x3000) JPEGs."""
-    return [jpeg_bytes(photo_like(*LARGE_SIZE, seed + i)) for i in range(n)]
+    return photos(LARGE_SIZE, n, seed)
 
 
 WORKLOADS = {"small": small_workload, "mixed": mixed_workload, "large": large_workload}
