@@ -15,6 +15,7 @@ The workloads (image sizes and mixes) are bench/workloads.py's; the tables are b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -111,6 +112,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _proc_stats() -> dict[int, list[str]]:
+    """Each live process's /proc/<pid>/stat fields after its name (index 1: the parent's id)."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                stats[int(entry)] = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+    return stats
+
+
+def process_tree(root: int, stats: dict[int, list[str]] | None = None) -> list[int]:
+    """`root` and every live descendant (a server's ranks and decoders), from /proc's parent ids."""
+    parents = {pid: int(fields[1]) for pid, fields in (stats or _proc_stats()).items()}
+    out, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, ppid in parents.items() if ppid in frontier]
+        out += frontier
+    return out
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) of a process and all its live descendants."""
+    stats, ticks = _proc_stats(), os.sysconf("SC_CLK_TCK")
+    return sum(
+        (int(stats[p][11]) + int(stats[p][12])) / ticks for p in process_tree(root, stats) if p in stats
+    )
 
 
 def pct(xs: Sequence[float], q: int) -> float | None:

@@ -84,26 +84,6 @@ def server(ckpt: Path, log: Path, tree: Path = ROOT):
                 proc.terminate(60)
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a process and all its descendants, from /proc."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
-    stats: dict[int, list[str]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                stats[int(entry.name)] = fields
-                children.setdefault(int(fields[1]), []).append(int(entry.name))
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        if p in stats:
-            total += (int(stats[p][11]) + int(stats[p][12])) / ticks
-        todo += children.get(p, [])
-    return total
-
-
 class Clients:
     """One phase's closed-loop clients and what they saw, until ``deadline`` (time.monotonic)."""
 
@@ -151,7 +131,7 @@ async def phase(
     clients = Clients(url, time.monotonic() + args.seconds)
     before, t0 = scrape_batch_metrics(url), time.monotonic()
     async with httpx.AsyncClient(timeout=TIMEOUT_S) as http:
-        cpu0 = tree_cpu_s(args.server_pid)
+        cpu0 = harness.tree_cpu_s(args.server_pid)
         tasks = [clients.image_client(http, images, k, args.image_clients) for k in range(args.image_clients)]
         if video is not None:
             payload = {"videos": [{"b64": base64.b64encode(video).decode()}], "return_embeddings": False}
@@ -159,7 +139,7 @@ async def phase(
             tasks += [clients.video_client(http, body) for _ in range(args.video_clients)]
         await asyncio.gather(*tasks)
     elapsed = time.monotonic() - t0
-    cpu = tree_cpu_s(args.server_pid) - cpu0
+    cpu = harness.tree_cpu_s(args.server_pid) - cpu0
     return {"images": clients.images, "videos": clients.videos, "errors": clients.errors,
             "elapsed_s": round(elapsed, 2), "server_cpu_s": round(cpu, 2),
             "batches": batch_delta(before, scrape_batch_metrics(url)), "loadavg": list(os.getloadavg())}  # fmt: skip

@@ -64,21 +64,6 @@ POLL_S = 0.02
 MAX_VIDEO_TOKENS = 10_000_000  # no clamp: equal frame size for the short and the long clip
 
 
-def tree(root: int) -> list[int]:
-    """``root`` and every live descendant, from /proc's parent ids."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    out, frontier = [root], [root]
-    while frontier:
-        frontier = [pid for pid, ppid in parents.items() if ppid in frontier]
-        out += frontier
-    return out
-
-
 def status_kib(pid: int, field: str, file: str = "status") -> int:
     """A field of /proc/<pid>/status (or smaps_rollup) in KiB (0 when the process is gone)."""
     with contextlib.suppress(OSError):
@@ -104,7 +89,7 @@ class Sampler(threading.Thread):
         while not self.stop.is_set():
             # every poll: the decoder processes start with the first video, and a short clip's request is
             # over in ~1.5 s (looking again every 0.5 s missed them, and the short clip's peak lacked them)
-            pids = tree(self.root)
+            pids = harness.process_tree(self.root)
             self.peak_kib = max(self.peak_kib, sum(status_kib(pid, "VmRSS") for pid in pids))
             self.peak_pss_kib = max(self.peak_pss_kib, sum(pss_kib(pid) for pid in pids))
             time.sleep(POLL_S)
@@ -122,7 +107,7 @@ def one_clip(name: str, clip: bytes, args: argparse.Namespace, log: Path) -> dic
         )  # fmt: skip
         try:
             server.wait_ready(900)
-            base_kib = sum(status_kib(pid, "VmRSS") for pid in tree(server.proc.pid))
+            base_kib = sum(status_kib(pid, "VmRSS") for pid in harness.process_tree(server.proc.pid))
             sampler = Sampler(server.proc.pid)
             sampler.start()
             body = {"videos": [{"b64": base64.b64encode(clip).decode(), "fps": args.fps}]}
@@ -134,7 +119,7 @@ def one_clip(name: str, clip: bytes, args: argparse.Namespace, log: Path) -> dic
             if answer.status_code != 200:
                 raise RuntimeError(f"{name}: {answer.status_code} {answer.text[:500]}")
             [video] = answer.json()["videos"]
-            pids = tree(server.proc.pid)
+            pids = harness.process_tree(server.proc.pid)
             hwm = {pid: status_kib(pid, "VmHWM") for pid in pids}
         finally:
             with contextlib.suppress(AssertionError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 
 from PIL import Image
 
@@ -67,3 +68,12 @@ def test_gateway_widths_table_gives_each_arm_against_vllm_alone():
     assert lines[2] == "| qwen2_5_vl-3584 | 1080p | vllm | 0.500 | - | - | - | 4 | 2.0 |"
     assert lines[3] == "| qwen2_5_vl-3584 | 1080p | inline | 0.750 | **1.50x** | 1,234,567 | 12.3 | 4 | 2.0 |"
     assert len(lines) == 4  # no ec_storage arm measured, no row
+
+
+def test_process_tree_holds_the_descendants_and_their_cpu_counts():
+    """This process is in its parent's tree, not the other way round (a unit test starts no process)."""
+    assert os.getpid() in harness.process_tree(os.getppid())
+    assert os.getppid() not in harness.process_tree(os.getpid())
+    mine = harness.tree_cpu_s(os.getpid())
+    assert mine > 0  # the imports above ran
+    assert harness.tree_cpu_s(os.getppid()) >= mine  # read after mine: it holds mine and more
