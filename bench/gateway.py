@@ -160,7 +160,9 @@ def serving(ckpt: Path, tmp: Path, fronts: dict[str, tuple[list[str], Path]], vl
     try:
         for name, (extra, tree) in fronts.items():
             argv = ["--model", str(ckpt), "--port", "0", "--llm_url", vllm.url, "--device", "cpu", *extra]
-            started[name] = Cli(argv, tmp / name, extra_env={"PYTHONPATH": str(tree)}, cwd=tree)
+            started[name] = Cli(
+                argv, tmp / f"{ckpt.name}-{name}", extra_env={"PYTHONPATH": str(tree)}, cwd=tree
+            )
             started[name].wait_ready(900)
         print(f"vLLM ready in {vllm.ready_s:.0f} s", flush=True)
         yield {"vllm": vllm.url, **{name: s.url for name, s in started.items()}}

@@ -132,7 +132,7 @@ def batch_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return out
 
 
-def wait_ready(url: str, path: str, timeout_s: float, proc) -> None:
+def wait_ready(url: str, path: str, timeout_s: float, proc, poll_s: float = 0.5) -> None:
     """Poll until `path` answers 200; raise if the server process exits or the time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -143,5 +143,5 @@ def wait_ready(url: str, path: str, timeout_s: float, proc) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise RuntimeError(f"server at {url} not ready after {timeout_s}s")

@@ -69,35 +69,12 @@ def server_command(
 ) -> list[str]:
     """The argv of one server; ``extra``: more vitserve flags (bench/scaling.py's --dp / --tp)."""
     if kind == "vitserve":
-        return [
-            *CLI,
-            "--model",
-            "demo",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--visual_batch_max_tokens",
-            str(budget),
-            # the benchmark measures throughput, not admission control: room for every client's request
-            "--max_queue_tokens",
-            str(64 * budget),
-            "--runtime_dir",
-            runtime_dir,
-            "--log_level",
-            "warning",
-            *extra,
-        ]
-    return [
-        sys.executable,
-        str(ROOT / "bench" / "baseline_server.py"),
-        "--port",
-        str(port),
-        "--budget",
-        str(budget),
-        "--threads",
-        str(threads),
-    ]
+        # the benchmark measures throughput, not admission control: room for every client's request
+        return [*CLI, "--model", "demo", "--host", "127.0.0.1", "--port", str(port), "--visual_batch_max_tokens",
+                str(budget), "--max_queue_tokens", str(64 * budget), "--runtime_dir", runtime_dir,
+                "--log_level", "warning", *extra]  # fmt: skip
+    return [sys.executable, str(ROOT / "bench" / "baseline_server.py"), "--port", str(port), "--budget", str(budget),
+            "--threads", str(threads)]  # fmt: skip
 
 
 @contextlib.contextmanager

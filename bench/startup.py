@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import harness  # noqa: E402
+from bench.loadgen import wait_ready  # noqa: E402
 from tests.cli import Cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +48,8 @@ def one_start(runtime_dir: Path, budget_args: list[str], log_path: Path, model: 
     start = time.monotonic()
     server = Cli(args, env=env, log=log_path)
     try:
-        ready_s = _wait_ready(f"http://127.0.0.1:{port}/ready", server.proc, start)
+        wait_ready(f"http://127.0.0.1:{port}", "/ready", READY_TIMEOUT_S, server.proc, poll_s=0.1)
+        ready_s = time.monotonic() - start
         info = httpx.get(f"http://127.0.0.1:{port}/v1/info", timeout=10).json()
     finally:
         with contextlib.suppress(AssertionError):  # killed after 60 s
@@ -65,19 +66,6 @@ def one_start(runtime_dir: Path, budget_args: list[str], log_path: Path, model: 
         "phases": phases,
         "exit_code": server.proc.returncode,
     }
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[str], start: float) -> float:
-    while time.monotonic() - start < READY_TIMEOUT_S:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vitserve exited with code {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"vitserve not ready after {READY_TIMEOUT_S} s")
 
 
 def main() -> None:
