@@ -15,12 +15,11 @@ Three modes, each on a fresh engine, same workload:
   dedup  --cache_gb 0: identical images in flight at the same time share one encode
   cache  --cache_gb 1: plus the LRU cache, so each distinct image is encoded once
 --quick (a smoke run): 2 distinct 224x224 images, 3 repeats. Each run appends its record (commit, machine,
-load, arguments, rows) to bench/out/cache.jsonl (bench/record.py).
+load, arguments, rows) to bench/out/cache.jsonl (bench/harness.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import io
@@ -33,9 +32,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import record  # noqa: E402
+from bench import harness  # noqa: E402
 from vitserve.config import Config  # noqa: E402
 from vitserve.contract import EncodeRequest, PreparedImage  # noqa: E402
 from vitserve.engine import Engine  # noqa: E402
@@ -124,19 +123,17 @@ async def hit_seconds(engine, item, image_id: str, n: int = 200) -> float:
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__, quick="2 distinct 224x224 images, 3 repeats")
     p.add_argument("--distinct", type=int, default=4)
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--size", type=int, default=448)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--order", choices=("cyclic", "grouped"), default="cyclic")
-    p.add_argument("--quick", action="store_true", help="2 distinct 224x224 images, 3 repeats (a smoke run)")
-    p.add_argument("--out", type=Path, default=None, help="where the run record goes (default bench/out)")
     args = p.parse_args()
     if args.quick:
         args.distinct, args.repeats, args.size = 2, 3, 224
-    run = record.begin("cache", args)
+    run = harness.begin("cache", args)
     processor = load_image_processor("demo", budget_tokens=args.budget)
     images = make_images(args.distinct, args.size)
     rows = [await run_mode(mode, args, processor, images) for mode in MODES]
@@ -149,7 +146,7 @@ async def main() -> None:
         print(
             f"| {r['mode']} | {r['images']} | {r['encoded']} | {r['images_per_s']} | {r['speedup_vs_off']} |"
         )
-    record.finish(run, rows, args.out)
+    harness.finish(run, rows, args)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,9 @@ write + read <= 30 ms per 1080p image at width 16,384.
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,25 +31,20 @@ sys.path.insert(0, str(ROOT))
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
-from bench import record  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.workloads import TOKENS_1080P  # noqa: E402
 from vitserve.handover.ec_files import check_file, file_path, write_file  # noqa: E402
 from vitserve.handover.inline_body import InlineTensor, dumps_body  # noqa: E402
-
-TOKENS = 2700  # a 1080p image at Qwen's 28-pixel merged patches (45 x 60 merged)
 
 
 def timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     """(best, median) milliseconds of `repeats` calls."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return min(times), statistics.median(times)
+    best, median = harness.best_median(harness.timed(fn, repeats))
+    return best * 1e3, median * 1e3
 
 
 def one_width(root: Path, width: int, repeats: int) -> dict[str, float]:
-    tensor = torch.randn(TOKENS, width, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    tensor = torch.randn(TOKENS_1080P, width, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     uuid = f"{width:064x}"
     path = file_path(root, uuid)
 
@@ -67,7 +59,9 @@ def one_width(root: Path, width: int, repeats: int) -> dict[str, float]:
     assert torch.equal(loaded, tensor), "the file does not give back the tensor written"
     out: dict[str, float] = {"width": width, "mbytes": tensor.numel() * 2 / 1e6}
     out["write_ms"], out["write_median_ms"] = timed(write, repeats)
-    out["check_ms"], out["check_median_ms"] = timed(lambda: check_file(root, uuid, TOKENS, width), repeats)
+    out["check_ms"], out["check_median_ms"] = timed(
+        lambda: check_file(root, uuid, TOKENS_1080P, width), repeats
+    )
     out["read_ms"], out["read_median_ms"] = timed(read, repeats)
     payload = {"messages": [{"role": "user", "content": [{"type": "image_embeds", "image_embeds": {}}]}]}
     part = payload["messages"][0]["content"][0]["image_embeds"]
@@ -78,20 +72,16 @@ def one_width(root: Path, width: int, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.parser(__doc__, quick="2 repeats instead of 5")
     parser.add_argument("--dir", default="/dev/shm", help="where the files go (the shared storage path)")
-    parser.add_argument("--quick", action="store_true", help="2 repeats instead of 5")
     args = parser.parse_args()
     repeats = 2 if args.quick else 5
     torch.set_num_threads(1)  # the API process's pool thread does the write; vLLM's one reader the read
-    run = record.begin("ec_handover", args)
+    run = harness.begin("ec_handover", args)
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="vitserve-ec-bench-") as tmp:
         rows = [one_width(Path(tmp), width, repeats) for width in (3584, 16384)]
-    rec = {"tokens": TOKENS, "repeats": repeats, "dir": args.dir, "rows": rows}
-    record.finish(run, rec)
-    print(record.header(record.latest("ec_handover") or {}))
+    rec = {"tokens": TOKENS_1080P, "repeats": repeats, "dir": args.dir, "rows": rows}
+    harness.finish(run, rec, args)
     print("| width | MB (bf16) | write | check | read (vLLM) | write + check + read | inline body build |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

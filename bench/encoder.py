@@ -10,12 +10,11 @@ QK^T and AV) and is compared with a large fp32 torch.mm measured in the same run
 glibc's large-block mmap is turned off by optimize() for the whole process (vitserve/model/fast_alloc.py),
 so by default the HF baselines run with it too: the ratios are the code's gain alone.
 --no-tune-allocator keeps glibc's default for every mode.
-Each run appends its record (commit, machine, load, arguments, rows) to bench/out/encoder.jsonl (bench/record.py).
+Each run appends its record (commit, machine, load, arguments, rows) to bench/out/encoder.jsonl (bench/harness.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 import statistics
@@ -30,7 +29,7 @@ from transformers.vision_utils import get_vision_window_index
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vitserve.model.fast as fast  # noqa: E402
-from bench import record  # noqa: E402
+from bench import harness  # noqa: E402
 from vitserve.checkpoint import Checkpoint  # noqa: E402
 from vitserve.model.demo import build_demo_visual  # noqa: E402
 from vitserve.model.fast_linear import pack_linear_weights  # noqa: E402
@@ -102,12 +101,7 @@ def matmul_flops(grid_thw: torch.Tensor, vision: dict | None = None) -> float:
 def measure_peak(threads: int, size: int = 4096, repeats: int = 5) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
     torch.mm(a, b)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times)
+    return 2 * size**3 / statistics.median(harness.timed(lambda: torch.mm(a, b), repeats))
 
 
 def run_workload(name, sizes, hf, vs, repeats) -> Row:
@@ -161,20 +155,14 @@ def print_table(rows: list[Row], peak: float, peak_size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="smaller workloads, 1 repeat (a ~1 min smoke run)"
-    )
+    parser = harness.parser(__doc__, quick="smaller workloads, 1 repeat (~1 min)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every mode")
     parser.add_argument(
         "--repeats", type=int, default=None, help="timed repeats per mode (default 5; quick 1)"
     )
-    parser.add_argument(
-        "--out", type=Path, default=None, help="where the run record goes (default bench/out)"
-    )
     parser.add_argument("--no-tune-allocator", action="store_true", help="keep glibc's mmap for large blocks")
     args = parser.parse_args(argv)
-    run = record.begin("encoder", args)
+    run = harness.begin("encoder", args)
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (1 if args.quick else 5)
     if args.no_tune_allocator:
@@ -193,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, peak, peak_size)
     meta = {"threads": args.threads, "peak_matmul_size": peak_size, "repeats": repeats, "peak_flops": peak,
             "allocator_tuned": not args.no_tune_allocator, "demo": DEMO}  # fmt: skip
-    record.finish(run, {"meta": meta, "rows": [asdict(r) for r in rows]}, args.out)
+    harness.finish(run, {"meta": meta, "rows": [asdict(r) for r in rows]}, args)
     return 0
 
 

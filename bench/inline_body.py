@@ -32,8 +32,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKENS = 2700  # a 1080p image at Qwen's 28-pixel merged patches: 38 x 68 = 2,584 + the resize's rounding
-GRID = [1, 2 * 45, 2 * 60]  # 45 x 60 merged = 2,700 rows
+sys.path.insert(0, str(ROOT))  # both halves: the vLLM venv's imports only bench.harness's standard library
+
+from bench import harness  # noqa: E402
+
+GRID = [1, 2 * 45, 2 * 60]  # a 1080p image: 45 x 60 merged = 2,700 rows (workloads.TOKENS_1080P)
 
 
 def before_body(payload: dict, tensor) -> bytes:  # type: ignore[no-untyped-def]
@@ -78,10 +81,12 @@ def _best(fn, repeats: int) -> tuple[float, object]:  # type: ignore[no-untyped-
 def sender(widths: list[int], repeats: int, out_dir: Path) -> list[dict]:
     import torch
 
+    from bench.workloads import TOKENS_1080P
+
     rows = []
     for width in widths:
         for dtype in (torch.bfloat16, torch.float32):
-            tensor = torch.randn(TOKENS, width).to(dtype)
+            tensor = torch.randn(TOKENS_1080P, width).to(dtype)
             torch.save(tensor, out_dir / f"{width}-{dtype}.pt")
             for path, build in (("before", before_body), ("after", after_body)):
                 seconds, body = _best(lambda build=build, tensor=tensor: build(_payload(), tensor), repeats)
@@ -105,7 +110,7 @@ def vllm_side(out_dir: Path, repeats: int) -> None:
     for repeat in range(
         repeats
     ):  # interleaved: each body parsed once per round, the order flipped each round
-        for row in rows if repeat % 2 == 0 else rows[::-1]:
+        for row in harness.alternate(rows, repeat):
             body = (out_dir / row["file"]).read_bytes()
             t0 = time.perf_counter()
             request = ChatCompletionRequest.model_validate(json.loads(body))
@@ -136,8 +141,7 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one repeat")
+    ap = harness.parser(__doc__, quick="one repeat")
     ap.add_argument("--widths", default="3584,16384")
     ap.add_argument("--vllm-side", help=argparse.SUPPRESS)  # the vLLM venv's half: a directory of bodies
     args = ap.parse_args()
@@ -145,10 +149,7 @@ def main() -> None:
     if args.vllm_side:
         vllm_side(Path(args.vllm_side), repeats)
         return
-    sys.path.insert(0, str(ROOT))
-    from bench import record
-
-    run = record.begin("inline_body", args)
+    run = harness.begin("inline_body", args)
     shm = Path("/dev/shm")
     with tempfile.TemporaryDirectory(prefix="vitserve-inline-", dir=shm if shm.is_dir() else None) as tmp:
         rows = sender([int(w) for w in args.widths.split(",")], repeats, Path(tmp))
@@ -163,7 +164,7 @@ def main() -> None:
         row["vllm_s"] = times[row.pop("file")]
         row.pop("tensor")
     print("\n".join(table(rows)))
-    print(f"record: {record.finish(run, {'rows': rows})}")
+    harness.finish(run, {"rows": rows}, args)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,11 @@ noise; quality 90, 4:2:0), for several token budgets:
 Target: mean and worst fidelity >= 0.999 for every model and budget. The flag stays off by default
 either way: its embeddings are not exact (docs/jpeg_draft.md).
 Each run appends its record (commit, machine, load, arguments, results) to bench/out/jpeg_draft.jsonl
-(bench/record.py).
+(bench/harness.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -30,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench import record  # noqa: E402
-from bench.workloads import LARGE_SIZE, jpeg_bytes, photo_like  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.workloads import LARGE_SIZE, large_workload  # noqa: E402
 from vitserve.model import load_encoder  # noqa: E402
 from vitserve.processors import load_image_processor  # noqa: E402
 from vitserve.processors.draft import JpegDraft  # noqa: E402
@@ -98,17 +97,15 @@ def speed(photos: list[bytes], budget: int, reps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
+    ap = harness.parser(__doc__, quick="2 photos, 1 repeat, budgets 256 and 1024")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=None, help="where the run record goes (default bench/out)")
     args = ap.parse_args()
     if args.quick:
         args.reps = 1
-    run = record.begin("jpeg_draft", args)
+    run = harness.begin("jpeg_draft", args)
     torch.set_num_threads(1)
     n = 2 if args.quick else 12
-    photos = [jpeg_bytes(photo_like(*LARGE_SIZE, 1000 + i)) for i in range(n)]
+    photos = large_workload(n, seed=1000)
     # 256/1024/2048 tokens clamp a 12 MP photo to <= 1/2 per side (a draft applies); 4096+ does not
     budgets = (256, 1024) if args.quick else (256, 1024, 2048, 4096)
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,7 +149,7 @@ def main() -> None:
         "speed": spd,
         "default_on": ok,
     }
-    record.finish(run, report, args.out)
+    harness.finish(run, report, args)
     print(
         f"all cosines >= {THRESHOLD} (mean and worst image): {ok}; the flag stays opt-in either way (not exact)"
     )

@@ -34,12 +34,11 @@ that spin ~30 us first) unless this process sets `OMP_WAIT_POLICY`, so the naive
 this process keeps the environment it was started with, so the in-process baseline runs as a user's script
 would (libgomp's default: spin ~3 ms, then sleep).
 
-The record (bench/record.py) goes to bench/out/latency.jsonl; bench/report.py prints its table.
+The record (bench/harness.py) goes to bench/out/latency.jsonl; bench/report.py prints its table.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -54,10 +53,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import record  # noqa: E402
+from bench import harness  # noqa: E402
 from bench.loadgen import json_bodies  # noqa: E402
 from bench.serve import launched as serve_launched  # noqa: E402
-from bench.workloads import jpeg_bytes, photo_like  # noqa: E402
+from bench.workloads import photos  # noqa: E402
 from vitserve.cli import openmp_defaults  # noqa: E402
 
 BUDGET = 4096
@@ -205,16 +204,10 @@ def run_size(
     for name in names:  # one unrecorded request each: first-request costs out of the way
         one(name, 0)
     for k in range(rounds):
-        shift = k % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in harness.rotate(names, k):
             rows[name].append(one(name, k))
     return {"loadavg": list(os.getloadavg()), "summary": summarize(rows),
             "rows": {n: [{k: round(v, 3) for k, v in r.items()} for r in rs] for n, rs in rows.items()}}  # fmt: skip
-
-
-def _q(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))], 3)
 
 
 def derived(name: str, r: dict[str, float]) -> dict[str, float]:
@@ -240,7 +233,11 @@ def summarize(rows: dict[str, list[dict[str, float]]]) -> dict:
     for name, rs in rows.items():
         full = [{**r, **derived(name, r)} for r in rs]
         out[name] = {
-            k: {"p50": _q([r[k] for r in full], 0.5), "p90": _q([r[k] for r in full], 0.9)} for k in full[0]
+            k: {
+                "p50": harness.nearest([r[k] for r in full], 0.5, 3),
+                "p90": harness.nearest([r[k] for r in full], 0.9, 3),
+            }
+            for k in full[0]
         }
     servers = [n for n in rows if n not in ("naive", "inprocess")]
     if "naive" in rows:
@@ -257,20 +254,16 @@ def summarize(rows: dict[str, list[dict[str, float]]]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__, quick="20 and 2 rounds")
     ap.add_argument("--rounds", type=int, default=150, help="rounds with 224x224 JPEGs")
     ap.add_argument("--large_rounds", type=int, default=20, help="rounds with 640x480 JPEGs (0: skip)")
     ap.add_argument("--budget", type=int, default=BUDGET, help="--visual_batch_max_tokens (default 4096)")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: 20 and 2 rounds")
     ap.add_argument("--before", type=Path, help="another checkout of vitserve to run beside this one")
     ap.add_argument("--no_inprocess", action="store_true", help="skip the in-process transformers baseline")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.large_rounds = 20, 2
-    record.unwind_on_sigterm()
-    args.out.mkdir(parents=True, exist_ok=True)
-    run = record.begin("latency", args)
+    run = harness.begin("latency", args)
     sizes = {"224x224": ((224, 224), args.rounds), "640x480": ((640, 480), args.large_rounds)}
     with contextlib.ExitStack() as stack:
         ports = {
@@ -283,10 +276,10 @@ def main() -> None:
         inprocess = None if args.no_inprocess else InProcess(args.budget)
         names = [*ports, *(["inprocess"] if inprocess is not None else [])]
         results = {}
-        for label, ((w, h), rounds) in sizes.items():
+        for label, (size, rounds) in sizes.items():
             if rounds <= 0:
                 continue
-            images = [jpeg_bytes(photo_like(w, h, seed)) for seed in range(8)]
+            images = photos(size, 8)
             results[label] = run_size(ports, images, rounds, inprocess)
             s = results[label]["summary"]
             print(f"{label} (load {os.getloadavg()[0]:.1f}): p50 ms "
@@ -296,7 +289,7 @@ def main() -> None:
             for n, r in s.get("vs_inprocess", {}).items():
                 print(f"{label} {n} vs in-process transformers: p50 {r['p50']:.3f}x (target <= 1.0), "
                       f"encode / HF forward {r['encode_vs_forward']:.3f}x (target <= 0.95)", flush=True)  # fmt: skip
-    record.finish(run, {"budget": args.budget, "servers": names, "sizes": results}, args.out)
+    harness.finish(run, {"budget": args.budget, "servers": names, "sizes": results}, args)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from bench import harness
+
 
 def json_bodies(images: list[bytes], per_request: int = 1) -> list[bytes]:
     """SPEC §2 JSON bodies, `per_request` consecutive images each."""
@@ -45,10 +47,7 @@ class PointResult:
         return self.images_ok / self.elapsed_s if self.elapsed_s else 0.0
 
     def percentile(self, q: float) -> float | None:
-        if not self.latencies_s:
-            return None
-        xs = sorted(self.latencies_s)
-        return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+        return harness.nearest(self.latencies_s, q / 100)
 
     def summary(self) -> dict:
         return {
@@ -133,7 +132,7 @@ def batch_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return out
 
 
-def wait_ready(url: str, path: str, timeout_s: float, proc) -> None:
+def wait_ready(url: str, path: str, timeout_s: float, proc, poll_s: float = 0.5) -> None:
     """Poll until `path` answers 200; raise if the server process exits or the time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -144,5 +143,5 @@ def wait_ready(url: str, path: str, timeout_s: float, proc) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise RuntimeError(f"server at {url} not ready after {timeout_s}s")

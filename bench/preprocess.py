@@ -19,12 +19,11 @@ Every fast output is checked equal to HF's (torch.equal) before it is timed.
 Candidates that are not exact, reported beside it: --jpeg_draft (reduced JPEG decode, the JPEG inputs) and
 OpenCV's resize (only when opencv-python-headless is installed, `pip install -e .[bench]`): its time, its
 largest uint8 difference from PIL's resize and the largest embedding difference on the demo tower.
-The record goes to bench/out/preprocess.jsonl (bench/record.py); bench/report.py prints its table.
+The record goes to bench/out/preprocess.jsonl (bench/harness.py); bench/report.py prints its table.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import statistics
@@ -40,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench import record  # noqa: E402
+from bench import harness  # noqa: E402
 from bench.workloads import LARGE_SIZE, SMALL_SIZE, jpeg_bytes, photo_like, png_bytes  # noqa: E402
 from vitserve.images import decode_image  # noqa: E402
 from vitserve.processors import load_image_processor  # noqa: E402
@@ -163,15 +162,13 @@ def opencv_candidate(blob: bytes, budget: int, reps: int) -> dict[str, Any] | No
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 rep, budgets 256 and 8192")
+    ap = harness.parser(__doc__, quick="1 rep, budgets 256 and 8192")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 1024, 4096, 8192])
-    ap.add_argument("--out", type=Path, default=None, help="where the run record goes (default bench/out)")
     args = ap.parse_args()
     if args.quick:
         args.reps, args.budgets = 1, [256, 8192]
-    run = record.begin("preprocess", args)
+    run = harness.begin("preprocess", args)
     torch.set_num_threads(1)
     rows = []
     blobs = inputs()
@@ -182,7 +179,7 @@ def main() -> None:
             print(f"{name} budget {budget}: decode {r['decode_s']:.3f} hf {r['hf_s']:.3f} fast "
                   f"{r['fast_s']:.3f} -> {r['ratio']:.2f}x ({r['pre_ratio']:.2f}x preprocessing alone)", flush=True)  # fmt: skip
     opencv = opencv_candidate(blobs["jpeg_12mp"], 256, args.reps)
-    record.finish(run, {"rows": rows, "opencv": opencv}, args.out)
+    harness.finish(run, {"rows": rows, "opencv": opencv}, args)
 
 
 if __name__ == "__main__":

@@ -258,6 +258,23 @@ def gateway_table(res: dict) -> list[str]:
             "ratio at 8 clients >= 0.9 (unique) and >= 1.5 (repeated)."]  # fmt: skip
 
 
+def gateway_widths_table(res: dict) -> list[str]:
+    """bench/gateway.py --widths: per model and image size, each arm's ttft against vLLM alone's."""
+    rows = []
+    for p in res["points"]:
+        base = p["vllm"]["ttft_p50_s"]
+        for arm in (a for a in ("vllm", "inline", "ec_storage") if a in p):
+            r = p[arm]
+            rows.append([p["model"], p["size"], arm, f"{r['ttft_p50_s']:.3f}",
+                         f"**{r['ttft_p50_s'] / base:.2f}x**" if arm != "vllm" and base else "-",
+                         f"{r['upstream_bytes']:,}" if "upstream_bytes" in r else "-",
+                         f"{r['handover_ms']:.1f}" if "handover_ms" in r else "-", r["requests"],
+                         f"{p['load_before']:.1f}"])  # fmt: skip
+    head = ["model (row width)", "image", "mode", "ttft p50 (s)", "/ vLLM alone", "upstream bytes per request",
+            "vitserve hand-over (ms)", "requests", "load"]  # fmt: skip
+    return _table(head, rows)
+
+
 def video_decode_table(res: dict) -> list[str]:
     modes = ("hf", "vitserve", "vitserve_full", "vitserve_pool")
     rows = []

@@ -1,69 +1,91 @@
-"""How far the CPU serving peak rises above what the start-up reservation measured: the ratios that
-vitserve/worker/reservation's HEAP_FACTOR and MODEL_FACTOR are chosen from (docs/engine.md, "The reservation").
+"""The CPU reservation against what really fits: the serving peak over the start-up measurement (the ratios
+vitserve/worker/reservation's HEAP_FACTOR and MODEL_FACTOR are chosen from, docs/engine.md "The reservation"),
+and, with --visual_mem_gb, the budget the search chooses against the largest budget that really fits.
 
-    python bench/reservation.py                              # every tiny tower, seeds 1 and 2
+    python bench/reservation.py                              # ratios: every tiny tower, seeds 1 and 2
     python bench/reservation.py --families qwen2_vl --budget 1024 --batches 60 --seeds 1
+    python bench/reservation.py --visual_mem_gb 0.5 --model demo
+    python bench/reservation.py --visual_mem_gb 0.2 --families qwen2_vl   # a tiny checkpoint (tests/checkpoints.py)
+    python bench/reservation.py --quick                      # a smoke run: qwen2_vl, budget 1024, 2 batches, seed 1
 
-Each case runs in a fresh process (a fresh heap), as a rank would: the CPU allocator setting of the rank
-(vitserve.model.fast_alloc), a tiny real checkpoint (tests/checkpoints.py) through the production encoder,
-the stress shape from its real processor, then against one baseline taken after loading (meter.py):
+Both run as a rank does: the CPU allocator setting of the rank (vitserve.model.fast_alloc), a tiny real
+checkpoint through the production encoder (load_encoder), the stress shape from its real processor.
+
+Ratios (record `reservation`), each case in a fresh process (a fresh heap), against one baseline taken after
+loading (meter.py):
 1. the probes and the extrapolation (the first MIN_PROBES shapes: "predicted");
 2. the whole full-budget stress (every batch of worst_case.stress_batches: "full");
 3. --batches batches of random compositions the scheduler can form at the budget (seeded): "serving" is the
    peak RSS over everything, what the rank's PeakWatch compares with the published bytes.
 One JSON line per case (ratios serving/full, serving/predicted, full/predicted), then the worst of each.
+
+--visual_mem_gb (record `visual_mem_gb`), one process, fp32: the search is vitserve/worker/reservation/sizing.py's
+size_for_memory, as a rank runs it. "Really fits" means the full-budget stress at that budget, measured as the
+search measures it (a fresh meter; the published bytes), is within the target. The largest such budget is found
+by bisection: up from the chosen budget, doubling while it fits, then halving the interval down to --tolerance
+of it. Each point is one stress (one reading of a noisy heap: every reading is in the record). Issue 36's
+target: chosen >= 0.9 x largest.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import harness  # noqa: E402
+
 QWEN_BUDGET = (
     2048  # the tiny Qwen towers' CPU attention is slow at 8192 (tests/integration/test_memory_model.py)
 )
 LIMITS = {"internvl": (8192, 512)}  # (budget, images); InternVL: 2048 tiles of 4 tokens
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl"]
+
+
+def rank_encoder(model: str | None, family: str, tmp: Path) -> tuple[str, Any]:
+    """(path, encoder): `model`, or a tiny checkpoint of `family`, loaded under a rank's heap settings."""
+    from vitserve.model.fast_alloc import tune_cpu_allocator
+
+    tune_cpu_allocator()  # first, like the rank (vitserve/worker/process.py): one arena, no mmap, no trimming
+    from tests.checkpoints import make_checkpoint
+    from vitserve.model import load_encoder
+
+    path = model or str(make_checkpoint(family, tmp / family))
+    return path, load_encoder(path)
 
 
 def one_case(family: str, budget: int, max_images: int, batches: int, seed: int) -> dict:
     """Runs inside its own process."""
     import random
 
+    path, enc = rank_encoder(None, family, Path(tempfile.mkdtemp()))  # first: the rank's heap settings
     import torch
 
-    from vitserve.model.fast_alloc import tune_cpu_allocator
-
-    tune_cpu_allocator()  # first, like the rank: one arena, no mmap, no trimming
-    from tests.checkpoints import make_checkpoint
     from vitserve.config import Config
-    from vitserve.model import load_encoder
     from vitserve.processors import load_image_processor
     from vitserve.worker.reservation import StressShape, stress
     from vitserve.worker.reservation import memory_model as mm
     from vitserve.worker.reservation.meter import live_peak, meter_for
     from vitserve.worker.reservation.worst_case import worst_case_items, worst_case_units
 
-    path = str(make_checkpoint(family, Path(tempfile.mkdtemp()) / family))
-    enc = load_encoder(path)
     config = Config(model=path, visual_batch_max_tokens=budget, visual_infer_batch_size=max_images)
     shape = StressShape.of(config, load_image_processor(path, budget).clamp_info())
     units, _ = worst_case_units(enc, budget, max_images, **shape.bounds())
     meter = meter_for(enc.device)
     rng = random.Random(seed)
     with torch.inference_mode():
-        est = mm.estimate(
-            budget,
-            mm.Shape.of_units(units),
-            lambda b: stress._probe(enc, meter, shape, b, lambda line: None),
-            fast_enough_s=0.0,
-            max_probes=mm.MIN_PROBES,
-            quadratic_memory=False,
-        )
+        est = mm.estimate(budget, mm.Shape.of_units(units),
+                          lambda b: stress._probe(enc, meter, shape, b, lambda line: None),
+                          fast_enough_s=0.0, max_probes=mm.MIN_PROBES, quadratic_memory=False)  # fmt: skip
         assert est is not None
         full = meter.measure(lambda: stress.run_full(enc, shape, lambda line: None))
         for _ in range(batches):
@@ -72,64 +94,124 @@ def one_case(family: str, budget: int, max_images: int, batches: int, seed: int)
                 items = worst_case_items(enc, budget, max_images, max_tiles_per_image=cap)
             else:  # a random partition of the budget (or of less of it) into up to max_images images
                 total = budget if rng.random() < 0.7 else rng.randint(max_images, budget)
-                k = rng.randint(1, max_images)
-                cuts = sorted(rng.sample(range(1, total), k - 1))
+                cuts = sorted(rng.sample(range(1, total), rng.randint(1, max_images) - 1))
                 parts = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
                 items = [it for part in parts for it in worst_case_items(enc, part, 1)]
             enc.encode(items)
             del items  # one batch live at a time, as in the rank loop
-    serving = live_peak(enc.device) - meter.baseline
-    predicted = est.predicted_bytes
-    mib = 2**20
-    return {
-        "family": family,
-        "budget": budget,
-        "batches": batches,
-        "seed": seed,
-        "threads": torch.get_num_threads(),
-        "predicted_mib": round(predicted / mib, 1),
-        "full_mib": round(full / mib, 1),
-        "serving_mib": round(serving / mib, 1),
-        "serving_over_full": round(serving / full, 3),
-        "serving_over_predicted": round(serving / predicted, 3),
-        "full_over_predicted": round(full / predicted, 3),
-    }
+    serving, predicted, mib = live_peak(enc.device) - meter.baseline, est.predicted_bytes, 2**20
+    return {"family": family, "budget": budget, "batches": batches, "seed": seed,
+            "threads": torch.get_num_threads(), "predicted_mib": round(predicted / mib, 1),
+            "full_mib": round(full / mib, 1), "serving_mib": round(serving / mib, 1),
+            "serving_over_full": round(serving / full, 3), "serving_over_predicted": round(serving / predicted, 3),
+            "full_over_predicted": round(full / predicted, 3)}  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--families", nargs="+", default=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl"]
-    )
-    parser.add_argument("--budget", type=int, default=QWEN_BUDGET, help="the Qwen towers' budget")
-    parser.add_argument("--batches", type=int, default=40)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
-    args = parser.parse_args()
-    if args.case:
-        family, budget, images, batches, seed = json.loads(args.case)
-        print(json.dumps(one_case(family, budget, images, batches, seed)))
-        return
+def ratios(args: argparse.Namespace) -> list[dict]:
     results = []
     for seed in args.seeds:
         for family in args.families:
             budget, images = LIMITS.get(family, (args.budget, 8))
             case = json.dumps([family, budget, images, args.batches, seed])
-            out = subprocess.run(
-                [sys.executable, __file__, "--case", case],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                check=True,
-            )
+            out = subprocess.run([sys.executable, __file__, "--case", case], cwd=ROOT, capture_output=True,
+                                 text=True, check=True)  # fmt: skip
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(json.dumps(results[-1]), flush=True)
     for ratio in ("serving_over_full", "serving_over_predicted", "full_over_predicted"):
         print(f"worst {ratio}: {max(r[ratio] for r in results):.2f}")
+    return results
+
+
+def chosen_vs_largest(args: argparse.Namespace, tmp: Path) -> dict:
+    model, enc = rank_encoder(args.model, args.families[0], tmp)  # first: the rank's heap settings
+    import torch
+
+    from vitserve.config import GIB, Config
+    from vitserve.processors import load_image_processor
+    from vitserve.worker.reservation import StressShape, sizing
+
+    cfg = Config(model=model, visual_mem_gb=args.visual_mem_gb, visual_batch_max_tokens=0,
+                 budget_source="visual_mem_gb", visual_infer_batch_size=args.batch)  # fmt: skip
+    shape = StressShape.of(cfg, load_image_processor(model, budget_tokens=0).clamp_info())
+    knobs = sizing.Knobs.of(cfg, enc, shape)
+    lines: list[str] = []
+    readings: list[tuple[int, float]] = []
+
+    def fits(budget: int) -> bool:
+        run = sizing._stress(
+            enc, dataclasses.replace(shape, visual_batch_max_tokens=budget), sizing.fresh_meter(enc.device)
+        )
+        readings.append((budget, run.bytes / GIB))
+        print(f"  {budget} tokens: {run.bytes / GIB:.4f} GiB", flush=True)
+        return run.bytes <= knobs.target_bytes
+
+    start = time.monotonic()
+    with torch.inference_mode():
+        res = sizing.size_for_memory(enc, shape, knobs, lambda: sizing.fresh_meter(enc.device), lines.append)
+        search_s = time.monotonic() - start
+        largest = _bisect(
+            res.budget_tokens, fits, args.tolerance, lambda b: sizing._round(enc, shape, knobs, b)
+        )
+    report = {"model": args.model or f"tiny {args.families[0]}", "visual_mem_gb": args.visual_mem_gb,
+              "chosen": res.budget_tokens, "chosen_gib": res.bytes / GIB, "largest": largest,
+              "ratio": round(res.budget_tokens / largest, 3), "search_s": round(search_s, 1), "search": lines,
+              "readings": readings}  # fmt: skip
+    print(json.dumps({k: report[k] for k in ("chosen", "largest", "ratio", "search_s")}))
+    return report
+
+
+def _bisect(chosen: int, fits, tolerance: float, round_down) -> int:  # type: ignore[no-untyped-def]
+    """The largest budget that fits, from the chosen one (which the search validated)."""
+    lo, hi = chosen, None
+    step = chosen
+    while hi is None and step < 64 * chosen:
+        step *= 2
+        candidate = round_down(step)
+        if fits(candidate):
+            lo = candidate
+        else:
+            hi = candidate
+    if hi is None:
+        return lo
+    while hi - lo > max(tolerance * lo, 1):
+        mid = round_down((lo + hi) // 2)
+        if mid <= lo or mid >= hi:
+            break
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def main() -> None:
+    ap = harness.parser(__doc__, quick="qwen2_vl only, budget 1024, 2 batches, seed 1")
+    ap.add_argument(
+        "--families", nargs="+", default=FAMILIES, help="tiny towers (--visual_mem_gb: the first)"
+    )
+    ap.add_argument("--budget", type=int, default=QWEN_BUDGET, help="the Qwen towers' budget")
+    ap.add_argument("--batches", type=int, default=40)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--visual_mem_gb", type=float, help="measure the search for this target instead")
+    ap.add_argument(
+        "--model", default=None, help="with --visual_mem_gb: --model (default: a tiny checkpoint)"
+    )
+    ap.add_argument("--batch", type=int, default=4, help="with --visual_mem_gb: --visual_infer_batch_size")
+    ap.add_argument(
+        "--tolerance", type=float, default=0.02, help="with --visual_mem_gb: bisection stops within"
+    )
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one ratios case in this process
+    args = ap.parse_args()
+    if args.case:
+        print(json.dumps(one_case(*json.loads(args.case))))
+        return
+    if args.quick:
+        args.families, args.budget, args.batches, args.seeds = args.families[:1], 1024, 2, [1]
+    run = harness.begin("reservation" if args.visual_mem_gb is None else "visual_mem_gb", args)
+    if args.visual_mem_gb is None:
+        results: Any = ratios(args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as tmp:
+            results = chosen_vs_largest(args, Path(tmp))
+    harness.finish(run, results, args)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     main()

@@ -8,7 +8,7 @@ Starts one real `vitserve --model demo` per configuration (bench/serve.py's laun
 port), all at once, and runs every point on each of them back to back, rotating which goes first, so that
 they see the same background load. Each configuration gets the same cores: vitserve gives each rank
 cpu_count // (tp*dp) torch threads. Figures are ratios against `tp1` in the same run; docs/scaling.md cites
-them. Records to bench/out/scaling.jsonl (bench/record.py).
+them. Records to bench/out/scaling.jsonl (bench/harness.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import record  # noqa: E402
+from bench import harness  # noqa: E402
 from bench.loadgen import json_bodies  # noqa: E402
 from bench.serve import launched, measure_point  # noqa: E402
 from bench.workloads import WORKLOADS  # noqa: E402
@@ -48,28 +48,24 @@ def measure(args: argparse.Namespace) -> dict:
             for name in names:  # warm-up, unmeasured
                 measure_point(name, urls[name], workload, blobs, 1, args.seconds, 2)
             for clients in args.clients:
-                order = names[turn % len(names) :] + names[: turn % len(names)]
-                turn += 1
-                for name in order:
+                for name in harness.rotate(names, turn):
                     row = measure_point(
                         name, urls[name], workload, blobs, clients, args.seconds, CAP[workload]
                     )
                     rows[name][workload].append(row)
+                turn += 1
     return {"budget": args.budget, "configs": {n: list(CONFIGS[n]) for n in names}, "rows": rows}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="5 s points")
+    ap = harness.parser(__doc__, quick="5 s points")
     ap.add_argument("--budget", type=int, default=1024, help="--visual_batch_max_tokens")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     ap.add_argument("--workloads", default="small,mixed")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
     args.seconds = 5 if args.quick else 10
-    args.out.mkdir(parents=True, exist_ok=True)
-    run = record.begin("scaling", args)
+    run = harness.begin("scaling", args)
     result = measure(args)
     print(
         json.dumps(
@@ -79,7 +75,7 @@ def main() -> None:
             }
         )
     )
-    record.finish(run, result, args.out)
+    harness.finish(run, result, args)
 
 
 if __name__ == "__main__":

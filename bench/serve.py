@@ -19,12 +19,10 @@ next to it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -33,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import record  # noqa: E402
+from bench import harness  # noqa: E402
 from bench.loadgen import batch_delta, json_bodies, run_point, scrape_batch_metrics, wait_ready  # noqa: E402
 from bench.workloads import WORKLOADS  # noqa: E402
 from tests.cli import CLI, Cli  # noqa: E402
@@ -66,46 +64,17 @@ PROFILES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_command(
     kind: str, port: int, budget: int, threads: int, runtime_dir: str, extra: tuple[str, ...] = ()
 ) -> list[str]:
     """The argv of one server; ``extra``: more vitserve flags (bench/scaling.py's --dp / --tp)."""
     if kind == "vitserve":
-        return [
-            *CLI,
-            "--model",
-            "demo",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--visual_batch_max_tokens",
-            str(budget),
-            # the benchmark measures throughput, not admission control: room for every client's request
-            "--max_queue_tokens",
-            str(64 * budget),
-            "--runtime_dir",
-            runtime_dir,
-            "--log_level",
-            "warning",
-            *extra,
-        ]
-    return [
-        sys.executable,
-        str(ROOT / "bench" / "baseline_server.py"),
-        "--port",
-        str(port),
-        "--budget",
-        str(budget),
-        "--threads",
-        str(threads),
-    ]
+        # the benchmark measures throughput, not admission control: room for every client's request
+        return [*CLI, "--model", "demo", "--host", "127.0.0.1", "--port", str(port), "--visual_batch_max_tokens",
+                str(budget), "--max_queue_tokens", str(64 * budget), "--runtime_dir", runtime_dir,
+                "--log_level", "warning", *extra]  # fmt: skip
+    return [sys.executable, str(ROOT / "bench" / "baseline_server.py"), "--port", str(port), "--budget", str(budget),
+            "--threads", str(threads)]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -123,7 +92,7 @@ def launched(
     ``tree``: the checkout whose code it runs (bench/latency.py --before points it at an older tree);
     ``env``: variables set for the server on top of this process's environment.
     """
-    port = free_port()
+    port = harness.free_port()
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(tree)}
     with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as runtime_dir:
         server = Cli(
@@ -279,8 +248,7 @@ def summarize(servers: dict, enc: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the smoke profile (about a minute on 2 cores)")
+    ap = harness.parser(__doc__, quick="the smoke profile (about a minute on 2 cores)")
     ap.add_argument("--full", action="store_true", help="the full sweep (budget 2048, 4-64 clients)")
     ap.add_argument("--budget", type=int, help="--visual_batch_max_tokens (default: 1024; 2048 with --full)")
     ap.add_argument(
@@ -295,17 +263,12 @@ def main() -> None:
     )
     ap.add_argument("--servers", default="vitserve,baseline", help="comma list, or 'none' for encoder-only")
     ap.add_argument("--reps", type=int, default=1, help="encoder-only repetitions over each workload")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
-    record.unwind_on_sigterm()
     name = "quick" if args.quick else "full" if args.full else "standard"
     profile = dict(PROFILES[name])
     if args.budget:
         profile["budget"] = args.budget
-    args.out.mkdir(parents=True, exist_ok=True)
-    run = record.begin(
-        "serve", args
-    )  # the code the servers start with (the tree may change during a long run)
+    run = harness.begin("serve", args)  # the code the servers start with (the tree may change in a long run)
 
     workloads = (args.workloads or ("small,mixed" if args.quick else "small,mixed,large")).split(",")
     images = {w: WORKLOADS[w](profile[w][0]) for w in workloads}
@@ -329,7 +292,7 @@ def main() -> None:
         "summary": summarize(servers, enc),
     }
     print(json.dumps(report["summary"], indent=1))
-    record.finish(run, report, args.out)
+    harness.finish(run, report, args)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ is timed from the process launch to the first `/ready` 200 (polled every 0.1 s),
 The server's output is kept next to the record; the phase lines it prints ("vitserve [group 0] +4.1 s ...",
 seconds since the rank started) are copied into the record, so a slow phase can be found. The record (commit, machine,
 load before and after, each start with the load average it ran at) is appended to bench/out/startup.jsonl
-(bench/record.py).
+(bench/harness.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,29 +31,25 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import record  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.loadgen import wait_ready  # noqa: E402
 from tests.cli import Cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 900.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def one_start(runtime_dir: Path, budget_args: list[str], log_path: Path, model: str = "demo") -> dict:
     """Launch the CLI, wait for /ready 200, stop it; seconds to ready, the budget it serves and the phase
     lines with their times. budget_args: ["--visual_batch_max_tokens", N] or ["--visual_mem_gb", G]."""
-    port = free_port()
+    port = harness.free_port()
     env = {**os.environ, "VITSERVE_RUNTIME_DIR": str(runtime_dir)}
     args = ["--model", model, "--port", str(port), *budget_args]
     start = time.monotonic()
     server = Cli(args, env=env, log=log_path)
     try:
-        ready_s = _wait_ready(f"http://127.0.0.1:{port}/ready", server.proc, start)
+        wait_ready(f"http://127.0.0.1:{port}", "/ready", READY_TIMEOUT_S, server.proc, poll_s=0.1)
+        ready_s = time.monotonic() - start
         info = httpx.get(f"http://127.0.0.1:{port}/v1/info", timeout=10).json()
     finally:
         with contextlib.suppress(AssertionError):  # killed after 60 s
@@ -74,30 +68,14 @@ def one_start(runtime_dir: Path, budget_args: list[str], log_path: Path, model: 
     }
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[str], start: float) -> float:
-    while time.monotonic() - start < READY_TIMEOUT_S:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vitserve exited with code {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"vitserve not ready after {READY_TIMEOUT_S} s")
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--budget", type=int, default=8192, help="--visual_batch_max_tokens (default 8192)")
     ap.add_argument("--warm", type=int, default=2, help="warm starts after the cold one")
     ap.add_argument("--model", default="demo", help="--model (default demo)")
     ap.add_argument("--visual_mem_gb", type=float, help="size the budget for this target (see above)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
-    record.unwind_on_sigterm()
-    args.out.mkdir(parents=True, exist_ok=True)
-    run = record.begin("startup", args)
+    run = harness.begin("startup", args)
     if args.visual_mem_gb is not None:
         report = _mem_starts(args)
     else:
@@ -111,7 +89,7 @@ def main() -> None:
             "warm_s": [s["ready_s"] for s in starts[1:]],
         }
         print(json.dumps({k: report[k] for k in ("cold_s", "warm_s")}))
-    record.finish(run, report, args.out)
+    harness.finish(run, report, args)
 
 
 def _starts(

@@ -13,12 +13,11 @@ preallocated tensor (pure memcpy). Each figure is the best of --trials. Ratio = 
 the target is >= 0.5 of clone. `--naive` adds pyzmq copy=True on both ends, to show what zero-copy buys;
 `--tune-malloc` then repeats the zero-copy rows with glibc's large-block mmap off in the receiving process.
 `--quick` (a smoke run): 3 messages, 1 trial, float32 only. Each run appends its record (commit, machine,
-load, arguments, rows) to bench/out/transfer.jsonl (bench/record.py).
+load, arguments, rows) to bench/out/transfer.jsonl (bench/harness.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import ctypes.util
 import json
@@ -28,14 +27,13 @@ import sys
 import tempfile
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import record  # noqa: E402
+from bench import harness  # noqa: E402
 from vitserve.rpc import (  # noqa: E402
     EmbeddingReceiver,
     ImageEmbedding,
@@ -173,7 +171,7 @@ def run_row(args, tmp: str, dtype_name: str, transport: str, zero_copy: bool, ma
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, quick="3 messages, 1 trial, float32 only")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--dim", type=int, default=3584)
     ap.add_argument("--messages", type=int, default=10, help="timed messages per transport")
@@ -187,12 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         "--tune-malloc", action="store_true", help="then repeat ipc/tcp with glibc mmap off (receiver)"
     )
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
-    ap.add_argument("--quick", action="store_true", help="3 messages, 1 trial, float32 only (a smoke run)")
-    ap.add_argument("--out", type=Path, default=None, help="where the run record goes (default bench/out)")
     args = ap.parse_args(argv)
     if args.quick:
         args.messages, args.trials, args.dtypes = min(args.messages, 3), 1, "float32"
-    run = record.begin("transfer", args)
+    run = harness.begin("transfer", args)
     torch.set_num_threads(1)  # memcpy of one tensor is what the receiver's one thread gets
     dtypes = args.dtypes.split(",")
     paths = [("ipc", True), ("tcp", True)] + ([("ipc", False)] if args.naive else [])
@@ -206,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             for dtype_name in dtypes:
                 for transport in ("ipc", "tcp"):
                     results.append(run_row(args, tmp, dtype_name, transport, True, "tuned"))
-    record.finish(run, results, args.out)
+    harness.finish(run, results, args)
     if args.json:
         print(json.dumps(results))
     return 0

@@ -21,12 +21,11 @@ The clip: 300 frames of tests/videos.py's numbered pictures (a moving pattern, s
 Frames are checked: `vitserve_full` equals `hf` byte for byte, `vitserve` equals the torch resize of `hf`'s.
 Reported per mode: wall-clock median and min, and CPU seconds (this process's, or the decoder process's for
 the pool). The ratio is hf's median over each mode's. **Target: vitserve >= 1.5x hf.**
-The record (bench/record.py) goes to bench/out/video_decode.jsonl; bench/report.py prints its table.
+The record (bench/harness.py) goes to bench/out/video_decode.jsonl; bench/report.py prints its table.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import statistics
@@ -41,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import record  # noqa: E402
+from bench import harness  # noqa: E402
 
 SECONDS, FPS, SIZE, SAMPLE_FPS = 10, 30, (1280, 720), 2.0
 MODES = ("hf", "vitserve", "vitserve_full", "vitserve_pool")
@@ -169,17 +168,15 @@ def bench_clip(path: Path, gop: int, repeats: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__, quick="GOP 30 only, 3 repeats")
     ap.add_argument("--gops", type=int, nargs="+", default=[30, 250], help="keyframe intervals (frames)")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--quick", action="store_true", help="GOP 30 only, 3 repeats")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
     if args.quick:
         args.gops, args.repeats = [30], 3
     # the clips are made before the record starts: encoding is not measured
     clips = {gop: clip(gop, args.out) for gop in args.gops}
-    run = record.begin("video_decode", args)
+    run = harness.begin("video_decode", args)
     results = []
     for gop, path in clips.items():
         row = bench_clip(path, gop, args.repeats)
@@ -189,9 +186,7 @@ def main() -> None:
               ", ".join(f"{m} {w[m]['median']:.2f}" for m in MODES) + "; x hf " +
               ", ".join(f"{m} {r:.2f}" for m, r in row["vs_hf"].items()) + " (target vitserve >= 1.5)",
               flush=True)  # fmt: skip
-    record.finish(
-        run, {"clip": f"H.264 {SIZE[0]}x{SIZE[1]} {FPS} fps {SECONDS} s", "rows": results}, args.out
-    )
+    harness.finish(run, {"clip": f"H.264 {SIZE[0]}x{SIZE[1]} {FPS} fps {SECONDS} s", "rows": results}, args)
 
 
 if __name__ == "__main__":

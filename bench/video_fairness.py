@@ -43,10 +43,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import record  # noqa: E402
+from bench import harness  # noqa: E402
 from bench.loadgen import batch_delta, json_bodies, scrape_batch_metrics, wait_ready  # noqa: E402
-from bench.serve import READY_TIMEOUT_S, free_port  # noqa: E402
-from bench.workloads import jpeg_bytes, photo_like  # noqa: E402
+from bench.serve import READY_TIMEOUT_S  # noqa: E402
+from bench.workloads import small_workload  # noqa: E402
 from tests.cli import CLI, Cli  # noqa: E402
 
 VIDEO = {"seconds": 60, "fps": 30, "size": (640, 360), "gop": 250}
@@ -69,7 +69,7 @@ def video_clip(out: Path) -> bytes:
 @contextlib.contextmanager
 def server(ckpt: Path, log: Path, tree: Path = ROOT):
     """The real CLI on the tiny checkpoint, its code from ``tree``; yields (url, pid)."""
-    port = free_port()
+    port = harness.free_port()
     with tempfile.TemporaryDirectory(prefix="vitserve-fair-") as runtime:
         argv = [*CLI, "--model", str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--runtime_dir", runtime,
                 "--log_level", "warning", "--request_timeout_s", str(int(TIMEOUT_S)),
@@ -82,26 +82,6 @@ def server(ckpt: Path, log: Path, tree: Path = ROOT):
         finally:
             with contextlib.suppress(AssertionError):
                 proc.terminate(60)
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a process and all its descendants, from /proc."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
-    stats: dict[int, list[str]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                stats[int(entry.name)] = fields
-                children.setdefault(int(fields[1]), []).append(int(entry.name))
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        if p in stats:
-            total += (int(stats[p][11]) + int(stats[p][12])) / ticks
-        todo += children.get(p, [])
-    return total
 
 
 class Clients:
@@ -151,7 +131,7 @@ async def phase(
     clients = Clients(url, time.monotonic() + args.seconds)
     before, t0 = scrape_batch_metrics(url), time.monotonic()
     async with httpx.AsyncClient(timeout=TIMEOUT_S) as http:
-        cpu0 = tree_cpu_s(args.server_pid)
+        cpu0 = harness.tree_cpu_s(args.server_pid)
         tasks = [clients.image_client(http, images, k, args.image_clients) for k in range(args.image_clients)]
         if video is not None:
             payload = {"videos": [{"b64": base64.b64encode(video).decode()}], "return_embeddings": False}
@@ -159,15 +139,10 @@ async def phase(
             tasks += [clients.video_client(http, body) for _ in range(args.video_clients)]
         await asyncio.gather(*tasks)
     elapsed = time.monotonic() - t0
-    cpu = tree_cpu_s(args.server_pid) - cpu0
+    cpu = harness.tree_cpu_s(args.server_pid) - cpu0
     return {"images": clients.images, "videos": clients.videos, "errors": clients.errors,
             "elapsed_s": round(elapsed, 2), "server_cpu_s": round(cpu, 2),
             "batches": batch_delta(before, scrape_batch_metrics(url)), "loadavg": list(os.getloadavg())}  # fmt: skip
-
-
-def _q(xs: list[float], q: float) -> float | None:
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))], 2) if xs else None
 
 
 def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
@@ -190,13 +165,16 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
         out[kind] = {
             "requests": len(rows),
             "images_per_s": round(len(rows) / seconds, 2) if seconds else None,
-            "ms": {k: {"p50": _q(v, 0.5), "p99": _q(v, 0.99)} for k, v in parts.items()},
+            "ms": {
+                k: {"p50": harness.nearest(v, 0.5, 2), "p99": harness.nearest(v, 0.99, 2)}
+                for k, v in parts.items()
+            },
             "mean_batch_fill": round(sum(fills) / len(fills), 3) if fills else None,
             "mean_batch_items": round(sum(items) / len(items), 2) if items else None,
             "server_cores_busy": round(sum(p["server_cpu_s"] for p in ps) / seconds, 2) if seconds else None,
             "videos_done": len(vids),
-            "video_s_p50": _q([v["total_s"] for v in vids], 0.5),
-            "video_decode_ms_p50": _q([v["decode_ms"] for v in vids], 0.5),
+            "video_s_p50": harness.nearest([v["total_s"] for v in vids], 0.5, 2),
+            "video_decode_ms_p50": harness.nearest([v["decode_ms"] for v in vids], 0.5, 2),
             "errors": {k: sum(p["errors"].get(k, 0) for p in ps) for p in ps for k in p["errors"]},
         }
     alone, with_videos = out["alone"]["ms"]["total"], out["videos"]["ms"]["total"]
@@ -207,24 +185,20 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__, quick="1 round of 15 s phases")
     ap.add_argument("--image_clients", type=int, default=4)
     ap.add_argument("--video_clients", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=30.0, help="per phase")
     ap.add_argument("--rounds", type=int, default=3, help="alone, then with videos, this many times")
-    ap.add_argument("--quick", action="store_true", help="1 round of 15 s phases")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     ap.add_argument(
         "--tree", type=Path, default=ROOT, help="the checkout whose server runs (an older one: A/B)"
     )
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.seconds = 1, 15.0
-    record.unwind_on_sigterm()
-    args.out.mkdir(parents=True, exist_ok=True)
     video = video_clip(args.out)
-    images = json_bodies([jpeg_bytes(photo_like(224, 224, seed)) for seed in range(8)])
-    run = record.begin("video_fairness", args)
+    images = json_bodies(small_workload(8))
+    run = harness.begin("video_fairness", args)
     phases: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="vitserve-fair-ckpt-") as tmp:
         from tests.checkpoints import make_checkpoint
@@ -240,13 +214,14 @@ def main() -> None:
                     result = asyncio.run(phase(url, images, video if kind == "videos" else None, args))
                     phases.append({"kind": kind, "round": k, **result})
                     lat = sorted(r["total_ms"] for r in result["images"])
-                    print(f"round {k} {kind}: {len(lat)} images, p50 {_q(lat, 0.5)} ms, p99 {_q(lat, 0.99)} ms, "
+                    p50, p99 = (harness.nearest(lat, q, 2) for q in (0.5, 0.99))
+                    print(f"round {k} {kind}: {len(lat)} images, p50 {p50} ms, p99 {p99} ms, "
                           f"{len(result['videos'])} videos, errors {result['errors']}, "
                           f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     summary = summarize(phases)
     print(json.dumps(summary, indent=1))
     del args.server_pid
-    record.finish(run, {"video": VIDEO, "summary": summary, "phases": phases}, args.out)
+    harness.finish(run, {"video": VIDEO, "summary": summary, "phases": phases}, args)
 
 
 if __name__ == "__main__":

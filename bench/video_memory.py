@@ -55,29 +55,13 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import record  # noqa: E402
-from bench.startup import free_port  # noqa: E402
+from bench import harness  # noqa: E402
 from tests.cli import Cli  # noqa: E402
 from tests.videos import make_clip  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.02
 MAX_VIDEO_TOKENS = 10_000_000  # no clamp: equal frame size for the short and the long clip
-
-
-def tree(root: int) -> list[int]:
-    """``root`` and every live descendant, from /proc's parent ids."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    out, frontier = [root], [root]
-    while frontier:
-        frontier = [pid for pid, ppid in parents.items() if ppid in frontier]
-        out += frontier
-    return out
 
 
 def status_kib(pid: int, field: str, file: str = "status") -> int:
@@ -105,14 +89,14 @@ class Sampler(threading.Thread):
         while not self.stop.is_set():
             # every poll: the decoder processes start with the first video, and a short clip's request is
             # over in ~1.5 s (looking again every 0.5 s missed them, and the short clip's peak lacked them)
-            pids = tree(self.root)
+            pids = harness.process_tree(self.root)
             self.peak_kib = max(self.peak_kib, sum(status_kib(pid, "VmRSS") for pid in pids))
             self.peak_pss_kib = max(self.peak_pss_kib, sum(pss_kib(pid) for pid in pids))
             time.sleep(POLL_S)
 
 
 def one_clip(name: str, clip: bytes, args: argparse.Namespace, log: Path) -> dict:
-    port = free_port()
+    port = harness.free_port()
     with tempfile.TemporaryDirectory(prefix="vitserve-bench-vmem-") as tmp:
         env = {**os.environ, "VITSERVE_RUNTIME_DIR": tmp, "OMP_NUM_THREADS": "1"}
         server = Cli(
@@ -123,7 +107,7 @@ def one_clip(name: str, clip: bytes, args: argparse.Namespace, log: Path) -> dic
         )  # fmt: skip
         try:
             server.wait_ready(900)
-            base_kib = sum(status_kib(pid, "VmRSS") for pid in tree(server.proc.pid))
+            base_kib = sum(status_kib(pid, "VmRSS") for pid in harness.process_tree(server.proc.pid))
             sampler = Sampler(server.proc.pid)
             sampler.start()
             body = {"videos": [{"b64": base64.b64encode(clip).decode(), "fps": args.fps}]}
@@ -135,7 +119,7 @@ def one_clip(name: str, clip: bytes, args: argparse.Namespace, log: Path) -> dic
             if answer.status_code != 200:
                 raise RuntimeError(f"{name}: {answer.status_code} {answer.text[:500]}")
             [video] = answer.json()["videos"]
-            pids = tree(server.proc.pid)
+            pids = harness.process_tree(server.proc.pid)
             hwm = {pid: status_kib(pid, "VmHWM") for pid in pids}
         finally:
             with contextlib.suppress(AssertionError):
@@ -162,21 +146,17 @@ def one_clip(name: str, clip: bytes, args: argparse.Namespace, log: Path) -> dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__, quick="8 s and 60 s clips")
     ap.add_argument("--short_s", type=float, default=10.0)
     ap.add_argument("--long_s", type=float, default=600.0)
     ap.add_argument("--source_fps", type=int, default=2, help="the clips' frame rate")
     ap.add_argument("--fps", type=float, default=0.5, help="the request's sampling fps")
     ap.add_argument("--size", type=int, default=336, help="frame width and height (a multiple of 28)")
     ap.add_argument("--budget", type=int, default=288, help="--visual_batch_max_tokens (see above)")
-    ap.add_argument("--quick", action="store_true", help="8 s and 60 s clips")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args()
     if args.quick:
         args.short_s, args.long_s = 8.0, 60.0
-    record.unwind_on_sigterm()
-    args.out.mkdir(parents=True, exist_ok=True)
-    run = record.begin("video_memory", args)
+    run = harness.begin("video_memory", args)
     rows = []
     for name, seconds in (("short", args.short_s), ("long", args.long_s)):
         frames = round(seconds * args.source_fps)
@@ -191,7 +171,7 @@ def main() -> None:
         for key in ("peak_sum_rss_mib", "peak_sum_pss_mib", "sum_hwm_mib", "api_hwm_mib")
     }
     print(json.dumps({"long / short": ratios}))
-    record.finish(run, {"clips": rows, "ratios": ratios}, args.out)
+    harness.finish(run, {"clips": rows, "ratios": ratios}, args)
 
 
 if __name__ == "__main__":

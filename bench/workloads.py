@@ -17,6 +17,10 @@ from PIL import Image, ImageDraw, ImageFilter
 MIXED_SIZES: tuple[tuple[int, int], ...] = ((640, 480), (1024, 768), (1920, 1080), (3024, 4032))
 LARGE_SIZE = (4000, 3000)  # 12 MP
 SMALL_SIZE = (224, 224)
+# The front-door benches' sizes: 448 px (256 tokens after Qwen's 2x2 merge of 14 px patches) and 1080p, whose
+# 2,700 merged tokens (45 x 60 at 28 px) are the embedding bench/ec_handover.py and bench/inline_body.py hand over.
+SIZES: dict[str, tuple[int, int]] = {"448px": (448, 448), "1080p": (1920, 1080)}
+TOKENS_1080P = 2700
 
 
 def photo_like(width: int, height: int, seed: int) -> Image.Image:
@@ -60,6 +64,15 @@ def _add_noise(img: Image.Image, rng: np.random.Generator, sigma: float) -> Imag
     return Image.fromarray(out, "RGB")
 
 
+def gradient_png(width: int, height: int, seed: int) -> bytes:
+    """A cheap PNG (gradients and noise, no shapes) for the servers' benches, where the image is only tokens."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / width, y * 255 / height, (x + y) * 127 / (width + height)], axis=-1)
+    pixels = np.clip(base + rng.normal(0, 25, base.shape), 0, 255).astype(np.uint8)  # (H, W, 3)
+    return png_bytes(Image.fromarray(pixels))
+
+
 def jpeg_bytes(img: Image.Image, quality: int = 90) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=quality, subsampling=2)  # 4:2:0, as cameras do
@@ -72,9 +85,14 @@ def png_bytes(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
+def photos(size: tuple[int, int], n: int, seed: int = 0) -> list[bytes]:
+    """`n` photo-like JPEGs of one size, seeds `seed`, `seed + 1`, ..."""
+    return [jpeg_bytes(photo_like(*size, seed + i)) for i in range(n)]
+
+
 def small_workload(n: int, seed: int = 0) -> list[bytes]:
     """224x224 JPEGs (thumbnails)."""
-    return [jpeg_bytes(photo_like(*SMALL_SIZE, seed + i)) for i in range(n)]
+    return photos(SMALL_SIZE, n, seed)
 
 
 def mixed_workload(n: int, seed: int = 100) -> list[bytes]:
@@ -86,7 +104,7 @@ def mixed_workload(n: int, seed: int = 100) -> list[bytes]:
 
 def large_workload(n: int, seed: int = 200) -> list[bytes]:
     """12 MP (4000x3000) JPEGs."""
-    return [jpeg_bytes(photo_like(*LARGE_SIZE, seed + i)) for i in range(n)]
+    return photos(LARGE_SIZE, n, seed)
 
 
 WORKLOADS = {"small": small_workload, "mixed": mixed_workload, "large": large_workload}

@@ -428,7 +428,7 @@ def make_servable_checkpoint(
 
     The vision tower is VISION_CONFIGS[family] (or `vision`, e.g. a realistic width for bench/gateway.py) with
     its output width set to the language model's (64, or the hidden_size in `text`, which overrides fields of
-    the language model's config, e.g. a real width for bench/gateway_widths.py). lm_head is scaled up 40x so a
+    the language model's config, e.g. a real width for bench/gateway.py --widths). lm_head is scaled up 40x so a
     random model's logprobs are informative rather than flat. The image processor's limits are 4 to `max_units` merge units per
     image; its video processor config names its class (transformers otherwise builds Qwen2-VL's for Qwen3-VL).
     """
