@@ -21,7 +21,7 @@ A request's metadata-only items (an embedding part with no tensor) are checked b
   vLLM's own to encode: this connector never defers them.
 
 Imports: torch, pyzmq, msgspec or msgpack (rpc/wire.py), the standard library, vitserve's rpc modules, and vLLM
-itself; `pip install --no-deps vitserve` into vLLM's environment is all it needs (tests/unit/test_vllm_connector.py
+itself; `pip install --no-deps vitserve` into vLLM's environment is all it needs (tests/integration/test_vllm_connector_imports.py
 checks it in a fresh interpreter).
 """
 

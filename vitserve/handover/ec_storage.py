@@ -53,7 +53,9 @@ class EcStorageTransport(Transport):
         super().__init__(setup)
         config = setup.config
         if store is None:
-            if config.ec_storage_path is None:  # vitserve/flags/handoff.py refuses this; a guard for direct callers
+            if (
+                config.ec_storage_path is None
+            ):  # vitserve/flags/handoff.py refuses this; a guard for direct callers
                 raise ValueError("--llm_transport ec_storage needs --ec_storage_path")
             store = EcStore(
                 Path(config.ec_storage_path),
