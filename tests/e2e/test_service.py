@@ -126,6 +126,7 @@ NOT_GUARDS = {"host", "port", "log_level", "otlp_endpoint", "node_rank", "master
 # The flags /v1/info names as docs/design.md names the concept ("Names").
 RENAMED = {"visual_batch_max_tokens": "budget_tokens", "visual_infer_batch_size": "max_batch_images"}
 RENAMED["model_family"] = "family"  # the family the ranks resolved (--model_family auto included)
+RENAMED["wire_key_file"] = "wire_key"  # whether a key is set, never the key or its path
 
 
 def test_v1_info_names_every_flag_that_guards_memory_load_or_exactness():
