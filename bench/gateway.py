@@ -5,12 +5,17 @@
     python bench/gateway.py --widths            # the hand-over at real LLM widths, 448 px and 1080p
     python bench/gateway.py --widths --quick    # 2 requests per point
     python bench/gateway.py --widths --ec_tree DIR   # ec_storage from another vitserve tree
+    python bench/gateway.py --widths --transports wire   # only the wire sitting
 
 Compared arms, each point in alternating order (bench/harness.py), clients closed-loop and streaming; the
 time to first token is the time to the first event that carries content:
 - vllm: the raw image straight to vLLM (its own tower);
 - vitserve: the real `vitserve --llm_url` CLI (a subprocess) in front of that vLLM; with --widths, two of them:
-  inline (the embedding base64 in the body) and ec_storage (the embedding in a file, a metadata-only part).
+  inline (the embedding base64 in the body) and ec_storage (the embedding in a file, a metadata-only part);
+- with --widths, wire: vitserve with `--llm_transport wire` pushing each embedding over ZMQ (TCP loopback) to
+  vitserve's own connector (vitserve.vllm_connector) in a second vLLM (one vLLM has one EC connector), in a
+  sitting of its own against vllm alone on that same vLLM. Each point names its vLLM's connector
+  (`connector`: ec_example or vitserve); `--transports` leaves arms out.
 
 Default (record `gateway`): one tiny Qwen2.5-VL checkpoint (tests/checkpoints.py make_servable_checkpoint)
 with the demo's realistic-width tower (8 blocks of 512) and a one-layer 64-wide LLM, so the tower is most of
@@ -26,7 +31,8 @@ Prints ttft p50/p99 and requests/s, vitserve+vLLM over vLLM alone.
 so the hand-over, not the prefill, is what differs: qwen2_5_vl-3584 (Qwen2.5-VL-7B's width, one layer) and
 qwen3_vl-4096x4 (Qwen3-VL-8B's 4,096 with 3 DeepStack levels: rows 16,384 wide; three layers). Narrow MLPs,
 tiny towers with the LLM's output width; vitserve's tower in bfloat16 (`--dtype float32` for a CPU without
-bf16), vLLM in float32, an encoder-cache consumer of a directory in /dev/shm. One client, a new image per
+bf16), vLLM in float32, an encoder-cache consumer of a directory in /dev/shm (ECExampleConnector), or, for
+wire, of vitserve's connector (endpoint on a free loopback port, max_gb 4, no key). One client, a new image per
 request, per image size. Per point: ttft p50, upstream bytes per request and vitserve's hand-over
 (`vitserve_upstream_body_bytes`, `vitserve_stage_seconds{stage="handover"}`).
 """
@@ -152,10 +158,10 @@ def _warm(url: str, bodies: Bodies) -> None:
 
 
 @contextmanager
-def serving(ckpt: Path, tmp: Path, fronts: dict[str, tuple[list[str], Path]], vllm_args: tuple[str, ...] = ()
-            ) -> Iterator[dict[str, str]]:  # fmt: skip
+def serving(ckpt: Path, tmp: Path, fronts: dict[str, tuple[list[str], Path]], vllm_args: tuple[str, ...] = (),
+            vllm_env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:  # fmt: skip
     """One vLLM and, in front of it, one vitserve per `fronts` entry (name: its arguments, its tree); the urls."""
-    vllm = VllmServer(ckpt, tmp, limit_mm={"image": 1, "video": 0}, extra_args=vllm_args)
+    vllm = VllmServer(ckpt, tmp, limit_mm={"image": 1, "video": 0}, extra_args=vllm_args, extra_env=vllm_env)
     started: dict[str, Cli] = {}
     try:
         for name, (extra, tree) in fronts.items():
@@ -222,36 +228,72 @@ def _width_point(url: str, bodies: Bodies, requests: int, vitserve: bool) -> dic
 
 
 def widths(args: argparse.Namespace, tmp: Path) -> list[dict]:
-    requests, points = 2 if args.quick else 4, []
+    transports, points = set(args.transports.split(",")), []
+    if args.ec_tree == "none":
+        transports.discard("ec_storage")
     for name in args.models.split(","):
         started = time.monotonic()
         family, text, vision = MODELS[name]
         ckpt = make_servable_checkpoint(family, tmp / name, vision=vision, max_units=MAX_UNITS, text=text)
-        ec_dir = Path(
-            tempfile.mkdtemp(prefix="vitserve-ec-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
-        )
-        config = {"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
-                  "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)}}  # fmt: skip
         front = ["--dtype", args.dtype, "--visual_batch_max_tokens", str(MAX_UNITS), "--cache_gb", "0"]
-        fronts = {"inline": (front, ROOT)}
-        if args.ec_tree != "none":
-            ec = ["--llm_transport", "ec_storage", "--ec_storage_path", str(ec_dir)]
-            fronts["ec_storage"] = ([*front, *ec], Path(args.ec_tree))
-        vllm_args = ("--ec-transfer-config", json.dumps(config), "--max-model-len", "4096")
-        try:
-            with serving(ckpt, tmp, fronts, vllm_args) as urls:
-                for i, size in enumerate(("448px", "1080p")):
-                    with harness.sitting(model=name, size=size) as point:
-                        for seed, arm in enumerate(harness.alternate(list(urls), i), start=10 * i):
-                            _warm(urls[arm], Bodies(str(ckpt), SIZES[size], 900 + seed, max_tokens=4))
-                            bodies = Bodies(str(ckpt), SIZES[size], seed, max_tokens=4)
-                            point[arm] = _width_point(urls[arm], bodies, requests, arm != "vllm")
-                    print(json.dumps(point), flush=True)
-                    points.append(point)
-        finally:
-            shutil.rmtree(ec_dir, ignore_errors=True)  # RAM, on /dev/shm
+        if transports & {"inline", "ec_storage"}:
+            points += _ec_example_sitting(args, ckpt, tmp, front, transports)
+        if "wire" in transports:
+            points += _vitserve_connector_sitting(args, ckpt, tmp, front)
         print(f"{name}: {time.monotonic() - started:.0f} s", flush=True)
     print("\n".join(report.gateway_widths_table({"points": points})))
+    return points
+
+
+def _ec_example_sitting(args: argparse.Namespace, ckpt: Path, tmp: Path, front: list[str], transports: set[str]
+                        ) -> list[dict]:  # fmt: skip
+    """vLLM with ECExampleConnector on a directory in /dev/shm: vllm alone, inline and ec_storage."""
+    ec_dir = Path(
+        tempfile.mkdtemp(prefix="vitserve-ec-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    )
+    config = {"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+              "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)}}  # fmt: skip
+    fronts = {"inline": (front, ROOT)} if "inline" in transports else {}
+    if "ec_storage" in transports:
+        ec = ["--llm_transport", "ec_storage", "--ec_storage_path", str(ec_dir)]
+        fronts["ec_storage"] = ([*front, *ec], Path(args.ec_tree))
+    vllm_args = ("--ec-transfer-config", json.dumps(config), "--max-model-len", "4096")
+    try:
+        return _sittings(args, ckpt, tmp, fronts, vllm_args, None, "ec_example")
+    finally:
+        shutil.rmtree(ec_dir, ignore_errors=True)  # RAM, on /dev/shm
+
+
+def _vitserve_connector_sitting(
+    args: argparse.Namespace, ckpt: Path, tmp: Path, front: list[str]
+) -> list[dict]:
+    """A second vLLM, with vitserve's own connector (one vLLM has one EC connector): vllm alone and wire.
+    vLLM imports vitserve from a directory that holds only it (what `pip install --no-deps vitserve` gives)."""
+    pkg = tmp / f"{ckpt.name}-pkg"
+    pkg.mkdir(exist_ok=True)
+    if not (pkg / "vitserve").exists():
+        (pkg / "vitserve").symlink_to(ROOT / "vitserve")
+    endpoint = f"tcp://127.0.0.1:{harness.free_port()}"
+    config = {"ec_connector": "VitserveECConnector", "ec_connector_module_path": "vitserve.vllm_connector",
+              "ec_role": "ec_consumer", "ec_connector_extra_config": {"endpoint": endpoint, "max_gb": 4}}  # fmt: skip
+    fronts = {"wire": ([*front, "--llm_transport", "wire", "--llm_endpoint", endpoint], ROOT)}
+    vllm_args = ("--ec-transfer-config", json.dumps(config), "--max-model-len", "4096")
+    return _sittings(args, ckpt, tmp, fronts, vllm_args, {"PYTHONPATH": str(pkg)}, "vitserve")
+
+
+def _sittings(args: argparse.Namespace, ckpt: Path, tmp: Path, fronts: dict[str, tuple[list[str], Path]],
+              vllm_args: tuple[str, ...], vllm_env: dict[str, str] | None, connector: str) -> list[dict]:  # fmt: skip
+    """One vLLM (and `fronts` before it); per image size, every arm in alternating order: one point each."""
+    requests, points = 2 if args.quick else 4, []
+    with serving(ckpt, tmp, fronts, vllm_args, vllm_env) as urls:
+        for i, size in enumerate(("448px", "1080p")):
+            with harness.sitting(model=ckpt.name, size=size, connector=connector) as point:
+                for seed, arm in enumerate(harness.alternate(list(urls), i), start=10 * i):
+                    _warm(urls[arm], Bodies(str(ckpt), SIZES[size], 900 + seed, max_tokens=4))
+                    bodies = Bodies(str(ckpt), SIZES[size], seed, max_tokens=4)
+                    point[arm] = _width_point(urls[arm], bodies, requests, arm != "vllm")
+            print(json.dumps(point), flush=True)
+            points.append(point)
     return points
 
 
@@ -261,6 +303,11 @@ def main() -> None:
     ap.add_argument("--workloads", default="unique,repeated", help="without --widths: unique and/or repeated")
     ap.add_argument("--models", default=",".join(MODELS), help="with --widths: the checkpoints")
     ap.add_argument("--dtype", default="bfloat16", help="with --widths: vitserve's --dtype")
+    ap.add_argument(
+        "--transports",
+        default="inline,ec_storage,wire",
+        help="with --widths: the vitserve transports measured (wire on a second vLLM, see above)",
+    )
     ap.add_argument("--ec_tree", default=str(ROOT),
                     help="with --widths: the vitserve tree whose ec_storage is measured; 'none' leaves it out")  # fmt: skip
     args = ap.parse_args()

@@ -259,13 +259,15 @@ def gateway_table(res: dict) -> list[str]:
 
 
 def gateway_widths_table(res: dict) -> list[str]:
-    """bench/gateway.py --widths: per model and image size, each arm's ttft against vLLM alone's."""
+    """bench/gateway.py --widths: per model and image size, each arm's ttft against vLLM alone's in its own
+    sitting (wire's: the vLLM with vitserve's connector, a point of its own; an older record names none)."""
     rows = []
     for p in res["points"]:
         base = p["vllm"]["ttft_p50_s"]
-        for arm in (a for a in ("vllm", "inline", "ec_storage") if a in p):
+        for arm in (a for a in ("vllm", "inline", "ec_storage", "wire") if a in p):
             r = p[arm]
-            rows.append([p["model"], p["size"], arm, f"{r['ttft_p50_s']:.3f}",
+            mode = f"vllm ({p['connector']})" if arm == "vllm" and "connector" in p else arm
+            rows.append([p["model"], p["size"], mode, f"{r['ttft_p50_s']:.3f}",
                          f"**{r['ttft_p50_s'] / base:.2f}x**" if arm != "vllm" and base else "-",
                          f"{r['upstream_bytes']:,}" if "upstream_bytes" in r else "-",
                          f"{r['handover_ms']:.1f}" if "handover_ms" in r else "-", r["requests"],

@@ -70,6 +70,19 @@ def test_gateway_widths_table_gives_each_arm_against_vllm_alone():
     assert len(lines) == 4  # no ec_storage arm measured, no row
 
 
+def test_gateway_widths_table_gives_wire_against_vllm_alone_on_its_own_vllm():
+    """wire runs on a second vLLM (vitserve's connector): its ratio is against that vLLM's, not the first's."""
+    first = {"model": "m", "size": "448px", "load_before": 1.0, "connector": "ec_example",
+             "vllm": {"ttft_p50_s": 0.5, "requests": 4}}  # fmt: skip
+    second = {"model": "m", "size": "448px", "load_before": 1.0, "connector": "vitserve",
+              "vllm": {"ttft_p50_s": 0.4, "requests": 4},
+              "wire": {"ttft_p50_s": 0.44, "requests": 4, "upstream_bytes": 2000, "handover_ms": 5.0}}  # fmt: skip
+    lines = report.gateway_widths_table({"points": [first, second]})
+    assert lines[2] == "| m | 448px | vllm (ec_example) | 0.500 | - | - | - | 4 | 1.0 |"
+    assert lines[3] == "| m | 448px | vllm (vitserve) | 0.400 | - | - | - | 4 | 1.0 |"
+    assert lines[4] == "| m | 448px | wire | 0.440 | **1.10x** | 2,000 | 5.0 | 4 | 1.0 |"
+
+
 def test_process_tree_holds_the_descendants_and_their_cpu_counts():
     """This process is in its parent's tree, not the other way round (a unit test starts no process)."""
     assert os.getpid() in harness.process_tree(os.getppid())
