@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm import connector_server
+from tests.vllm import servers
 
 
 @pytest.fixture(scope="session")
 def connector_vllm(tmp_path_factory):
-    """The one vLLM with vitserve's own connector (tests/vllm/connector_server.py), started on first use and
-    stopped at the session's end: every module that asks shares it (one start-up, ~1 minute of a core)."""
-    started = connector_server.start(tmp_path_factory.mktemp("connector"))
+    """The one vLLM with vitserve's own connector (tests/vllm/connector_server.py), started early beside the
+    other vLLMs (tests/vllm/servers.py `take_more`) or on first use, ready when handed over, and stopped at the
+    session's end: every module that asks shares it (one start-up, ~1 minute of a core)."""
+    started = servers.take_more("connector", tmp_path_factory.mktemp("connector"))
+    started.server.wait_ready()
     try:
         yield started
     finally:

@@ -5,7 +5,8 @@ package (PYTHONPATH to a directory holding nothing but `vitserve`: what `pip ins
 and vLLM's packages untouched), the connector's port on loopback TCP, its files in a directory of its own, a
 key file, a small byte bound and a short wait.
 
-tests/vllm/conftest.py's session fixture `connector_vllm` starts it once for every module that asks.
+tests/vllm/conftest.py's session fixture `connector_vllm` takes it (started early beside the other vLLMs, tests/vllm/servers.py
+`take_more`) once for every module that asks.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def _free_tcp_endpoint() -> str:
     return f"tcp://127.0.0.1:{port}"
 
 
-def start(tmp: Path) -> ConnectorVllm:
-    """Start it under `tmp` and wait until it is ready; the caller stops `.server`."""
+def start(tmp: Path, wait: bool = True) -> ConnectorVllm:
+    """Start it under `tmp` (and wait until it is ready, unless `wait` is False); the caller stops `.server`."""
     ckpt = make_servable_checkpoint(FAMILY, tmp / FAMILY, max_units=512)
     (tmp / "pkg").mkdir()
     (tmp / "pkg" / "vitserve").symlink_to(Path(__file__).resolve().parents[2] / "vitserve")
@@ -73,5 +74,6 @@ def start(tmp: Path) -> ConnectorVllm:
         # and compares vLLM's own video path, which takes the sampling per request (media_io_kwargs)
         extra_args=("--ec-transfer-config", json.dumps(config), "--trust-request-mm-kwargs"),
         extra_env={"PYTHONPATH": os.fspath(tmp / "pkg")},
+        wait=wait,
     )
     return ConnectorVllm(ckpt, endpoint, key_file, server)

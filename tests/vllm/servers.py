@@ -18,9 +18,12 @@ early ones over, or starts them then.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tests.checkpoints import SERVABLE_FAMILIES, make_servable_checkpoint
+from tests.vllm import connector_server
 from tests.vllm_server import VllmServer, vllm_venv_python
 
 CHECKPOINT_MAX_UNITS = 512  # the checkpoints' max_pixels in merge units (what vLLM alone allows)
@@ -29,6 +32,10 @@ CHECKPOINT_MAX_UNITS = 512  # the checkpoints' max_pixels in merge units (what v
 Servers = dict[str, tuple[Path, Path, VllmServer]]
 
 _early: Servers | None = None
+# The other modules' own vLLMs, started early beside these and taken once each (`take_more`): vitserve's
+# connector (tests/vllm/connector_server.py) and the replicas' consumer (tests/vllm/test_ec_replicas.py). Each
+# is ~1 minute of a core that a serial run would otherwise wait for when its first test begins.
+_early_more: dict[str, Any] = {}
 
 
 def ec_dir(tmp: Path) -> Path:
@@ -75,6 +82,28 @@ def start(root: Path) -> Servers:
     return started
 
 
+def replicas_consumer(root: Path, wait: bool = True) -> tuple[Path, Path, VllmServer]:
+    """A Qwen2.5-VL consumer of its own directory for the replicas' test: (checkpoint, tmp, server)."""
+    root.mkdir(parents=True, exist_ok=True)
+    ckpt = make_servable_checkpoint("qwen2_5_vl", root / "ckpt", max_units=CHECKPOINT_MAX_UNITS)
+    server = VllmServer(
+        ckpt, root, limit_mm={"image": 4, "video": 0}, extra_args=consumer_args(root), wait=wait
+    )
+    return ckpt, root, server
+
+
+MORE: dict[str, Callable[[Path, bool], Any]] = {
+    "connector": connector_server.start,
+    "replicas": replicas_consumer,
+}
+
+
+def take_more(name: str, root: Path) -> Any:
+    """The `MORE[name]` server started early, else one started now under `root` (not waited for)."""
+    started = _early_more.pop(name, None)
+    return started if started is not None else MORE[name](root, False)
+
+
 def stop(servers: Servers) -> None:
     for _, _, server in servers.values():
         server.stop()
@@ -86,6 +115,9 @@ def start_early(root: Path) -> None:
     global _early
     if _early is None and vllm_venv_python().is_file():
         _early = start(root)
+        for name, start_one in MORE.items():
+            (root / name).mkdir()
+            _early_more[name] = start_one(root / name, False)
 
 
 def take(root: Path) -> Servers:
@@ -101,3 +133,6 @@ def stop_early() -> None:
     if _early is not None:
         stop(_early)
         _early = None
+    for started in _early_more.values():
+        (started.server if hasattr(started, "server") else started[2]).stop()
+    _early_more.clear()

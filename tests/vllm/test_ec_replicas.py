@@ -4,8 +4,8 @@ concurrent clients sending the same few images to both, each replica writes, reu
 names in requests in flight. Every answer must be a 200 and vLLM must stay alive (a file removed before vLLM
 reads it kills its engine). (tests/integration/test_ec_replicas.py checks the directory's bound.)
 
-This module starts its own Qwen2.5-VL consumer (tests/vllm/servers.py's arguments, one server, not the
-module fixture's four) and two in-process vitserve services (tests/vllm/stack.py vitserve_in_process)."""
+This module has its own Qwen2.5-VL consumer (tests/vllm/servers.py `replicas_consumer`, started early beside
+the others) and two in-process vitserve services (tests/vllm/stack.py vitserve_in_process)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.checkpoints import make_servable_checkpoint
 from tests.openai_chat import chat_request, image_url_part
 from tests.vllm import servers
 from tests.vllm.ec_cases import BOUND_GB
 from tests.vllm.stack import metric, png, vitserve_in_process
-from tests.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 IMAGES = 10  # distinct images, ~12-16 KB of file each: ~4 fit in BOUND_GB, so the bound is always at work
@@ -29,11 +27,9 @@ CLIENTS = 4
 
 @pytest.fixture(scope="module")
 def consumer(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("replicas")
-    ckpt = make_servable_checkpoint("qwen2_5_vl", tmp / "ckpt", max_units=servers.CHECKPOINT_MAX_UNITS)
-    vllm = VllmServer(ckpt, tmp, limit_mm={"image": 4, "video": 0}, extra_args=servers.consumer_args(tmp))
+    ckpt, tmp, vllm = servers.take_more("replicas", tmp_path_factory.mktemp("replicas"))
     try:
-        yield ckpt, tmp, vllm
+        yield ckpt, tmp, vllm.wait_ready()
     finally:
         vllm.stop()
 
@@ -43,7 +39,7 @@ def _replica(ckpt, vllm, tmp, name):
     return vitserve_in_process(ckpt, vllm.url, tmp / name, *args, "--ec_storage_gb", str(BOUND_GB))
 
 
-@pytest.mark.parametrize("requests", [240, pytest.param(2000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("requests", [200, pytest.param(2000, marks=pytest.mark.slow)])
 def test_two_replicas_on_one_directory_answer_every_request_and_keep_vllm_alive(consumer, requests):
     ckpt, tmp, vllm = consumer
     images = [png(224, 224 - 28 * (i % 3), seed=100 + i) for i in range(IMAGES)]
