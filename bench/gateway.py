@@ -60,7 +60,7 @@ from bench.workloads import SIZES, gradient_png  # noqa: E402
 from tests.checkpoints import VISION_CONFIGS, make_servable_checkpoint  # noqa: E402
 from tests.cli import Cli  # noqa: E402
 from tests.openai_chat import data_url  # noqa: E402
-from tests.vllm_server import VllmServer  # noqa: E402
+from tests.vllm_server import VllmServer, unused_port  # noqa: E402
 from vitserve.checkpoint import Checkpoint  # noqa: E402
 
 BUDGET = 256  # tokens per image (after merge): a 448x448 image; the default checkpoint's max_pixels
@@ -273,7 +273,7 @@ def _vitserve_connector_sitting(
     pkg.mkdir(exist_ok=True)
     if not (pkg / "vitserve").exists():
         (pkg / "vitserve").symlink_to(ROOT / "vitserve")
-    endpoint = f"tcp://127.0.0.1:{harness.free_port()}"
+    endpoint = f"tcp://127.0.0.1:{unused_port()}"  # bound a minute later: tests/vllm_server.py
     config = {"ec_connector": "VitserveECConnector", "ec_connector_module_path": "vitserve.vllm_connector",
               "ec_role": "ec_consumer", "ec_connector_extra_config": {"endpoint": endpoint, "max_gb": 4}}  # fmt: skip
     fronts = {"wire": ([*front, "--llm_transport", "wire", "--llm_endpoint", endpoint], ROOT)}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -47,10 +48,32 @@ def vllm_python() -> Path:
     pytest.skip(message)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_picked: set[int] = set()
+
+
+def unused_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server that binds it only later (vLLM's HTTP port and its
+    connector's endpoint, a minute into its start). Picked below the kernel's ephemeral range: a port there is
+    never handed out by a bind to port 0 or an outgoing connection, which every vLLM and test makes by the
+    hundred meanwhile (a port of that range, free when picked, was taken before vLLM bound it: its engine
+    failed to start). Never the same one twice in a process."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10_000, max(low, 10_001))
+        if port in _picked:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _picked.add(port)
+        return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 class VllmServer:
@@ -68,7 +91,7 @@ class VllmServer:
         extra_env: dict[str, str] | None = None,
     ):
         self.checkpoint = Path(checkpoint)
-        self.port = _free_port()
+        self.port = unused_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"vllm-{self.checkpoint.name}-{self.port}.log"
         limit = limit_mm if limit_mm is not None else {"image": 4, "video": 0}

@@ -1,12 +1,13 @@
-"""The one real vLLM with vitserve's own encoder-cache connector (vitserve/vllm_connector.py, docs/vllm.md) that
-tests/vllm's connector tests share: Qwen3-VL (DeepStack; its tower kept, so it also answers raw images),
+"""The real vLLMs with vitserve's own encoder-cache connector (vitserve/vllm_connector.py, docs/vllm.md) that
+tests/vllm's connector tests share: Qwen3-VL (DeepStack; its tower kept, so it also answers raw images) for
+every case, and Qwen2.5-VL (no DeepStack, its video in time-windowed rows) for the answers of the other family,
 `--ec-transfer-config` naming `vitserve.vllm_connector` by module path, vitserve importable there only as its own
 package (PYTHONPATH to a directory holding nothing but `vitserve`: what `pip install --no-deps vitserve` gives,
 and vLLM's packages untouched), the connector's port on loopback TCP, its files in a directory of its own, a
 key file, a small byte bound and a short wait.
 
-tests/vllm/conftest.py's session fixture `connector_vllm` takes it (started early beside the other vLLMs, tests/vllm/servers.py
-`take_more`) once for every module that asks.
+tests/vllm/conftest.py's session fixture `connector_vllm` takes the Qwen3-VL one, tests/vllm/test_wire.py the
+Qwen2.5-VL one (both started early beside the other vLLMs, tests/vllm/servers.py `take_more`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import zmq
-
 from tests.checkpoints import make_servable_checkpoint
-from tests.vllm_server import VllmServer
+from tests.vllm_server import VllmServer, unused_port
 
 FAMILY = "qwen3_vl"
 SECRET = b"a test secret of 32 bytes, fixed"
@@ -39,22 +38,16 @@ class ConnectorVllm:
         return str(self.ckpt)
 
 
-def _free_tcp_endpoint() -> str:
-    with zmq.Context.instance().socket(zmq.ROUTER) as s:
-        s.linger = 0
-        port = s.bind_to_random_port("tcp://127.0.0.1")  # free now; vLLM binds it a minute later
-    return f"tcp://127.0.0.1:{port}"
-
-
-def start(tmp: Path, wait: bool = True) -> ConnectorVllm:
-    """Start it under `tmp` (and wait until it is ready, unless `wait` is False); the caller stops `.server`."""
-    ckpt = make_servable_checkpoint(FAMILY, tmp / FAMILY, max_units=512)
+def start(tmp: Path, wait: bool = True, family: str = FAMILY) -> ConnectorVllm:
+    """Start one for `family` under `tmp` (and wait until it is ready, unless `wait` is False); the caller stops
+    `.server`."""
+    ckpt = make_servable_checkpoint(family, tmp / family, max_units=512)
     (tmp / "pkg").mkdir()
     (tmp / "pkg" / "vitserve").symlink_to(Path(__file__).resolve().parents[2] / "vitserve")
     key_file = tmp / "key"
     key_file.write_bytes(SECRET + b"\n")
     (tmp / "shm").mkdir()
-    endpoint = _free_tcp_endpoint()
+    endpoint = f"tcp://127.0.0.1:{unused_port()}"  # vLLM binds it a minute later
     config = {
         "ec_connector": "VitserveECConnector",
         "ec_connector_module_path": "vitserve.vllm_connector",

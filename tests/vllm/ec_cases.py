@@ -11,6 +11,8 @@ with the header check vitserve itself uses.
 from __future__ import annotations
 
 import os
+import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -190,3 +192,45 @@ def test_ec_storage_to_a_vllm_that_is_no_consumer_is_a_502_saying_how_to_start_i
             assert path.is_dir()
     finally:
         plain.stop()
+
+
+REPLICA_IMAGES = (
+    10  # distinct images, ~12-16 KB of file each: ~4 fit in BOUND_GB, so the bound is always at work
+)
+REPLICA_CLIENTS = 4
+
+
+@pytest.mark.parametrize("requests", [200, pytest.param(2000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stack", ["qwen2_5_vl"], indirect=True)
+def test_ec_storage_two_replicas_on_one_directory_answer_every_request(stack, ec, requests):
+    """Two more in-process replicas on the family consumer's directory (three with `ec`), under a bound that
+    holds only a few files: with concurrent clients sending the same few images to both, each writes, reuses
+    and evicts files the other names in requests in flight. Every answer is a 200 and vLLM stays alive (a file
+    removed before vLLM reads it kills its engine). tests/integration/test_ec_replicas.py checks the bound."""
+    images = [png(224, 224 - 28 * (i % 3), seed=100 + i) for i in range(REPLICA_IMAGES)]
+    tmp, model = stack.tmp, stack.model
+    args = ec_args(stack)
+    with (
+        vitserve_in_process(stack.ckpt, stack.vllm.url, tmp / "replica-1", *args) as one,
+        vitserve_in_process(stack.ckpt, stack.vllm.url, tmp / "replica-2", *args) as two,
+    ):
+        urls = [one.url, two.url]
+        rng = random.Random(7)
+        plan = [(rng.choice(urls), rng.sample(range(REPLICA_IMAGES), 2)) for _ in range(requests)]
+
+        def send(item: tuple[str, list[int]]) -> tuple[int, str]:
+            url, picked = item
+            body = {**chat_request(model, image_url_part(images[picked[0]])), "max_tokens": 1}
+            body["messages"][0]["content"].insert(1, image_url_part(images[picked[1]]))
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120, trust_env=False)
+            return r.status_code, r.text[:300]
+
+        with ThreadPoolExecutor(REPLICA_CLIENTS) as pool:
+            answers = list(pool.map(send, plan))
+        failed = [a for a in answers if a[0] != 200]
+        assert failed == [], f"{len(failed)} of {requests} failed, first: {failed[:3]}"
+        assert stack.vllm.alive()
+        evicted = sum(metric(url, "vitserve_ec_evictions_total", reason="bytes") for url in urls)
+        reused = sum(metric(url, "vitserve_ec_reuses_total") for url in urls)
+        assert evicted > 0  # the bound was at work
+        assert reused > 0  # and files were reused

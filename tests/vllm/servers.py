@@ -17,6 +17,7 @@ early ones over, or starts them then.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -33,8 +34,8 @@ Servers = dict[str, tuple[Path, Path, VllmServer]]
 
 _early: Servers | None = None
 # The other modules' own vLLMs, started early beside these and taken once each (`take_more`): vitserve's
-# connector (tests/vllm/connector_server.py) and the replicas' consumer (tests/vllm/test_ec_replicas.py). Each
-# is ~1 minute of a core that a serial run would otherwise wait for when its first test begins.
+# connector, one per family (tests/vllm/connector_server.py). Each is ~1 minute of a core that a serial run
+# would otherwise wait for when its first test begins.
 _early_more: dict[str, Any] = {}
 
 
@@ -82,19 +83,9 @@ def start(root: Path) -> Servers:
     return started
 
 
-def replicas_consumer(root: Path, wait: bool = True) -> tuple[Path, Path, VllmServer]:
-    """A Qwen2.5-VL consumer of its own directory for the replicas' test: (checkpoint, tmp, server)."""
-    root.mkdir(parents=True, exist_ok=True)
-    ckpt = make_servable_checkpoint("qwen2_5_vl", root / "ckpt", max_units=CHECKPOINT_MAX_UNITS)
-    server = VllmServer(
-        ckpt, root, limit_mm={"image": 4, "video": 0}, extra_args=consumer_args(root), wait=wait
-    )
-    return ckpt, root, server
-
-
 MORE: dict[str, Callable[[Path, bool], Any]] = {
     "connector": connector_server.start,
-    "replicas": replicas_consumer,
+    "connector_qwen2_5_vl": functools.partial(connector_server.start, family="qwen2_5_vl"),
 }
 
 

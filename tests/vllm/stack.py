@@ -44,7 +44,7 @@ class Stack:
         return str(self.ckpt)
 
 
-def _args(ckpt: Path, llm_url: str, *extra: str) -> list[str]:
+def cli_args(ckpt: Path, llm_url: str, *extra: str) -> list[str]:
     args = [
         "--model",
         str(ckpt),
@@ -60,7 +60,7 @@ def _args(ckpt: Path, llm_url: str, *extra: str) -> list[str]:
 
 def start_vitserve(ckpt: Path, llm_url: str, tmp: Path, *extra: str) -> Cli:
     """The real `vitserve` CLI in front of `llm_url`, ready."""
-    server = Cli(_args(ckpt, llm_url, *extra), tmp)
+    server = Cli(cli_args(ckpt, llm_url, *extra), tmp)
     server.wait_ready(300)
     return server
 
@@ -72,7 +72,7 @@ def vitserve_in_process(
     and those whose subject is the upstream vLLM (one without its tower, one that is no consumer) use it; each
     family's inline stack runs the CLI itself (start_vitserve), so the process, its flags and its exit stay
     covered."""
-    return cli_in_process(_args(ckpt, llm_url, *extra), tmp)
+    return cli_in_process(cli_args(ckpt, llm_url, *extra), tmp)
 
 
 def metric(url: str, name: str, **labels: str) -> float:

@@ -49,6 +49,7 @@ from tests.vllm.ec_cases import (
     test_ec_storage_the_directory_stays_within_its_bound,  # noqa: F401
     test_ec_storage_to_a_vllm_that_is_no_consumer_is_a_502_saying_how_to_start_it,  # noqa: F401
     test_ec_storage_to_vllm_without_its_tower,  # noqa: F401
+    test_ec_storage_two_replicas_on_one_directory_answer_every_request,  # noqa: F401
 )
 from tests.vllm.stack import BUDGET, Stack, vitserve_in_process
 from tests.vllm.stack import metric as _metric

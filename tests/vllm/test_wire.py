@@ -13,18 +13,31 @@ read from vitserve's vitserve_llm_messages_total{outcome} counter, what reached 
 
 from __future__ import annotations
 
+import contextlib
+import json
+import queue
+import re
+import signal
 import socket
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from fractions import Fraction
 
 import httpx
 import pytest
+import zmq
 
+from tests.cli import Cli
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
 from tests.videos import make_clip
-from tests.vllm.connector_server import ConnectorVllm
-from tests.vllm.stack import metric, png, vitserve_in_process
+from tests.vllm import servers
+from tests.vllm.connector_server import SECRET, ConnectorVllm
+from tests.vllm.stack import cli_args, metric, png, vitserve_in_process
 from vitserve.handover.wire import WireRequest
+from vitserve.rpc import wirekey
+from vitserve.rpc.replies import Held, decode_reply, encode_holds
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 BODY_LIMIT = 64 * 1024  # SPEC §10's bound on the body upstream holds for wire's parts too
@@ -163,4 +176,118 @@ def test_wire_two_replicas_share_no_directory_and_every_request_is_answered(cons
         for want, got in zip(expected, answers, strict=True):
             assert_same_answer(want, got)
         assert _delivered(second.url) == 3
+    assert vllm.alive()
+
+
+@contextmanager
+def _black_hole() -> Iterator[tuple[str, queue.Queue[bytes]]]:
+    """An --llm_url that reads each request whole and never answers: (its url, the chat bodies it got)."""
+    bodies: queue.Queue[bytes] = queue.Queue()
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def take(conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = re.search(rb"(?i)content-length: *(\d+)", head)
+            while length and len(body) < int(length.group(1)) and (chunk := conn.recv(65536)):
+                body += chunk
+            if head.startswith(b"POST /v1/chat/completions"):
+                bodies.put(body)
+            while conn.recv(65536):  # held open, unanswered, until the sender dies
+                pass
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed: the test is over
+                return
+            threading.Thread(target=take, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", bodies
+    finally:
+        server.close()
+
+
+def _post_and_lose_it(url: str, body: dict) -> None:
+    """A client whose vitserve dies under it: the connection drops, no answer comes."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=60, trust_env=False)
+
+
+def _holds(endpoint: str, uuids: list[str]) -> object:
+    with zmq.Context.instance().socket(zmq.DEALER) as sock:
+        sock.linger = 0
+        wirekey.configure_client(sock, SECRET)
+        sock.connect(endpoint)
+        sock.send_multipart([encode_holds(uuids, "q-kill")])
+        assert sock.poll(30_000), "the connector did not answer a holds query"
+        return decode_reply(sock.recv())
+
+
+def test_wire_vitserve_killed_between_its_push_and_its_request_costs_vllm_nothing(consumer, tmp_path):
+    """The real CLI pushes an image (acknowledged), sends its request to an --llm_url that never answers, and is
+    SIGKILLed there, ranks and all: the request it was sending never reaches vLLM. The connector still holds the
+    pushed tensor (until its deadline), so that very request, sent to vLLM by someone else, is answered as vLLM
+    answers the raw image; vLLM stays healthy throughout."""
+    ckpt, vllm = consumer.ckpt, consumer.server
+    body = chat_request(str(ckpt), image_url_part(png(128, 96, seed=67)))
+    with _black_hole() as (url, bodies):
+        cli = Cli(
+            [*cli_args(ckpt, url, *_wire_args(consumer)), "--request_timeout_s", "120"],
+            tmp_path,
+            session=True,
+        )
+        try:
+            cli.wait_ready(300)
+            client = threading.Thread(target=_post_and_lose_it, args=(cli.url, body), daemon=True)
+            client.start()  # its answer never comes: vitserve dies first (the client sees the connection drop)
+            sent = json.loads(bodies.get(timeout=120))  # pushed and acknowledged: the request is on its way
+            cli.signal_all(signal.SIGKILL)
+            cli.proc.wait(30)
+        finally:
+            cli.stop()
+    uuids = [part["uuid"] for part in sent["messages"][0]["content"] if "uuid" in part]
+    assert len(uuids) == 1
+    assert _holds(consumer.endpoint, uuids) == Held("q-kill", tuple(uuids))
+    assert vllm.alive()
+    assert_same_answer(complete(vllm.url, body), complete(vllm.url, sent))
+    assert vllm.alive()
+
+
+@pytest.fixture(scope="module")
+def consumer_qwen2_5_vl(tmp_path_factory) -> Iterator[ConnectorVllm]:
+    """The other family's connector vLLM (tests/vllm/connector_server.py), started early, stopped here."""
+    started = servers.take_more("connector_qwen2_5_vl", tmp_path_factory.mktemp("connector_qwen2_5_vl"))
+    try:
+        started.server.wait_ready()
+        yield started
+    finally:
+        started.server.stop()
+
+
+def test_wire_qwen2_5_vl_images_and_a_video_equal_vllms_own(consumer_qwen2_5_vl, wire_clip):
+    """Qwen2.5-VL (no DeepStack: one tensor per item; its video in windowed rows) through its own connector
+    vLLM: two images per request, JSON and a stream, and a video, each as vLLM answers the raw media."""
+    from tests.vllm.test_front_door import RAW_VIDEO_TOL, VIDEO_SAMPLING, _video_url_part
+
+    consumer = consumer_qwen2_5_vl
+    ckpt, vllm = consumer.ckpt, consumer.server
+    with _vitserve(consumer, "wire-qwen2_5_vl") as server:
+        for stream in (False, True):
+            body = chat_request(str(ckpt), image_url_part(png(160, 120, seed=80 + stream)), stream=stream)
+            body["messages"][0]["content"].insert(1, image_url_part(png(96, 64, seed=82 + stream)))
+            through, pushed, _ = _through(server.url, body)
+            assert_same_answer(complete(vllm.url, body), through)
+            assert pushed == 2
+        video = chat_request(str(ckpt), _video_url_part(wire_clip))
+        direct = complete(vllm.url, {**video, "media_io_kwargs": {"video": {"num_frames": -1}}})
+        through, pushed, _ = _through(server.url, {**video, "mm_processor_kwargs": VIDEO_SAMPLING})
+        assert_same_answer(direct, through, tol=RAW_VIDEO_TOL)
+        assert pushed == 1
     assert vllm.alive()
