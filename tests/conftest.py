@@ -10,6 +10,7 @@ from hypothesis import settings
 
 import tests.profiles  # noqa: F401  (registers the Hypothesis profiles)
 from tests import parallel
+from tests.vllm import servers
 
 # Two cores here: keep each process to one intra-op thread unless a test says otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -100,3 +101,17 @@ def _relay(read_end: int) -> None:
 def _ranks_from_the_session_forkserver(request) -> None:
     if parallel.folder(request.node) in _RANK_FOLDERS:
         request.getfixturevalue("forkserver")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllms_start_while_the_other_tests_run(request, tmp_path_factory):
+    """A serial run with tests/vllm after other tests starts its vLLMs when the run begins, one after another
+    on a thread (tests/vllm/servers.py says why); what tests/vllm did not take is stopped when the run ends.
+    Not under xdist (a worker does not know whether tests/vllm will be its), and not for a run that begins
+    with tests/vllm: its first test would wait for all of them (`take` starts them at once instead)."""
+    items = request.session.items
+    vllm_first = next((i for i, item in enumerate(items) if parallel.folder(item) == "vllm"), None)
+    if "PYTEST_XDIST_WORKER" not in os.environ and vllm_first:
+        servers.start_in_background(tmp_path_factory.mktemp("vllm"))
+    yield
+    servers.stop_early()

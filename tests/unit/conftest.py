@@ -1,16 +1,12 @@
 """tests/unit: in-process tests. They start no process (tests/no_processes.py fails one that does); those not
-marked `heavy` (HEAVY below) are the quick tier, `bash scripts/test.sh --quick`. The vLLMs of tests/vllm
-start while they run (a serial run only)."""
+marked `heavy` (HEAVY below) are the quick tier, `bash scripts/test.sh --quick`."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 from tests import no_processes
 from tests.parallel import folder
-from tests.vllm import servers
 
 # Unit tests left out of the quick tier (marked `heavy`; the default run keeps them), each for what costs:
 # a module (its file name) or one test (file::name). Together ~45% of tests/unit's CPU time.
@@ -57,20 +53,3 @@ def pytest_runtest_call(item):
 def pytest_runtest_teardown(item, nextitem):
     with no_processes.guard():
         return (yield)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _vllms_start_beside_the_unit_tests(request, tmp_path_factory):
-    """Start tests/vllm's vLLMs when the first unit test begins, if tests/vllm runs after the unit tests
-    (tests/vllm/servers.py says why). The unit tests run in this process, one core; the ~1 minute of each
-    vLLM start-up then runs on the other instead of while tests/vllm waits (~2 min of a serial run). Not
-    under xdist: a worker does not know whether tests/vllm will be its. Whatever tests/vllm did not take is
-    stopped when the run ends. So the quick tier (tests/unit alone) starts no vLLM."""
-    items = request.session.items
-    first_unit = next((i for i, item in enumerate(items) if folder(item) == "unit"), len(items))
-    if "PYTEST_XDIST_WORKER" not in os.environ and any(folder(item) == "vllm" for item in items[first_unit:]):
-        with no_processes.allowed():
-            servers.start_early(tmp_path_factory.mktemp("vllm"))
-    yield
-    with no_processes.allowed():
-        servers.stop_early()

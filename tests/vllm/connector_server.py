@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +39,9 @@ class ConnectorVllm:
         return str(self.ckpt)
 
 
-def start(tmp: Path, wait: bool = True, family: str = FAMILY) -> ConnectorVllm:
-    """Start one for `family` under `tmp` (and wait until it is ready, unless `wait` is False); the caller stops
-    `.server`."""
+def prepare(tmp: Path, family: str = FAMILY) -> Callable[[bool], ConnectorVllm]:
+    """Make one for `family` under `tmp`: its checkpoint, key and directories now; its start, waiting until it
+    is ready or not, is what comes back (tests/vllm/servers.py starts it on a thread of its own)."""
     ckpt = make_servable_checkpoint(family, tmp / family, max_units=512)
     (tmp / "pkg").mkdir()
     (tmp / "pkg" / "vitserve").symlink_to(Path(__file__).resolve().parents[2] / "vitserve")
@@ -60,13 +61,17 @@ def start(tmp: Path, wait: bool = True, family: str = FAMILY) -> ConnectorVllm:
             "shm_dir": str(tmp / "shm"),
         },
     }
-    server = VllmServer(
-        ckpt,
-        tmp,
-        limit_mm={"image": 4, "video": 1},  # tests/vllm/test_wire.py sends a video through vitserve
-        # and compares vLLM's own video path, which takes the sampling per request (media_io_kwargs)
-        extra_args=("--ec-transfer-config", json.dumps(config), "--trust-request-mm-kwargs"),
-        extra_env={"PYTHONPATH": os.fspath(tmp / "pkg")},
-        wait=wait,
-    )
-    return ConnectorVllm(ckpt, endpoint, key_file, server)
+
+    def launch(wait: bool) -> ConnectorVllm:
+        server = VllmServer(
+            ckpt,
+            tmp,
+            limit_mm={"image": 4, "video": 1},  # tests/vllm/test_wire.py sends a video through vitserve
+            # and compares vLLM's own video path, which takes the sampling per request (media_io_kwargs)
+            extra_args=("--ec-transfer-config", json.dumps(config), "--trust-request-mm-kwargs"),
+            extra_env={"PYTHONPATH": os.fspath(tmp / "pkg")},
+            wait=wait,
+        )
+        return ConnectorVllm(ckpt, endpoint, key_file, server)
+
+    return launch

@@ -8,17 +8,21 @@ instead of a server-wide --media-io-kwargs, which vLLM would hash into every vid
 "plain" is the one vLLM that is not a consumer (Qwen2.5-VL without a tower, the cheapest to start): it is
 what refuses ec_storage's metadata-only parts, and no consumer can show that.
 
-A start-up is ~1 minute of mostly one core's Python (~58 CPU-s: vLLM's CPU platform spawns its engine and
-worker processes, and each imports vLLM again). So a serial run starts them early, when tests/unit begins
-(tests/unit/conftest.py): those tests run in the pytest process on one core, the start-ups take the other,
-and tests/vllm, collected after tests/unit, finds them ready instead of waiting for them. `take` hands the
-early ones over, or starts them then.
+A start-up is ~1 minute of mostly one core's Python (~54 CPU-s: vLLM's CPU platform spawns its engine and
+worker processes, and each imports vLLM again), six of them ~5.5 CPU-min. A serial run of the whole suite
+starts them when it begins (tests/conftest.py), one after another on a thread of their own
+(`start_in_background`): tests/e2e and tests/integration leave 30-50% of the two cores idle (they wait on
+processes, sockets and timers), which the start-ups fill, and tests/vllm, last, finds them ready. One at a
+time: all six at once put ~35 processes on two cores and stall the tests running then. `take` and
+`take_more` hand them over, or start them then (a run of tests/vllm alone).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,15 +32,22 @@ from tests.vllm import connector_server
 from tests.vllm_server import VllmServer, vllm_venv_python
 
 CHECKPOINT_MAX_UNITS = 512  # the checkpoints' max_pixels in merge units (what vLLM alone allows)
+NO_TOWER = {"image": 0, "video": 0}
 
 # family (or "bare", "plain") -> (checkpoint, its directory, the server)
 Servers = dict[str, tuple[Path, Path, VllmServer]]
+Launch = Callable[[], tuple[Path, Path, VllmServer]]  # starts one server, not waiting for it
 
 _early: Servers | None = None
 # The other modules' own vLLMs, started early beside these and taken once each (`take_more`): vitserve's
-# connector, one per family (tests/vllm/connector_server.py). Each is ~1 minute of a core that a serial run
-# would otherwise wait for when its first test begins.
-_early_more: dict[str, Any] = {}
+# connector, one per family (tests/vllm/connector_server.py).
+_early_more: dict[str, connector_server.ConnectorVllm] = {}
+_starter: threading.Thread | None = None  # start_in_background's thread
+_stopping = threading.Event()  # the run ends: start no more
+
+
+class _Abandoned(Exception):
+    """The run ended while the servers were still being started one by one."""
 
 
 def ec_dir(tmp: Path) -> Path:
@@ -53,46 +64,66 @@ def consumer_args(tmp: Path) -> tuple[str, ...]:
     return ("--ec-transfer-config", json.dumps(config), "--trust-request-mm-kwargs")
 
 
-def start(root: Path) -> Servers:
-    """Start every server (they get ready in the background; VllmServer.wait_ready waits for one)."""
+def _server(ckpt: Path, tmp: Path, limit_mm: dict[str, int], consumer: bool) -> tuple[Path, Path, VllmServer]:
+    args = consumer_args(tmp) if consumer else ()
+    return ckpt, tmp, VllmServer(ckpt, tmp, limit_mm=limit_mm, extra_args=args, wait=False)
+
+
+def _launches(root: Path) -> dict[str, Launch]:
+    """Every server's start, its checkpoint made now, in the calling thread (a checkpoint is built with
+    torch's global RNG and default dtype, which a test running meanwhile on the main thread may be using)."""
+    launches: dict[str, Launch] = {}
+    for family in SERVABLE_FAMILIES:
+        tmp = root / family
+        tmp.mkdir(parents=True)
+        ckpt = make_servable_checkpoint(family, tmp / family, max_units=CHECKPOINT_MAX_UNITS)
+        launches[family] = functools.partial(_server, ckpt, tmp, {"image": 4, "video": 1}, True)
+    tmp = root / "qwen2_5_vl"
+    ckpt = tmp / "qwen2_5_vl"
+    launches["bare"] = functools.partial(_server, ckpt, tmp, NO_TOWER, True)
+    launches["plain"] = functools.partial(_server, ckpt, tmp, NO_TOWER, False)
+    return launches
+
+
+def _launched(server: VllmServer, serially: bool) -> None:
+    """When starting `serially`, wait until `server` is ready (a failed start-up is the taking test's to
+    report: its wait_ready raises again, with vLLM's log)."""
+    if serially:
+        if _stopping.is_set():
+            server.stop()
+            raise _Abandoned
+        with contextlib.suppress(RuntimeError):
+            server.wait_ready()
+
+
+def _start(launches: dict[str, Launch], serially: bool) -> Servers:
     started: Servers = {}
     try:
-        for family in SERVABLE_FAMILIES:
-            tmp = root / family
-            tmp.mkdir(parents=True)
-            ckpt = make_servable_checkpoint(family, tmp / family, max_units=CHECKPOINT_MAX_UNITS)
-            started[family] = (
-                ckpt,
-                tmp,
-                VllmServer(
-                    ckpt,
-                    tmp,
-                    limit_mm={"image": 4, "video": 1},
-                    extra_args=consumer_args(tmp),
-                    wait=False,
-                ),
-            )
-        ckpt, tmp, _ = started["qwen2_5_vl"]
-        no_tower = {"image": 0, "video": 0}
-        bare = VllmServer(ckpt, tmp, limit_mm=no_tower, extra_args=consumer_args(tmp), wait=False)
-        started["bare"] = ckpt, tmp, bare
-        started["plain"] = ckpt, tmp, VllmServer(ckpt, tmp, limit_mm=no_tower, wait=False)
+        for name, launch in launches.items():
+            started[name] = launch()
+            _launched(started[name][2], serially)
     except BaseException:
         stop(started)
         raise
     return started
 
 
-MORE: dict[str, Callable[[Path, bool], Any]] = {
-    "connector": connector_server.start,
-    "connector_qwen2_5_vl": functools.partial(connector_server.start, family="qwen2_5_vl"),
+def start(root: Path) -> Servers:
+    """Start every server at once (they get ready in the background; VllmServer.wait_ready waits for one)."""
+    return _start(_launches(root), serially=False)
+
+
+MORE: dict[str, Callable[[Path], Callable[[bool], connector_server.ConnectorVllm]]] = {
+    "connector": connector_server.prepare,
+    "connector_qwen2_5_vl": functools.partial(connector_server.prepare, family="qwen2_5_vl"),
 }
 
 
-def take_more(name: str, root: Path) -> Any:
+def take_more(name: str, root: Path) -> connector_server.ConnectorVllm:
     """The `MORE[name]` server started early, else one started now under `root` (not waited for)."""
+    _join_starter()
     started = _early_more.pop(name, None)
-    return started if started is not None else MORE[name](root, False)
+    return started if started is not None else MORE[name](root)(False)
 
 
 def stop(servers: Servers) -> None:
@@ -100,20 +131,39 @@ def stop(servers: Servers) -> None:
         server.stop()
 
 
-def start_early(root: Path) -> None:
-    """Start them now for a later `take`, if the vLLM venv is there (without it tests/vllm skips, or fails in
-    CI, when it begins)."""
+def start_in_background(root: Path) -> None:
+    """Start them all, one after another, on a thread, for a later `take` / `take_more`, if the vLLM venv is
+    there (without it tests/vllm skips, or fails in CI, when it begins). Their checkpoints are made now."""
+    global _starter
+    if _starter is not None or not vllm_venv_python().is_file():
+        return
+    launches = _launches(root)
+    more = {}
+    for name, prepare in MORE.items():
+        (root / name).mkdir()
+        more[name] = prepare(root / name)
+    _starter = threading.Thread(target=_start_all, args=(launches, more), name="vllm-start-ups", daemon=True)
+    _starter.start()
+
+
+def _start_all(launches: dict[str, Launch], more: dict[str, Callable[[bool], Any]]) -> None:
     global _early
-    if _early is None and vllm_venv_python().is_file():
-        _early = start(root)
-        for name, start_one in MORE.items():
-            (root / name).mkdir()
-            _early_more[name] = start_one(root / name, False)
+    with contextlib.suppress(_Abandoned):
+        _early = _start(launches, serially=True)
+        for name, launch in more.items():
+            _early_more[name] = launch(False)
+            _launched(_early_more[name].server, serially=True)
+
+
+def _join_starter() -> None:
+    if _starter is not None:
+        _starter.join()
 
 
 def take(root: Path) -> Servers:
     """The servers started early, else new ones under `root`; the caller stops them (`stop`)."""
     global _early
+    _join_starter()
     servers, _early = _early, None
     return servers if servers is not None else start(root)
 
@@ -121,9 +171,11 @@ def take(root: Path) -> Servers:
 def stop_early() -> None:
     """Stop servers started early that no test took (tests/vllm deselected after all, or the run ended)."""
     global _early
+    _stopping.set()
+    _join_starter()
     if _early is not None:
         stop(_early)
         _early = None
     for started in _early_more.values():
-        (started.server if hasattr(started, "server") else started[2]).stop()
+        started.server.stop()
     _early_more.clear()
