@@ -3,7 +3,7 @@ vitserve gives the same answer.
 
 Per family (Qwen2.5-VL, and Qwen3-VL with DeepStack), one tiny checkpoint vLLM can serve
 (tests/checkpoints.py make_servable_checkpoint), one real vLLM started from scripts/vllm-env.sh's venv
-(tests/vllm_server.py; a serial run starts them while tests/unit runs, tests/vllm/servers.py), and the real
+(tests/vllm_server.py; a serial run starts them when it begins, tests/vllm/servers.py), and the real
 vitserve CLI in front of it (--llm_url; the ec_storage cases and the tower-less or non-consumer vLLMs get the
 CLI's own service run in this process, tests/vllm/stack.py vitserve_in_process). vLLM is given the raw image
 directly; vitserve sends it the embeddings instead. Greedy decoding, 12 tokens with their logprobs: the
