@@ -21,7 +21,8 @@ that fails or overruns costs only its own rows:
   reserve  bench/gpu_reserve.py at 16,384 tokens (published / peak), then a --cuda_graphs rank's capture
            and the worst case served through the graphs: published + pool against the peak;
   visual_mem_gb  --visual_mem_gb at G (the 16,384-token published bytes) and 1.5 G: the budgets chosen;
-  handoff  one embedding of width 16,384 in bf16 to the EC producer path (D2H, safetensors file, rename);
+  handoff  one embedding of width 16,384 in bf16 to the EC producer path (D2H, safetensors file, rename), and
+           the wire connector's load of a held tensor onto the device (read_entry + H2D);
   profile  the top CUDA kernels of one 7B forward at 8,192 tokens of 448 px, eager and through the graphs.
 """
 

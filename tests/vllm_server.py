@@ -89,7 +89,6 @@ class VllmServer:
         extra_args: tuple[str, ...] = (),
         wait: bool = True,
         extra_env: dict[str, str] | None = None,
-        nice: int = 0,
     ):
         self.checkpoint = Path(checkpoint)
         self.port = unused_port()
@@ -97,7 +96,6 @@ class VllmServer:
         self.log_path = Path(log_dir) / f"vllm-{self.checkpoint.name}-{self.port}.log"
         limit = limit_mm if limit_mm is not None else {"image": 4, "video": 0}
         argv = [
-            *(("nice", "-n", str(nice)) if nice else ()),  # its engine and worker processes inherit it
             str(vllm_python()),
             "-m",
             "vllm.entrypoints.openai.api_server",

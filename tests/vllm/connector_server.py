@@ -39,7 +39,7 @@ class ConnectorVllm:
         return str(self.ckpt)
 
 
-def prepare(tmp: Path, family: str = FAMILY, nice: int = 0) -> Callable[[bool], ConnectorVllm]:
+def prepare(tmp: Path, family: str = FAMILY) -> Callable[[bool], ConnectorVllm]:
     """Make one for `family` under `tmp`: its checkpoint, key and directories now; its start, waiting until it
     is ready or not, is what comes back (tests/vllm/servers.py starts it on a thread of its own)."""
     ckpt = make_servable_checkpoint(family, tmp / family, max_units=512)
@@ -71,7 +71,6 @@ def prepare(tmp: Path, family: str = FAMILY, nice: int = 0) -> Callable[[bool], 
             extra_args=("--ec-transfer-config", json.dumps(config), "--trust-request-mm-kwargs"),
             extra_env={"PYTHONPATH": os.fspath(tmp / "pkg")},
             wait=wait,
-            nice=nice,
         )
         return ConnectorVllm(ckpt, endpoint, key_file, server)
 

@@ -12,8 +12,10 @@ A start-up is ~1 minute of mostly one core's Python (~54 CPU-s: vLLM's CPU platf
 worker processes, and each imports vLLM again), six of them ~5.5 CPU-min. A serial run of the whole suite
 starts them when it begins (tests/conftest.py), one after another on a thread of their own
 (`start_in_background`): tests/e2e and tests/integration leave 30-50% of the two cores idle (they wait on
-processes, sockets and timers), which the start-ups fill at the lowest priority (nice 19), and tests/vllm,
-last, finds them ready. One at a time: all six at once put ~35 processes on two cores. `take` and
+processes, sockets and timers), which the start-ups fill, and tests/vllm, last, finds them ready. One at a
+time: all six at once put ~35 processes on two cores and stall the tests running then. Measured (bench/RESULTS.md
+"The test suite"): 1,039 s of pytest this way against 1,074 s with all six at the first unit test; at nice 19
+it was slower (tests/e2e 470 s against 420 s), so they run at normal priority. `take` and
 `take_more` hand them over, or start them then (a run of tests/vllm alone).
 """
 
@@ -33,11 +35,6 @@ from tests.vllm_server import VllmServer, vllm_venv_python
 
 CHECKPOINT_MAX_UNITS = 512  # the checkpoints' max_pixels in merge units (what vLLM alone allows)
 NO_TOWER = {"image": 0, "video": 0}
-# The start-ups beside the other tests run at the lowest priority: they take the CPU the tests leave idle
-# (the scheduler gives a nice-19 process ~1.5% of a core against one at 0), not the tests' own. At the
-# same priority they slowed tests/e2e from 278 to 420 s. They keep it while they serve: tests/vllm runs
-# a vLLM and vitserve turn about (the request, then its answer), so it costs them nothing there.
-BACKGROUND_NICE = 19
 
 # family (or "bare", "plain") -> (checkpoint, its directory, the server)
 Servers = dict[str, tuple[Path, Path, VllmServer]]
@@ -69,14 +66,12 @@ def consumer_args(tmp: Path) -> tuple[str, ...]:
     return ("--ec-transfer-config", json.dumps(config), "--trust-request-mm-kwargs")
 
 
-def _server(
-    ckpt: Path, tmp: Path, limit_mm: dict[str, int], consumer: bool, nice: int
-) -> tuple[Path, Path, VllmServer]:
+def _server(ckpt: Path, tmp: Path, limit_mm: dict[str, int], consumer: bool) -> tuple[Path, Path, VllmServer]:
     args = consumer_args(tmp) if consumer else ()
-    return ckpt, tmp, VllmServer(ckpt, tmp, limit_mm=limit_mm, extra_args=args, wait=False, nice=nice)
+    return ckpt, tmp, VllmServer(ckpt, tmp, limit_mm=limit_mm, extra_args=args, wait=False)
 
 
-def _launches(root: Path, nice: int = 0) -> dict[str, Launch]:
+def _launches(root: Path) -> dict[str, Launch]:
     """Every server's start, its checkpoint made now, in the calling thread (a checkpoint is built with
     torch's global RNG and default dtype, which a test running meanwhile on the main thread may be using)."""
     launches: dict[str, Launch] = {}
@@ -84,11 +79,11 @@ def _launches(root: Path, nice: int = 0) -> dict[str, Launch]:
         tmp = root / family
         tmp.mkdir(parents=True)
         ckpt = make_servable_checkpoint(family, tmp / family, max_units=CHECKPOINT_MAX_UNITS)
-        launches[family] = functools.partial(_server, ckpt, tmp, {"image": 4, "video": 1}, True, nice)
+        launches[family] = functools.partial(_server, ckpt, tmp, {"image": 4, "video": 1}, True)
     tmp = root / "qwen2_5_vl"
     ckpt = tmp / "qwen2_5_vl"
-    launches["bare"] = functools.partial(_server, ckpt, tmp, NO_TOWER, True, nice)
-    launches["plain"] = functools.partial(_server, ckpt, tmp, NO_TOWER, False, nice)
+    launches["bare"] = functools.partial(_server, ckpt, tmp, NO_TOWER, True)
+    launches["plain"] = functools.partial(_server, ckpt, tmp, NO_TOWER, False)
     return launches
 
 
@@ -120,7 +115,7 @@ def start(root: Path) -> Servers:
     return _start(_launches(root), serially=False)
 
 
-MORE: dict[str, Callable[..., Callable[[bool], connector_server.ConnectorVllm]]] = {
+MORE: dict[str, Callable[[Path], Callable[[bool], connector_server.ConnectorVllm]]] = {
     "connector": connector_server.prepare,
     "connector_qwen2_5_vl": functools.partial(connector_server.prepare, family="qwen2_5_vl"),
 }
@@ -144,11 +139,11 @@ def start_in_background(root: Path) -> None:
     global _starter
     if _starter is not None or not vllm_venv_python().is_file():
         return
-    launches = _launches(root, nice=BACKGROUND_NICE)
+    launches = _launches(root)
     more = {}
     for name, prepare in MORE.items():
         (root / name).mkdir()
-        more[name] = prepare(root / name, nice=BACKGROUND_NICE)
+        more[name] = prepare(root / name)
     _starter = threading.Thread(target=_start_all, args=(launches, more), name="vllm-start-ups", daemon=True)
     _starter.start()
 

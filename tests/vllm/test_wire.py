@@ -95,8 +95,6 @@ def wire_clip() -> bytes:
 
 
 def test_wire_several_images_and_a_video(consumer, wire, wire_clip):
-    from tests.vllm.test_front_door import RAW_VIDEO_TOL, VIDEO_SAMPLING, _video_url_part
-
     ckpt, vllm = consumer.ckpt, consumer.server
     # small images: the consumer's max_gb (~52 KiB) holds them all at once (tests/vllm/test_connector.py)
     body = chat_request(str(ckpt), image_url_part(png(96, 64, seed=62)))
@@ -104,9 +102,16 @@ def test_wire_several_images_and_a_video(consumer, wire, wire_clip):
     through, pushed, _ = _through(wire.url, body)
     assert_same_answer(complete(vllm.url, body), through)
     assert pushed == 3
-    video = chat_request(str(ckpt), _video_url_part(wire_clip))
-    direct = complete(vllm.url, {**video, "media_io_kwargs": {"video": {"num_frames": -1}}})
-    through, pushed, _ = _through(wire.url, {**video, "mm_processor_kwargs": VIDEO_SAMPLING})
+    _assert_the_video_is_vllms_own(consumer, wire.url, wire_clip)
+
+
+def _assert_the_video_is_vllms_own(consumer: ConnectorVllm, url: str, clip: bytes) -> None:
+    """The clip through vitserve at `url` (one message: the whole video) answers as vLLM's own video path."""
+    from tests.vllm.test_front_door import RAW_VIDEO_TOL, VIDEO_SAMPLING, _video_url_part
+
+    video = chat_request(str(consumer.ckpt), _video_url_part(clip))
+    direct = complete(consumer.server.url, {**video, "media_io_kwargs": {"video": {"num_frames": -1}}})
+    through, pushed, _ = _through(url, {**video, "mm_processor_kwargs": VIDEO_SAMPLING})
     assert_same_answer(direct, through, tol=RAW_VIDEO_TOL)
     assert pushed == 1  # the whole video in one message
 
@@ -274,8 +279,6 @@ def consumer_qwen2_5_vl(tmp_path_factory) -> Iterator[ConnectorVllm]:
 def test_wire_qwen2_5_vl_images_and_a_video_equal_vllms_own(consumer_qwen2_5_vl, wire_clip):
     """Qwen2.5-VL (no DeepStack: one tensor per item; its video in windowed rows) through its own connector
     vLLM: two images per request, JSON and a stream, and a video, each as vLLM answers the raw media."""
-    from tests.vllm.test_front_door import RAW_VIDEO_TOL, VIDEO_SAMPLING, _video_url_part
-
     consumer = consumer_qwen2_5_vl
     ckpt, vllm = consumer.ckpt, consumer.server
     with _vitserve(consumer, "wire-qwen2_5_vl") as server:
@@ -285,9 +288,5 @@ def test_wire_qwen2_5_vl_images_and_a_video_equal_vllms_own(consumer_qwen2_5_vl,
             through, pushed, _ = _through(server.url, body)
             assert_same_answer(complete(vllm.url, body), through)
             assert pushed == 2
-        video = chat_request(str(ckpt), _video_url_part(wire_clip))
-        direct = complete(vllm.url, {**video, "media_io_kwargs": {"video": {"num_frames": -1}}})
-        through, pushed, _ = _through(server.url, {**video, "mm_processor_kwargs": VIDEO_SAMPLING})
-        assert_same_answer(direct, through, tol=RAW_VIDEO_TOL)
-        assert pushed == 1
+        _assert_the_video_is_vllms_own(consumer, server.url, wire_clip)
     assert vllm.alive()
