@@ -27,17 +27,16 @@ from fractions import Fraction
 
 import httpx
 import pytest
-import zmq
 
 from tests.cli import Cli
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
 from tests.videos import make_clip
 from tests.vllm import servers
-from tests.vllm.connector_server import SECRET, ConnectorVllm
+from tests.vllm.connector_server import ConnectorVllm
 from tests.vllm.stack import cli_args, metric, png, vitserve_in_process
+from tests.vllm.test_connector import _send
 from vitserve.handover.wire import WireRequest
-from vitserve.rpc import wirekey
-from vitserve.rpc.replies import Held, decode_reply, encode_holds
+from vitserve.rpc.replies import Held, encode_holds
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 BODY_LIMIT = 64 * 1024  # SPEC §10's bound on the body upstream holds for wire's parts too
@@ -225,16 +224,6 @@ def _post_and_lose_it(url: str, body: dict) -> None:
         httpx.post(url + "/v1/chat/completions", json=body, timeout=60, trust_env=False)
 
 
-def _holds(endpoint: str, uuids: list[str]) -> object:
-    with zmq.Context.instance().socket(zmq.DEALER) as sock:
-        sock.linger = 0
-        wirekey.configure_client(sock, SECRET)
-        sock.connect(endpoint)
-        sock.send_multipart([encode_holds(uuids, "q-kill")])
-        assert sock.poll(30_000), "the connector did not answer a holds query"
-        return decode_reply(sock.recv())
-
-
 def test_wire_vitserve_killed_between_its_push_and_its_request_costs_vllm_nothing(consumer, tmp_path):
     """The real CLI pushes an image (acknowledged), sends its request to an --llm_url that never answers, and is
     SIGKILLed there, ranks and all: the request it was sending never reaches vLLM. The connector still holds the
@@ -259,7 +248,7 @@ def test_wire_vitserve_killed_between_its_push_and_its_request_costs_vllm_nothin
             cli.stop()
     uuids = [part["uuid"] for part in sent["messages"][0]["content"] if "uuid" in part]
     assert len(uuids) == 1
-    assert _holds(consumer.endpoint, uuids) == Held("q-kill", tuple(uuids))
+    assert _send(consumer.endpoint, [encode_holds(uuids, "q-kill")]) == Held("q-kill", tuple(uuids))
     assert vllm.alive()
     assert_same_answer(complete(vllm.url, body), complete(vllm.url, sent))
     assert vllm.alive()
