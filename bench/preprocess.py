@@ -1,4 +1,6 @@
-"""Preprocessing per core: vitserve's exact fast Qwen path against HF's image processor, stage by stage.
+"""Preprocessing per core: vitserve's exact fast Qwen path against HF's image processor, stage by stage, with
+--image_resize pil (HF's PIL processor is the one it equals; the default, torch, equals transformers' torchvision
+processor, which tests/unit/test_pixels_torch.py checks).
 
     python bench/preprocess.py --quick      # 1 rep, budgets 256 and 8192 (~1 min)
     python bench/preprocess.py              # 3 inputs x budgets 256, 1024, 4096, 8192, 5 reps (~10 min)
@@ -111,7 +113,7 @@ def one_round(blob: bytes, proc: Any, hf_clock: StageClock, fast_clock: StageClo
 
 
 def measure(name: str, blob: bytes, budget: int, reps: int) -> dict[str, Any]:
-    proc = load_image_processor("demo", budget)
+    proc = load_image_processor("demo", budget, resize="pil")  # the PIL fast path, against HF's PIL processor
     hf_clock, fast_clock = StageClock(proc.hf, HF_STAGES), StageClock(proc.fast, {"patchify": "norm"})
     rounds = [one_round(blob, proc, hf_clock, fast_clock) for _ in range(reps)]
     row: dict[str, Any] = {"input": name, "budget": budget, "tokens": None}
@@ -136,7 +138,7 @@ def opencv_candidate(blob: bytes, budget: int, reps: int) -> dict[str, Any] | No
     from vitserve.model import load_encoder
 
     cv2.setNumThreads(1)
-    proc = load_image_processor("demo", budget)
+    proc = load_image_processor("demo", budget, resize="pil")  # the PIL fast path, against HF's PIL processor
     image = decode_image(blob, max_image_pixels=0).image
     plan = proc.plan(*image.size)
     exact = proc.preprocess(image)
