@@ -9,6 +9,13 @@ The flags are the ones measured to work on a 2-core CPU: float32, a short contex
 `--enable-mm-embeds`, `-O0` (no torch.compile pass: 25-45 s to ready instead of 60-85 s), 1 GiB of KV cache,
 no OpenMP thread binding. The server runs in its own process group (vLLM starts an engine-core process);
 stop() ends the whole group.
+
+Its processes: on a GPU with one device vLLM runs the model's worker inside the engine-core process; on its CPU
+platform it starts the worker as a process of its own unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (the API server
+still starts the engine core apart: that variable keeps only the worker in it). `worker_in_engine_core=True` is
+that one-GPU layout: two processes, ~40 CPU-s and ~37 s to ready on an idle 2-core machine against ~58 CPU-s
+and ~53 s for the default three (measured: tests/vllm/servers.py). vitserve's connector is tested in both
+(tests/vllm/connector_server.py).
 """
 
 from __future__ import annotations
@@ -89,6 +96,7 @@ class VllmServer:
         extra_args: tuple[str, ...] = (),
         wait: bool = True,
         extra_env: dict[str, str] | None = None,
+        worker_in_engine_core: bool = False,
     ):
         self.checkpoint = Path(checkpoint)
         self.port = unused_port()
@@ -126,6 +134,8 @@ class VllmServer:
             "VLLM_LOGGING_LEVEL": "WARNING",
         }
         env.pop("PYTHONPATH", None)  # vitserve's tree is not vLLM's
+        if worker_in_engine_core:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env.update(extra_env or {})  # tests/vllm/test_connector.py puts vitserve's package alone on the path
         self.started = time.monotonic()
         with open(self.log_path, "wb") as log:

@@ -8,6 +8,11 @@ key file, a small byte bound and a short wait.
 
 tests/vllm/conftest.py's session fixture `connector_vllm` takes the Qwen3-VL one, tests/vllm/test_wire.py the
 Qwen2.5-VL one (both started early beside the other vLLMs, tests/vllm/servers.py `take_more`).
+
+The two run the connector in vLLM's two process layouts (tests/vllm_server.py): Qwen3-VL's worker in a process
+of its own (vLLM's CPU default, as with tensor parallelism: the worker side reads what the scheduler side wrote
+in another process), Qwen2.5-VL's inside the engine core (as on one GPU: both sides of the connector in one
+process).
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ def prepare(tmp: Path, family: str = FAMILY) -> Callable[[bool], ConnectorVllm]:
             extra_args=("--ec-transfer-config", json.dumps(config), "--trust-request-mm-kwargs"),
             extra_env={"PYTHONPATH": os.fspath(tmp / "pkg")},
             wait=wait,
+            worker_in_engine_core=family != FAMILY,
         )
         return ConnectorVllm(ckpt, endpoint, key_file, server)
 

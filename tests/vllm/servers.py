@@ -8,8 +8,10 @@ instead of a server-wide --media-io-kwargs, which vLLM would hash into every vid
 "plain" is the one vLLM that is not a consumer (Qwen2.5-VL without a tower, the cheapest to start): it is
 what refuses ec_storage's metadata-only parts, and no consumer can show that.
 
-A start-up is ~1 minute of mostly one core's Python (~54 CPU-s: vLLM's CPU platform spawns its engine and
-worker processes, and each imports vLLM again), six of them ~5.5 CPU-min. A serial run of the whole suite
+A start-up is mostly one core's Python: vLLM's CPU platform spawns an engine-core and a worker process, and each
+imports vLLM again (~58 CPU-s, ready in ~53 s on an idle machine). These run with the worker inside the engine
+core (`worker_in_engine_core`, the layout vLLM has on one GPU): ~40 CPU-s, ready in ~37 s; six start-ups,
+these four and tests/vllm/connector_server.py's two, ~4.5 CPU-min. A serial run of the whole suite
 starts them when it begins (tests/conftest.py), one after another on a thread of their own
 (`start_in_background`): tests/e2e and tests/integration leave 30-50% of the two cores idle (they wait on
 processes, sockets and timers), which the start-ups fill, and tests/vllm, last, finds them ready. One at a
@@ -68,7 +70,8 @@ def consumer_args(tmp: Path) -> tuple[str, ...]:
 
 def _server(ckpt: Path, tmp: Path, limit_mm: dict[str, int], consumer: bool) -> tuple[Path, Path, VllmServer]:
     args = consumer_args(tmp) if consumer else ()
-    return ckpt, tmp, VllmServer(ckpt, tmp, limit_mm=limit_mm, extra_args=args, wait=False)
+    server = VllmServer(ckpt, tmp, limit_mm=limit_mm, extra_args=args, wait=False, worker_in_engine_core=True)
+    return ckpt, tmp, server
 
 
 def _launches(root: Path) -> dict[str, Launch]:

@@ -4,8 +4,8 @@ vitserve gives the same answer.
 Per family (Qwen2.5-VL, and Qwen3-VL with DeepStack), one tiny checkpoint vLLM can serve
 (tests/checkpoints.py make_servable_checkpoint), one real vLLM started from scripts/vllm-env.sh's venv
 (tests/vllm_server.py; a serial run starts them when it begins, tests/vllm/servers.py), and the real
-vitserve CLI in front of it (--llm_url; the ec_storage cases and the tower-less or non-consumer vLLMs get the
-CLI's own service run in this process, tests/vllm/stack.py vitserve_in_process). vLLM is given the raw image
+vitserve CLI in front of it (--llm_url; the ec_storage cases, --image_resize pil and the tower-less or
+non-consumer vLLMs get the CLI's own service run in this process, tests/vllm/stack.py vitserve_in_process). vLLM is given the raw image
 directly; vitserve sends it the embeddings instead. Greedy decoding, 12 tokens with their logprobs: the
 tokens must be identical and the logprobs within 1e-4 (measured: a few 1e-6, the float round-off of the same
 arithmetic in another order; resizing like the PIL processor instead moves them by ~1e-3).
@@ -181,12 +181,9 @@ def test_pil_resize_equals_vllm_given_transformers_pil_pixels(stack):
             "image_grid_thw": processed["image_grid_thw"][0].tolist(),
         },
     }
-    pil = _vitserve(stack.ckpt, stack.vllm.url, stack.tmp / "pil", "--image_resize", "pil")
-    try:
+    with vitserve_in_process(stack.ckpt, stack.vllm.url, stack.tmp / "pil", "--image_resize", "pil") as pil:
         given = complete(stack.vllm.url, chat_request(stack.model, part))
         through = complete(pil.url, chat_request(stack.model, image_url_part(image)))
-    finally:
-        assert pil.terminate() == 0
     assert_same_answer(given, through)
 
 

@@ -19,6 +19,7 @@ import queue
 import re
 import signal
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -279,3 +280,19 @@ def test_wire_qwen2_5_vl_images_and_a_video_equal_vllms_own(consumer_qwen2_5_vl,
             assert pushed == 2
         _assert_the_video_is_vllms_own(consumer, server.url, wire_clip)
     assert vllm.alive()
+
+
+def _workers_apart(server) -> int:
+    """How many vLLM worker processes run apart from the engine core in `server`'s process group."""
+    out = subprocess.run(
+        ["ps", "-s", str(server.proc.pid), "-o", "args="], capture_output=True, text=True
+    ).stdout
+    return sum(line.startswith("VLLM::Worker") for line in out.splitlines())
+
+
+def test_the_connector_is_served_in_both_of_vllms_process_layouts(connector_vllm, consumer_qwen2_5_vl):
+    """The two connector vLLMs the wire tests pass against: Qwen3-VL's worker in a process of its own (the
+    connector's two sides in two processes, as with tensor parallelism), Qwen2.5-VL's in the engine core (one
+    process, as on one GPU)."""
+    assert _workers_apart(connector_vllm.server) == 1
+    assert _workers_apart(consumer_qwen2_5_vl.server) == 0
