@@ -78,13 +78,14 @@ def _launches(root: Path) -> dict[str, Launch]:
     """Every server's start, its checkpoint made now, in the calling thread (a checkpoint is built with
     torch's global RNG and default dtype, which a test running meanwhile on the main thread may be using)."""
     launches: dict[str, Launch] = {}
+    made: dict[str, tuple[Path, Path]] = {}  # family -> its checkpoint, its directory
     for family in SERVABLE_FAMILIES:
         tmp = root / family
         tmp.mkdir(parents=True)
         ckpt = make_servable_checkpoint(family, tmp / family, max_units=CHECKPOINT_MAX_UNITS)
         launches[family] = functools.partial(_server, ckpt, tmp, {"image": 4, "video": 1}, True)
-    tmp = root / "qwen2_5_vl"
-    ckpt = tmp / "qwen2_5_vl"
+        made[family] = ckpt, tmp
+    ckpt, tmp = made["qwen2_5_vl"]  # the same checkpoint, served without its tower
     launches["bare"] = functools.partial(_server, ckpt, tmp, NO_TOWER, True)
     launches["plain"] = functools.partial(_server, ckpt, tmp, NO_TOWER, False)
     return launches

@@ -36,6 +36,7 @@ from tests.vllm import servers
 from tests.vllm.connector_server import ConnectorVllm
 from tests.vllm.stack import cli_args, metric, png, vitserve_in_process
 from tests.vllm.test_connector import _send
+from tests.vllm_server import unused_port
 from vitserve.handover.wire import WireRequest
 from vitserve.rpc.replies import Held, encode_holds
 
@@ -129,9 +130,10 @@ def test_wire_a_repeated_image_the_connector_holds_is_not_pushed_again(consumer,
 
 
 def _free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    """A port nobody listens on, below the ephemeral range: no other process's bind or connect takes it meanwhile,
+    and vitserve's reconnects to it can never connect to themselves (a TCP self-connect, which a port of that
+    range allows)."""
+    return f"tcp://127.0.0.1:{unused_port()}"
 
 
 def test_wire_with_no_connector_listening_is_a_clean_502_and_vllm_never_asked(consumer):
