@@ -9,8 +9,9 @@ whose parts name the embeddings by uuid only. Loaded by vLLM 0.32 by module path
 vLLM builds the class twice. The SCHEDULER side (in vLLM's engine-core process) runs the receiver
 (vitserve/rpc/ecstore.py): it binds `endpoint`, checks and acknowledges each message, and keeps the tensor as a
 file in /dev/shm. The WORKER side (in each worker: inside the engine-core process with one GPU, a process of
-its own with several GPUs and on vLLM's CPU platform) copies a file into vLLM's encoder cache on its device in start_load_caches; the scheduler side names the files
-in the step's metadata, and pins each one until the request that loads it finishes, so the file is there.
+its own with several GPUs and on vLLM's CPU platform) copies a file into vLLM's encoder cache on its device in
+start_load_caches; the scheduler side names the files in the step's metadata, and pins each one until the
+request that loads it finishes, so the file is there.
 
 A request's metadata-only items (an embedding part with no tensor) are checked before vLLM schedules it:
 - ensure_cache_available: every such item whole and of the rows vLLM's placeholder needs and the model's width:

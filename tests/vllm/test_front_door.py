@@ -5,10 +5,10 @@ Per family (Qwen2.5-VL, and Qwen3-VL with DeepStack), one tiny checkpoint vLLM c
 (tests/checkpoints.py make_servable_checkpoint), one real vLLM started from scripts/vllm-env.sh's venv
 (tests/vllm_server.py; a serial run starts them when it begins, tests/vllm/servers.py), and the real
 vitserve CLI in front of it (--llm_url; the ec_storage cases, --image_resize pil and the tower-less or
-non-consumer vLLMs get the CLI's own service run in this process, tests/vllm/stack.py vitserve_in_process). vLLM is given the raw image
-directly; vitserve sends it the embeddings instead. Greedy decoding, 12 tokens with their logprobs: the
-tokens must be identical and the logprobs within 1e-4 (measured: a few 1e-6, the float round-off of the same
-arithmetic in another order; resizing like the PIL processor instead moves them by ~1e-3).
+non-consumer vLLMs get the CLI's own service run in this process, tests/vllm/stack.py vitserve_in_process).
+vLLM is given the raw image directly; vitserve sends it the embeddings instead. Greedy decoding, 12 tokens
+with their logprobs: the tokens must be identical and the logprobs within 1e-4 (measured: a few 1e-6, the float
+round-off of the same arithmetic in another order; resizing like the PIL processor instead moves them by ~1e-3).
 
 vitserve's budget (256 tokens) is half the checkpoints' own max_pixels (512 merge units), so an image
 between the two is clamped by vitserve alone, and vLLM's usage.prompt_tokens shows the clamped count.
