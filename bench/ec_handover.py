@@ -14,9 +14,9 @@ Per width, bfloat16 (a GPU tower's dtype), best and median of the repeats:
 - inline: vitserve.handover.inline_body.dumps_body for the same tensor (what the inline transport builds instead);
 - wire push: a real vitserve.rpc.sender.LLMSender sends the embedding (width 16,384: Qwen3-VL-8B's 4,096 main
   columns and 3 DeepStack levels of 4,096, as vitserve sends them) on TCP loopback to a real
-  vitserve.rpc.ecstore.EmbeddingStore (the receiving side of vitserve.vllm_connector), which checks it, keeps it
+  vitserve.connector.store.EmbeddingStore (the receiving side of vitserve.vllm_connector), which checks it, keeps it
   as a raw file in /dev/shm and acknowledges it: the time from send to the delivery's acknowledgement;
-- wire load: what vLLM's worker does with it, vitserve.rpc.ecstore.read_entry of that file into a tensor, then a
+- wire load: what vLLM's worker does with it, vitserve.connector.store.read_entry of that file into a tensor, then a
   copy (`.clone()`, as for read): read_entry maps the file copy-on-write, so its pages are read only when first
   touched (by vLLM's move to its device and dtype, or else by the forward); without the copy it takes < 1 ms.
 The directory is --dir (default /dev/shm, where the two processes share it on one host).
@@ -44,9 +44,9 @@ import torch  # noqa: E402
 
 from bench import harness  # noqa: E402
 from bench.workloads import TOKENS_1080P  # noqa: E402
+from vitserve.connector.store import EmbeddingStore, Shape, as_dict, read_entry  # noqa: E402
 from vitserve.handover.ec_files import check_file, file_path, write_file  # noqa: E402
 from vitserve.handover.inline_body import InlineTensor, dumps_body  # noqa: E402
-from vitserve.rpc.ecstore import EmbeddingStore, Shape, as_dict, read_entry  # noqa: E402
 from vitserve.rpc.sender import LLMSender  # noqa: E402
 from vitserve.rpc.wire import ImageEmbedding  # noqa: E402
 

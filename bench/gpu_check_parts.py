@@ -288,7 +288,7 @@ def handoff(run: Any) -> list[dict[str, Any]]:
     """One embedding (tokens x 16,384, bf16) from the device to an EC file: D2H (pageable, pinned), the
     safetensors write to a temp name + rename (where vLLM's ECExampleConnector reads it); and the wire's GPU
     half at the other end (issue 39): vitserve's connector loading a held tensor from /dev/shm onto the device
-    (`rpc/ecstore.py read_entry` + `.to(device)`, as its start_load_caches does). The send between the two is
+    (`connector/store.py read_entry` + `.to(device)`, as its start_load_caches does). The send between the two is
     host work: bench/ec_handover.py measures it."""
     rows = []
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
@@ -308,7 +308,7 @@ def handoff(run: Any) -> list[dict[str, Any]]:
 def _handoff_steps(emb: torch.Tensor, pinned: torch.Tensor, folder: Path) -> dict[str, Callable[[], Any]]:
     from safetensors.torch import save_file
 
-    from vitserve.rpc.ecstore import read_entry
+    from vitserve.connector.store import read_entry
 
     def write() -> None:
         part = folder / "encoder_cache.safetensors.tmp"

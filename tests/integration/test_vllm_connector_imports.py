@@ -57,7 +57,7 @@ def _foreign(added: list[str], stdlib: set[str], allowed: tuple[str, ...]) -> li
     out = []
     for name in added:
         top = name.split(".")[0].lstrip("_")
-        light = name in ALLOWED_VITSERVE or name.startswith("vitserve.rpc")
+        light = name in ALLOWED_VITSERVE or name.startswith(("vitserve.rpc", "vitserve.connector"))
         if not (light or top in stdlib or name.split(".")[0] in stdlib or top in allowed):
             out.append(name)
     return out
@@ -79,7 +79,7 @@ def test_the_connector_imports_in_vllms_env_with_vitserve_alone(tmp_path):
 
 def test_the_store_imports_no_heavy_package_in_vitserves_env(tmp_path):
     (tmp_path / "vitserve").symlink_to(Path("vitserve").resolve())
-    added, stdlib = _added(sys.executable, "vitserve.rpc.ecstore", "", str(tmp_path))
-    assert "vitserve.rpc.ecstore" in added
+    added, stdlib = _added(sys.executable, "vitserve.connector.store", "", str(tmp_path))
+    assert "vitserve.connector.store" in added
     heavy = [m for m in added if m.split(".")[0] in FORBIDDEN and m.split(".")[0] not in ("msgpack", "numpy")]
     assert heavy == []  # msgpack is vitserve's own dependency here; torch may pull numpy in

@@ -11,6 +11,7 @@ import pytest
 import torch
 import zmq
 
+from vitserve.connector import keys
 from vitserve.rpc import wirekey
 from vitserve.rpc.replies import (
     Ack,
@@ -136,7 +137,7 @@ def _exchange(server_secret: bytes, client_secret: bytes | None) -> bytes | None
     """One message from a DEALER (keyed with client_secret, or plain) to a CURVE ROUTER; what arrived."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
-    auth = wirekey.configure_server(router, server_secret)
+    auth = keys.configure_server(router, server_secret)
     dealer = ctx.socket(zmq.DEALER)
     try:
         port = router.bind_to_random_port("tcp://127.0.0.1")

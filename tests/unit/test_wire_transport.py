@@ -17,6 +17,7 @@ import torch
 import zmq
 
 from vitserve.config import Config
+from vitserve.connector.keys import configure_server
 from vitserve.contract import ItemResult, PreparedImage, ProcessedImage
 from vitserve.errors import ConfigError, LLMTimeout
 from vitserve.families import FAMILIES
@@ -30,7 +31,6 @@ from vitserve.preflight import check_wire
 from vitserve.rpc.replies import HoldsQuery, decode_inbound, encode_held, encode_nack
 from vitserve.rpc.sender import LLMSender, WireRefused
 from vitserve.rpc.wire import ImageEmbedding, encode_ack
-from vitserve.rpc.wirekey import configure_server
 
 # ------------------------------------------------------------------------------------------------ flags
 

@@ -1,4 +1,4 @@
-"""The real vLLMs with vitserve's own encoder-cache connector (vitserve/vllm_connector.py, docs/vllm.md) that
+"""The real vLLMs with vitserve's own encoder-cache connector (vitserve/connector/glue.py, docs/vllm.md) that
 tests/vllm's connector tests share: Qwen3-VL (DeepStack; its tower kept, so it also answers raw images) for
 every case, and Qwen2.5-VL (no DeepStack, its video in time-windowed rows) for the answers of the other family,
 `--ec-transfer-config` naming `vitserve.vllm_connector` by module path, vitserve importable there only as its own

@@ -1,4 +1,4 @@
-"""vitserve's own vLLM encoder-cache connector (vitserve/vllm_connector.py, docs/vllm.md) loaded by module path
+"""vitserve's own vLLM encoder-cache connector (vitserve/connector/glue.py, docs/vllm.md) loaded by module path
 into a real vLLM: tests/vllm/connector_server.py's one more vLLM server, Qwen3-VL (DeepStack, its tower kept),
 vitserve on its path as its package alone, the connector's port on loopback TCP with a key file.
 The pushes here come from raw DEALER sockets keyed with rpc/wirekey.py, so that a refusal (nack) and a

@@ -1,5 +1,5 @@
 """vitserve --llm_transport wire in front of a real vLLM that runs vitserve's own encoder-cache connector
-(vitserve/vllm_connector.py, loaded by module path; docs/vllm.md "The wire hand-over"): the session's one
+(vitserve/connector/glue.py, loaded by module path; docs/vllm.md "The wire hand-over"): the session's one
 connector vLLM (tests/vllm/connector_server.py, `connector_vllm`: Qwen3-VL with DeepStack, a key file, a ~52 KiB
 bound, so the images here are small), shared with tests/vllm/test_connector.py: no vLLM start-up of their own.
 vitserve and vLLM share no directory: every embedding crosses TCP on loopback to the connector, and vitserve's

@@ -1,5 +1,5 @@
 """--llm_transport wire (docs/vllm.md, "The wire hand-over"): each image and video of a chat request is pushed
-over ZMQ (docs/wire.md) to vitserve's own vLLM connector (vitserve/vllm_connector.py, bound at --llm_endpoint)
+over ZMQ (docs/wire.md) to vitserve's own vLLM connector (vitserve/connector/glue.py, bound at --llm_endpoint)
 and acknowledged there BEFORE the request goes to vLLM (--llm_url) with metadata-only parts that name it by
 uuid; the connector loads it into vLLM's encoder cache. No directory is shared, so vLLM may run on another
 host and any number of replicas may feed one vLLM.

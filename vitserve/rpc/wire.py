@@ -9,7 +9,7 @@ keeps v2's field names: `image_index` and `num_images` count items, `image_id` i
     frame 2.. one per deepstack tensor, same dtype, shapes in `deepstack_shapes`
 
 and one single-frame acknowledgement back per message the receiver handed to its application:
-msgpack {"v": 3, "ack": message_id}. vitserve's vLLM connector (vitserve/vllm_connector.py) also reads the
+msgpack {"v": 3, "ack": message_id}. vitserve's vLLM connector (vitserve/connector/glue.py) also reads the
 optional header field `uuid` (the vLLM encoder-cache key), may refuse a message (`{"v": 3, "nack": id,
 "reason": str}`) and answers a holds query (`{"v": 3, "holds": [uuid, ...], "query_id": str}` ->
 `{"v": 3, "held": [...], "query_id": str}`); docs/wire.md, "vitserve's vLLM connector".

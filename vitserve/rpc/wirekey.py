@@ -4,8 +4,9 @@ CURVE security with both keypairs derived from one secret, so a single file conf
     server secret key = sha256("vitserve-server" + secret), client secret key = sha256("vitserve-client" + secret)
     (32 bytes each, Curve25519), public keys from them (zmq.curve_public)
 
-The connector's ROUTER is a CURVE server whose ZAP handler admits only the derived client public key: a peer
-without the secret fails the handshake, and nothing it sends is ever read. Traffic is encrypted too.
+The connector's ROUTER is a CURVE server whose ZAP handler admits only the derived client public key
+(vitserve/connector/keys.py): a peer without the secret fails the handshake, and nothing it sends is ever read.
+Traffic is encrypted too.
 
     sock = ctx.socket(zmq.DEALER); configure_client(sock, read_key_file(path)); sock.connect(endpoint)
 """
@@ -13,14 +14,10 @@ without the secret fails the handshake, and nothing it sends is ever read. Traff
 from __future__ import annotations
 
 import hashlib
-import logging
 from pathlib import Path
 
 import zmq
-import zmq.auth.thread
 from zmq.utils import z85
-
-log = logging.getLogger(__name__)
 
 MIN_SECRET_BYTES = 16
 ZAP_DOMAIN = "vitserve"
@@ -48,35 +45,3 @@ def configure_client(sock: zmq.Socket[bytes], secret: bytes) -> None:
     sock.curve_secretkey = secret_key
     sock.curve_publickey = public
     sock.curve_serverkey = keypair(secret, "server")[0]
-
-
-def configure_server(sock: zmq.Socket[bytes], secret: bytes) -> zmq.auth.thread.ThreadAuthenticator:
-    """Make `sock` (the connector's ROUTER) a CURVE server keyed by `secret`, before bind(), and start the ZAP
-    handler on its context that admits only the client key derived from the same secret. The caller stops the
-    returned authenticator when it closes the socket."""
-    auth = zmq.auth.thread.ThreadAuthenticator(sock.context, log=log)
-    auth.start()
-    auth.configure_curve_callback(ZAP_DOMAIN, _OnlyKey(keypair(secret, "client")[0]))
-    public, secret_key = keypair(secret, "server")
-    sock.zap_domain = ZAP_DOMAIN.encode()
-    sock.curve_secretkey = secret_key
-    sock.curve_publickey = public
-    sock.curve_server = True
-    return auth
-
-
-class _OnlyKey:
-    """zmq.auth's credentials provider: admits one client public key."""
-
-    def __init__(self, public: bytes) -> None:
-        self.public = public
-        self.refused = 0  # handshakes refused (a peer without the secret)
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        if key == self.public:
-            return True
-        self.refused += 1
-        log.warning(
-            "refused a wire peer without the shared key (domain %s): %d refused so far", domain, self.refused
-        )
-        return False

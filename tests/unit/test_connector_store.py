@@ -1,4 +1,4 @@
-"""The scheduler side of vitserve's vLLM connector without vLLM (vitserve/rpc/ecstore.py): real ZMQ on loopback,
+"""The scheduler side of vitserve's vLLM connector without vLLM (vitserve/connector/store.py): real ZMQ on loopback,
 real files; what it keeps, refuses, evicts and expires, and what a worker reads back."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 import zmq
 
+from vitserve.connector.store import EmbeddingStore, Shape, as_dict, read_entry
 from vitserve.rpc import wirekey
-from vitserve.rpc.ecstore import EmbeddingStore, Shape, as_dict, read_entry
 from vitserve.rpc.replies import Ack, Held, Nack, decode_reply, encode_holds
 from vitserve.rpc.wire import ImageEmbedding, encode_embedding_message
 

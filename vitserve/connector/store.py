@@ -1,4 +1,4 @@
-"""The scheduler side of vitserve's vLLM connector without vLLM (vitserve/vllm_connector.py is the glue): a ZMQ
+"""The scheduler side of vitserve's vLLM connector without vLLM (vitserve/connector/glue.py is the glue): a ZMQ
 ROUTER that takes vitserve's wire messages (docs/wire.md, "vitserve's vLLM connector") and keeps each embedding,
 whole and checked, as a file in shared memory that vLLM's workers read.
 
@@ -13,7 +13,7 @@ The bound: `max_bytes` over the files held. An arrival that does not fit evicts,
 that are spent: loaded by the request that named them, or past their expiry. An acknowledged entry that no request
 has loaded yet is never evicted before its expiry (its sender was told it is kept, and its request may be on its
 way): when such entries and pinned ones fill the bound, the arrival is refused (nack). An entry is pinned while a request that names it is
-scheduled (vllm_connector.py pins it when the request passes ensure_cache_available and unpins it when the
+scheduled (glue.py pins it when the request passes ensure_cache_available and unpins it when the
 request finishes); an unpinned one is dropped at its expiry (the message's `expires_at`, extended by a holds
 query that names it, or by a scheduling attempt). Nothing here ever waits on vLLM's scheduler: the receiver
 thread and the scheduler share only `_lock`, held for dictionary updates.
@@ -40,7 +40,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from vitserve.rpc import wirekey
+from vitserve.connector import keys
 from vitserve.rpc.replies import HoldsQuery, decode_inbound, encode_held, encode_nack
 from vitserve.rpc.tensors import DTYPES, tensor_to_buffer
 from vitserve.rpc.wire import ImageEmbedding, WireError, encode_ack
@@ -59,7 +59,7 @@ _REFUSED_EVENTS = (
 
 
 @dataclass
-class Entry:
+class HeldTensor:
     """One embedding held: its file and what a request needs to check it against."""
 
     path: Path
@@ -95,7 +95,7 @@ class EmbeddingStore:
     ) -> None:
         self.max_bytes, self.shape = max_bytes, shape
         self.log = log or logging.getLogger(__name__)
-        self.entries: dict[str, Entry] = {}  # insertion order = arrival order: eviction takes the oldest
+        self.entries: dict[str, HeldTensor] = {}  # insertion order = arrival order: eviction takes the oldest
         self.counts = dict.fromkeys(
             ("received", "refused", "rejected", "handshakes_failed", "expired", "evicted"), 0
         )
@@ -107,7 +107,7 @@ class EmbeddingStore:
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self._auth = wirekey.configure_server(self._sock, key) if key is not None else None
+        self._auth = keys.configure_server(self._sock, key) if key is not None else None
         try:
             self._sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -121,11 +121,11 @@ class EmbeddingStore:
 
     # ------------------------------------------------------------------ the scheduler's side (any thread)
 
-    def get(self, uuid: str) -> Entry | None:
+    def get(self, uuid: str) -> HeldTensor | None:
         with self._lock:
             return self.entries.get(uuid)
 
-    def touch(self, uuid: str) -> Entry | None:
+    def touch(self, uuid: str) -> HeldTensor | None:
         """The entry, kept at least TOUCH_S longer (a request is about to name it), or None."""
         with self._lock:
             entry = self.entries.get(uuid)
@@ -133,7 +133,7 @@ class EmbeddingStore:
                 entry.expires_at = max(entry.expires_at, time.time() + TOUCH_S)
             return entry
 
-    def pin(self, uuid: str, request_id: str) -> Entry | None:
+    def pin(self, uuid: str, request_id: str) -> HeldTensor | None:
         with self._lock:
             entry = self.entries.get(uuid)
             if entry is not None:
@@ -283,7 +283,7 @@ class EmbeddingStore:
             f.write(tensor_to_buffer(tensor))
         os.replace(temp, path)
         with self._lock:
-            self.entries[m.uuid] = Entry(path, m.dtype, rows, width, nbytes, m.expires_at)
+            self.entries[m.uuid] = HeldTensor(path, m.dtype, rows, width, nbytes, m.expires_at)
         return None
 
     def _check(self, m: ImageEmbedding) -> str | None:
@@ -357,5 +357,5 @@ def read_entry(path: str, dtype: str, rows: int, width: int) -> torch.Tensor:
     return tensor.view(rows, width)
 
 
-def as_dict(entry: Entry) -> dict[str, Any]:
+def as_dict(entry: HeldTensor) -> dict[str, Any]:
     return {"path": str(entry.path), "dtype": entry.dtype, "rows": entry.rows, "width": entry.width}
