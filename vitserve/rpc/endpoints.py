@@ -1,0 +1,28 @@
+"""Which ZMQ endpoints only this host can reach: the rule of the wire's protected mode (docs/vllm.md, "Security").
+A keyless connector binds, and a keyless vitserve pushes to, only such an endpoint."""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+LOCAL_SCHEMES = ("ipc", "inproc")  # a Unix socket or one process: never reachable from another host
+
+
+def host_only(endpoint: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// on a loopback address or `localhost`; False for anything else,
+    `0.0.0.0`, `*`, a host name and an interface name included (they may face a network)."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        return False
+    if scheme in LOCAL_SCHEMES:
+        return True
+    if scheme != "tcp":
+        return False
+    host = urlsplit(f"//{rest}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
