@@ -56,17 +56,13 @@ __all__ = ["COUNTERS", "REASONS", "EmbeddingStore", "HeldTensor", "Shape", "as_d
 DEFAULT_MAX_HOLD_S = 300.0  # the longest an entry is kept unpinned past its last push, holds query or touch
 DEFAULT_HOLD_S = 30.0  # a holds query without expires_at keeps what it names this long
 TOUCH_S = 10.0  # a scheduling attempt keeps an unpinned entry at least this long
+_MESSAGES = ("received", "refused", "rejected", "handshakes_failed")  # what became of what arrived
+_ENTRIES = ("evicted", "expired", "releases", "receiver_restarts")  # what became of what was held
 COUNTERS = (
-    "received",
-    "refused",
-    "rejected",
-    "handshakes_failed",
-    "evicted",
-    "expired",
-    "releases",
-    "receiver_restarts",
+    *_MESSAGES,
+    *_ENTRIES,
     *(f"refused_{code}" for code in REASONS),
-)
+)  # counters() adds held, held_bytes, max_bytes
 _POLL_MS = 200
 _LOG_EVERY_S = 60.0
 
@@ -128,10 +124,7 @@ class EmbeddingStore:
             self.log.warning(
                 "vitserve connector: max_gb asks for %d bytes, but %s has %d bytes free: the bound is %d bytes. "
                 "Give the device more (Docker: --shm-size, e.g. --shm-size=8g) or lower max_gb",
-                max_bytes,
-                root,
-                free,
-                free,
+                *(max_bytes, root, free, free),
             )
         self.max_bytes = min(max_bytes, free)
         self._ledger = Ledger(self.max_bytes)
