@@ -38,6 +38,11 @@ def zero_rows() -> list:
     return [msgpack.packb(header), b"", b"", b""]
 
 
+def zero_width() -> list:
+    header = {**msgpack.unpackb(frames("w" * 64)[0]), "shape": [12, 0], "deepstack_shapes": []}
+    return [msgpack.packb(header), b""]
+
+
 def on_disk(store: EmbeddingStore) -> tuple[int, int, list[str]]:
     """(bytes of the tensor files, their count, temporary files)."""
     files = [p for p in store.dir.iterdir() if p.name != ".lock"]
@@ -100,6 +105,19 @@ def test_a_hostile_well_formed_message_is_answered_and_the_next_one_taken(store,
     assert store.counters()["receiver_restarts"] == 0
     assert_consistent(store)
     peer.close()
+
+
+def test_zero_columns_are_refused_also_where_the_width_is_not_checked(tmp_path):
+    with contextlib.closing(
+        EmbeddingStore("tcp://127.0.0.1:*", 10**6, Shape(0, 2), directory=str(tmp_path))
+    ) as s:
+        peer = Peer(s)
+        reply = peer.send(zero_width())
+        assert isinstance(reply, Nack)
+        assert reply.reason.startswith("shape: zero columns")
+        assert isinstance(peer.send(frames("9" * 64)), Ack)
+        assert_consistent(s)
+        peer.close()
 
 
 def test_a_name_is_a_digest_whatever_the_uuid(tmp_path):

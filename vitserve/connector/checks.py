@@ -65,6 +65,8 @@ def check_message(m: ImageEmbedding, shape: Shape, now: float) -> tuple[int, int
             f"{rows} rows, but grid {list(m.grid_thw)} with merge {merge} needs {t * h * w // merge**2}",
         )
     width = sum(int(x.shape[1]) for x in parts)
+    if width == 0:
+        raise Refusal("shape", f"zero columns ({rows} rows of width 0)")
     if shape.width and width != shape.width:
         raise Refusal(
             "shape",
