@@ -120,6 +120,30 @@ def test_zero_columns_are_refused_also_where_the_width_is_not_checked(tmp_path):
         peer.close()
 
 
+@pytest.mark.parametrize(
+    ("error", "answer"),
+    [(ValueError("a bug"), "internal: ValueError: a bug"), (PermissionError(13, "denied"), "write_failed: ")],
+)
+def test_a_write_that_fails_is_a_nack_with_its_reason_and_the_next_one_is_kept(store, error, answer):
+    write = store._dir.write
+
+    def fail_once(*args):
+        store._dir.write = write
+        raise error
+
+    store._dir.write = fail_once
+    peer = Peer(store)
+    reply = peer.send(frames("a" * 64))
+    assert isinstance(reply, Nack)
+    assert reply.reason.startswith(answer)
+    assert isinstance(peer.send(frames("a" * 64)), Ack)
+    counters = store.counters()
+    assert counters["refused_" + answer.split(":")[0]] == 1
+    assert counters["receiver_restarts"] == 0
+    assert_consistent(store)
+    peer.close()
+
+
 def test_a_name_is_a_digest_whatever_the_uuid(tmp_path):
     from vitserve.connector.files import TensorDir
 

@@ -219,6 +219,11 @@ def test_a_directory_whose_lock_is_free_is_removed_and_a_live_stores_is_not(tmp_
     )  # a killed vLLM's: its lock file is there, nobody holds it
     (dead / "x.tmp").mkdir(parents=True)
     (dead / ".lock").touch()
+    starting = tmp_path / ".vitserve-ec-new-1-abc"  # a store between mkdtemp and its lock: left alone
+    starting.mkdir()
+    crashed = tmp_path / ".vitserve-ec-new-2-abc"  # one whose start died there a while ago: removed
+    crashed.mkdir()
+    os.utime(crashed, (time.time() - 3600, time.time() - 3600))
     with contextlib.closing(
         EmbeddingStore("tcp://127.0.0.1:*", 10, Shape(0, 2), directory=str(tmp_path))
     ) as live:  # a live store's directory, whatever the pid in its name says
@@ -226,6 +231,8 @@ def test_a_directory_whose_lock_is_free_is_removed_and_a_live_stores_is_not(tmp_
             EmbeddingStore("tcp://127.0.0.1:*", 10, Shape(0, 2), directory=str(tmp_path))
         ) as second:
             assert not dead.exists()
+            assert not crashed.exists()
+            assert starting.is_dir()
             assert live.dir.is_dir()
             assert second.dir != live.dir
         assert not second.dir.exists()

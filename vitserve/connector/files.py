@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from vitserve.rpc.tensors import tensor_to_buffer
 
 PREFIX = "vitserve-ec-"
 STAGING = f".{PREFIX}new-"  # a directory being made, before it has its lock and its name
+STAGING_S = 60.0  # a staging directory without a lock this old was left by a start that died
 LOCK_NAME = ".lock"
 TEMP_SUFFIX = ".tmp"
 CHUNK_BYTES = (
@@ -108,7 +110,7 @@ def _remove_if_orphan(path: Path, log: logging.Logger) -> None:
     try:
         fd = os.open(path / LOCK_NAME, os.O_RDONLY)
     except FileNotFoundError:
-        if path.name.startswith(STAGING):
+        if path.name.startswith(STAGING) and time.time() - path.stat().st_mtime < STAGING_S:
             return  # a store starting this very moment: its lock comes next
         shutil.rmtree(path, ignore_errors=True)  # no lock at all: an older vitserve's, or not a store's
         log.warning("vitserve connector: removed %s, a connector directory without a lock", path)

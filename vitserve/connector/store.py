@@ -12,10 +12,8 @@ request waiting for an item fails at once instead of at its deadline.
 Where the bytes live: files.py (one file per uuid, named by its sha256, in a locked `vitserve-ec-<pid>-*`
 directory). The bound: `max_bytes`, lowered at start to the device's free space (with a warning naming both and
 Docker's `--shm-size`); an ENOSPC all the same evicts what is spent, retries once, and is refused (`device_full`).
-Who needs an entry and what may go: ledger.py (claims by pushes, pins by scheduled requests, promises by holds
-replies; O(1) per arrival). Nothing ever lives longer than `max_hold_s` past the message or query that set its
-expiry. Nothing here waits on vLLM's scheduler: the receiver thread and the scheduler share only `_lock`, held for
-bookkeeping, never for I/O.
+Who needs an entry and what may go: ledger.py (O(1) per arrival); no expiry is set past now + `max_hold_s`. The
+receiver thread and vLLM's scheduler share only `_lock`, held for bookkeeping, never for I/O.
 
 A peer cannot hold the engine's memory: router.py sets ZMQ's limits (message size, queue, heartbeats), and a
 keyless connector binds only an endpoint of this host (protected mode; `allow_unauthenticated` lifts it, with a
@@ -216,9 +214,10 @@ class EmbeddingStore:
         self._failure = (time.monotonic(), why)
         self.counts["receiver_restarts"] += 1
         self._say("restart", logging.ERROR, "%s", why, exc_info=True)
-        if isinstance(exc, zmq.ZMQError):
-            self._stop_socket()  # the next _serve binds a fresh one
-        self._dir.remove_temp()
+        with contextlib.suppress(Exception):  # the supervisor itself must not fail on its way back
+            if isinstance(exc, zmq.ZMQError):
+                self._stop_socket()  # the next _serve binds a fresh one
+            self._dir.remove_temp()
         time.sleep(min(0.05 * 2**in_a_row, 2.0))  # a failure that repeats at once does not spin
 
     def _stop_socket(self) -> None:
@@ -246,12 +245,17 @@ class EmbeddingStore:
         except Exception as exc:  # WireError, or a decoder bug: either way the message is not the wire
             self._reject(peer, body, exc)
             return
-        if isinstance(message, HoldsQuery):
-            self._reply(peer, encode_held(self._holds(message), message.query_id))
-        elif isinstance(message, Release):
-            self._release(message)
-        else:
-            self._take_embedding(peer, message)
+        try:
+            if isinstance(message, HoldsQuery):
+                self._reply(peer, encode_held(self._holds(message), message.query_id))
+            elif isinstance(message, Release):
+                self._release(message)
+            else:
+                self._take_embedding(peer, message)
+        except Exception:  # a bug: that message is lost, never the receiver
+            self._say(
+                "internal", logging.ERROR, "vitserve connector: failed to take a message", exc_info=True
+            )
 
     def _take_embedding(self, peer: zmq.Frame, m: ImageEmbedding) -> None:
         try:
