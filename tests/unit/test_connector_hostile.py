@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import tempfile
 import time
@@ -157,8 +158,6 @@ def test_a_name_is_a_digest_whatever_the_uuid(tmp_path):
 
 
 def _log():
-    import logging
-
     return logging.getLogger("test")
 
 
@@ -312,3 +311,14 @@ def test_a_soak_of_10000_messages_into_a_1_mb_bound(tmp_path):
         assert all(s.get(f"last-{i}") is not None for i in range(8))
         assert counters["receiver_restarts"] == 0
         peer.close()
+
+
+def test_a_flood_of_one_refusal_is_one_log_line(store, caplog):
+    peer = Peer(store)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(50):
+            assert isinstance(peer.send(zero_rows()), Nack)
+    lines = [r for r in caplog.records if "refused message" in r.getMessage()]
+    assert len(lines) <= 2  # one per 10 s (two if the flood straddles 10 s); the next says how many were not
+    assert store.counters()["refused_shape"] == 50
+    peer.close()
