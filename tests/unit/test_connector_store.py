@@ -338,3 +338,17 @@ def test_a_receiver_that_fails_is_restarted_and_says_so(store, error):
     assert isinstance(
         send(store, frames("a" * 64)), Ack
     )  # a fresh socket on the same endpoint when ZMQ failed
+
+
+def test_another_shape_under_a_pinned_uuid_is_a_conflict_and_an_unpinned_one_is_replaced(store):
+    assert isinstance(send(store, frames("a" * 64)), Ack)
+    store.pin("a" * 64, "vllm-1")
+    reply = send(store, frames("a" * 64, rows=24, grid=(1, 6, 16)))
+    assert isinstance(reply, Nack)
+    assert reply.reason.startswith("conflict: ")
+    assert store.get("a" * 64).rows == 12
+    store.unpin({"a" * 64}, "vllm-1")
+    assert isinstance(send(store, frames("a" * 64, rows=24, grid=(1, 6, 16))), Ack)
+    assert store.get("a" * 64).rows == 24
+    assert store.counters()["held_bytes"] == 24 * WIDTH * 4
+    assert [p.stat().st_size for p in tensor_files(store)] == [24 * WIDTH * 4]
