@@ -18,11 +18,14 @@ from vitserve.rpc.replies import (
     Held,
     HoldsQuery,
     Nack,
+    Release,
     decode_inbound,
     decode_reply,
     encode_held,
     encode_holds,
     encode_nack,
+    encode_release,
+    message_id_of,
 )
 from vitserve.rpc.wire import (
     ImageEmbedding,
@@ -100,6 +103,29 @@ def test_a_holds_query_round_trips_and_is_checked():
             decode_inbound([msgpack.packb({"v": 3, "query_id": "q", **bad})])
     with pytest.raises(WireError, match="version"):
         decode_inbound([msgpack.packb({"v": 2, "holds": [], "query_id": "q"})])
+
+
+def test_a_release_round_trips_and_is_checked():
+    assert decode_inbound([encode_release("req-1", [UUID, "1" * 64])]) == Release("req-1", (UUID, "1" * 64))
+    assert decode_inbound([encode_release("", [])]) == Release("", ())
+    for bad in (
+        {"release": ["../x"]},
+        {"release": UUID},
+        {"release": [UUID] * 1025},
+        {"request_id": "r" * 257},
+    ):
+        with pytest.raises(WireError):
+            decode_inbound([msgpack.packb({"v": 3, "release": [UUID], "request_id": "r", **bad})])
+    with pytest.raises(WireError):
+        encode_release("r", ["a/b"])  # the sender refuses what the connector would reject
+
+
+def test_a_malformed_messages_id_is_read_to_refuse_it_by_name():
+    header = msgpack.unpackb(encode_embedding_message(message())[0])
+    assert message_id_of([msgpack.packb({**header, "uuid": "a/b"})]) == header["message_id"]
+    assert message_id_of([msgpack.packb({**header, "message_id": 7})]) is None
+    assert message_id_of([b"\xc1"]) is None
+    assert message_id_of([]) is None
 
 
 @pytest.mark.parametrize(

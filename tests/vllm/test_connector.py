@@ -167,8 +167,11 @@ def test_garbage_on_the_connectors_port_changes_nothing(consumer, pushed):
     ckpt, endpoint, server = consumer
     uuid, grid, _ = pushed
     forged = msgpack.packb({"v": 3, "message_id": "m", "uuid": "../../etc"})
-    for frames in ([b"\x00" * 100], [b"GET / HTTP/1.1\r\n\r\n", b"x"], [forged]):
-        assert _send(endpoint, frames, wait_s=2) is None  # keyed peer, bad message: skipped, not answered
+    for frames in ([b"\x00" * 100], [b"GET / HTTP/1.1\r\n\r\n", b"x"]):
+        assert _send(endpoint, frames, wait_s=2) is None  # keyed peer, not the wire: skipped, not answered
+    refused = _send(endpoint, [forged], wait_s=2)  # a bad message that names its id: refused by that id
+    assert isinstance(refused, Nack)
+    assert refused.reason.startswith("malformed: ")
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as raw:  # a TCP peer that speaks no ZMTP
         raw.sendall(os.urandom(4096))

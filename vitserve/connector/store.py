@@ -2,25 +2,28 @@
 ROUTER that takes vitserve's wire messages (docs/wire.md, "vitserve's vLLM connector") and keeps each embedding,
 whole and checked, as a file in shared memory that vLLM's workers read.
 
-Where the bytes live: one file per uuid, `<dir>/<uuid>`, the raw (rows, width) tensor (main rows and every
-DeepStack level concatenated along the last dimension) in the message's dtype, written to a temporary name and
-renamed, so a worker never sees a partial file. `dir` is a fresh directory under /dev/shm (RAM) by default,
-`vitserve-ec-<pid>-*`, removed at close; one whose process is gone (a killed vLLM) is removed at the next start.
-vLLM runs its workers in other processes (always on a CPU; with several GPUs too): a file in /dev/shm is the one
-thing every process on the host reads without copying through the engine.
+The receiver cannot die of a message: each one is taken on its own, and whatever goes wrong with it (a shape, a full
+device, a file that cannot be written, a bug) is a nack whose reason starts with a code of checks.REASONS, a
+counter, and at most one log line per reason every 10 s; nothing of that message is kept (no file, no temporary
+file) and the next message is taken. Should the receiver's loop fail anyway (its socket, say), a supervisor in the
+same thread rebuilds the socket and starts it again (`receiver_restarts`); `failure_since(t)` tells the glue, so a
+request waiting for an item fails at once instead of at its deadline.
 
-The bound: `max_bytes` over the files held. An arrival that does not fit evicts, oldest first, unpinned entries
-that are spent: loaded by the request that named them, or past their expiry. An acknowledged entry that no request
-has loaded yet is never evicted before its expiry (its sender was told it is kept, and its request may be on its
-way): when such entries and pinned ones fill the bound, the arrival is refused (nack). An entry is pinned while a request that names it is
-scheduled (glue.py pins it when the request passes ensure_cache_available and unpins it when the
-request finishes); an unpinned one is dropped at its expiry (the message's `expires_at`, extended by a holds
-query that names it, or by a scheduling attempt). Nothing here ever waits on vLLM's scheduler: the receiver
-thread and the scheduler share only `_lock`, held for dictionary updates.
+Where the bytes live: files.py (one file per uuid, named by its sha256, in a locked `vitserve-ec-<pid>-*`
+directory). The bound: `max_bytes`, lowered at start to the device's free space (with a warning naming both and
+Docker's `--shm-size`); an ENOSPC all the same evicts what is spent, retries once, and is refused (`device_full`).
+Who needs an entry and what may go: ledger.py (O(1) per arrival); no expiry is set past now + `max_hold_s`. The
+receiver thread and vLLM's scheduler share only `_lock`, held for bookkeeping, never for I/O.
 
-Counters (`counters()`; logged every 30 s when they moved, and at shutdown): received, refused (nack), rejected
-(not the wire), handshakes_failed (a peer without the key, or one that speaks no ZMTP: nothing of it is read),
-expired, evicted, held_bytes, held.
+A peer cannot hold the engine's memory: router.py sets ZMQ's limits (message size, queue, heartbeats), and a
+keyless connector binds only an endpoint of this host (protected mode; `allow_unauthenticated` lifts it, with a
+warning), since libzmq cannot bound the frames of one unfinished multipart message.
+
+Counters (`counters()`, a flat dict, stable names; logged once a minute while they move, and at close):
+received (acknowledged), refused (nacked, all reasons) and refused_<code> per code of checks.REASONS, rejected
+(not the wire: garbage, or a malformed message, nacked as "malformed" when it names a message id),
+handshakes_failed (a peer without the key, or not speaking ZMTP: nothing of it read), evicted, expired, releases
+(release messages taken), receiver_restarts; and the gauges held (entries), held_bytes, max_bytes (the bound).
 """
 
 from __future__ import annotations
@@ -28,56 +31,38 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from vitserve.connector import keys
-from vitserve.rpc.replies import HoldsQuery, decode_inbound, encode_held, encode_nack
-from vitserve.rpc.tensors import DTYPES, tensor_to_buffer
+from vitserve.connector.checks import REASONS, RateLimitedLog, Refusal, Shape, check_message
+from vitserve.connector.files import TensorDir, is_device_full
+from vitserve.connector.ledger import HeldTensor, Ledger
+from vitserve.connector.router import Router
+from vitserve.rpc.endpoints import host_only
+from vitserve.rpc.replies import HoldsQuery, Release, decode_inbound, encode_held, encode_nack, message_id_of
+from vitserve.rpc.tensors import DTYPES
 from vitserve.rpc.wire import ImageEmbedding, WireError, encode_ack
 
+__all__ = ["COUNTERS", "REASONS", "EmbeddingStore", "HeldTensor", "Shape", "as_dict", "read_entry"]
+
+DEFAULT_MAX_HOLD_S = 300.0  # the longest an entry is kept unpinned past its last push, holds query or touch
 DEFAULT_HOLD_S = 30.0  # a holds query without expires_at keeps what it names this long
 TOUCH_S = 10.0  # a scheduling attempt keeps an unpinned entry at least this long
-MAX_FRAME_BYTES = 2**31  # ZMQ_MAXMSGSIZE: a forged 100 GB frame is cut before it is allocated
+_MESSAGES = ("received", "refused", "rejected", "handshakes_failed")  # what became of what arrived
+_ENTRIES = ("evicted", "expired", "releases", "receiver_restarts")  # what became of what was held
+COUNTERS = (
+    *_MESSAGES,
+    *_ENTRIES,
+    *(f"refused_{code}" for code in REASONS),
+)  # counters() adds held, held_bytes, max_bytes
 _POLL_MS = 200
-_LOG_EVERY_S = 30.0
-# a peer whose ZMTP handshake fails: no key or another key (CURVE), or not ZMTP at all (garbage on the port)
-_REFUSED_EVENTS = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-
-
-@dataclass
-class HeldTensor:
-    """One embedding held: its file and what a request needs to check it against."""
-
-    path: Path
-    dtype: str
-    rows: int
-    width: int
-    nbytes: int
-    expires_at: float  # Unix time; an unpinned entry past it is dropped
-    pins: set[str] = field(default_factory=set)  # request ids that will load it
-    loaded: bool = False  # a request that named it finished, and no holds query asked for it since
-
-
-@dataclass
-class Shape:
-    """What a message must agree with: the model's width (0: unchecked) and spatial merge."""
-
-    width: int
-    merge: int
+_LOG_EVERY_S = 60.0
 
 
 class EmbeddingStore:
@@ -92,263 +77,317 @@ class EmbeddingStore:
         key: bytes | None = None,
         directory: str | None = None,
         log: logging.Logger | None = None,
+        max_hold_s: float = DEFAULT_MAX_HOLD_S,
+        allow_unauthenticated: bool = False,
     ) -> None:
-        self.max_bytes, self.shape = max_bytes, shape
+        self.shape, self.max_hold_s, self._key = shape, float(max_hold_s), key
         self.log = log or logging.getLogger(__name__)
-        self.entries: dict[str, HeldTensor] = {}  # insertion order = arrival order: eviction takes the oldest
-        self.counts = dict.fromkeys(
-            ("received", "refused", "rejected", "handshakes_failed", "expired", "evicted"), 0
+        self._init_protection(endpoint, allow_unauthenticated)
+        self._init_state()
+        self._init_dir(directory, max_bytes)
+        self._init_socket(endpoint)
+        self._thread = threading.Thread(target=self._supervise, name="vitserve-ec-receiver", daemon=True)
+        self._thread.start()
+
+    def _init_protection(self, endpoint: str, allow_unauthenticated: bool) -> None:
+        """Protected mode: without a key, only an endpoint of this host, unless the config says otherwise."""
+        if self._key is not None or host_only(endpoint):
+            return
+        if not allow_unauthenticated:
+            raise ValueError(
+                f"vitserve's connector will not bind {endpoint} without a key: set key_file in "
+                "ec_connector_extra_config (the same file as vitserve --wire_key_file), or bind loopback "
+                '(tcp://127.0.0.1:PORT) or ipc://, or set "allow_unauthenticated": true'
+            )
+        self.log.warning(
+            "vitserve connector: %s is bound WITHOUT a key (allow_unauthenticated): anyone who reaches it can fill "
+            "the bound and put tensors under any uuid; set key_file (vitserve --wire_key_file)",
+            endpoint,
         )
+
+    def _init_state(self) -> None:
+        self.counts = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
         self._closing = False
+        self._failure: tuple[float, str] | None = None  # (time.monotonic(), why) of the last restart
+        self._say = RateLimitedLog(self.log)
+        self._router: Router | None = None
+
+    def _init_dir(self, directory: str | None, max_bytes: int) -> None:
         root = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-        _remove_orphans(Path(root), self.log)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"vitserve-ec-{os.getpid()}-", dir=root))
-        self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self._auth = keys.configure_server(self._sock, key) if key is not None else None
+        self._dir = TensorDir(Path(root), self.log)
+        self.dir = self._dir.path
+        free = self._dir.free_bytes()
+        if max_bytes > free:
+            self.log.warning(
+                "vitserve connector: max_gb asks for %d bytes, but %s has %d bytes free: the bound is %d bytes. "
+                "Give the device more (Docker: --shm-size, e.g. --shm-size=8g) or lower max_gb",
+                *(max_bytes, root, free, free),
+            )
+        self.max_bytes = min(max_bytes, free)
+        self._ledger = Ledger(self.max_bytes)
+
+    def _init_socket(self, endpoint: str) -> None:
         try:
-            self._sock.bind(endpoint)
-        except zmq.ZMQError as exc:
-            self._stop_socket()
-            shutil.rmtree(self.dir, ignore_errors=True)
-            raise OSError(f"vitserve's connector cannot bind {endpoint!r}: {exc}") from exc
-        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._monitor = self._sock.get_monitor_socket(_REFUSED_EVENTS)
-        self._thread = threading.Thread(target=self._run, name="vitserve-ec-receiver", daemon=True)
-        self._thread.start()
+            self._router = Router(endpoint, self.max_bytes, self._key)
+        except BaseException:
+            self._dir.close()
+            raise
+        self.endpoint = self._router.endpoint
 
     # ------------------------------------------------------------------ the scheduler's side (any thread)
 
     def get(self, uuid: str) -> HeldTensor | None:
         with self._lock:
-            return self.entries.get(uuid)
+            return self._ledger.entries.get(uuid)
 
     def touch(self, uuid: str) -> HeldTensor | None:
         """The entry, kept at least TOUCH_S longer (a request is about to name it), or None."""
         with self._lock:
-            entry = self.entries.get(uuid)
-            if entry is not None:
-                entry.expires_at = max(entry.expires_at, time.time() + TOUCH_S)
-            return entry
+            return self._ledger.touch(uuid, time.time() + min(TOUCH_S, self.max_hold_s))
 
     def pin(self, uuid: str, request_id: str) -> HeldTensor | None:
         with self._lock:
-            entry = self.entries.get(uuid)
-            if entry is not None:
-                entry.pins.add(request_id)
-            return entry
+            return self._ledger.pin(uuid, request_id, time.time())
 
     def unpin(self, uuids: set[str], request_id: str) -> None:
+        """The vLLM request finished: its pins end, and so does the oldest push's claim on each."""
+        now = time.time()
         with self._lock:
             for uuid in uuids:
-                if (entry := self.entries.get(uuid)) is not None:
-                    entry.pins.discard(request_id)
-                    entry.loaded = True
-                    entry.expires_at = max(entry.expires_at, time.time() + TOUCH_S)
+                self._ledger.unpin(uuid, request_id, now + min(TOUCH_S, self.max_hold_s), now)
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int | float]:
         with self._lock:
-            held = sum(e.nbytes for e in self.entries.values())
-            return {**self.counts, "held_bytes": held, "held": len(self.entries)}
+            held = {"held": len(self._ledger.entries), "held_bytes": self._ledger.held_bytes}
+            return {**self.counts, **held, "max_bytes": self.max_bytes}
+
+    def failure_since(self, t: float) -> str | None:
+        """Why the receiver failed after `t` (time.monotonic()), or None: messages in flight then were lost."""
+        if not self._thread.is_alive() and not self._closing:
+            return "vitserve connector: its receiver thread ended"
+        failure = self._failure
+        return failure[1] if failure is not None and failure[0] > t else None
 
     def close(self) -> None:
         self._closing = True
         self._thread.join(5)
         self.log.info("vitserve connector on %s closed: %s", self.endpoint, self.counters())
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._dir.close()
 
     # ------------------------------------------------------------------ the receiver thread
 
-    def _run(self) -> None:
-        logged, last = time.monotonic(), self.counters()
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        try:
-            while not self._closing:
-                events = dict(poller.poll(_POLL_MS))
-                if self._sock in events:
-                    self._take(self._sock.recv_multipart(copy=False))
-                if self._monitor in events:
-                    self._on_monitor()
-                self._expire(time.time())
-                if time.monotonic() - logged > _LOG_EVERY_S:
-                    logged, now = time.monotonic(), self.counters()
-                    if now != last:
-                        self.log.info("vitserve connector on %s: %s", self.endpoint, now)
-                    last = now
-        except Exception:
-            self.log.exception(
-                "vitserve connector on %s: the receiver failed; it takes nothing more", self.endpoint
-            )
-        finally:
-            self._stop_socket()
+    def _supervise(self) -> None:
+        """Serve until close; a failure of the loop itself is logged, counted and the loop started again."""
+        restarts_in_a_row = 0
+        while not self._closing:
+            started = time.monotonic()
+            try:
+                self._serve()
+            except Exception as exc:
+                if self._closing:
+                    break
+                restarts_in_a_row = 1 if time.monotonic() - started > 10 else restarts_in_a_row + 1
+                self._on_failure(exc, restarts_in_a_row)
+        self._stop_socket()
 
-    def _on_monitor(self) -> None:
-        while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)
-            self.counts["handshakes_failed"] += 1
-            failed = self.counts["handshakes_failed"]
-            if failed & (failed - 1):  # a refused peer retries every 100 ms: log the 1st, 2nd, 4th, 8th, ...
-                continue
-            self.log.warning(
-                "vitserve connector on %s: a peer's handshake failed (%s): without the key, or not vitserve's wire; "
-                "nothing of it was read (%d so far)",
-                self.endpoint,
-                zmq.Event(event["event"]).name,
-                failed,
-            )
+    def _serve(self) -> None:
+        if self._router is None:  # the one before failed: a fresh one on the same address
+            self._router = Router(self.endpoint, self.max_bytes, self._key)
+        router, poller = self._router, self._router.poller()
+        logged, last = time.monotonic(), self.counters()
+        while not self._closing:
+            events = dict(poller.poll(_POLL_MS))  # 1) wait for a message or a refused handshake
+            if router.sock in events:
+                self._take(router.sock.recv_multipart(copy=False))  # 2) take one message, whatever it holds
+            if router.monitor in events:
+                self._on_monitor(router.failed_handshakes())  # 3) count refused handshakes
+            self._sweep()  # 4) drop what expired
+            if time.monotonic() - logged > _LOG_EVERY_S:  # 5) the counters, once a minute while they move
+                logged, now = time.monotonic(), self.counters()
+                if now != last:
+                    self.log.info("vitserve connector on %s: %s", self.endpoint, now)
+                last = now
+
+    def _on_failure(self, exc: Exception, in_a_row: int) -> None:
+        why = f"vitserve connector: its receiver failed ({type(exc).__name__}: {exc}) and was restarted"
+        self._failure = (time.monotonic(), why)
+        self.counts["receiver_restarts"] += 1
+        self._say("restart", logging.ERROR, "%s", why, exc_info=True)
+        with contextlib.suppress(Exception):  # the supervisor itself must not fail on its way back
+            if isinstance(exc, zmq.ZMQError):
+                self._stop_socket()  # the next _serve binds a fresh one
+            self._dir.remove_temp()
+        time.sleep(min(0.05 * 2**in_a_row, 2.0))  # a failure that repeats at once does not spin
 
     def _stop_socket(self) -> None:
-        if hasattr(self, "_monitor"):
-            self._monitor.close(linger=0)
-        self._sock.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-        self._ctx.term()
+        if self._router is not None:
+            self._router.close()
+            self._router = None
+
+    def _on_monitor(self, failed: list[str]) -> None:
+        for event in failed:
+            self.counts["handshakes_failed"] += 1
+            self._say(
+                "handshake",
+                logging.WARNING,
+                "vitserve connector on %s: a peer's handshake failed (%s): without the key, or not vitserve's "
+                "wire; nothing of it was read (%d so far)",
+                self.endpoint,
+                event,
+                self.counts["handshakes_failed"],
+            )
 
     def _take(self, frames: list[zmq.Frame]) -> None:
         peer, body = frames[0], frames[1:]
         try:
             message = decode_inbound(body)
-        except WireError as exc:
-            self.counts["rejected"] += 1
-            nbytes = sum(len(f) for f in body)
-            self.log.warning(
-                "vitserve connector: rejected a message (%d frames, %d bytes): %s", len(body), nbytes, exc
-            )
+        except Exception as exc:  # WireError, or a decoder bug: either way the message is not the wire
+            self._reject(peer, body, exc)
             return
-        if isinstance(message, HoldsQuery):
-            self._reply(peer, encode_held(self._holds(message), message.query_id))
-            return
-        reason = self._keep(message)
-        if reason is None:
-            self.counts["received"] += 1
-            self._reply(peer, encode_ack(message.message_id))
-        else:
-            self.counts["refused"] += 1
-            self.log.warning(
-                "vitserve connector: refused message %s (request %s, uuid %s): %s",
-                message.message_id,
-                message.request_id,
-                message.uuid,
-                reason,
+        try:
+            if isinstance(message, HoldsQuery):
+                self._reply(peer, encode_held(self._holds(message), message.query_id))
+            elif isinstance(message, Release):
+                self._release(message)
+            else:
+                self._take_embedding(peer, message)
+        except Exception:  # a bug: that message is lost, never the receiver
+            self._say(
+                "internal", logging.ERROR, "vitserve connector: failed to take a message", exc_info=True
             )
-            self._reply(peer, encode_nack(message.message_id, reason))
+
+    def _take_embedding(self, peer: zmq.Frame, m: ImageEmbedding) -> None:
+        try:
+            self._keep(m)
+        except Refusal as refusal:
+            self._refuse(peer, m, refusal)
+            return
+        except Exception as exc:
+            self._say(
+                "internal", logging.ERROR, "vitserve connector: failed to take a message", exc_info=True
+            )
+            self._refuse(peer, m, Refusal("internal", f"{type(exc).__name__}: {str(exc)[:200]}"))
+            return
+        self.counts["received"] += 1
+        self._reply(peer, encode_ack(m.message_id))
+
+    def _reject(self, peer: zmq.Frame, body: list[zmq.Frame], exc: Exception) -> None:
+        self.counts["rejected"] += 1
+        nbytes = sum(len(f) for f in body)
+        why = str(exc) if isinstance(exc, WireError) else f"{type(exc).__name__} while decoding"
+        self._say(
+            "rejected",
+            logging.WARNING,
+            "vitserve connector: rejected a message (%d frames, %d bytes): %s",
+            len(body),
+            nbytes,
+            why,
+        )
+        message_id = message_id_of(body)
+        if message_id is not None:
+            self._reply(peer, encode_nack(message_id, f"malformed: {why}"))
+
+    def _refuse(self, peer: zmq.Frame, m: ImageEmbedding, refusal: Refusal) -> None:
+        self.counts["refused"] += 1
+        self.counts[f"refused_{refusal.code}"] += 1
+        self._say(
+            refusal.code,
+            logging.WARNING,
+            "vitserve connector: refused message %.64r (request %.64r, uuid %.80r): %s",
+            m.message_id,
+            m.request_id,
+            m.uuid,
+            str(refusal),
+        )
+        self._reply(peer, encode_nack(m.message_id, str(refusal)))
 
     def _reply(self, peer: zmq.Frame, frame: bytes) -> None:
-        with contextlib.suppress(zmq.ZMQError):  # a peer that is gone: the reply is dropped
-            self._sock.send_multipart([peer, frame], flags=zmq.NOBLOCK)
+        assert self._router is not None
+        self._router.reply(peer, frame)
 
     def _holds(self, query: HoldsQuery) -> list[str]:
-        until = query.expires_at if query.expires_at is not None else time.time() + DEFAULT_HOLD_S
-        with self._lock:
-            held = [u for u in query.uuids if u in self.entries]
-            for uuid in held:  # promised to a request again: kept like a fresh arrival
-                self.entries[uuid].expires_at = max(self.entries[uuid].expires_at, until)
-                self.entries[uuid].loaded = False
-        return held
-
-    def _keep(self, m: ImageEmbedding) -> str | None:
-        """Check and keep one message; None when kept, else why it was refused (nothing of it is kept)."""
-        reason = self._check(m)
-        if reason is not None:
-            return reason
-        assert m.uuid is not None
-        tensor = torch.cat([m.embedding, *m.deepstack], dim=-1) if m.deepstack else m.embedding
-        rows, width = (int(d) for d in tensor.shape)
-        nbytes = tensor.numel() * tensor.element_size()
-        with self._lock:
-            held = self.entries.get(m.uuid)
-            if held is not None and (held.rows, held.width, held.dtype) == (rows, width, m.dtype):
-                held.expires_at = max(held.expires_at, m.expires_at)  # the same embedding again
-                held.loaded = False
-                return None
-            if held is not None and held.pins:
-                return f"uuid {m.uuid} is held with another shape and a scheduled request will load it"
-            if held is not None:
-                self._drop(m.uuid, "")
-            if nbytes > self.max_bytes:
-                return f"{nbytes} bytes are more than max_gb allows ({self.max_bytes} bytes)"
-            if not self._make_room(nbytes):
-                return (
-                    f"{nbytes} bytes do not fit in max_gb ({self.max_bytes} bytes) beside the tensors "
-                    "acknowledged and not yet loaded or expired"
-                )
-        path = self.dir / m.uuid
-        temp = self.dir / f".{m.uuid}.{m.message_id[:32]}.tmp"
-        with open(temp, "wb") as f:
-            f.write(tensor_to_buffer(tensor))
-        os.replace(temp, path)
-        with self._lock:
-            self.entries[m.uuid] = HeldTensor(path, m.dtype, rows, width, nbytes, m.expires_at)
-        return None
-
-    def _check(self, m: ImageEmbedding) -> str | None:
-        if m.uuid is None:
-            return "the message names no uuid (the connector keeps embeddings by their encoder-cache key)"
-        if m.expires_at <= time.time():
-            return f"expired {time.time() - m.expires_at:.3f} s ago"
-        rows = m.num_tokens
-        if any(int(d.shape[0]) != rows for d in m.deepstack):
-            return (
-                f"deepstack rows {[int(d.shape[0]) for d in m.deepstack]} differ from the embedding's {rows}"
-            )
-        t, h, w = m.grid_thw
-        merge = self.shape.merge
-        if rows != t * h * w // (merge * merge) or (h % merge) or (w % merge):
-            return (
-                f"{rows} rows, but grid {list(m.grid_thw)} with merge {merge} needs {t * h * w // merge**2}"
-            )
-        width = sum(int(x.shape[1]) for x in (m.embedding, *m.deepstack))
-        if self.shape.width and width != self.shape.width:
-            return f"width {width}, but this model needs {self.shape.width} (hidden size x (1 + DeepStack levels))"
-        return None
-
-    def _make_room(self, nbytes: int) -> bool:
-        """Evict spent entries (unpinned, and loaded or expired), oldest first, until nbytes fit (under _lock)."""
-        held = sum(e.nbytes for e in self.entries.values())
         now = time.time()
-        for uuid in [u for u, e in self.entries.items() if not e.pins and (e.loaded or e.expires_at <= now)]:
-            if held + nbytes <= self.max_bytes:
-                break
-            held -= self.entries[uuid].nbytes
-            self._drop(uuid, "evicted")
-        return held + nbytes <= self.max_bytes
-
-    def _expire(self, now: float) -> None:
+        until = query.expires_at if query.expires_at is not None else now + DEFAULT_HOLD_S
+        until = min(until, now + self.max_hold_s)
         with self._lock:
-            for uuid in [u for u, e in self.entries.items() if not e.pins and e.expires_at <= now]:
-                self._drop(uuid, "expired")
+            return [uuid for uuid in query.uuids if self._ledger.promise(uuid, until, now)]
 
-    def _drop(self, uuid: str, counter: str) -> None:
-        entry = self.entries.pop(uuid)
-        with contextlib.suppress(FileNotFoundError):
-            entry.path.unlink()
-        if counter:
-            self.counts[counter] += 1
+    def _release(self, message: Release) -> None:
+        self.counts["releases"] += 1
+        now = time.time()
+        with self._lock:
+            for uuid in message.uuids:
+                self._ledger.release(uuid, message.request_id, now)
 
+    def _keep(self, m: ImageEmbedding) -> None:
+        """Check and keep one message; Refusal when it cannot be kept (and nothing of it is)."""
+        now = time.time()
+        rows, width, nbytes = check_message(m, self.shape, now)
+        if nbytes > self.max_bytes:
+            raise Refusal(
+                "too_large", f"{nbytes} bytes are more than the bound ({self.max_bytes} bytes, max_gb)"
+            )
+        uuid, expires_at = str(m.uuid), min(m.expires_at, now + self.max_hold_s)
+        with self._lock:
+            held = self._ledger.entries.get(uuid)
+            if held is not None and (held.rows, held.width, held.dtype) == (rows, width, m.dtype):
+                self._ledger.renew(uuid, m.request_id, expires_at, now)  # the same embedding again
+                return
+            if held is not None and held.pins:
+                raise Refusal(
+                    "conflict",
+                    f"held as {held.rows} x {held.width} {held.dtype}, and a scheduled request will load it",
+                )
+            replaced = [self._ledger.remove(uuid)] if held is not None else []
+            fits, expired, evicted = self._ledger.make_room(nbytes, now)
+        self._delete(replaced, "")
+        self._delete(expired, "expired")
+        self._delete(evicted, "evicted")
+        if not fits:
+            raise Refusal(
+                "full",
+                f"{nbytes} bytes do not fit in the bound ({self.max_bytes} bytes, max_gb) beside the tensors "
+                "acknowledged and not yet loaded, pinned or promised",
+            )
+        path = self._write(uuid, [m.embedding, *m.deepstack], rows, nbytes)
+        with self._lock:
+            self._ledger.add(
+                uuid, HeldTensor(path, m.dtype, rows, width, nbytes, expires_at), m.request_id, now
+            )
 
-def _remove_orphans(root: Path, log: logging.Logger) -> None:
-    """Directories a killed vLLM left (its pid is in the name and gone): /dev/shm is RAM, up to max_gb each."""
-    for orphan in root.glob("vitserve-ec-*-*"):
-        pid = orphan.name.split("-")[2]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        shutil.rmtree(orphan, ignore_errors=True)
-        log.warning("vitserve connector: removed %s, left by process %s, which is gone", orphan, pid)
+    def _write(self, uuid: str, parts: list[torch.Tensor], rows: int, nbytes: int) -> Path:
+        """The file, written; on ENOSPC, evict spent entries and try once more."""
+        for attempt in (1, 2):
+            try:
+                return self._dir.write(uuid, parts, rows)
+            except OSError as exc:
+                if not is_device_full(exc):
+                    raise Refusal("write_failed", f"{self.dir}: {exc.strerror or exc}") from exc
+                if attempt == 2:
+                    raise Refusal(
+                        "device_full",
+                        f"the device of {self.dir} is full (ENOSPC) for {nbytes} bytes, also after evicting what was "
+                        f"spent ({self._dir.free_bytes()} bytes free, bound {self.max_bytes}): give it more "
+                        "(Docker: --shm-size) or lower max_gb",
+                    ) from exc
+            with self._lock:
+                evicted = self._ledger.evict(nbytes)
+            self._delete(evicted, "evicted")
+        raise AssertionError("unreachable")
 
+    def _sweep(self) -> None:
+        with self._lock:
+            expired = self._ledger.expire(time.time())
+        self._delete(expired, "expired")
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    def _delete(self, entries: list[HeldTensor], counter: str) -> None:
+        """Delete the files of entries the ledger let go (only this thread writes and deletes files)."""
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                entry.path.unlink()
+        if counter and entries:
+            self.counts[counter] += len(entries)
 
 
 def read_entry(path: str, dtype: str, rows: int, width: int) -> torch.Tensor:

@@ -5,10 +5,13 @@ embedding message and its acknowledgement (rpc/wire.py, whose header reader and 
                             {"v": 3, "nack": message_id, "reason": str}      refused: it keeps nothing of it
                             {"v": 3, "held": [uuid, ...], "query_id": str}   the answer to a holds query
     vitserve -> connector   {"v": 3, "holds": [uuid, ...], "query_id": str, "expires_at": float (optional)}
+                            {"v": 3, "release": [uuid, ...], "request_id": str}   no answer
 
 Each is one msgpack frame. A holds query asks which of these uuids the connector holds; each held one is
-kept at least until `expires_at` (Unix time; the connector's default when absent), so the request naming it
-can follow without pushing it again.
+kept at least until `expires_at` (Unix time; the connector's default when absent, never past its
+`max_hold_s`), so the request naming it can follow without pushing it again. A release says that request
+`request_id` (the embedding messages' `request_id`) will not load these uuids (it failed): the connector drops
+that request's claim on each, and an entry nobody claims, pins or was promised becomes evictable at once.
 """
 
 from __future__ import annotations
@@ -51,6 +54,18 @@ class HoldsQuery:
     )  # keep what is held at least until then (Unix time); None: the connector's default
 
 
+@dataclass(frozen=True)
+class Release:
+    request_id: str  # the request (the embedding messages' request_id) that will not load these
+    uuids: tuple[str, ...]
+
+
+def encode_release(request_id: str, uuids: Sequence[str]) -> bytes:
+    release = {"v": WIRE_VERSION, "release": list(uuids), "request_id": request_id}
+    _check_release(release)  # the sender refuses what the connector would reject
+    return wire._pack(release)
+
+
 def encode_nack(message_id: str, reason: str) -> bytes:
     return wire._pack({"v": WIRE_VERSION, "nack": message_id, "reason": reason[:MAX_REASON_CHARS]})
 
@@ -82,15 +97,29 @@ def decode_reply(frame: Any) -> Ack | Nack | Held:
     raise WireError(f"a reply is an ack, a nack or a held answer; got the keys {sorted(reply)[:8]}")
 
 
-def decode_inbound(frames: Sequence[Any]) -> ImageEmbedding | HoldsQuery:
-    """What vitserve sends the connector: a holds query (one frame with `holds`), or an embedding message
-    (rpc/wire.py decode_embedding_message). WireError for anything else."""
+def decode_inbound(frames: Sequence[Any]) -> ImageEmbedding | HoldsQuery | Release:
+    """What vitserve sends the connector: a holds query (one frame with `holds`), a release (one frame with
+    `release`), or an embedding message (rpc/wire.py decode_embedding_message). WireError for anything else."""
     if len(frames) == 1:
         query = _versioned(frames[0])
         if "holds" in query:
             _check_holds(query)
             return HoldsQuery(query["query_id"], tuple(query["holds"]), query.get("expires_at"))
+        if "release" in query:
+            _check_release(query)
+            return Release(query["request_id"], tuple(query["release"]))
     return decode_embedding_message(frames)
+
+
+def message_id_of(frames: Sequence[Any]) -> str | None:
+    """The message id a malformed embedding message names, if its header says one: the connector refuses it by
+    that id, so its sender learns at once instead of at its deadline. None when there is none to read."""
+    try:
+        header = wire._parse_header(wire._buffer(frames[0]))
+    except (WireError, IndexError):
+        return None
+    message_id = header.get("message_id")
+    return message_id if wire._is_id(message_id) else None
 
 
 def _versioned(frame: Any) -> dict[str, Any]:
@@ -107,6 +136,14 @@ def _check_holds(query: dict[str, Any]) -> None:
     expires_at = query.get("expires_at")
     if expires_at is not None and (type(expires_at) is not float or not math.isfinite(expires_at)):
         raise WireError(f"expires_at must be a finite float (Unix time), got {wire._kind(expires_at)}")
+
+
+def _check_release(release: dict[str, Any]) -> None:
+    _uuids(release, "release")
+    if not isinstance(release.get("request_id"), str) or len(release["request_id"]) > wire.MAX_ID_CHARS:
+        raise WireError(
+            f"request_id must be a string of at most {wire.MAX_ID_CHARS} chars, got {wire._kind(release.get('request_id'))}"
+        )
 
 
 def _id(message: dict[str, Any], name: str) -> str:

@@ -1,0 +1,128 @@
+"""The connector's directory of tensors in shared memory: one raw file per uuid, named by the uuid's sha256 (64 hex
+characters, whatever the uuid holds: no name a peer sends reaches the file system), written to `<name>.tmp` and
+renamed, so a worker never sees a partial file, and the temporary file removed on every failure.
+
+Each live directory is `vitserve-ec-<pid>-<random>` under the root (/dev/shm by default), and its store holds an
+exclusive flock on `<dir>/.lock` for its whole life. A directory whose lock can be taken is an orphan (its vLLM was
+killed): the next store's start removes it, tensors and temporary files with it. A lock says "alive" across PID
+namespaces (two containers sharing /dev/shm with `--ipc=host`), which a pid in the name cannot. A directory gets its
+lock before it gets its name (it is made under a `.vitserve-ec-new-` name and renamed), so a starting store is
+never taken for an orphan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from vitserve.rpc.tensors import tensor_to_buffer
+
+PREFIX = "vitserve-ec-"
+STAGING = f".{PREFIX}new-"  # a directory being made, before it has its lock and its name
+STAGING_S = 60.0  # a staging directory without a lock this old was left by a start that died
+LOCK_NAME = ".lock"
+TEMP_SUFFIX = ".tmp"
+CHUNK_BYTES = (
+    8 << 20
+)  # rows of main + DeepStack levels interleaved per write: a bounded copy, not the whole tensor
+
+
+def file_name(uuid: str) -> str:
+    """The file of a uuid: fixed length, hex only, for any string."""
+    return hashlib.sha256(uuid.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class TensorDir:
+    """A fresh locked directory under `root` (orphans removed first); `close()` deletes it and drops the lock."""
+
+    def __init__(self, root: Path, log: logging.Logger) -> None:
+        self.log = log
+        remove_orphans(root, log)
+        staging = Path(tempfile.mkdtemp(prefix=f"{STAGING}{os.getpid()}-", dir=root))
+        self._lock_fd = os.open(staging / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.path = root / f"{PREFIX}{os.getpid()}-{staging.name.rsplit('-', 1)[-1]}"
+        os.rename(staging, self.path)
+
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.path).free
+
+    def write(self, uuid: str, parts: Sequence[torch.Tensor], rows: int) -> Path:
+        """Write (rows, sum of widths): each row is the main row then every level's, side by side. OSError as
+        the file system raised it (ENOSPC for a full device); no temporary file is left either way."""
+        path = self.path / file_name(uuid)
+        temp = path.with_name(path.name + TEMP_SUFFIX)
+        try:
+            with open(temp, "wb") as f:
+                for chunk in _row_chunks(parts, rows):
+                    f.write(chunk)
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        return path
+
+    def remove_temp(self) -> int:
+        """Delete temporary files a writer left (one that failed mid-write and was restarted)."""
+        left = list(self.path.glob(f"*{TEMP_SUFFIX}"))
+        for temp in left:
+            temp.unlink(missing_ok=True)
+        return len(left)
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._lock_fd)
+
+
+def is_device_full(exc: OSError) -> bool:
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _row_chunks(parts: Sequence[torch.Tensor], rows: int) -> Iterator[memoryview]:
+    if len(parts) == 1:
+        yield tensor_to_buffer(parts[0])  # no DeepStack: the frame's own bytes, no copy
+        return
+    row_bytes = sum(int(p.shape[1]) for p in parts) * parts[0].element_size()
+    step = max(1, CHUNK_BYTES // max(1, row_bytes))
+    for start in range(0, rows, step):
+        yield tensor_to_buffer(torch.cat([p[start : start + step] for p in parts], dim=-1))  # (step, width)
+
+
+def remove_orphans(root: Path, log: logging.Logger) -> None:
+    """Remove every connector directory under root whose lock is free (/dev/shm is RAM, up to max_gb each)."""
+    for candidate in [*root.glob(f"{PREFIX}*"), *root.glob(f"{STAGING}*")]:
+        with contextlib.suppress(OSError):
+            _remove_if_orphan(candidate, log)
+
+
+def _remove_if_orphan(path: Path, log: logging.Logger) -> None:
+    try:
+        fd = os.open(path / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        if path.name.startswith(STAGING) and time.time() - path.stat().st_mtime < STAGING_S:
+            return  # a store starting this very moment: its lock comes next
+        shutil.rmtree(path, ignore_errors=True)  # no lock at all: an older vitserve's, or not a store's
+        log.warning("vitserve connector: removed %s, a connector directory without a lock", path)
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # a live store holds it (in any process, any PID namespace)
+        shutil.rmtree(path, ignore_errors=True)
+        log.warning(
+            "vitserve connector: removed %s, left by a connector that is gone (its lock was free)", path
+        )
+    finally:
+        os.close(fd)
