@@ -40,7 +40,7 @@ from vitserve.handover.ec_storage import EcStorageTransport, NotAConsumer, strip
 from vitserve.handover.ec_store import EcStore
 from vitserve.handover.embeds import EmbedsLayout
 from vitserve.metrics import Metrics
-from vitserve.preflight import check_ec_storage
+from vitserve.transport_specs import EcStorageSpec
 
 
 class Clock:
@@ -287,15 +287,15 @@ def test_the_transport_flags_read_the_environment_too(tmp_path):
 
 def test_preflight_refuses_internvl_and_a_directory_it_cannot_write(tmp_path):
     config = Config(llm_url="http://h:1", llm_transport="ec_storage", ec_storage_path=str(tmp_path / "new"))
-    check_ec_storage(config, FAMILIES["qwen2_5_vl"])
+    EcStorageSpec.preflight(config, FAMILIES["qwen2_5_vl"])
     assert (tmp_path / "new").is_dir()  # made when missing
     assert list((tmp_path / "new").iterdir()) == []  # its probe file is gone
     with pytest.raises(ConfigError, match="cannot serve internvl"):
-        check_ec_storage(config, FAMILIES["internvl"])
+        EcStorageSpec.preflight(config, FAMILIES["internvl"])
     (tmp_path / "file").write_text("not a directory")
     blocked = Config(llm_url="http://h:1", llm_transport="ec_storage", ec_storage_path=str(tmp_path / "file"))
     with pytest.raises(ConfigError, match="is not a writable directory"):
-        check_ec_storage(blocked, FAMILIES["qwen3_vl"])
+        EcStorageSpec.preflight(blocked, FAMILIES["qwen3_vl"])
 
 
 # ------------------------------------------------------------------------------------------------ hand-over

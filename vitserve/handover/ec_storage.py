@@ -30,6 +30,7 @@ from vitserve.handover.base import Handover, Setup, Transport
 from vitserve.handover.ec_files import ec_uuid
 from vitserve.handover.ec_store import EcStore
 from vitserve.handover.embeds import check_tensor, checked_video_tensor, llm_tensor
+from vitserve.transport_specs import EcStorageSpec
 
 # What a vLLM that is not an EC consumer answers a metadata-only part with (400).
 _NOT_CONSUMER = b"The data should contain the fields"
@@ -43,11 +44,9 @@ class NotAConsumer(VitserveError):
     status, code = 502, "llm_not_ec_consumer"
 
 
-class EcStorageTransport(Transport):
+class EcStorageTransport(EcStorageSpec, Transport):
     """The directory's store (an earlier run's files taken over when it is built) and the engine's
     fingerprint, which every uuid starts from."""
-
-    name = "ec_storage"
 
     def __init__(self, setup: Setup, store: EcStore | None = None):
         super().__init__(setup)

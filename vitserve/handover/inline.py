@@ -26,6 +26,7 @@ from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
 from vitserve.handover.base import Handover, Transport
 from vitserve.handover.embeds import EmbedsLayout, check_tensor, checked_video_tensor, llm_tensor
 from vitserve.handover.inline_body import InlineTensor
+from vitserve.transport_specs import InlineSpec
 
 
 def embeds_part(layout: EmbedsLayout, image: PreparedImage, result: ItemResult, index: int) -> dict[str, Any]:
@@ -69,8 +70,6 @@ class InlineHandover(Handover):
         return await self.transport.body(payload)
 
 
-class InlineTransport(Transport):
-    name = "inline"
-
+class InlineTransport(InlineSpec, Transport):
     def begin(self) -> InlineHandover:
         return InlineHandover(self)

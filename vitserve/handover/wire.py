@@ -41,6 +41,7 @@ from vitserve.handover.ec_storage import NotAConsumer, strip
 from vitserve.handover.embeds import EmbeddingMismatch
 from vitserve.rpc.sender import Delivery, LLMSender, WireRefused
 from vitserve.rpc.wire import ImageEmbedding
+from vitserve.transport_specs import WireSpec
 
 CONNECT_WAIT_S = 2.0  # a request waits this long at most for a connector to be connected before its 502
 HOLDS_WAIT_S = 1.0  # a holds query unanswered this long: every image is pushed again
@@ -67,10 +68,8 @@ class ItemUnavailable(VitserveError):
     status, code = 502, "llm_item_unavailable"
 
 
-class WireTransport(Transport):
+class WireTransport(WireSpec, Transport):
     """The DEALER connected to the connector, and the grids of what this replica pushed."""
-
-    name = "wire"
 
     def __init__(self, setup: Setup, sender: LLMSender | None = None):
         super().__init__(setup)
