@@ -29,7 +29,7 @@ from vitserve.errors import VitserveError
 from vitserve.handover.base import Handover, Setup, Transport
 from vitserve.handover.ec_files import ec_uuid
 from vitserve.handover.ec_store import EcStore
-from vitserve.handover.embeds import check_tensor, checked_video_tensor, llm_tensor
+from vitserve.handover.embeds import check_tensor, checked_video_tensor, llm_tensor, video_timestamps
 from vitserve.transport_specs import EcStorageSpec
 
 # What a vLLM that is not an EC consumer answers a metadata-only part with (400).
@@ -132,7 +132,7 @@ class EcTicket(Handover):
             self._write(uuid, tensor, {"kind": "video", "grid": json.dumps(grid)})
         part = self._named(uuid, "video", grid)
         if self.layout.video_time == "timestamps":
-            part["video_embeds"]["timestamps"] = video.metadata["timestamps_s"]
+            part["video_embeds"]["timestamps"] = video_timestamps(video)
         return part
 
     def _write(self, uuid: str, tensor: Any, metadata: dict[str, str]) -> None:

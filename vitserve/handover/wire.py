@@ -38,7 +38,7 @@ from vitserve.errors import LLMTimeout, VitserveError
 from vitserve.handover.base import Handover, Setup, Transport
 from vitserve.handover.ec_files import ec_uuid
 from vitserve.handover.ec_storage import NotAConsumer, strip
-from vitserve.handover.embeds import EmbeddingMismatch
+from vitserve.handover.embeds import EmbeddingMismatch, video_timestamps
 from vitserve.rpc.sender import Delivery, LLMSender, WireRefused
 from vitserve.rpc.wire import ImageEmbedding
 from vitserve.transport_specs import WireSpec
@@ -166,13 +166,13 @@ class WireRequest(Handover):
         main = torch.cat([r.embedding for r in results if r.embedding is not None])  # (T*h*w/m^2, hidden)
         levels = len(results[0].deepstack) if results else 0
         deep = [torch.cat([r.deepstack[k] for r in results]) for k in range(levels)]
-        grid = [int(x) for x in video.metadata["grid_thw"]]  # type: ignore[attr-defined]
+        grid = list(video.metadata.grid_thw)
         self._check(f"video {index}", main, deep, grid)
         uuid = ec_uuid(self.transport.fingerprint(), "video", *(g.image_id for g in video.groups))
         self._add(uuid, video.video_id, grid, main, deep)
         part = _part(uuid, "video", grid)
         if self.layout.video_time == "timestamps":
-            part["video_embeds"]["timestamps"] = video.metadata["timestamps_s"]
+            part["video_embeds"]["timestamps"] = video_timestamps(video)
         return part
 
     def _check(self, what: str, main: torch.Tensor, deep: list[torch.Tensor], grid: list[int]) -> None:
