@@ -434,7 +434,9 @@ async def test_an_image_missed_by_ec_storage_has_its_sha256_computed_once(tmp_pa
     ticket = _transport(tmp_path).begin()
     monkeypatch.setattr(hashlib, "sha256", counting)
     try:
-        work = await media.prepare(Media("r", [ImageSource(data=data)]), time.monotonic() + 60, None, ticket)
+        work = await media.prepare(
+            Media("r", [ImageSource(data=data)], held=ticket.held), time.monotonic() + 60
+        )
     finally:
         pre.close()
     assert ticket.reused_part(0) is None  # a miss: looked up by its digest, then decoded and prepared
