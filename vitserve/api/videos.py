@@ -85,7 +85,7 @@ class VideoFrontEnd:
         sampling = proc.sample(info.total_frames, info.fps, fps=source.fps, num_frames=source.num_frames)
         plan = proc.plan(info.width, info.height, len(sampling.frame_indices))
         t1 = time.perf_counter()
-        group_times, second_per_grid_t, timestamps_s = proc.times(sampling)
+        times = proc.times(sampling)
         content = f"{video_id}|{list(sampling.frame_indices)}|{list(plan.resized_size)}"
         count, h, w = plan.grid_thw
         groups = tuple(
@@ -103,11 +103,11 @@ class VideoFrontEnd:
             num_tokens=plan.num_tokens,
             resized_size=plan.resized_size,
             clamped=plan.clamped,
-            second_per_grid_t=second_per_grid_t,
-            timestamps_s=None if timestamps_s is None else tuple(timestamps_s),
+            second_per_grid_t=times.second_per_grid_t,
+            timestamps_s=times.timestamps_s,
         )
         feed = VideoFeed(self, data, sampling, plan, deadline, index)
-        return PreparedVideo(groups, metadata, group_times, t1 - t0, 0.0, feed)
+        return PreparedVideo(groups, metadata, times.group_times, t1 - t0, 0.0, feed)
 
     async def on_video_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on one of the video threads (never the image pool, never the event loop)."""
