@@ -24,6 +24,7 @@ from vitserve.errors import ConfigError, InvalidRequest
 from vitserve.families import FAMILIES
 from vitserve.flags import build_config
 from vitserve.handover.base import NO_MEDIA, Setup
+from vitserve.handover.by_uuid import NotAConsumer, strip
 from vitserve.handover.ec_files import (
     FILE_NAME,
     EcFileMissing,
@@ -36,7 +37,7 @@ from vitserve.handover.ec_files import (
     write_file,
 )
 from vitserve.handover.ec_pins import PINS_DIR
-from vitserve.handover.ec_storage import EcStorageTransport, NotAConsumer, strip
+from vitserve.handover.ec_storage import EcStorageTransport
 from vitserve.handover.ec_store import EcStore
 from vitserve.handover.embeds import EmbedsLayout
 from vitserve.metrics import Metrics
