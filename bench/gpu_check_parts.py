@@ -1,5 +1,6 @@
-"""The measuring parts of bench/gpu_check.py (speed: gpu_check_speed.py): exactness and its bf16 verdict, the
-kernel profile, the reservation with graphs captured, --visual_mem_gb, the EC handoff, the printed summary.
+"""The measuring parts of bench/gpu_check.py (speed: gpu_check_speed.py; the shapes both measure:
+gpu_check_shapes.py): exactness and its bf16 verdict, the kernel profile, the reservation with graphs
+captured, --visual_mem_gb, the EC handoff, the printed summary.
 Sizes are in merged units (w, h), so one list serves a patch-14 tower (x 28 px) and a patch-16 one (x 32 px).
 
 The bf16 verdict. A bf16 forward differs from the float32 one by rounding (weights, activations, the
@@ -27,22 +28,17 @@ from typing import Any
 import torch
 
 from bench import gpu
-from bench.encoder import matmul_flops
+from bench.gpu_check_shapes import fill, px, speed_line, units_448
 from vitserve.model.encoder import HFVisionEncoder
 from vitserve.model.fast_varlen import kernels_ran, reset_kernels_ran
 from vitserve.model.tower_graphs import TowerRunner
 
 EXACT_UNITS = {"packed": [(16, 16), (8, 12), (23, 17), (29, 19)], "alone": [(16, 16)]}
 SMALL_UNITS = {"packed": [(4, 4), (2, 3), (5, 3)], "alone": [(4, 4)]}
-MIXED_UNITS = [(8, 8), (16, 12), (23, 17), (12, 24), (29, 19), (10, 10)]  # bench/gpu.py's MIXED at 28 px
 FP32_BOUND = 1e-5  # relative to max |reference|: float32 round-off through the tower
 K_BF16 = 2.0  # vitserve bf16's RMS error against HF float32 <= K x HF bf16's (the module's docstring)
 EC_WIDTH = 16384
 EC_TOKENS = (256, 2700)  # one 448 px image; one 1080p image (shared VLLM-NOTES' hand-over row)
-
-
-def px(units: list[tuple[int, int]], patch: int) -> list[tuple[int, int]]:
-    return [(w * 2 * patch, h * 2 * patch) for w, h in units]
 
 
 def meta(device: torch.device, args: Any) -> dict[str, Any]:
@@ -217,42 +213,6 @@ def profile(run: Any, name: str, ckpt: Any) -> None:
     run.tower(name)["profile"] = out
 
 
-def units_448(patch: int) -> tuple[int, int]:
-    side = 448 // (2 * patch)  # 16 at patch 14, 14 at patch 16
-    return (side, side)
-
-
-def fill(budget: int, pool: list[tuple[int, int]], max_images: int) -> list[tuple[int, int]]:
-    """Units cycled from `pool` while the merged tokens stay within `budget` and the images within the cap."""
-    out: list[tuple[int, int]] = []
-    used = 0
-    while len(out) < max_images:
-        w, h = pool[len(out) % len(pool)]
-        if used + w * h > budget:
-            break
-        out.append((w, h))
-        used += w * h
-    return out
-
-
-def flops(grid: torch.Tensor, vision: dict[str, Any], model_type: str) -> float:
-    """Matmul FLOPs of one forward (2 per multiply-add); bench/encoder.py's formula for Qwen2.5-VL."""
-    if model_type == "qwen2_5_vl":
-        return matmul_flops(grid, vision)
-    e, i, out, depth = (
-        vision["hidden_size"],
-        vision["intermediate_size"],
-        vision["out_hidden_size"],
-        vision["depth"],
-    )
-    sizes = grid.prod(-1).tolist()
-    n = sum(sizes)
-    blocks = depth * (2 * n * (4 * e * e + 2 * e * i) + sum(4 * s * s * e for s in sizes))
-    patch_embed = 2 * n * (3 * 2 * vision["patch_size"] ** 2) * e
-    mergers = (1 + len(vision.get("deepstack_visual_indexes", []))) * 2 * (n // 4) * (4 * e) * (4 * e + out)
-    return float(blocks + patch_embed + mergers)
-
-
 def reserve_with_graphs(
     enc: HFVisionEncoder, run: Any, row: dict[str, Any], max_images: int
 ) -> dict[str, Any]:
@@ -327,8 +287,6 @@ def _handoff_steps(emb: torch.Tensor, pinned: torch.Tensor, folder: Path) -> dic
 
 
 def print_summary(results: dict[str, Any]) -> None:
-    from bench.gpu_check_speed import speed_line
-
     meta = results["meta"]
     print(f"\npeak torch.mm: {meta.get('peak_flops_before', 0) / 1e12:.0f} TFLOP/s before, "
           f"{meta.get('peak_flops_after', 0) / 1e12:.0f} after")  # fmt: skip

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from bench import gpu
-from bench import gpu_check_parts as parts
+from bench import gpu_check_shapes as shapes
 from vitserve.model.encoder import HFVisionEncoder
 from vitserve.model.fast_varlen import kernels_ran, reset_kernels_ran
 from vitserve.model.tower_graphs import TowerRunner
@@ -43,10 +43,10 @@ def units_1080p(patch: int) -> tuple[int, int]:
 
 
 def workloads(patch: int, small: bool) -> list[tuple[str, list[tuple[int, int]]]]:
-    one, mixed = ([(4, 4)], SMALL_MIXED) if small else ([parts.units_448(patch)], parts.MIXED_UNITS)
+    one, mixed = ([(4, 4)], SMALL_MIXED) if small else ([shapes.units_448(patch)], shapes.MIXED_UNITS)
     cap = 16 if small else MAX_IMAGES
     return [
-        (f"{kind} {budget}", parts.fill(budget, pool, cap))
+        (f"{kind} {budget}", shapes.fill(budget, pool, cap))
         for budget in (SMALL_BUDGETS if small else BUDGETS)
         for kind, pool in (("448px", one), ("mixed", mixed))
     ]
@@ -57,13 +57,13 @@ class Batch:
 
     def __init__(self, enc: HFVisionEncoder, label: str, units: list[tuple[int, int]]) -> None:
         patch = int(enc.visual.config.patch_size)
-        pixels, grid = gpu.inputs(parts.px(units, patch), patch)
+        pixels, grid = gpu.inputs(shapes.px(units, patch), patch)
         self.label, self.grid_cpu = label, grid
         self.pixels, self.grid = pixels.to(enc.device, enc.dtype), grid.to(enc.device)
         self.tokens = sum(w * h for w, h in units)
 
     def row(self, ckpt: Any) -> dict[str, Any]:
-        work = parts.flops(self.grid_cpu, dict(ckpt.vision), ckpt.model_type)
+        work = shapes.flops(self.grid_cpu, dict(ckpt.vision), ckpt.model_type)
         return {"workload": self.label, "images": len(self.grid_cpu), "tokens": self.tokens,
                 "patches": int(self.pixels.shape[0]), "tflop": work / 1e12, "seconds": {}}  # fmt: skip
 
@@ -82,7 +82,7 @@ def part_speed(run: Any, name: str, ckpt: Any) -> None:
         row["attention"] = _eager_timings(enc, hf, batch, row, repeats, one=batch is smallest_448)
         apply_mfu(tower, run.peak())
         run.save()
-        print(f"speed {name} {row['workload']}: {speed_line(row)}", flush=True)
+        print(f"speed {name} {row['workload']}: {shapes.speed_line(row)}", flush=True)
 
 
 def part_graphs(run: Any, name: str, ckpt: Any) -> None:
@@ -207,10 +207,3 @@ def apply_mfu(tower: dict[str, Any], peak: float) -> None:
 
 def _rows(tower: dict[str, Any]) -> list[dict[str, Any]]:
     return [*tower.get("speed", []), *([tower["latency"]] if "latency" in tower else [])]
-
-
-def speed_line(row: dict[str, Any]) -> str:
-    ips, mfu = row["images_per_s"], row["mfu"]
-    return ", ".join(f"{m} {ips[m]:.1f} img/s (MFU {100 * mfu.get(m, 0):.1f}%)" for m in row["seconds"]) + (
-        f", x{row['x_hf_packed']:.2f} HF packed" if "x_hf_packed" in row else ""
-    )

@@ -14,6 +14,8 @@ from fractions import Fraction
 import av
 import numpy as np
 
+from vitserve.contract import VideoMetadata
+
 NTSC = Fraction(30000, 1001)  # 29.97 fps
 BITS = 10  # frame numbers up to 1023
 # (container format, encoder) per kind of clip: every codec vitserve accepts
@@ -125,3 +127,20 @@ def mutants(data: bytes, count: int, seed: int) -> list[bytes]:
             blob[at] ^= 1 << int(rng.integers(0, 8))
         out.append(bytes(blob))
     return out
+
+
+def video_metadata(grid_thw: tuple[int, int, int], video_id: str = "v", **fields: object) -> VideoMetadata:
+    """A prepared video's metadata for a test that needs only its grid (and a family's time field, in
+    `fields`): the sampling fields are placeholders, one frame per group."""
+    t, h, w = grid_thw
+    defaults: dict[str, object] = {
+        "source_fps": 2.0,
+        "total_frames": t,
+        "duration_s": t / 2.0,
+        "frame_indices": tuple(range(t)),
+        "sampled_fps": 2.0,
+        "num_tokens": t * h * w // 4,
+        "resized_size": (w * 14, h * 14),
+        "clamped": False,
+    }
+    return VideoMetadata(video_id=video_id, grid_thw=grid_thw, **{**defaults, **fields})  # type: ignore[arg-type]

@@ -71,6 +71,33 @@ class GroupFeed(Protocol):
 
 
 @dataclass(frozen=True)
+class VideoMetadata:
+    """What a video was made of, known before any frame is decoded: /encode's response says it (docs/api.md,
+    in this order), and the hand-over reads its grid and its time fields."""
+
+    video_id: str  # hex sha256 of the video bytes as received
+    source_fps: float | None  # the stream's average frame rate; None: the container does not say
+    total_frames: int  # counted by demuxing
+    duration_s: float
+    frame_indices: tuple[int, ...]  # the sampled frames, in time order
+    sampled_fps: float
+    grid_thw: tuple[int, int, int]  # (temporal groups, h, w) in patches, before the merge
+    num_tokens: int  # rows of the whole video's embedding
+    resized_size: tuple[int, int]  # (width, height) of every frame fed to the encoder
+    clamped: bool  # shrunk to fit the budget
+    second_per_grid_t: float | None = None  # Qwen2.5-VL's time per temporal group; None: not the family's
+    timestamps_s: tuple[float, ...] | None = None  # Qwen3-VL / Qwen3.5's time of each group; None: likewise
+
+    def body(self) -> dict[str, object]:
+        """The fields as the response gives them (lists for tuples); a family's time field only when it has it."""
+        out: dict[str, object] = {}
+        for name, value in vars(self).items():
+            if value is not None or name not in ("second_per_grid_t", "timestamps_s"):
+                out[name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+@dataclass(frozen=True)
 class PreparedVideo:
     """One video of a request, probed, sampled and planned: its temporal groups are queue items.
 
@@ -80,12 +107,15 @@ class PreparedVideo:
     pixel_values are empty until the engine fills them from it (and empties them again once encoded)."""
 
     groups: tuple[PreparedImage, ...]  # in time order
-    video_id: str  # hex sha256 of the video bytes as received
-    metadata: dict[str, object]  # what the response says of the video (sampling, grid, sizes, times)
+    metadata: VideoMetadata  # what the response says of the video (sampling, grid, sizes, times)
     group_times: tuple[tuple[float, float], ...]  # per group: (start_s, end_s)
     decode_s: float
     preprocess_s: float
     feed: GroupFeed | None = None  # None: every group's pixels are already there
+
+    @property
+    def video_id(self) -> str:
+        return self.metadata.video_id
 
     @property
     def num_tokens(self) -> int:

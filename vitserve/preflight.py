@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import tempfile
 from collections.abc import Mapping
 from functools import reduce
 from pathlib import Path
@@ -21,6 +20,7 @@ from vitserve.checkpoint import Checkpoint
 from vitserve.config import Config
 from vitserve.errors import ConfigError
 from vitserve.families import FAMILIES, Family, tokens_per_tile
+from vitserve.transport_specs import spec_of
 
 log = logging.getLogger(__name__)
 IPC_PATH_MAX = 107  # bytes in a Unix socket path (sun_path is 108 with the terminating NUL)
@@ -38,10 +38,7 @@ def check(config: Config) -> Checkpoint:
         check_cuda_graphs(config, checkpoint.family)
     if config.llm_url is not None:
         llm_embeds_width(checkpoint)
-    if config.llm_transport == "ec_storage":
-        check_ec_storage(config, checkpoint.family)
-    if config.llm_transport == "wire":
-        check_wire(config, checkpoint.family)
+    spec_of(config).preflight(config, checkpoint.family)  # the transport's own (transport_specs.py)
     smallest = smallest_image(checkpoint)
     if smallest is not None:
         check_budget(config.visual_batch_max_tokens, checkpoint.family, *smallest)
@@ -74,45 +71,6 @@ def llm_embeds_width(checkpoint: Checkpoint) -> int:
             "server must match); give --model /path/to/checkpoint"
         )
     return width
-
-
-def check_ec_storage(config: Config, family: Family) -> None:
-    """--llm_transport ec_storage: a family whose vLLM parser takes a metadata-only part, and a directory
-    this process can create files in (made if missing)."""
-    _check_metadata_parts("ec_storage", family)
-    path = Path(config.ec_storage_path or "")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".vitserve-probe-"):
-            pass
-    except OSError as exc:
-        raise ConfigError(
-            f"--ec_storage_path {path} is not a writable directory ({exc.strerror or exc}); give the "
-            "directory the vLLM consumer reads (its shared_storage_path)"
-        ) from None
-
-
-def check_wire(config: Config, family: Family) -> None:
-    """--llm_transport wire: a family whose vLLM parser takes a metadata-only part, and a key file this process
-    can read (its contents are the connector's shared secret: never logged)."""
-    _check_metadata_parts("wire", family)
-    if config.wire_key_file is None:
-        return
-    try:
-        Path(config.wire_key_file).read_bytes()  # its length is checked where it is used (rpc/wirekey.py)
-    except OSError as exc:
-        raise ConfigError(
-            f"--wire_key_file {config.wire_key_file} cannot be read ({exc.strerror or exc}); give the file that "
-            "holds the connector's key_file secret"
-        ) from None
-
-
-def _check_metadata_parts(transport: str, family: Family) -> None:
-    if family.layout == "tiles":
-        raise ConfigError(
-            f"--llm_transport {transport} cannot serve {family.name}: vLLM takes its image embeddings only as a "
-            "bare tensor, with no metadata-only form; use --llm_transport inline"
-        )
 
 
 # ------------------------------------------------------------------------------------------------ --tp

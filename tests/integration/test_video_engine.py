@@ -13,6 +13,7 @@ import torch
 
 from tests.fakes import TinyEncoder, thread_engine
 from tests.integration.engine_helpers import deadline, make_config
+from tests.videos import video_metadata
 from vitserve.contract import EncodeRequest, PreparedImage, PreparedVideo, ProcessedImage
 from vitserve.metrics import Metrics
 
@@ -40,7 +41,7 @@ def item(label: int, tokens: int) -> PreparedImage:
 def video(labels: range, tokens: int) -> PreparedVideo:
     groups = tuple(item(label, tokens) for label in labels)
     times = tuple((g * 0.5, g * 0.5 + 0.25) for g in range(len(groups)))
-    return PreparedVideo(groups, "ab" * 32, {"num_tokens": tokens * len(groups)}, times, 0.0, 0.0)
+    return PreparedVideo(groups, video_metadata((len(groups), 2, 2 * tokens), "ab" * 32), times, 0.0, 0.0)
 
 
 async def test_an_image_behind_a_long_video_waits_about_one_batch(tmp_path):
@@ -106,7 +107,9 @@ async def test_a_fed_video_makes_its_pixels_a_chunk_at_a_time_and_drops_them(tmp
         for g in full.groups
     )  # fmt: skip
     feed = LabelFeed(empty, chunk_groups=2)
-    fed = PreparedVideo(empty, "cd" * 32, {}, full.group_times, 0.0, 0.0, feed)
+    fed = PreparedVideo(
+        empty, video_metadata((len(empty), 2, 64), "cd" * 32), full.group_times, 0.0, 0.0, feed
+    )
     try:
         gate.clear()
         task = asyncio.create_task(engine.encode(EncodeRequest("v", (), deadline(), True, videos=(fed,))))

@@ -24,6 +24,7 @@ from vitserve.errors import ConfigError, InvalidRequest
 from vitserve.families import FAMILIES
 from vitserve.flags import build_config
 from vitserve.handover.base import NO_MEDIA, Setup
+from vitserve.handover.by_uuid import NotAConsumer, strip
 from vitserve.handover.ec_files import (
     FILE_NAME,
     EcFileMissing,
@@ -36,11 +37,11 @@ from vitserve.handover.ec_files import (
     write_file,
 )
 from vitserve.handover.ec_pins import PINS_DIR
-from vitserve.handover.ec_storage import EcStorageTransport, NotAConsumer, strip
+from vitserve.handover.ec_storage import EcStorageTransport
 from vitserve.handover.ec_store import EcStore
 from vitserve.handover.embeds import EmbedsLayout
 from vitserve.metrics import Metrics
-from vitserve.preflight import check_ec_storage
+from vitserve.transport_specs import EcStorageSpec
 
 
 class Clock:
@@ -287,15 +288,15 @@ def test_the_transport_flags_read_the_environment_too(tmp_path):
 
 def test_preflight_refuses_internvl_and_a_directory_it_cannot_write(tmp_path):
     config = Config(llm_url="http://h:1", llm_transport="ec_storage", ec_storage_path=str(tmp_path / "new"))
-    check_ec_storage(config, FAMILIES["qwen2_5_vl"])
+    EcStorageSpec.preflight(config, FAMILIES["qwen2_5_vl"])
     assert (tmp_path / "new").is_dir()  # made when missing
     assert list((tmp_path / "new").iterdir()) == []  # its probe file is gone
     with pytest.raises(ConfigError, match="cannot serve internvl"):
-        check_ec_storage(config, FAMILIES["internvl"])
+        EcStorageSpec.preflight(config, FAMILIES["internvl"])
     (tmp_path / "file").write_text("not a directory")
     blocked = Config(llm_url="http://h:1", llm_transport="ec_storage", ec_storage_path=str(tmp_path / "file"))
     with pytest.raises(ConfigError, match="is not a writable directory"):
-        check_ec_storage(blocked, FAMILIES["qwen3_vl"])
+        EcStorageSpec.preflight(blocked, FAMILIES["qwen3_vl"])
 
 
 # ------------------------------------------------------------------------------------------------ hand-over
@@ -434,7 +435,9 @@ async def test_an_image_missed_by_ec_storage_has_its_sha256_computed_once(tmp_pa
     ticket = _transport(tmp_path).begin()
     monkeypatch.setattr(hashlib, "sha256", counting)
     try:
-        work = await media.prepare(Media("r", [ImageSource(data=data)]), time.monotonic() + 60, None, ticket)
+        work = await media.prepare(
+            Media("r", [ImageSource(data=data)], held=ticket.held), time.monotonic() + 60
+        )
     finally:
         pre.close()
     assert ticket.reused_part(0) is None  # a miss: looked up by its digest, then decoded and prepared

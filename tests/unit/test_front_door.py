@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.checkpoints import make_checkpoint
+from tests.videos import video_metadata
 from vitserve import preflight
 from vitserve.api.chat_parts import media_parts
 from vitserve.checkpoint import Checkpoint
@@ -225,7 +226,7 @@ def test_front_door_flags(tmp_path):
 
 def _video(grid, group_rows, **metadata) -> PreparedVideo:
     groups = tuple(_prepared((1, grid[1], grid[2]), group_rows) for _ in range(grid[0]))
-    return PreparedVideo(groups, "vid", {"grid_thw": list(grid), **metadata}, (), 0.0, 0.0)
+    return PreparedVideo(groups, video_metadata(tuple(grid), "vid", **metadata), (), 0.0, 0.0)
 
 
 def test_video_part_joins_the_groups_in_time_order_with_the_flat_grid():
@@ -242,7 +243,7 @@ def test_video_part_joins_the_groups_in_time_order_with_the_flat_grid():
 def test_qwen3_video_part_has_each_groups_timestamp_and_deepstack_after_the_main_rows():
     layout = EmbedsLayout("qwen3_vl", merge_size=2, width=2 * 48)
     main, deep = [torch.randn(4, 48) for _ in range(2)], [torch.randn(4, 48) for _ in range(2)]
-    video = _video((2, 4, 4), 4, timestamps_s=[0.25, 1.25])
+    video = _video((2, 4, 4), 4, timestamps_s=(0.25, 1.25))
     results = [ItemResult(4, m, (d,)) for m, d in zip(main, deep, strict=True)]
     part = video_embeds_part(layout, video, results, 0)["video_embeds"]
     assert part["timestamps"] == [0.25, 1.25]

@@ -26,6 +26,11 @@ def test_vitserve_imports_run_one_way():
     assert cycles("vitserve") == []
 
 
+def test_the_benchmarks_import_one_way():
+    """bench/ too: gpu_check_parts.py and gpu_check_speed.py share gpu_check_shapes.py, never each other."""
+    assert cycles("bench") == []
+
+
 def test_a_cycle_is_found(tmp_path, monkeypatch):
     """The check above can fail: a lazy import that closes a circle, as engine/local_cache.py once had."""
     package = tmp_path / "circle"

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.videos import video_metadata
 from vitserve.contract import ItemResult, PreparedImage, PreparedVideo, ProcessedImage
 from vitserve.handover.embeds import EmbedsLayout
 from vitserve.handover.inline import embeds_part, video_embeds_part
@@ -70,9 +71,7 @@ def test_a_video_arrives_as_its_groups_in_time_order_with_its_timestamps(dtype):
         [torch.randn(4, 32).to(dtype) for _ in range(3)],
     )
     groups = tuple(_prepared((1, 4, 4), 4) for _ in range(3))
-    video = PreparedVideo(
-        groups, "v", {"grid_thw": [3, 4, 4], "timestamps_s": [0.25, 1.25, 2.25]}, (), 0.0, 0.0
-    )
+    video = PreparedVideo(groups, video_metadata((3, 4, 4), timestamps_s=(0.25, 1.25, 2.25)), (), 0.0, 0.0)
     results = [ItemResult(4, m, (d,)) for m, d in zip(main, deep, strict=True)]
     sent = _sent(video_embeds_part(layout, video, results, 0))["video_embeds"]
     assert torch.equal(vllm_load(sent["video_embeds"]), torch.cat([torch.cat(main), torch.cat(deep)], dim=1))
@@ -112,7 +111,7 @@ def test_splicing_keeps_the_json_valid_and_the_rest_of_the_request_unchanged():
     tricky = 'quote " backslash \\ newline \n tab \t unicode é 中文 \u2028 emoji 🙂 @0.0@ @abc.1@ {"x": 1}'
     q25, q3 = EmbedsLayout("qwen2_5_vl", 2, 16), EmbedsLayout("qwen3_vl", 2, 32)
     video = PreparedVideo(
-        (_prepared((1, 2, 2), 1),) * 2, "v", {"grid_thw": [2, 2, 2], "second_per_grid_t": 1.0}, (), 0.0, 0.0
+        (_prepared((1, 2, 2), 1),) * 2, video_metadata((2, 2, 2), second_per_grid_t=1.0), (), 0.0, 0.0
     )
     parts = [
         {"type": "text", "text": tricky},

@@ -25,6 +25,7 @@ from vitserve.config import Config
 from vitserve.errors import OverTokenBudget
 from vitserve.processors.pixels import resize_uint8
 from vitserve.video import ProcessedVideo, Sampling, VideoProcessor, load_video_processor
+from vitserve.video.processor import VideoTimes
 
 NTSC = 30000 / 1001  # 29.97 fps
 QWEN = tuple(f for f in FAMILIES if f != "internvl")
@@ -244,7 +245,7 @@ def test_groups_made_a_chunk_at_a_time_equal_the_whole_videos_pixels(checkpoints
         assert len(pixels) == len(chunk)
         for g, got in zip(chunk, pixels, strict=True):
             assert torch.equal(got, rows[g]), (family, chunk, g)
-    assert proc.times(sampling) == (whole.group_times, whole.second_per_grid_t, whole.timestamps_s)
+    assert proc.times(sampling) == VideoTimes(whole.group_times, whole.second_per_grid_t, whole.timestamps_s)
 
 
 @pytest.fixture(scope="module")

@@ -27,10 +27,10 @@ from vitserve.handover.ec_files import ec_uuid
 from vitserve.handover.embeds import EmbeddingMismatch, EmbedsLayout
 from vitserve.handover.wire import ConnectorUnavailable, WireTransport
 from vitserve.metrics import Metrics
-from vitserve.preflight import check_wire
 from vitserve.rpc.replies import HoldsQuery, decode_inbound, encode_held, encode_nack
 from vitserve.rpc.sender import LLMSender, WireRefused
 from vitserve.rpc.wire import ImageEmbedding, encode_ack
+from vitserve.transport_specs import WireSpec
 
 # ------------------------------------------------------------------------------------------------ flags
 
@@ -72,12 +72,12 @@ def test_preflight_refuses_internvl_and_a_key_file_it_cannot_read(tmp_path):
     config = Config(
         llm_url="http://h:1", llm_transport="wire", llm_endpoint="tcp://h:1", wire_key_file=str(key)
     )
-    check_wire(config, FAMILIES["qwen3_vl"])
+    WireSpec.preflight(config, FAMILIES["qwen3_vl"])
     with pytest.raises(ConfigError, match="cannot serve internvl"):
-        check_wire(config, FAMILIES["internvl"])
+        WireSpec.preflight(config, FAMILIES["internvl"])
     missing = Config(**{**config.__dict__, "wire_key_file": str(tmp_path / "nope")})
     with pytest.raises(ConfigError, match="--wire_key_file .*nope cannot be read"):
-        check_wire(missing, FAMILIES["qwen2_5_vl"])
+        WireSpec.preflight(missing, FAMILIES["qwen2_5_vl"])
 
 
 # ------------------------------------------------------------------------------------ a connector peer

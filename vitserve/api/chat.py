@@ -143,9 +143,10 @@ class ChatHandler:
             [p.source for p in parts.videos if isinstance(p.source, VideoSource)],
             return_embeddings=True,
             traceparent=traceparent,
+            held=handover.held if handover.reuses else None,
+            check_video=self.layout.check_video_time,  # a video's time vLLM would misplace: before any encoding
         )
-        # a video's time vLLM would misplace is refused before any encoding
-        work = await self.media.prepare(media, deadline, self.layout.check_video_time, handover)
+        work = await self.media.prepare(media, deadline)
         return await self.media.encode(request, work)
 
     @staticmethod

@@ -17,6 +17,7 @@ from vitserve.config import Config, redacted_url
 from vitserve.contract import Engine
 from vitserve.errors import ConfigError
 from vitserve.processors.base import VisionProcessor
+from vitserve.transport_specs import SPECS, transports_info
 
 # The banner's lines: a label and the info keys it shows, in order.
 BANNER_LINES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -32,7 +33,7 @@ BANNER_LINES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("video", ("video_decoders", "video_processor")),
     ("liveness", ("heartbeat_s", "dist_timeout_s")),
     ("LLM", ("llm_endpoint", "llm_url", "llm_timeout_s", "llm_transport")),
-    ("encoder cache", ("ec_storage_path", "ec_ttl_s", "ec_storage_gb")),
+    *(spec.banner for spec in SPECS.values() if spec.banner is not None),  # each transport's own line
     ("security", ("security",)),
     ("cache", ("cache",)),
     ("output", ("exact", "jpeg_draft", "image_resize")),
@@ -91,14 +92,12 @@ def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dic
         "llm_endpoint": config.llm_endpoint,
         "llm_url": _redacted(config.llm_url),
         "llm_timeout_s": config.llm_timeout_s,
-        "llm_transport": config.llm_transport,  # how --llm_url gets embeddings: inline, ec_storage or wire
-        "ec_storage_path": config.ec_storage_path,  # the vLLM consumer's shared_storage_path; None: inline
-        "ec_ttl_s": config.ec_ttl_s,
-        "ec_storage_gb": config.ec_storage_gb,
+        "llm_transport": config.llm_transport,  # how --llm_url gets embeddings (vitserve/transport_specs.py)
+        **transports_info(config),  # every transport's settings, whichever serves: the keys never change
         "security": {
             "api_key": config.api_key is not None,
             "llm_api_key": config.llm_api_key is not None,
-            "wire_key": config.wire_key_file is not None,  # --llm_transport wire with a shared secret
+            "wire_key": config.wire_key_file is not None,  # the vLLM connector's shared secret is set
             "allow_image_urls": config.allow_image_urls,
             "allowed_url_domains": list(config.allowed_url_domains),
         },

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,7 +29,6 @@ from vitserve.api.videos import VideoFrontEnd
 from vitserve.config import Config
 from vitserve.contract import EncodeRequest, Engine, ItemResult, PreparedImage, PreparedVideo, RequestItem
 from vitserve.errors import InvalidRequest, Timeout, VitserveError
-from vitserve.handover.base import Handover
 from vitserve.metrics import Metrics
 
 T = TypeVar("T")
@@ -42,15 +41,23 @@ DEADLINE_GRACE_S = 5.0
 INLINE_BODY_BYTES = 64 * 1024
 
 
+# Per image, by its bytes' sha256 (request order): True when the LLM side holds its embedding already, so it
+# is neither decoded nor encoded (a chat hand-over that `reuses`, handover/base.py Handover.held).
+Held = Callable[[list[str]], Awaitable[list[bool]]]
+
+
 @dataclass(frozen=True)
 class Media:
-    """What a route found in its body: the images' and the videos' sources, each kind in request order."""
+    """What a route found in its body: the images' and the videos' sources, each kind in request order, and
+    the route's own checks of them."""
 
     request_id: str
     images: Sequence[ImageSource]
     videos: Sequence[VideoSource] = ()
     return_embeddings: bool = False
     traceparent: str | None = None
+    held: Held | None = None  # asked before decoding; None: every image is encoded
+    check_video: Callable[[PreparedVideo], None] | None = None  # refuses a prepared video; None: none refused
 
 
 @dataclass(frozen=True)
@@ -95,16 +102,10 @@ class MediaPipeline:
         if count and self.videos is None:
             raise InvalidRequest("this server takes no videos (--video_decoders 0)")
 
-    async def prepare(
-        self,
-        media: Media,
-        deadline: float,
-        check_video: Callable[[PreparedVideo], None] | None = None,
-        handover: Handover | None = None,
-    ) -> EncodeRequest:
-        """Admit, fetch, decode and preprocess every image and video; `check_video` refuses a prepared video
-        (its error gets the video's index); a chat request's `handover` that `reuses` is asked which images
-        it holds already, by their bytes' sha256 (computed here once, and handed to the images then prepared
+    async def prepare(self, media: Media, deadline: float) -> EncodeRequest:
+        """Admit, fetch, decode and preprocess every image and video; the media's `check_video` refuses a
+        prepared video (its error gets the video's index); its `held` is asked which images the LLM side
+        holds already, by their bytes' sha256 (computed here once, and handed to the images then prepared
         too): those stay items of the request, at their index, handed over already (neither decoded nor
         encoded). Raises the first item's VitserveError (with the image's or video's index in the request),
         counted as rejected."""
@@ -113,14 +114,14 @@ class MediaPipeline:
             self.engine.admit(None)  # a full queue refuses before any decoding is spent
             blobs = await fetch_sources(list(media.images), self.config, deadline)
             video_blobs = await fetch_sources(list(media.videos), self.config, deadline)
-            held, ids = await self._held(blobs, handover)
+            held, ids = await self._held(blobs, media.held)
             todo = [None if done else data for data, done in zip(blobs, held, strict=True)]
             prepared = await self.pre.prepare(todo, deadline, ids)
             videos: list[PreparedVideo] = []
             if media.videos and self.videos is not None:
                 videos = await self.videos.prepare_all(video_blobs, list(media.videos), deadline)
-            if check_video is not None:
-                _check_each(videos, check_video)
+            if media.check_video is not None:
+                _check_each(videos, media.check_video)
         except VitserveError:
             self.metrics.images_total.labels(outcome="rejected").inc(len(media.images))
             raise
@@ -148,14 +149,12 @@ class MediaPipeline:
             raise
         return None if results is None else Encoded(work, results)
 
-    async def _held(
-        self, blobs: list[bytes], handover: Handover | None
-    ) -> tuple[list[bool], list[str] | None]:
-        """Per image, whether the hand-over holds it already; and the images' sha256 when it was asked."""
-        if handover is None or not handover.reuses:
+    async def _held(self, blobs: list[bytes], held: Held | None) -> tuple[list[bool], list[str] | None]:
+        """Per image, whether the LLM side holds it already; and the images' sha256 when it was asked."""
+        if held is None:
             return [False] * len(blobs), None
         digests = await self.pre.run(sha256_each, blobs)
-        return await handover.held(digests), digests
+        return await held(digests), digests
 
     def _late(self) -> VitserveError:
         return Timeout(f"no result within {self.config.request_timeout_s}s (--request_timeout_s)")

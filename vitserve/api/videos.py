@@ -30,7 +30,7 @@ import torch
 
 from vitserve.api.inputs import VideoSource
 from vitserve.config import Config
-from vitserve.contract import ItemResult, PreparedImage, PreparedVideo, ProcessedImage
+from vitserve.contract import ItemResult, PreparedImage, PreparedVideo, ProcessedImage, VideoMetadata
 from vitserve.errors import InvalidVideo, Timeout, VitserveError
 from vitserve.processors.base import VisionProcessor
 from vitserve.video import Sampling, VideoDecoder, VideoLimits, VideoPlan, VideoProcessor
@@ -85,31 +85,29 @@ class VideoFrontEnd:
         sampling = proc.sample(info.total_frames, info.fps, fps=source.fps, num_frames=source.num_frames)
         plan = proc.plan(info.width, info.height, len(sampling.frame_indices))
         t1 = time.perf_counter()
-        group_times, second_per_grid_t, timestamps_s = proc.times(sampling)
+        times = proc.times(sampling)
         content = f"{video_id}|{list(sampling.frame_indices)}|{list(plan.resized_size)}"
         count, h, w = plan.grid_thw
         groups = tuple(
             _group_image(k, count, (1, h, w), plan.group_tokens, content, plan.resized_size, plan.clamped)
             for k in range(count)
         )
-        metadata: dict[str, Any] = {
-            "video_id": video_id,
-            "source_fps": info.fps,
-            "total_frames": info.total_frames,
-            "duration_s": info.duration_s,
-            "frame_indices": list(sampling.frame_indices),
-            "sampled_fps": sampling.sampled_fps,
-            "grid_thw": list(plan.grid_thw),
-            "num_tokens": plan.num_tokens,
-            "resized_size": list(plan.resized_size),
-            "clamped": plan.clamped,
-        }
-        if second_per_grid_t is not None:
-            metadata["second_per_grid_t"] = second_per_grid_t
-        if timestamps_s is not None:
-            metadata["timestamps_s"] = list(timestamps_s)
+        metadata = VideoMetadata(
+            video_id=video_id,
+            source_fps=info.fps,
+            total_frames=info.total_frames,
+            duration_s=info.duration_s,
+            frame_indices=tuple(sampling.frame_indices),
+            sampled_fps=sampling.sampled_fps,
+            grid_thw=plan.grid_thw,
+            num_tokens=plan.num_tokens,
+            resized_size=plan.resized_size,
+            clamped=plan.clamped,
+            second_per_grid_t=times.second_per_grid_t,
+            timestamps_s=times.timestamps_s,
+        )
         feed = VideoFeed(self, data, sampling, plan, deadline, index)
-        return PreparedVideo(groups, video_id, metadata, group_times, t1 - t0, 0.0, feed)
+        return PreparedVideo(groups, metadata, times.group_times, t1 - t0, 0.0, feed)
 
     async def on_video_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on one of the video threads (never the image pool, never the event loop)."""
@@ -255,7 +253,7 @@ def video_body(
 ) -> dict[str, Any]:
     """A video's entry of the /encode response: its metadata, and with return_embeddings its groups'
     embeddings joined in time order (and Qwen3-VL's deepstack features, level by level)."""
-    out: dict[str, Any] = {"index": index, **video.metadata}
+    out: dict[str, Any] = {"index": index, **video.metadata.body()}
     out["cached"] = all(r.cached for r in results)
     out["delivered"] = all(r.delivered for r in results)
     if results and results[0].embedding is not None:

@@ -54,6 +54,7 @@ from vitserve.engine.startup import decided_config, wait_ready
 from vitserve.errors import EncoderFailed, NotReady, QueueFull
 from vitserve.metrics import Metrics
 from vitserve.model.base import Encoder
+from vitserve.transport_specs import spec_of
 from vitserve.worker import rendezvous
 from vitserve.worker.args import load_configured_encoder
 from vitserve.worker.rendezvous import Rendezvous
@@ -121,9 +122,9 @@ class Engine:
         """Spawn dp x tp ranks; once every group is ready (its ranks' READYs, then the warm-up encode), open
         the queue with the Config their start-up decided (engine/startup.py decided_config) and return it:
         the Service builds its image processor and app from it."""
-        if (
-            self.config.llm_endpoint and self.config.llm_transport != "wire"
-        ):  # first: a bad --llm_endpoint fails before any rank is spawned
+        # first: a bad --llm_endpoint fails before any rank is spawned; a transport that owns it (its peer is
+        # vitserve's vLLM connector) pushes there itself (vitserve/transport_specs.py)
+        if self.config.llm_endpoint and not spec_of(self.config).owns_llm_endpoint:
             self._push = LLMPush(self.config.llm_endpoint, self.metrics)
             self.readiness_checks.append(self._llm_receiver_check)
         self._ipc_dir = tempfile.mkdtemp(prefix="vitserve-")  # 0700: only this user reaches the sockets

@@ -63,7 +63,7 @@ def cache_fingerprint(
         "device_type": (device or config.device).split(":")[0],
         "tp": config.tp,  # a TP sum differs from TP1 by round-off; keep entries exact to their producer
         "jpeg_draft": config.jpeg_draft,  # reduced-scale JPEG decoding changes the pixels
-        "wire": WIRE_VERSION,
+        "wire_format": WIRE_VERSION,
         "versions": [vitserve.__version__, torch.__version__, _version("transformers")],
     }
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)

@@ -1,6 +1,6 @@
 """The flags of the hand-over to an LLM server: the ZMQ endpoint, or the OpenAI-compatible server vitserve
-fronts (/v1/chat/completions) and the transport its embeddings take (docs/vllm.md): inline, ec_storage's
-directory, or wire to vitserve's vLLM connector (--llm_endpoint then names the connector)."""
+fronts (/v1/chat/completions) and the transport its embeddings take (docs/vllm.md). What each transport needs
+of them is its own (vitserve/transport_specs.py, the start-up table): this module names none."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 from vitserve.config import Config
 from vitserve.errors import ConfigError
 from vitserve.flags.spec import Flag, check_positive, optional
+from vitserve.transport_specs import SPECS, spec_of
 
 HANDOFF: dict[str, Flag] = {
     "llm_endpoint": Flag(
@@ -30,9 +31,7 @@ HANDOFF: dict[str, Flag] = {
     "llm_transport": Flag(
         str,
         "LLM handoff",
-        "inline | ec_storage | wire: embeddings in the JSON body to --llm_url, written to --ec_storage_path "
-        "for a vLLM encoder-cache consumer, or pushed to vitserve's vLLM connector at --llm_endpoint; the "
-        "last two send a metadata-only part (docs/vllm.md)",
+        " | ".join(SPECS) + ": " + "; ".join(f"{name}: {spec.help}" for name, spec in SPECS.items()),
     ),
     "wire_key_file": Flag(
         optional(str),
@@ -63,32 +62,22 @@ def _check_llm_url(config: Config) -> None:
         return
     if not re.match(r"^https?://[^/?#]+(/[^?#]*)?$", url):  # may hold user:password: never echoed
         raise ConfigError("--llm_url must be the LLM server's base URL, http(s)://HOST:PORT[/PREFIX]")
-    if config.llm_endpoint is not None and config.llm_transport != "wire":
+    owners = [name for name, spec in SPECS.items() if spec.owns_llm_endpoint]
+    if config.llm_endpoint is not None and not spec_of(config).owns_llm_endpoint:
         raise ConfigError(
             "--llm_url and --llm_endpoint are two ways to hand embeddings to an LLM server; set one of them "
-            "(or both with --llm_transport wire, where --llm_endpoint is vitserve's vLLM connector)"
+            f"(or both with --llm_transport {' or '.join(owners)}, where --llm_endpoint is its peer)"
         )
 
 
 def _check_llm_transport(config: Config) -> None:
-    """ec_storage needs the LLM server (--llm_url) and the directory it reads, wire the LLM server and its
-    connector (--llm_endpoint); preflight checks the directory, the key file and the family."""
+    """A transport of the table, no flag of another transport, then what the transport itself needs of the
+    flags (preflight checks the rest: the directory, the key file, the family)."""
     transport = config.llm_transport
-    if transport not in ("inline", "ec_storage", "wire"):
-        raise ConfigError(f"--llm_transport {transport!r} is not one of inline, ec_storage, wire")
-    if transport != "ec_storage" and config.ec_storage_path is not None:
-        raise ConfigError("--ec_storage_path is used only with --llm_transport ec_storage")
-    if transport != "wire" and config.wire_key_file is not None:
-        raise ConfigError("--wire_key_file is used only with --llm_transport wire")
-    if transport == "inline":
-        return
-    if config.llm_url is None:
-        raise ConfigError(f"--llm_transport {transport} hands embeddings to the LLM server: set --llm_url")
-    if transport == "wire" and config.llm_endpoint is None:
-        raise ConfigError(
-            "--llm_transport wire needs --llm_endpoint tcp://HOST:PORT, where vitserve's vLLM connector listens"
-        )
-    if transport == "ec_storage" and config.ec_storage_path is None:
-        raise ConfigError(
-            "--llm_transport ec_storage needs --ec_storage_path DIR, the vLLM consumer's shared_storage_path"
-        )
+    if transport not in SPECS:
+        raise ConfigError(f"--llm_transport {transport!r} is not one of {', '.join(SPECS)}")
+    for name, spec in SPECS.items():
+        for flag in spec.flags:
+            if name != transport and getattr(config, flag) is not None:
+                raise ConfigError(f"--{flag} is used only with --llm_transport {name}")
+    spec_of(config).check_flags(config)

@@ -29,6 +29,7 @@ from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
 from vitserve.handover.embeds import EmbedsLayout
 from vitserve.handover.inline_body import dumps_body
 from vitserve.metrics import Metrics
+from vitserve.transport_specs import TransportSpec
 
 # A CPU-heavy call on the preprocessing pool, awaited (api/preprocess.py Preprocessor.run).
 Run = Callable[..., Awaitable[Any]]
@@ -83,10 +84,10 @@ class Handover:
 NO_MEDIA = Handover()
 
 
-class Transport:
-    """One way of handing embeddings to the LLM server, built once per app from its `Setup`."""
-
-    name: ClassVar[str]  # its --llm_transport value
+class Transport(TransportSpec):
+    """One way of handing embeddings to the LLM server, built once per app from its `Setup`. Each extends its
+    transport's start-up facts (vitserve/transport_specs.py: its --llm_transport name, flag checks, preflight,
+    banner line), so one class answers for the transport from the flags to /ready."""
 
     def __init__(self, setup: Setup):
         self.setup = setup

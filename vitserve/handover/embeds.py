@@ -66,8 +66,12 @@ class EmbedsLayout:
         so the video is refused, naming its second_per_grid_t."""
         if self.video_time != "second_per_grid":
             return
-        spg = float(video.metadata["second_per_grid_t"])  # type: ignore[arg-type]
-        groups = np.arange(int(video.metadata["grid_thw"][0]))  # type: ignore[index]
+        spg = video.metadata.second_per_grid_t
+        if spg is None:
+            raise ValueError(
+                f"a {self.family} video without second_per_grid_t"
+            )  # the family's processor sets it
+        groups = np.arange(video.metadata.grid_thw[0])
         tps = self.tokens_per_second
         if tps is None:  # the checkpoint names no time scale: only exactly one second per group is safe
             same = spg == 1.0
@@ -126,12 +130,19 @@ def video_tensor(layout: EmbedsLayout, video: PreparedVideo, results: list[ItemR
     return torch.cat([main, *deep], dim=1) if deep else main
 
 
+def video_timestamps(video: PreparedVideo) -> list[float]:
+    """A Qwen3-VL / Qwen3.5 video's `timestamps`, each group's time in seconds (the part's field)."""
+    if video.metadata.timestamps_s is None:
+        raise ValueError("a video without timestamps_s")  # the family's processor sets them
+    return list(video.metadata.timestamps_s)
+
+
 def checked_video_tensor(
     layout: EmbedsLayout, video: PreparedVideo, results: list[ItemResult], index: int
 ) -> tuple[torch.Tensor, list[int]]:
     """The video's tensor and its flat grid [T, h, w], refused (500) when its shape is not the LLM's."""
     tensor = video_tensor(layout, video, results)
-    grid = [int(x) for x in video.metadata["grid_thw"]]  # type: ignore[attr-defined]
+    grid = list(video.metadata.grid_thw)
     rows = layout.grid_rows(grid)
     if tensor.dim() != 2 or tuple(tensor.shape) != (rows, layout.width):
         raise EmbeddingMismatch(

@@ -24,8 +24,15 @@ from typing import Any
 
 from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
 from vitserve.handover.base import Handover, Transport
-from vitserve.handover.embeds import EmbedsLayout, check_tensor, checked_video_tensor, llm_tensor
+from vitserve.handover.embeds import (
+    EmbedsLayout,
+    check_tensor,
+    checked_video_tensor,
+    llm_tensor,
+    video_timestamps,
+)
 from vitserve.handover.inline_body import InlineTensor
+from vitserve.transport_specs import InlineSpec
 
 
 def embeds_part(layout: EmbedsLayout, image: PreparedImage, result: ItemResult, index: int) -> dict[str, Any]:
@@ -49,7 +56,7 @@ def video_embeds_part(
     tensor, grid = checked_video_tensor(layout, video, results, index)
     embeds: dict[str, Any] = {"video_embeds": InlineTensor(tensor), "video_grid_thw": grid}
     if layout.video_time == "timestamps":
-        embeds["timestamps"] = video.metadata["timestamps_s"]
+        embeds["timestamps"] = video_timestamps(video)
     return {"type": "video_embeds", "video_embeds": embeds}
 
 
@@ -69,8 +76,6 @@ class InlineHandover(Handover):
         return await self.transport.body(payload)
 
 
-class InlineTransport(Transport):
-    name = "inline"
-
+class InlineTransport(InlineSpec, Transport):
     def begin(self) -> InlineHandover:
         return InlineHandover(self)

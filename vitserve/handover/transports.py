@@ -1,7 +1,8 @@
 """The transports, by their --llm_transport value: the front door builds the one named, once per app.
 
-Adding a transport is one module in this package (a `Transport` and its `Handover`, handover/base.py) and
-one line here.
+Adding a transport is its start-up facts in vitserve/transport_specs.py (a `TransportSpec` and its line in
+`SPECS`), one module in this package (a `Transport` that extends that spec, and its `Handover`,
+handover/base.py) and one line here; tests/unit/test_transport_names.py checks the two tables agree.
 """
 
 from __future__ import annotations

@@ -38,9 +38,10 @@ from vitserve.errors import LLMTimeout, VitserveError
 from vitserve.handover.base import Handover, Setup, Transport
 from vitserve.handover.ec_files import ec_uuid
 from vitserve.handover.ec_storage import NotAConsumer, strip
-from vitserve.handover.embeds import EmbeddingMismatch
+from vitserve.handover.embeds import EmbeddingMismatch, video_timestamps
 from vitserve.rpc.sender import Delivery, LLMSender, WireRefused
 from vitserve.rpc.wire import ImageEmbedding
+from vitserve.transport_specs import WireSpec
 
 CONNECT_WAIT_S = 2.0  # a request waits this long at most for a connector to be connected before its 502
 HOLDS_WAIT_S = 1.0  # a holds query unanswered this long: every image is pushed again
@@ -67,10 +68,8 @@ class ItemUnavailable(VitserveError):
     status, code = 502, "llm_item_unavailable"
 
 
-class WireTransport(Transport):
+class WireTransport(WireSpec, Transport):
     """The DEALER connected to the connector, and the grids of what this replica pushed."""
-
-    name = "wire"
 
     def __init__(self, setup: Setup, sender: LLMSender | None = None):
         super().__init__(setup)
@@ -167,13 +166,13 @@ class WireRequest(Handover):
         main = torch.cat([r.embedding for r in results if r.embedding is not None])  # (T*h*w/m^2, hidden)
         levels = len(results[0].deepstack) if results else 0
         deep = [torch.cat([r.deepstack[k] for r in results]) for k in range(levels)]
-        grid = [int(x) for x in video.metadata["grid_thw"]]  # type: ignore[attr-defined]
+        grid = list(video.metadata.grid_thw)
         self._check(f"video {index}", main, deep, grid)
         uuid = ec_uuid(self.transport.fingerprint(), "video", *(g.image_id for g in video.groups))
         self._add(uuid, video.video_id, grid, main, deep)
         part = _part(uuid, "video", grid)
         if self.layout.video_time == "timestamps":
-            part["video_embeds"]["timestamps"] = video.metadata["timestamps_s"]
+            part["video_embeds"]["timestamps"] = video_timestamps(video)
         return part
 
     def _check(self, what: str, main: torch.Tensor, deep: list[torch.Tensor], grid: list[int]) -> None:

@@ -35,6 +35,19 @@ from vitserve.video.settings import VideoSettings, video_settings
 
 
 @dataclass(frozen=True)
+class VideoTimes:
+    """Where a video's temporal groups sit in time, known from its sampling alone."""
+
+    group_times: tuple[
+        tuple[float, float], ...
+    ]  # per group: (start_s, end_s), its first and last frame's time
+    second_per_grid_t: float | None  # Qwen2.5-VL: temporal_patch_size / sampled_fps; else None
+    timestamps_s: (
+        tuple[float, ...] | None
+    )  # Qwen3-VL/3.5: per group, the mean of its first and last frame's time
+
+
+@dataclass(frozen=True)
 class ProcessedVideo:
     """One video ready for the encoder, with the metadata transformers' processors give the LLM."""
 
@@ -116,21 +129,19 @@ class VideoProcessor:
         picked = _sampled_frames(frames, sampling)
         width, height = source_size or (picked[0].shape[1], picked[0].shape[0])
         plan = self.plan(width, height, len(picked))
-        group_times, second_per_grid_t, timestamps_s = self.times(sampling)
+        times = self.times(sampling)
         return ProcessedVideo(
             pixel_values_videos=self._pixels(picked, plan),
             video_grid_thw=plan.grid_thw,
             sampling=sampling,
             plan=plan,
-            group_times=group_times,
-            second_per_grid_t=second_per_grid_t,
-            timestamps_s=timestamps_s,
+            group_times=times.group_times,
+            second_per_grid_t=times.second_per_grid_t,
+            timestamps_s=times.timestamps_s,
         )
 
-    def times(
-        self, sampling: Sampling
-    ) -> tuple[tuple[tuple[float, float], ...], float | None, tuple[float, ...] | None]:
-        """(group_times, second_per_grid_t, timestamps_s) of ProcessedVideo: known from the sampling alone."""
+    def times(self, sampling: Sampling) -> VideoTimes:
+        """The groups' times, as ProcessedVideo gives them: known from the sampling alone."""
         group_times = self._group_times(sampling)
         second_per_grid_t = (
             self.settings.temporal_patch_size / sampling.sampled_fps
@@ -142,7 +153,7 @@ class VideoProcessor:
             if self.settings.time == "timestamps"
             else None
         )
-        return group_times, second_per_grid_t, timestamps_s
+        return VideoTimes(group_times, second_per_grid_t, timestamps_s)
 
     def group_frames(self, sampling: Sampling, groups: Sequence[int]) -> tuple[int, ...]:
         """The frame indices that make these temporal groups, ``temporal_patch_size`` a group: the last group
