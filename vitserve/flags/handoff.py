@@ -9,6 +9,7 @@ import re
 from vitserve.config import Config
 from vitserve.errors import ConfigError
 from vitserve.flags.spec import Flag, check_positive, optional
+from vitserve.rpc.endpoints import host_only
 
 HANDOFF: dict[str, Flag] = {
     "llm_endpoint": Flag(
@@ -91,4 +92,17 @@ def _check_llm_transport(config: Config) -> None:
     if transport == "ec_storage" and config.ec_storage_path is None:
         raise ConfigError(
             "--llm_transport ec_storage needs --ec_storage_path DIR, the vLLM consumer's shared_storage_path"
+        )
+    if transport == "wire":
+        _check_protected(config)
+
+
+def _check_protected(config: Config) -> None:
+    """The wire's protected mode (docs/vllm.md, "Security"): embeddings go unkeyed only to an endpoint no other
+    host can reach, as the connector binds unkeyed only such an endpoint."""
+    endpoint = config.llm_endpoint or ""
+    if config.wire_key_file is None and not host_only(endpoint):
+        raise ConfigError(
+            f"--llm_endpoint {endpoint} is reachable from other hosts: --llm_transport wire needs --wire_key_file "
+            "there (the connector's key_file), or an endpoint on this host (tcp://127.0.0.1:PORT, ipc://PATH)"
         )
