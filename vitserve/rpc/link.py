@@ -12,6 +12,10 @@ What libzmq 4.3 reports on the connecting side (measured with vitserve's CURVE k
 | a client key the server's ZAP handler refuses | HANDSHAKE_FAILED_AUTH | ZAP status code (400) |
 | a peer that is not ZMQ (an HTTP server) | HANDSHAKE_FAILED_NO_DETAIL | ECONNRESET or EPIPE |
 | a ZMQ socket of another type (a v1 PULL) | DISCONNECTED before HANDSHAKE_SUCCEEDED | |
+
+A keyed server may also hang up on a keyless client before the client reads why (NO_DETAIL instead of the
+mechanism mismatch, about one try in three here): NO_DETAIL is the vague one, so it never replaces a precise
+reason seen before.
 """
 
 from __future__ import annotations
@@ -52,7 +56,10 @@ def handshake_failure(event: int, value: int, *, keyed: bool) -> str:
         return f"the peer broke the ZMTP handshake (protocol error {value:#x}): not vitserve's connector"
     if keyed:
         return f"the connector ended the key handshake: {KEYS} hold different secrets"
-    return "the peer ended the ZMTP handshake: it does not speak ZMQ (is --llm_endpoint the connector's?)"
+    return (
+        "the peer ended the ZMTP handshake: it wants a key (give --wire_key_file the file its key_file names), "
+        "or it does not speak ZMQ (is --llm_endpoint the connector's?)"
+    )
 
 
 def wrong_socket_type() -> str:
@@ -78,6 +85,7 @@ class Link:
         self.connected = threading.Event()  # set while reachable (LLMSender.wait_reachable)
         self._handshaking = False  # connected, ZMTP handshake not done yet
         self._logged: str | None = None
+        self._precise = False  # `refusal` came from a PROTOCOL or AUTH failure (module docstring)
 
     def on_event(self, event: int, value: int) -> bool | None:
         """Take one monitor event; True when the receiver was reached, False when the connection went."""
@@ -89,7 +97,8 @@ class Link:
         elif event == zmq.EVENT_DISCONNECTED:
             self._lost()
             return False
-        elif event in FAILURES:
+        elif event in FAILURES and not (event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._precise):
+            self._precise = event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             self._refused(handshake_failure(event, value, keyed=self.keyed))
         return None
 
@@ -98,6 +107,7 @@ class Link:
             log.info("reached the receiver at --llm_endpoint %s", self.endpoint)
         self.reachable, self._handshaking = True, False
         self.refusal = self._logged = None
+        self._precise = False
         self.connected.set()
 
     def _lost(self) -> None:
