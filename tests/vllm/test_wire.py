@@ -163,29 +163,6 @@ def test_wire_with_no_connector_listening_is_a_clean_502_and_vllm_never_asked(co
     assert vllm.alive()
 
 
-def test_wire_images_that_do_not_fit_are_a_clear_502_and_release_what_was_pushed(consumer, wire):
-    """Three images of 30 rows (23 KiB each in float32) against the connector's ~52 KiB bound: two are kept, the
-    third is refused, and vitserve answers 502 naming the refusal (the client's timeout is below the request's
-    deadline: a hang fails the test). The two kept are released at once, so a fresh image of the same size fits
-    and is answered exactly as vLLM answers the raw image (kept until their deadline, they would leave it no
-    room), and vLLM stays healthy."""
-    ckpt, vllm = consumer.ckpt, consumer.server
-    body = chat_request(str(ckpt), image_url_part(png(192, 160, seed=90)))
-    body["messages"][0]["content"][1:1] = [image_url_part(png(192, 160, seed=91 + i)) for i in range(2)]
-    refused0 = metric(wire.url, "vitserve_llm_messages_total", outcome="refused")
-    r = httpx.post(wire.url + "/v1/chat/completions", json=body, timeout=60, trust_env=False)
-    assert r.status_code == 502, r.text
-    error = r.json()["error"]
-    assert error["code"] == "llm_connector_unavailable"
-    assert "refused an embedding" in error["message"]
-    assert "other embeddings were released" in error["message"]
-    assert metric(wire.url, "vitserve_llm_messages_total", outcome="refused") > refused0
-    assert vllm.alive()
-    fresh = chat_request(str(ckpt), image_url_part(png(192, 160, seed=94)))
-    assert_same_answer(complete(vllm.url, fresh), complete(wire.url, fresh))
-    assert vllm.alive()
-
-
 def test_wire_vllms_error_for_an_item_its_connector_lacks_is_a_502(consumer, wire, monkeypatch):
     """The request reaches vLLM naming a uuid the connector never got (its push is skipped here, as when the
     connector let an item go between vitserve's holds query and vLLM's lookup): vLLM fails that request through
@@ -364,6 +341,31 @@ def _same(ran: str | bool | None, documented: str | bool) -> bool:
         return json.loads(str(ran)) == json.loads(str(documented))
     except ValueError:
         return False
+
+
+def test_wire_images_that_do_not_fit_are_a_clear_502_and_release_what_was_pushed(
+    consumer_qwen2_5_vl, documented_wire
+):
+    """Three images of 90 rows (23 KiB each: width 64 in float32) against the Qwen2.5-VL connector's ~52 KiB
+    max_gb: two are kept, the third is refused, and vitserve answers 502 naming the refusal (the client's
+    timeout is below the request's deadline: a hang fails the test). The two kept are released at once, so a
+    fresh image of the same size fits and is answered exactly as vLLM answers the raw image (kept until their
+    deadline, they would leave it no room), and vLLM stays healthy."""
+    ckpt, vllm, url = consumer_qwen2_5_vl.ckpt, consumer_qwen2_5_vl.server, documented_wire.url
+    body = chat_request(str(ckpt), image_url_part(png(280, 252, seed=90)))
+    body["messages"][0]["content"][1:1] = [image_url_part(png(280, 252, seed=91 + i)) for i in range(2)]
+    refused0 = metric(url, "vitserve_llm_messages_total", outcome="refused")
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60, trust_env=False)
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["code"] == "llm_connector_unavailable"
+    assert "refused an embedding" in error["message"]
+    assert "other embeddings were released" in error["message"]
+    assert metric(url, "vitserve_llm_messages_total", outcome="refused") > refused0
+    assert vllm.alive()
+    fresh = chat_request(str(ckpt), image_url_part(png(280, 252, seed=94)))
+    assert_same_answer(complete(vllm.url, fresh), complete(url, fresh))
+    assert vllm.alive()
 
 
 def _cmdline(pid: int) -> list[str]:
