@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from vitserve.config import Config
+from vitserve.endpoints import host_only
 from vitserve.errors import ConfigError
 from vitserve.families import Family
 
@@ -128,6 +129,14 @@ class WireSpec(_MetadataParts):
             raise ConfigError(
                 f"--llm_transport {cls.name} needs --llm_endpoint tcp://HOST:PORT, where vitserve's vLLM "
                 "connector listens"
+            )
+        # The wire's protected mode (docs/vllm.md, "Security"): embeddings go unkeyed only to an endpoint no other
+        # host can reach, as the connector binds unkeyed only such an endpoint.
+        if config.wire_key_file is None and not host_only(config.llm_endpoint):
+            raise ConfigError(
+                f"--llm_endpoint {config.llm_endpoint} is reachable from other hosts: --llm_transport {cls.name} "
+                "needs --wire_key_file there (the connector's key_file), or an endpoint on this host "
+                "(tcp://127.0.0.1:PORT, ipc://PATH)"
             )
 
     @classmethod

@@ -41,7 +41,9 @@ NON_VITSERVE_FLAGS = {
     "trust-request-mm-kwargs": "vllm serve --trust-request-mm-kwargs (docs/vllm.md, Video)",
     "gpu-memory-utilization": "vllm serve --gpu-memory-utilization (docs/vllm.md)",
     "ec-transfer-config": "vllm serve --ec-transfer-config (docs/vllm.md, The encoder-cache hand-over)",
-    "no-deps": "pip install --no-deps vitserve (docs/vllm.md, vitserve's vLLM connector)",
+    "no-deps": "pip install --no-deps /path/to/vitserve (docs/vllm.md, vitserve's vLLM connector)",
+    "wheel-dir": "pip wheel --wheel-dir dist (docs/vllm.md, vitserve's vLLM connector)",
+    "shm-size": "docker run --shm-size (docs/vllm.md, The wire hand-over, Containers)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
 # The outside notes' scenario IDs ("scenario L3", test_f5_..., "(B10)"): cite docs/design.md's invariants instead.

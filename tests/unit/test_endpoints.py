@@ -1,10 +1,10 @@
-"""The protected mode's rule (vitserve/rpc/endpoints.py): which endpoints only this host can reach."""
+"""The protected mode's rule (vitserve/endpoints.py): which endpoints only this host can reach."""
 
 from __future__ import annotations
 
 import pytest
 
-from vitserve.rpc.endpoints import host_only
+from vitserve.endpoints import host_only
 
 
 @pytest.mark.parametrize(

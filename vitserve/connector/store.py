@@ -44,7 +44,7 @@ from vitserve.connector.checks import REASONS, RateLimitedLog, Refusal, Shape, c
 from vitserve.connector.files import TensorDir, is_device_full
 from vitserve.connector.ledger import HeldTensor, Ledger
 from vitserve.connector.router import Router
-from vitserve.rpc.endpoints import host_only
+from vitserve.endpoints import host_only
 from vitserve.rpc.replies import HoldsQuery, Release, decode_inbound, encode_held, encode_nack, message_id_of
 from vitserve.rpc.tensors import DTYPES
 from vitserve.rpc.wire import ImageEmbedding, WireError, encode_ack

@@ -9,12 +9,17 @@ host and any number of replicas may feed one vLLM.
   carries it as `uuid`.
 - One message per item: an image is its embedding and its DeepStack frames; a video is ONE message with the
   whole video's rows (grid [T, h, w]), its groups' rows joined in time order, each DeepStack level likewise.
-- A repeated image: when this replica pushed it before (so knows its grid) and the connector says it still
-  holds it (a holds query over the same connection, `held`), it is neither decoded, encoded nor pushed again;
-  the query keeps it there until the request's deadline.
+- A repeated image: when this replica pushed it before (so knows its grid and dtype) and the connector says it
+  still holds it (a holds query over the same connection, `held`), it is neither decoded, encoded nor pushed
+  again; the query keeps it there until the request's deadline.
+- The request tells the connector which of its items are vitserve's, as vLLM's own EC connectors do: the body's
+  `ec_transfer_params` is {"vitserve": {"v": 1, "items": {uuid: {"rows", "width", "dtype"}}}}, one entry per
+  metadata-only part, as pushed (a client's own `ec_transfer_params` is replaced). The connector supplies only
+  announced items whose tensor matches.
 - Every message must be acknowledged by the request's deadline; otherwise nothing goes upstream: a refusal
-  (nack) or no connector connected is a 502 naming the connector's --ec-transfer-config, a message sent and
-  never acknowledged is 504 `llm_timeout`.
+  (nack) or no connector connected is a 502 naming the connector's --ec-transfer-config (or, when the handshake
+  failed, why: a key that differs), a message sent and never acknowledged is 504 `llm_timeout`. A request that
+  fails before it goes upstream releases what it pushed at once (`LLMSender.release`).
 - vLLM's error for an item its connector could not provide (it failed the request through the connector's
   take_unavailable_requests: a bare 500) is a 502 in OpenAI's shape (`check_answer`); in a stream, which vLLM
   has begun with 200 already, its error event is relayed as it comes.
@@ -24,6 +29,7 @@ host and any number of replicas may feed one vLLM.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import threading
 import time
@@ -34,25 +40,56 @@ from typing import Any
 import torch
 
 from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
+from vitserve.endpoints import host_only
 from vitserve.errors import LLMTimeout, VitserveError
 from vitserve.handover.base import Handover, Setup, Transport
 from vitserve.handover.ec_files import ec_uuid
 from vitserve.handover.ec_storage import NotAConsumer, strip
 from vitserve.handover.embeds import EmbeddingMismatch, video_timestamps
 from vitserve.rpc.sender import Delivery, LLMSender, WireRefused
+from vitserve.rpc.tensors import dtype_name
 from vitserve.rpc.wire import ImageEmbedding
 from vitserve.transport_specs import WireSpec
 
 CONNECT_WAIT_S = 2.0  # a request waits this long at most for a connector to be connected before its 502
 HOLDS_WAIT_S = 1.0  # a holds query unanswered this long: every image is pushed again
 KNOWN_ITEMS = 65_536  # uuids this replica pushed, with their grids (a repeated image's part needs its grid)
+ANNOUNCEMENT_VERSION = 1  # of ec_transfer_params["vitserve"]
 # What a vLLM that is not an EC consumer answers a metadata-only part with (400), as for ec_storage.
 _NOT_CONSUMER = b"The data should contain the fields"
-CONFIG_HINT = (
-    'start vLLM with --ec-transfer-config \'{"ec_connector":"VitserveECConnector","ec_connector_module_path":'
-    '"vitserve.vllm_connector","ec_role":"ec_consumer","ec_connector_extra_config":{"endpoint":"tcp://0.0.0.0:5600"}}\''
-    " bound where --llm_endpoint points (docs/vllm.md)"
-)
+
+
+def config_hint(endpoint: str, key_file: str | None) -> str:
+    """The vLLM side that matches this vitserve: bound where --llm_endpoint points (its port on all interfaces
+    when that is a host name) and keyed with --wire_key_file's file; keyless only on an endpoint only this host
+    reaches, as vitserve itself (flags/handoff.py) and the connector's protected mode require."""
+    bind = endpoint
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme == "tcp" and not host_only(endpoint) and not _is_ip(host):
+        bind = f"tcp://0.0.0.0:{port}"  # ZMQ binds an address or an interface, not a host name
+    extra: dict[str, Any] = {"endpoint": bind}
+    if key_file is not None:
+        extra["key_file"] = key_file
+    config = {
+        "ec_connector": "VitserveECConnector",
+        "ec_connector_module_path": "vitserve.vllm_connector",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": extra,
+    }
+    keyed = f" and key_file the secret --wire_key_file {key_file} holds" if key_file else ""
+    return (
+        f"start vLLM with --ec-transfer-config '{json.dumps(config, separators=(',', ':'))}': the connector "
+        f'bound where --llm_endpoint points{keyed} (docs/vllm.md, "The wire hand-over")'
+    )
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 class ConnectorUnavailable(VitserveError):
@@ -79,8 +116,9 @@ class WireTransport(WireSpec, Transport):
                 raise ValueError("--llm_transport wire needs --llm_endpoint")
             sender = LLMSender(config.llm_endpoint, key_file=config.wire_key_file)
         self.sender = sender
+        self.hint = config_hint(sender.endpoint, config.wire_key_file)
         self._fingerprint = ""
-        self._known: OrderedDict[str, list[int]] = OrderedDict()  # uuid -> grid
+        self._known: OrderedDict[str, tuple[list[int], str]] = OrderedDict()  # uuid -> grid, dtype
         self._lock = threading.Lock()  # parts are made on the pool's threads
 
     @property
@@ -97,18 +135,24 @@ class WireTransport(WireSpec, Transport):
         return WireRequest(self, time.monotonic() + self.setup.config.request_timeout_s)
 
     def readiness(self) -> str | None:
-        """Why /ready is 503: no connector connected."""
+        """Why /ready is 503: no connector connected (or why its handshake failed: a key that differs)."""
         if self.sender.reachable:
             return None
+        if self.sender.link.refusal is not None:
+            return f"the vitserve connector at --llm_endpoint {self.endpoint} is not connected: {self.unreachable()}"
         return f"no vitserve connector is connected at --llm_endpoint {self.endpoint}"
 
-    def grid(self, uuid: str) -> list[int] | None:
+    def unreachable(self) -> str:
+        return self.sender.link.refusal or "no connector is connected"
+
+    def known(self, uuid: str) -> tuple[list[int], str] | None:
+        """The grid and dtype of an item this replica pushed."""
         with self._lock:
             return self._known.get(uuid)
 
-    def remember(self, uuid: str, grid: list[int]) -> None:
+    def remember(self, uuid: str, grid: list[int], dtype: str) -> None:
         with self._lock:
-            self._known[uuid] = grid
+            self._known[uuid] = (grid, dtype)
             self._known.move_to_end(uuid)
             while len(self._known) > KNOWN_ITEMS:
                 self._known.popitem(last=False)
@@ -130,6 +174,8 @@ class WireRequest(Handover):
         self.request_id = f"chat-{uuid_mod.uuid4().hex}"
         self.messages: list[ImageEmbedding] = []
         self.hits: list[dict[str, Any] | None] = []  # per image: its part when the connector holds it
+        self.items: dict[str, dict[str, Any]] = {}  # uuid -> its announcement (rows, width, dtype)
+        self.pushed = False  # its messages went to the sender: a failure releases them
 
     # -------------------------------------------------------------- the parts (on the preprocessing pool)
 
@@ -140,10 +186,13 @@ class WireRequest(Handover):
         """One holds query for the images this replica pushed before; an unanswered one means none is held."""
         fingerprint = self.transport.fingerprint()
         uuids = [ec_uuid(fingerprint, "image", digest) for digest in digests]
-        grids = {u: g for u in uuids if (g := self.transport.grid(u)) is not None}
+        known = {u: k for u in uuids if (k := self.transport.known(u)) is not None}
         sender = self.transport.sender
-        held = sender.holds(list(grids), HOLDS_WAIT_S, deadline=self.deadline) if grids else set()
-        self.hits = [_part(u, "image", grids[u]) if u in held else None for u in uuids]
+        held = sender.holds(list(known), HOLDS_WAIT_S, deadline=self.deadline) if known else set()
+        self.hits = [_part(u, "image", known[u][0]) if u in held else None for u in uuids]
+        for u in held & set(known):
+            grid, dtype = known[u]
+            self.items[u] = _announced(self.layout.grid_rows(grid), self.layout.width, dtype)
         return [hit is not None for hit in self.hits]
 
     def reused_part(self, index: int) -> dict[str, Any] | None:
@@ -189,6 +238,8 @@ class WireRequest(Handover):
     def _add(
         self, uuid: str, item_id: str, grid: list[int], main: torch.Tensor, deep: list[torch.Tensor]
     ) -> None:
+        width = sum(int(t.shape[1]) for t in (main, *deep))
+        self.items[uuid] = _announced(int(main.shape[0]), width, dtype_name(main.dtype))
         self.messages.append(
             ImageEmbedding(
                 request_id=self.request_id,
@@ -206,11 +257,27 @@ class WireRequest(Handover):
     # ------------------------------------------------------------------------ the push (event loop)
 
     async def ready(self, payload: dict[str, Any]) -> bytes:
-        """The fields vLLM hashes uuids with removed, every embedding pushed and acknowledged: nothing goes
-        upstream if one is not."""
+        """The fields vLLM hashes uuids with removed, every embedding pushed and acknowledged, the items
+        announced: nothing goes upstream if one is not, and what was pushed is released."""
         strip(payload)
-        await self.deliver()
-        return await self.transport.body(payload)
+        payload["ec_transfer_params"] = self.announcement()
+        try:
+            await self.deliver()
+            return await self.transport.body(payload)
+        except BaseException:  # a refusal, a timeout, the client gone (cancelled): nothing goes upstream
+            self.release_pushed()
+            raise
+
+    def announcement(self) -> dict[str, Any]:
+        """The request's `ec_transfer_params`: which items are vitserve's, as pushed."""
+        return {"vitserve": {"v": ANNOUNCEMENT_VERSION, "items": dict(self.items)}}
+
+    def release_pushed(self) -> None:
+        """Tell the connector to let go of this request's messages now (fire and forget)."""
+        if self.pushed:
+            self.pushed = False
+            uuids = list(dict.fromkeys(m.uuid for m in self.messages if m.uuid))
+            self.transport.sender.release(self.request_id, uuids)
 
     async def deliver(self) -> None:
         """Push every message and return once the connector acknowledged them all. Raises
@@ -223,8 +290,9 @@ class WireRequest(Handover):
             wait = min(CONNECT_WAIT_S, max(self.deadline - time.monotonic(), 0.0))
             if not await asyncio.to_thread(sender.wait_reachable, wait):
                 self._count("llm_connector_unavailable", len(self.messages))
-                raise self._unreachable("no connector is connected")
+                raise self._unreachable(self.transport.unreachable())
         deliveries = []
+        self.pushed = True
         for message in self.messages:
             message.num_images = len(self.messages)
             deliveries.append(sender.send(message, deadline=self.deadline))
@@ -235,7 +303,7 @@ class WireRequest(Handover):
             for d in deliveries:
                 d.acked.cancel()  # the rest are withdrawn when one failed or the client left
         for message in self.messages:
-            self.transport.remember(message.uuid or "", list(message.grid_thw))
+            self.transport.remember(message.uuid or "", list(message.grid_thw), message.dtype)
         self.metrics.embedding_bytes_sent_total.inc(sum(d.nbytes for d in deliveries))
         self.metrics.stage_seconds.labels(stage="send").observe(time.perf_counter() - start)
 
@@ -244,11 +312,16 @@ class WireRequest(Handover):
             await asyncio.wrap_future(d.acked)
         except WireRefused as exc:
             self._count("refused")
-            raise self._unreachable(exc.message) from None
+            raise ConnectorUnavailable(
+                f"{exc.message}; nothing was sent to vLLM, and the request's other embeddings were released. "
+                "Its limits (max_gb, shm_dir and that device's size, docs/vllm.md \"The connector's limits\") "
+                "are in vLLM's --ec-transfer-config"
+            ) from None
         except LLMTimeout:
             self._count("llm_timeout")
             if d.sent_at is None:  # never handed to a connector: it went away
-                raise self._unreachable("no connector was connected until the deadline") from None
+                why = self.transport.sender.link.refusal or "no connector was connected until the deadline"
+                raise self._unreachable(why) from None
             raise
         except asyncio.CancelledError:
             self._count("withdrawn")
@@ -261,18 +334,23 @@ class WireRequest(Handover):
     def _unreachable(self, why: str) -> ConnectorUnavailable:
         return ConnectorUnavailable(
             f"vitserve's vLLM connector at --llm_endpoint {self.transport.endpoint} did not take the request's "
-            f"embeddings ({why}); nothing was sent to vLLM. Is vLLM running with its connector? {CONFIG_HINT}"
+            f"embeddings ({why}); nothing was sent to vLLM. Is vLLM running with its connector? "
+            f"{self.transport.hint}"
         )
 
     def check_answer(self, status: int, content: bytes) -> None:
-        check_answer(status, content)
+        check_answer(status, content, self.transport.hint)
 
 
 def _part(uuid: str, kind: str, grid: list[int]) -> dict[str, Any]:
     return {"type": f"{kind}_embeds", f"{kind}_embeds": {f"{kind}_grid_thw": grid}, "uuid": uuid}
 
 
-def check_answer(status: int, content: bytes) -> None:
+def _announced(rows: int, width: int, dtype: str) -> dict[str, Any]:
+    return {"rows": rows, "width": width, "dtype": dtype}
+
+
+def check_answer(status: int, content: bytes, hint: str) -> None:
     """A non-consumer's 400 for a metadata-only part, or vLLM's failure of the request, becomes vitserve's 502
     (OpenAI's shape) that says what to do. vLLM 0.32 answers a request its connector failed (an item that never
     arrived or was let go: take_unavailable_requests) with a bare 500 "Internal server error"; its log names the
@@ -280,7 +358,7 @@ def check_answer(status: int, content: bytes) -> None:
     if status == 400 and _NOT_CONSUMER in content:
         raise NotAConsumer(
             "the LLM server at --llm_url is not an encoder-cache consumer (it asked for the tensor of a "
-            f"metadata-only embedding part); {CONFIG_HINT}"
+            f"metadata-only embedding part); {hint}"
         )
     if status == 500:
         raise ItemUnavailable(

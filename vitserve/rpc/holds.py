@@ -1,6 +1,7 @@
 """Holds queries (docs/wire.md): the sender asks the receiver which of some uuids it still keeps, over the same
 DEALER connection as the embeddings, and the receiver answers `{"held": [...], "query_id": ...}` (the codec is
-rpc/replies.py). What it says it holds it keeps at least until the query's `expires_at`.
+rpc/replies.py). What it says it holds it keeps at least until the query's `expires_at`. Their counterpart, a
+release (`{"release": [...], "request_id": ...}`, no answer), lets go of what a failed request pushed.
 
 vitserve's vLLM connector (--llm_transport wire) keeps an embedding until the request that names it has loaded it
 or its deadline passed; a repeated image is pushed again only when the connector no longer holds it. These
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import time
 import uuid
+from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
@@ -88,6 +91,37 @@ class Queries:
         for q in self._open.values():
             _resolve(q.held, exc=exc)
         self._open.clear()
+
+
+class Releases:
+    """Releases waiting for the sender's I/O thread and a connection: `put` from any thread, the rest on the
+    I/O thread. A release not sent within KEEP_S is dropped (what it names then goes at the connector's
+    expiry), and at most MAX wait (the oldest go first)."""
+
+    KEEP_S = 10.0
+    MAX = 256
+
+    def __init__(self) -> None:
+        self._waiting: deque[tuple[bytes, float]] = deque(maxlen=self.MAX)  # (frame, monotonic deadline)
+
+    def put(self, frame: bytes) -> None:
+        self._waiting.append((frame, time.monotonic() + self.KEEP_S))  # deque.append is thread-safe
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self._waiting)
+
+    def send(self, sock: zmq.Socket[bytes]) -> None:
+        """Send the waiting releases in order while the socket takes them; drop those past their time."""
+        now = time.monotonic()
+        while self._waiting:
+            frame, deadline = self._waiting[0]
+            if deadline > now:
+                try:
+                    sock.send(frame, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+            self._waiting.popleft()
 
 
 def _resolve(future: Future[set[str]], result: set[str] | None = None, exc: Exception | None = None) -> None:

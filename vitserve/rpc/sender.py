@@ -19,10 +19,13 @@ the receiver has room, reads acknowledgements, and fails each wait whose deadlin
   connection broke, before the monitor said so, may also go out from the pipe: the same dropped copy.
 - ZMTP heartbeats notice a receiver that vanished without closing its connection (a dead host).
 - A peer that is not an acknowledging ROUTER receiver (a v1 PULL socket) drops the connection during the
-  ZMTP handshake (socket types must match): logged once, and the message waits for a real receiver.
+  ZMTP handshake (socket types must match), and one keyed with another secret fails it: logged once, the
+  reason kept in `link.refusal` (rpc/link.py words it), and the message waits for a real receiver. Reaching
+  the receiver and losing it are logged once each.
 - vitserve's vLLM connector (--llm_transport wire, docs/vllm.md) may refuse a message (a nack with its
   reason: its bound is full, the tensor is not what it can keep): the delivery fails with WireRefused at once.
-  It also answers holds queries (`holds`): which of some uuids it still keeps, over the same connection.
+  It also answers holds queries (`holds`): which of some uuids it still keeps, over the same connection, and
+  takes releases (`release`: let go of what a failed request pushed; no answer).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from vitserve.errors import ConfigError, LLMTimeout, NotReady, VitserveError
-from vitserve.rpc.holds import PendingHolds, Queries
+from vitserve.rpc import link, wire
+from vitserve.rpc.holds import PendingHolds, Queries, Releases
 from vitserve.rpc.replies import Held, Nack, decode_reply
 from vitserve.rpc.wire import ImageEmbedding, WireError, encode_embedding_message
 from vitserve.rpc.wirekey import configure_client, read_key_file
@@ -54,7 +58,6 @@ DEFAULT_SNDHWM = 8
 DEFAULT_HEARTBEAT_S = 1.0  # ZMTP ping interval; a receiver silent for 3 intervals is disconnected
 EXPIRY_MARGIN_S = 0.25  # a message expires this long before its request's deadline (docs/wire.md)
 _MAX_WAIT_S = 0.1  # longest single poll of the I/O thread
-_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 class WireRefused(VitserveError):
@@ -109,16 +112,14 @@ class LLMSender:
         self.timed_out = 0  # not acknowledged by the deadline
         self.late_acks = 0  # acknowledgements that came after their message's deadline
         self.resent = 0  # sent again on a new connection
-        self.reachable = False  # a v2 receiver completed the handshake and has not disconnected
         self.refused = 0  # messages the receiver refused (nack)
-        self._connected = threading.Event()  # set while reachable (wait_reachable)
+        self.link = link.Link(endpoint, keyed=key_file is not None)  # reachable? why not (`refusal`)?
         self._queries = Queries()  # holds queries (rpc/holds.py)
+        self._releases = Releases()  # and releases
         self._closing = False
         self._inbox: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
         self._outbox: deque[Delivery] = deque()  # submitted, not yet taken by ZMQ
         self._unacked: dict[str, Delivery] = {}  # taken by ZMQ, no ack yet
-        self._handshaking = False  # connected, ZMTP handshake not done yet
-        self._refused_logged = False
         self._init_socket(sndhwm, heartbeat_s, key_file)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -141,7 +142,7 @@ class LLMSender:
                 self._sock.close(linger=0)
                 self._ctx.term()
                 raise ConfigError(f"--wire_key_file: {exc}") from None
-        self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
+        self._monitor = self._sock.get_monitor_socket(link.EVENTS)
         try:
             self._sock.connect(self.endpoint)  # asynchronous: the receiver may bind later
         except zmq.ZMQError as exc:
@@ -183,9 +184,26 @@ class LLMSender:
         except (VitserveError, TimeoutError):
             return set()
 
+    def release(self, request_id: str, uuids: list[str]) -> None:
+        """Tell the connector to let go of `uuids` now (fire and forget, on the I/O thread like holds queries):
+        request `request_id` failed before it reached vLLM. Sent once connected, or dropped after a while
+        (rpc/holds.py Releases: the connector's expiry remains)."""
+        if uuids and not self._closing:
+            self._releases.put(encode_release(request_id, uuids))
+            self._wake()
+
+    @property
+    def reachable(self) -> bool:
+        """A v2 receiver completed the handshake and has not disconnected."""
+        return self.link.reachable
+
+    @reachable.setter
+    def reachable(self, value: bool) -> None:
+        self.link.reachable = value
+
     def wait_reachable(self, timeout_s: float) -> bool:
         """Block until a receiver is connected (True) or timeout_s passed (False)."""
-        return self._connected.wait(timeout_s)
+        return self.link.connected.wait(timeout_s)
 
     def close(self) -> None:
         """Stop the I/O thread; every message not acknowledged yet fails with NotReady."""
@@ -220,7 +238,7 @@ class LLMSender:
                 self._take_inbox()
                 wait_s = self._expire(time.monotonic())
                 sending = (
-                    self._outbox or self._queries.unsent
+                    self._outbox or self._queries.unsent or self._releases.waiting
                 ) and self.reachable  # handshake done: docstring
                 poller.register(self._sock, zmq.POLLIN | (zmq.POLLOUT if sending else 0))
                 events = dict(poller.poll(max(1, int(wait_s * 1000))))
@@ -231,6 +249,7 @@ class LLMSender:
                 if events.get(self._sock, 0) & zmq.POLLIN:
                     self._read_acks()
                 if events.get(self._sock, 0) & zmq.POLLOUT:
+                    self._releases.send(self._sock)  # before a push that may reuse a released uuid
                     self._queries.send(self._sock)
                     self._send_queued()
         except Exception:
@@ -345,26 +364,12 @@ class LLMSender:
 
     def _on_monitor(self) -> None:
         while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)["event"]
-            if event == zmq.EVENT_CONNECTED:
-                self._handshaking = True
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.reachable, self._handshaking, self._refused_logged = True, False, False
-                self._connected.set()
+            message = recv_monitor_message(self._monitor)
+            changed = self.link.on_event(message["event"], message["value"])
+            if changed is True:
                 self._resend_unacked()
-            elif event == zmq.EVENT_DISCONNECTED:
-                self.reachable = False
-                self._connected.clear()
+            elif changed is False:
                 self._queries.disconnected()
-                if self._handshaking and not self._refused_logged:  # libzmq retries: log once
-                    self._refused_logged = True
-                    log.error(
-                        "the peer at --llm_endpoint %s dropped the connection during the ZMTP handshake: "
-                        "it is not a wire-v2 EmbeddingReceiver (a v1 PULL receiver?), or it wants another key "
-                        "(the connector's key_file and --wire_key_file differ); see docs/wire.md",
-                        self.endpoint,
-                    )
-                self._handshaking = False
 
     def _resend_unacked(self) -> None:
         """A new connection: what the old one may have lost goes out again, in its original order."""
@@ -384,3 +389,9 @@ def _settle(d: Delivery, exc: Exception | None) -> bool:
     except InvalidStateError:
         return False
     return True
+
+
+def encode_release(request_id: str, uuids: list[str]) -> bytes:
+    """`{"v": 3, "release": [uuid, ...], "request_id": str}`, one frame, no answer (docs/wire.md). Written here
+    with rpc/wire.py's packer until rpc/replies.py has the codec beside the holds query's."""
+    return wire._pack({"v": wire.WIRE_VERSION, "release": list(uuids), "request_id": request_id})

@@ -1,0 +1,126 @@
+"""What the sender's socket monitor says about its connection to the receiver (rpc/sender.py), in words a user
+can act on: why a ZMTP handshake failed, so that /ready and the 502 of --llm_transport wire name a key that
+differs instead of saying that nothing is connected.
+
+What libzmq 4.3 reports on the connecting side (measured with vitserve's CURVE keys, rpc/wirekey.py):
+
+| the two ends | event | value |
+|---|---|---|
+| the same secret | HANDSHAKE_SUCCEEDED | |
+| different secrets | HANDSHAKE_FAILED_NO_DETAIL (the server cannot read our HELLO and hangs up) | EPIPE |
+| one keyed, one keyless | HANDSHAKE_FAILED_PROTOCOL | PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH |
+| a client key the server's ZAP handler refuses | HANDSHAKE_FAILED_AUTH | ZAP status code (400) |
+| a peer that is not ZMQ (an HTTP server) | HANDSHAKE_FAILED_NO_DETAIL | ECONNRESET or EPIPE |
+| a ZMQ socket of another type (a v1 PULL) | DISCONNECTED before HANDSHAKE_SUCCEEDED | |
+
+A keyed server may also hang up on a keyless client before the client reads why (NO_DETAIL instead of the
+mechanism mismatch, about one try in three here): NO_DETAIL is the vague one, so it never replaces a precise
+reason seen before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import zmq
+
+log = logging.getLogger("vitserve.rpc.sender")  # the sender's own lines
+
+EVENTS = (
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+)
+KEYS = "the connector's key_file and --wire_key_file"
+
+
+def handshake_failure(event: int, value: int, *, keyed: bool) -> str:
+    """Why a handshake failed (`event` one of FAILURES, `value` the monitor's), for a sender with or without a
+    key (--wire_key_file)."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"the connector refused this sender's key (status {value}): {KEYS} hold different secrets"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            if keyed:
+                return "the connector has no key_file but --wire_key_file is set: give both ends one key"
+            return "the connector requires a key: give --wire_key_file the file its key_file names"
+        return f"the peer broke the ZMTP handshake (protocol error {value:#x}): not vitserve's connector"
+    if keyed:
+        return f"the connector ended the key handshake: {KEYS} hold different secrets"
+    return (
+        "the peer ended the ZMTP handshake: it wants a key (give --wire_key_file the file its key_file names), "
+        "or it does not speak ZMQ (is --llm_endpoint the connector's?)"
+    )
+
+
+def wrong_socket_type() -> str:
+    """A peer that dropped the connection during the handshake with no failure event: a ZMQ socket of another
+    type (the handshake compares socket types)."""
+    return (
+        "the peer dropped the connection during the ZMTP handshake: it is not a wire-v2 EmbeddingReceiver "
+        f"(a v1 PULL receiver?), or it wants another key ({KEYS} differ); see docs/wire.md"
+    )
+
+
+class Link:
+    """The sender's connection as its monitor reports it (events read on the sender's I/O thread; the state is
+    read from any thread): `reachable` while a handshake has succeeded and the connection stands, `refusal` the
+    reason the last handshake failed until one succeeds. Reaching the receiver and losing it are logged once
+    each, every reason once until a handshake succeeds."""
+
+    def __init__(self, endpoint: str, *, keyed: bool) -> None:
+        self.endpoint = endpoint
+        self.keyed = keyed
+        self.reachable = False
+        self.refusal: str | None = None
+        self.connected = threading.Event()  # set while reachable (LLMSender.wait_reachable)
+        self._handshaking = False  # connected, ZMTP handshake not done yet
+        self._logged: str | None = None
+        self._precise = False  # `refusal` came from a PROTOCOL or AUTH failure (module docstring)
+
+    def on_event(self, event: int, value: int) -> bool | None:
+        """Take one monitor event; True when the receiver was reached, False when the connection went."""
+        if event == zmq.EVENT_CONNECTED:
+            self._handshaking = True
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._reached()
+            return True
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._lost()
+            return False
+        elif event in FAILURES and not (event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._precise):
+            self._precise = event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            self._refused(handshake_failure(event, value, keyed=self.keyed))
+        return None
+
+    def _reached(self) -> None:
+        if not self.reachable:
+            log.info("reached the receiver at --llm_endpoint %s", self.endpoint)
+        self.reachable, self._handshaking = True, False
+        self.refusal = self._logged = None
+        self._precise = False
+        self.connected.set()
+
+    def _lost(self) -> None:
+        if self.reachable:
+            log.warning("lost the receiver at --llm_endpoint %s; reconnecting", self.endpoint)
+        self.reachable = False
+        self.connected.clear()
+        if self._handshaking and self.refusal is None:  # no failure event: a socket of another type
+            self._refused(wrong_socket_type())
+        self._handshaking = False
+
+    def _refused(self, reason: str) -> None:
+        self.refusal, self._handshaking = reason, False
+        if reason != self._logged:  # libzmq retries every 100 ms
+            self._logged = reason
+            log.error("the receiver at --llm_endpoint %s: %s", self.endpoint, reason)
