@@ -16,9 +16,8 @@ Per width, bfloat16 (a GPU tower's dtype), best and median of the repeats:
   columns and 3 DeepStack levels of 4,096, as vitserve sends them) on TCP loopback to a real
   vitserve.connector.store.EmbeddingStore (the receiving side of vitserve.vllm_connector), which checks it, keeps it
   as a raw file in /dev/shm and acknowledges it: the time from send to the delivery's acknowledgement;
-- wire load: what vLLM's worker does with it, vitserve.connector.store.read_entry of that file into a tensor, then a
-  copy (`.clone()`, as for read): read_entry maps the file copy-on-write, so its pages are read only when first
-  touched (by vLLM's move to its device and dtype, or else by the forward); without the copy it takes < 1 ms.
+- wire load: what vLLM's worker does with it, vitserve.connector.store.read_entry of that file into a tensor of its
+  own (one read(2) into the tensor; before, it mapped the file copy-on-write and this bench added a .clone()).
 The directory is --dir (default /dev/shm, where the two processes share it on one host).
 
 Each run appends its record to bench/out/ec_handover.jsonl and prints RESULTS.md's table. Issue 33's target:
@@ -110,7 +109,7 @@ def wire(tensor: torch.Tensor, root: Path, repeats: int) -> dict[str, float]:
             entry = store.get(uuid)
             assert entry is not None, "acknowledged, yet the store does not hold it"
             where = as_dict(entry)
-            loaded = read_entry(where["path"], where["dtype"], where["rows"], where["width"]).clone()
+            loaded = read_entry(where["path"], where["dtype"], where["rows"], where["width"])
             t2 = time.perf_counter()
             if i == 0:
                 assert torch.equal(loaded, tensor), "the connector's file does not give back the tensor sent"

@@ -352,3 +352,19 @@ def test_another_shape_under_a_pinned_uuid_is_a_conflict_and_an_unpinned_one_is_
     assert store.get("a" * 64).rows == 24
     assert store.counters()["held_bytes"] == 24 * WIDTH * 4
     assert [p.stat().st_size for p in tensor_files(store)] == [24 * WIDTH * 4]
+
+
+def test_a_loaded_tensor_keeps_nothing_of_its_file_mapped(tmp_path):
+    """The worker's load is a copy of its own: once the connector deletes the file, no mapping of it stays in
+    the process (a copy-on-write map would keep the shared-memory pages alive in vLLM's encoder cache)."""
+    expected = torch.arange(12 * 8, dtype=torch.float32).view(12, 8)
+    path = tmp_path / "held"
+    path.write_bytes(expected.numpy().tobytes())
+    loaded = read_entry(str(path), "float32", 12, 8)
+    path.unlink()
+    with open("/proc/self/maps") as maps:
+        assert str(path) not in maps.read()
+    assert torch.equal(loaded, expected)
+    path.write_bytes(expected[:6].numpy().tobytes())
+    with pytest.raises(ValueError, match="holds 192 bytes, 384 expected"):
+        read_entry(str(path), "float32", 12, 8)

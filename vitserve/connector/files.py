@@ -13,6 +13,7 @@ never taken for an orphan.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from vitserve.rpc.tensors import tensor_to_buffer
+from vitserve.rpc.tensors import DTYPES, tensor_to_buffer
 
 PREFIX = "vitserve-ec-"
 STAGING = f".{PREFIX}new-"  # a directory being made, before it has its lock and its name
@@ -126,3 +127,22 @@ def _remove_if_orphan(path: Path, log: logging.Logger) -> None:
         )
     finally:
         os.close(fd)
+
+
+def read_entry(path: str, dtype: str, rows: int, width: int) -> torch.Tensor:
+    """A held embedding as a CPU tensor of its own (the worker's side): one copy, read(2) straight into the
+    tensor's memory, so the file may go at once and nothing of it stays mapped. torch.from_file(shared=False)
+    would map the file copy-on-write instead: vLLM's encoder cache would then hold the deleted file's pages, and
+    the connector's shared-memory device would never get its space back (on the CPU platform `.to()` of the same
+    dtype is that very tensor). A file shorter than rows x width raises ValueError."""
+    tensor = torch.empty(rows, width, dtype=DTYPES[dtype])
+    nbytes = tensor.numel() * tensor.element_size()
+    view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    done = 0
+    with open(path, "rb", buffering=0) as f:
+        while done < nbytes:  # read(2) returns at most ~2 GiB at a time
+            got = f.readinto(view[done:])
+            if not got:
+                raise ValueError(f"{path} holds {done} bytes, {nbytes} expected ({rows} x {width} {dtype})")
+            done += got
+    return tensor

@@ -41,12 +41,11 @@ import torch
 import zmq
 
 from vitserve.connector.checks import REASONS, RateLimitedLog, Refusal, Shape, check_message
-from vitserve.connector.files import TensorDir, is_device_full
+from vitserve.connector.files import TensorDir, is_device_full, read_entry
 from vitserve.connector.ledger import HeldTensor, Ledger
 from vitserve.connector.router import Router
 from vitserve.endpoints import host_only
 from vitserve.rpc.replies import HoldsQuery, Release, decode_inbound, encode_held, encode_nack, message_id_of
-from vitserve.rpc.tensors import DTYPES
 from vitserve.rpc.wire import ImageEmbedding, WireError, encode_ack
 
 __all__ = ["COUNTERS", "REASONS", "EmbeddingStore", "HeldTensor", "Shape", "as_dict", "read_entry"]
@@ -388,12 +387,6 @@ class EmbeddingStore:
                 entry.path.unlink()
         if counter and entries:
             self.counts[counter] += len(entries)
-
-
-def read_entry(path: str, dtype: str, rows: int, width: int) -> torch.Tensor:
-    """A held embedding as a private CPU tensor (the worker's side: a copy, so the file may go at once)."""
-    tensor = torch.from_file(path, shared=False, size=rows * width, dtype=DTYPES[dtype])
-    return tensor.view(rows, width)
 
 
 def as_dict(entry: HeldTensor) -> dict[str, Any]:
