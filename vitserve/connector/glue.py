@@ -14,7 +14,7 @@ its own with several GPUs and on vLLM's CPU platform) copies a file into vLLM's 
 start_load_caches; the scheduler side names the files in the step's metadata, and pins each one until the
 request that loads it finishes, so the file is there.
 
-Per request, in the scheduler (vLLM 0.32 v1/core/sched/scheduler.py calls, for one request at a time:
+Per request, in the scheduler (vLLM 0.32 vllm/v1/core/sched/scheduler.py calls, for one request at a time:
 ensure_cache_available, then has_cache_item for its items, then update_state_after_alloc for the allocated ones):
 - ensure_cache_available decides with admission.py's pure rules: an item is supplied from here only when the
   request announced it and the tensor held agrees with the announcement, the placeholder and the model's width.
