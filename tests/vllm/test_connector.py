@@ -245,7 +245,7 @@ def test_a_sender_that_vanishes_after_its_push_costs_nothing(consumer, pushed):
 def test_a_push_over_the_memory_bound_is_refused(consumer):
     ckpt, endpoint, server = consumer
     big = _new_uuid()
-    grid = [1, 20, 24]  # 120 rows x 192 floats = 90 KiB, over max_gb's ~52 KiB or the 64 KiB tmpfs
+    grid = [1, 20, 24]  # 120 rows x 192 floats = 90 KiB, over max_gb's ~52 KiB or the 80 KiB tmpfs
     reply = _send(endpoint, _message(big, *_zeros(120), grid))
     assert isinstance(reply, Nack)
     assert "bytes" in reply.reason  # the bound it is over, and its size

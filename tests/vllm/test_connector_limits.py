@@ -1,5 +1,5 @@
 """vitserve's vLLM connector at its limits, in the session's Qwen3-VL connector vLLM
-(tests/vllm/connector_server.py: its tensors on a 64 KiB tmpfs, max_gb far larger, vLLM's shared-memory
+(tests/vllm/connector_server.py: its tensors on an 80 KiB tmpfs, max_gb far larger, vLLM's shared-memory
 processor cache on): hostile but well-formed messages from a keyed peer, a device too small for what is pushed,
 its counters in vLLM's own /metrics, and protected mode refusing a keyless connector on 0.0.0.0.
 
@@ -102,7 +102,7 @@ def shm(consumer) -> Path:
 
 
 def test_images_that_do_not_fit_the_device_are_refused_and_the_next_request_is_answered(consumer, fresh, shm):
-    """28-row tensors (21 KiB, 6 pages each) pushed for one request onto the 64 KiB tmpfs, none loaded yet: four
+    """28-row tensors (21 KiB, 6 pages each) pushed for one request onto the 80 KiB tmpfs, none loaded yet: four
     cannot all fit, so one is refused with a nack, not a hang (whatever earlier tests left there). The ones
     acknowledged are then loaded by the request that announces them, and a fresh image fits again."""
     grid = (1, 8, 14)  # 28 rows
@@ -219,4 +219,5 @@ def test_a_keyless_connector_on_all_interfaces_is_refused_unless_allowed(tmp_pat
     assert "allow_unauthenticated" in refused[0]
     assert "key_file" in refused[0]
     assert "BOUND tcp://0.0.0.0:" in out.stdout
-    assert "takes pushes from any peer" in out.stdout + out.stderr  # allowed, and said so at start
+    said = [line for line in (out.stdout + out.stderr).splitlines() if "WARNING" in line]
+    assert any("allow_unauthenticated" in line for line in said), out.stderr[-3000:]  # allowed, said at start

@@ -19,6 +19,7 @@ PREFIX = "vllm:vitserve_connector_"
 GAUGES = {
     "held_bytes": "Bytes of embeddings the connector holds now (received, not yet evicted or expired).",
     "held": "Embeddings the connector holds now.",
+    "max_bytes": "The connector's bound in bytes: max_gb, or less when its shm_dir device has less room.",
 }
 COUNTERS = {
     "received": "Embeddings received, checked and acknowledged.",
@@ -26,6 +27,7 @@ COUNTERS = {
     "handshakes_failed": "Peers whose ZMTP handshake failed: without the key, or not ZMQ; nothing of theirs read.",
     "evicted": "Held embeddings evicted to make room (loaded or expired ones only).",
     "expired": "Held embeddings dropped at their expiry.",
+    "releases": "Held embeddings released early: vitserve said their request failed.",
     "receiver_restarts": "Times the receiver thread ended and was restarted.",
     "supplied": "Embeddings the connector handed to vLLM's encoder cache, checked against their request.",
 }
