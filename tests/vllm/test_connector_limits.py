@@ -9,7 +9,6 @@ pushed after it gives vLLM's own answer for the raw image; vLLM stays healthy th
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import subprocess
 import textwrap
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgpack
 import pytest
 
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
@@ -27,6 +27,7 @@ from tests.vllm.test_connector import (
     _message,
     _new_uuid,
     _part,
+    _release,
     _request,
     _send,
     _zeros,
@@ -78,8 +79,17 @@ def _hostile(uuid: str, rows: int = 12, grid=(1, 6, 8), message_id: str = "") ->
     return encode_embedding_message(message)
 
 
+def _zero_rows(uuid: str) -> list:
+    """A message of grid [1, 0, 0] and 0 rows: well-formed, but vitserve's own encoder cannot make it (an empty
+    tensor has no buffer to send), so its header is rewritten from a 1-row one and its tensor frames are empty."""
+    frames = _hostile(uuid, rows=1, grid=(1, 2, 2))
+    header = msgpack.unpackb(frames[0])
+    header.update(grid_thw=[1, 0, 0], num_tokens=0, shape=[0, 64], deepstack_shapes=[[0, 64], [0, 64]])
+    return [msgpack.packb(header), b"", b"", b""]
+
+
 HOSTILE = {
-    "zero_rows": lambda: _hostile(_new_uuid(), rows=0, grid=(1, 0, 0)),
+    "zero_rows": lambda: _zero_rows(_new_uuid()),
     "uuid_dot": lambda: _hostile("."),
     "message_id_slash": lambda: _hostile(_new_uuid(), message_id="a/../b"),
     "uuid_246": lambda: _hostile("u" * 246),
@@ -89,8 +99,11 @@ HOSTILE = {
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_a_hostile_well_formed_message_is_answered_and_the_next_push_works(consumer, fresh, name):
-    reply = _send(consumer.endpoint, HOSTILE[name]())
+    frames = HOSTILE[name]()
+    reply = _send(consumer.endpoint, frames)
     assert isinstance(reply, Ack | Nack), f"no reply to {name}: the receiver did not take it"
+    if isinstance(reply, Ack):  # kept: let it go, or it fills the small tmpfs until its expiry
+        _release(consumer.endpoint, [msgpack.unpackb(frames[0])["uuid"]])
     _assert_a_fresh_push_is_answered_as_vllms_own(consumer, fresh)
 
 
@@ -125,22 +138,22 @@ def test_images_that_do_not_fit_the_device_are_refused_and_the_next_request_is_a
 def test_a_full_device_is_a_reply_not_a_hang(consumer, fresh, shm):
     """The device filled by someone else (ENOSPC whatever the bound says): a push is answered (a nack, or an
     ack when evicting spent tensors made room), and once there is room again a fresh image is answered."""
-    filler = shm / "filler"
-    with contextlib.suppress(FileNotFoundError), open(filler, "wb") as f:
-        _fill(f)
+    filler, uuid = shm / "filler", _new_uuid()
     try:
-        reply = _send(consumer.endpoint, _message(_new_uuid(), *_zeros(12), (1, 6, 8)))
+        _fill(filler)
+        reply = _send(consumer.endpoint, _message(uuid, *_zeros(12), (1, 6, 8)))
         assert isinstance(reply, Ack | Nack), "no reply with the device full"
     finally:
-        filler.unlink()
+        filler.unlink(missing_ok=True)
+    _release(consumer.endpoint, [uuid])
     _assert_a_fresh_push_is_answered_as_vllms_own(consumer, fresh)
 
 
-def _fill(f) -> None:
-    with pytest.raises(OSError, match="No space left") as full:  # noqa: PT012  # write until full
+def _fill(path: Path) -> None:
+    """Write `path` until its device says it is full."""
+    with pytest.raises(OSError, match="No space left") as full, open(path, "wb", buffering=0) as f:  # noqa: PT012
         while True:
             f.write(b"\0" * 4096)
-            f.flush()
     assert full.value.errno == errno.ENOSPC, full.value
 
 
