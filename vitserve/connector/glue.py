@@ -276,7 +276,9 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
         for uuid, where in meta.loads.items():
             if uuid not in encoder_cache:
                 tensor = read_entry(where["path"], where["dtype"], where["rows"], where["width"])
-                encoder_cache[uuid] = tensor.to(device=device, dtype=self._dtype)
+                # a copy always: read_entry's tensor maps the file, and on a CPU in the same dtype `.to` would
+                # keep that mapping in vLLM's encoder cache, holding the file's shm pages after it is deleted
+                encoder_cache[uuid] = tensor.to(device=device, dtype=self._dtype, copy=True)
 
     def save_caches(self, encoder_cache: dict[str, Any], mm_hash: str, **kwargs: Any) -> None:
         return None  # a consumer only
