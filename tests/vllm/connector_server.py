@@ -27,7 +27,9 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,8 +67,11 @@ def prepare(tmp: Path, family: str = FAMILY) -> Callable[[bool], ConnectorVllm]:
     (tmp / "pkg" / "vitserve").symlink_to(Path(__file__).resolve().parents[2] / "vitserve")
     key_file = tmp / "key"
     key_file.write_bytes(SECRET + b"\n")
-    (tmp / "shm").mkdir()
-    mounted = family == FAMILY and _mount_tmpfs(tmp / "shm", SHM_BYTES)
+    shm_dir = _tmpfs(SHM_BYTES) if family == FAMILY else None
+    mounted = shm_dir is not None
+    if shm_dir is None:
+        shm_dir = tmp / "shm"
+        shm_dir.mkdir()
     endpoint = f"tcp://127.0.0.1:{unused_port()}"  # vLLM binds it a minute later
     config = {
         "ec_connector": "VitserveECConnector",
@@ -77,7 +82,7 @@ def prepare(tmp: Path, family: str = FAMILY) -> Callable[[bool], ConnectorVllm]:
             "max_gb": SHM_MAX_GB if mounted else MAX_GB,
             "key_file": str(key_file),
             "wait_s": WAIT_S,
-            "shm_dir": str(tmp / "shm"),
+            "shm_dir": str(shm_dir),
         },
     }
 
@@ -97,20 +102,28 @@ def prepare(tmp: Path, family: str = FAMILY) -> Callable[[bool], ConnectorVllm]:
             wait=wait,
             worker_in_engine_core=family != FAMILY,
         )
-        return ConnectorVllm(ckpt, endpoint, key_file, server, tmp / "shm", mounted)
+        return ConnectorVllm(ckpt, endpoint, key_file, server, shm_dir, mounted)
 
     return launch
 
 
-def _mount_tmpfs(where: Path, size: int) -> bool:
-    """A tmpfs of `size` bytes at `where`, unmounted when this process exits (after the servers stopped);
-    False where mounting is not allowed."""
+def _tmpfs(size: int) -> Path | None:
+    """A fresh tmpfs of `size` bytes, unmounted and removed when this process exits (after the servers
+    stopped); None where mounting is not allowed. Not under pytest's basetemp: pytest moves old basetemps
+    aside to delete them, and a mount inside one would move with it."""
+    where = Path(tempfile.mkdtemp(prefix="vitserve-test-shm-"))
     mount = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", os.fspath(where)]
     try:
         done = subprocess.run(mount, capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
-        return False
-    if done.returncode != 0:
-        return False
-    atexit.register(subprocess.run, ["umount", "-l", os.fspath(where)], capture_output=True, timeout=30)
-    return True
+        done = None
+    if done is None or done.returncode != 0:
+        where.rmdir()
+        return None
+    atexit.register(_unmount, where)
+    return where
+
+
+def _unmount(where: Path) -> None:
+    subprocess.run(["umount", "-l", os.fspath(where)], capture_output=True, timeout=30)
+    shutil.rmtree(where, ignore_errors=True)
