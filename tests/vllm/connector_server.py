@@ -6,6 +6,13 @@ package (PYTHONPATH to a directory holding nothing but `vitserve`: what `pip ins
 and vLLM's packages untouched), the connector's port on loopback TCP, its files in a directory of its own, a
 key file, a small byte bound and a short wait.
 
+The Qwen3-VL one also runs vLLM's `--mm-processor-cache-type shm` (raw images reach the scheduler as shared-memory
+addresses, metadata-only parts as their grid alone: the connector tells them apart as vLLM's parser declares
+them), and keeps its tensors on a tmpfs of SHM_BYTES (mounted here; we are root in tests and CI) far smaller than
+its max_gb, as in a container with Docker's small /dev/shm: the device, not max_gb, is what fills up. Where the
+mount fails it falls back to a plain directory and max_gb MAX_GB (`shm_mounted` False; the tests of a full
+device skip).
+
 tests/vllm/conftest.py's session fixture `connector_vllm` takes the Qwen3-VL one, tests/vllm/test_wire.py the
 Qwen2.5-VL one (both started early beside the other vLLMs, tests/vllm/servers.py `take_more`).
 
@@ -17,8 +24,12 @@ process).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +41,8 @@ FAMILY = "qwen3_vl"
 SECRET = b"a test secret of 32 bytes, fixed"
 MAX_GB = 0.00005  # ~52 KiB: a few 128x96 images' tensors (12 rows x 192 floats, 9 KiB), not a 120-row one
 WAIT_S = 1.0  # the connector's wait_s: how long a request whose items never came is deferred
+SHM_BYTES = 80 * 1024  # the Qwen3-VL connector's tmpfs: 20 pages, a few small images' tensors
+SHM_MAX_GB = 1  # its max_gb: far more than the device holds
 
 
 @dataclass
@@ -38,6 +51,8 @@ class ConnectorVllm:
     endpoint: str  # the connector's ZMQ address (vitserve's --llm_endpoint)
     key_file: Path  # its key_file (vitserve's --wire_key_file)
     server: VllmServer
+    shm_dir: Path  # where its tensors live (a tmpfs of SHM_BYTES when shm_mounted)
+    shm_mounted: bool = False
 
     @property
     def model(self) -> str:
@@ -52,7 +67,11 @@ def prepare(tmp: Path, family: str = FAMILY) -> Callable[[bool], ConnectorVllm]:
     (tmp / "pkg" / "vitserve").symlink_to(Path(__file__).resolve().parents[2] / "vitserve")
     key_file = tmp / "key"
     key_file.write_bytes(SECRET + b"\n")
-    (tmp / "shm").mkdir()
+    shm_dir = _tmpfs(SHM_BYTES) if family == FAMILY else None
+    mounted = shm_dir is not None
+    if shm_dir is None:
+        shm_dir = tmp / "shm"
+        shm_dir.mkdir()
     endpoint = f"tcp://127.0.0.1:{unused_port()}"  # vLLM binds it a minute later
     config = {
         "ec_connector": "VitserveECConnector",
@@ -60,10 +79,10 @@ def prepare(tmp: Path, family: str = FAMILY) -> Callable[[bool], ConnectorVllm]:
         "ec_role": "ec_consumer",
         "ec_connector_extra_config": {
             "endpoint": endpoint,
-            "max_gb": MAX_GB,
+            "max_gb": SHM_MAX_GB if mounted else MAX_GB,
             "key_file": str(key_file),
             "wait_s": WAIT_S,
-            "shm_dir": str(tmp / "shm"),
+            "shm_dir": str(shm_dir),
         },
     }
 
@@ -73,11 +92,38 @@ def prepare(tmp: Path, family: str = FAMILY) -> Callable[[bool], ConnectorVllm]:
             tmp,
             limit_mm={"image": 4, "video": 1},  # tests/vllm/test_wire.py sends a video through vitserve
             # and compares vLLM's own video path, which takes the sampling per request (media_io_kwargs)
-            extra_args=("--ec-transfer-config", json.dumps(config), "--trust-request-mm-kwargs"),
+            extra_args=(
+                "--ec-transfer-config",
+                json.dumps(config),
+                "--trust-request-mm-kwargs",
+                *(("--mm-processor-cache-type", "shm") if family == FAMILY else ()),
+            ),
             extra_env={"PYTHONPATH": os.fspath(tmp / "pkg")},
             wait=wait,
             worker_in_engine_core=family != FAMILY,
         )
-        return ConnectorVllm(ckpt, endpoint, key_file, server)
+        return ConnectorVllm(ckpt, endpoint, key_file, server, shm_dir, mounted)
 
     return launch
+
+
+def _tmpfs(size: int) -> Path | None:
+    """A fresh tmpfs of `size` bytes, unmounted and removed when this process exits (after the servers
+    stopped); None where mounting is not allowed. Not under pytest's basetemp: pytest moves old basetemps
+    aside to delete them, and a mount inside one would move with it."""
+    where = Path(tempfile.mkdtemp(prefix="vitserve-test-shm-"))
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", os.fspath(where)]
+    try:
+        done = subprocess.run(mount, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        done = None
+    if done is None or done.returncode != 0:
+        where.rmdir()
+        return None
+    atexit.register(_unmount, where)
+    return where
+
+
+def _unmount(where: Path) -> None:
+    subprocess.run(["umount", "-l", os.fspath(where)], capture_output=True, timeout=30)
+    shutil.rmtree(where, ignore_errors=True)

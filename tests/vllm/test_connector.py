@@ -4,10 +4,13 @@ vitserve on its path as its package alone, the connector's port on loopback TCP 
 The pushes here come from raw DEALER sockets keyed with rpc/wirekey.py, so that a refusal (nack) and a
 missing reply can be read as they are.
 
-A correct push gives vLLM's own answer for the raw image (identical tokens, logprobs within 1e-4: the tensor is
-what transformers' tower computes from the same pixels, an image whose size needs no resize); everything
-else (an unknown uuid, too few rows, a stranger without the key, garbage, a vanished sender, a full bound)
+Each request that names a pushed tensor announces it in `ec_transfer_params` (docs/wire.md, "The announcement"),
+as vitserve does. A correct push gives vLLM's own answer for the raw image (identical tokens, logprobs within
+1e-4: the tensor is what transformers' tower computes from the same pixels, an image whose size needs no
+resize), with vLLM's shared-memory processor cache on; everything else (an unknown uuid, a held tensor the
+request does not announce, too few rows, a stranger without the key, garbage, a vanished sender, a full bound)
 ends in a refusal or an error answer, vLLM's /health stays 200 and the next request is answered.
+tests/vllm/test_connector_limits.py has the hostile peers, the full device, the metrics and protected mode.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from vitserve.rpc.wire import ImageEmbedding, encode_embedding_message
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 REPLY_S = 30.0  # a reply that must come (generous for a loaded machine); a refused peer's wait is 2 s
+WIDTH = 192  # the model's: 64 main columns and 2 DeepStack levels of 64 (tests/checkpoints.py)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +63,18 @@ def _send(endpoint: str, frames: list, key: bytes | None = SECRET, wait_s: float
         if not sock.poll(int(wait_s * 1000)):
             return None
         return decode_reply(sock.recv())
+
+
+def _release(endpoint: str, uuids) -> None:
+    """Tell the connector that request "r" (every message here) will not load `uuids`, as vitserve does for a
+    failed request: what a test pushed and did not load is evictable at once instead of filling the small
+    tmpfs until its expiry. A holds query on the same connection follows: its reply says the release was taken."""
+    with _socket(SECRET) as sock:
+        sock.connect(endpoint)
+        sock.send(msgpack.packb({"v": 3, "release": list(uuids), "request_id": "r"}))
+        sock.send(encode_holds([_new_uuid()], "q-release"))  # not those: a holds reply would promise them
+        assert sock.poll(int(REPLY_S * 1000))
+        sock.recv()
 
 
 def _embedding(ckpt, image: bytes) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
@@ -97,13 +113,25 @@ def _part(uuid: str, grid) -> dict:
     return {"type": "image_embeds", "image_embeds": {"image_grid_thw": list(grid)}, "uuid": uuid}
 
 
+def _announced(body: dict, items: dict[str, int], width: int = WIDTH, dtype: str = "float32") -> dict:
+    """`body` announcing uuid -> rows as vitserve does (docs/wire.md, "The announcement")."""
+    announced = {uuid: {"rows": rows, "width": width, "dtype": dtype} for uuid, rows in items.items()}
+    return {**body, "ec_transfer_params": {"vitserve": {"v": 1, "items": announced}}}
+
+
+def _request(ckpt, uuid: str, grid, **kwargs) -> dict:
+    """A chat request naming `uuid` metadata-only, announced with the rows of `grid`."""
+    rows = grid[0] * grid[1] * grid[2] // 4
+    return _announced(chat_request(str(ckpt), _part(uuid, grid), **kwargs), {uuid: rows})
+
+
 def _new_uuid() -> str:
     return uuidlib.uuid4().hex * 2
 
 
-def _assert_error_then_healthy(ckpt, server, part) -> None:
-    """A request naming `part` is answered with an error; vLLM stays healthy and answers the next request."""
-    r = httpx.post(server.url + "/v1/chat/completions", json=chat_request(str(ckpt), part), timeout=120)
+def _assert_error_then_healthy(ckpt, server, body: dict) -> None:
+    """`body` is answered with an error; vLLM stays healthy and answers the next request."""
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code >= 400, r.text
     assert "error" in r.json(), r.text
     assert server.alive()
@@ -128,8 +156,8 @@ def pushed(consumer):
 def test_a_pushed_image_gives_vllms_own_answer(consumer, pushed, stream):
     ckpt, endpoint, server = consumer
     uuid, grid, image = pushed
-    given = complete(server.url, chat_request(str(ckpt), _part(uuid, grid), stream=stream))
-    own = complete(server.url, chat_request(str(ckpt), image_url_part(image), stream=stream))
+    given = complete(server.url, _request(ckpt, uuid, grid, stream=stream))
+    own = complete(server.url, chat_request(str(ckpt), image_url_part(image), stream=stream))  # via shm cache
     assert_same_answer(own, given)
     held = _send(endpoint, [encode_holds([uuid, _new_uuid()], "q-1")])
     assert held == Held("q-1", (uuid,))  # still held after its load: a repeat need not be pushed again
@@ -137,7 +165,39 @@ def test_a_pushed_image_gives_vllms_own_answer(consumer, pushed, stream):
 
 def test_an_unknown_uuid_is_an_error_and_vllm_stays_healthy(consumer):
     ckpt, _, server = consumer
-    _assert_error_then_healthy(ckpt, server, _part(_new_uuid(), [1, 6, 8]))
+    _assert_error_then_healthy(ckpt, server, _request(ckpt, _new_uuid(), [1, 6, 8]))  # announced, never came
+    _assert_error_then_healthy(ckpt, server, chat_request(str(ckpt), _part(_new_uuid(), [1, 6, 8])))
+
+
+def test_a_held_tensor_is_loaded_only_for_a_request_that_announces_it(consumer, pushed):
+    """A direct request naming a held uuid without announcing it fails (vLLM has nothing else to encode it
+    from); a raw image whose client-set uuid is a held one is vLLM's own to encode, the held tensor unused."""
+    ckpt, endpoint, server = consumer
+    uuid, grid, image = pushed
+    _assert_error_then_healthy(ckpt, server, chat_request(str(ckpt), _part(uuid, grid)))
+    zeros = _new_uuid()
+    assert isinstance(_send(endpoint, _message(zeros, *_zeros(12), grid)), Ack)
+    raw = chat_request(str(ckpt), image_url_part(image))
+    own = complete(server.url, raw)
+    claimed = chat_request(str(ckpt), {**image_url_part(image), "uuid": zeros})
+    assert_same_answer(own, complete(server.url, claimed))  # not the zeros held under that uuid
+    assert server.alive()
+    _release(endpoint, [zeros])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"vitserve": {"v": 2, "items": {}}},
+        {"vitserve": {"v": 1, "items": {"u": {"rows": "12", "width": WIDTH, "dtype": "float32"}}}},
+        {"vitserve": {"v": 1, "items": ["u"]}},
+    ],
+    ids=["version", "rows", "items"],
+)
+def test_a_malformed_announcement_fails_its_request_only(consumer, pushed, params):
+    ckpt, _, server = consumer
+    uuid, grid, _ = pushed
+    _assert_error_then_healthy(ckpt, server, {**_request(ckpt, uuid, grid), "ec_transfer_params": params})
 
 
 def test_too_few_rows_are_refused_and_a_grid_that_disagrees_fails_the_request(consumer, pushed):
@@ -147,9 +207,12 @@ def test_too_few_rows_are_refused_and_a_grid_that_disagrees_fails_the_request(co
     reply = _send(endpoint, _message(short, *_zeros(5), grid))
     assert isinstance(reply, Nack)
     assert "rows" in reply.reason
-    _assert_error_then_healthy(ckpt, server, _part(short, grid))
-    # a tensor held with the rows of its grid, named with another grid: wrong rows for that request
-    _assert_error_then_healthy(ckpt, server, _part(uuid, [1, 8, 8]))
+    _assert_error_then_healthy(ckpt, server, _request(ckpt, short, grid))
+    # a tensor held with the rows of its grid, named (and announced) with another grid: wrong rows
+    _assert_error_then_healthy(ckpt, server, _request(ckpt, uuid, [1, 8, 8]))
+    # announced with the rows of its placeholder but another width than the model's
+    wide = _announced(chat_request(str(ckpt), _part(uuid, grid)), {uuid: 12}, width=WIDTH * 2)
+    _assert_error_then_healthy(ckpt, server, wide)
 
 
 def test_a_sender_without_the_key_gets_nothing_kept(consumer, pushed):
@@ -160,7 +223,7 @@ def test_a_sender_without_the_key_gets_nothing_kept(consumer, pushed):
     for key in (None, b"not the secret, but 32 bytes ..."):
         assert _send(endpoint, _message(stranger, embeds, deepstack, grid), key=key, wait_s=2) is None
     assert _send(endpoint, [encode_holds([stranger], "q-2")]) == Held("q-2", ())
-    _assert_error_then_healthy(ckpt, server, _part(stranger, grid))
+    _assert_error_then_healthy(ckpt, server, _request(ckpt, stranger, grid))
 
 
 def test_garbage_on_the_connectors_port_changes_nothing(consumer, pushed):
@@ -177,7 +240,7 @@ def test_garbage_on_the_connectors_port_changes_nothing(consumer, pushed):
         raw.sendall(os.urandom(4096))
     assert server.alive()
     assert _send(endpoint, [encode_holds([uuid], "q-3")]) == Held("q-3", (uuid,))
-    complete(server.url, {**chat_request(str(ckpt), _part(uuid, grid)), "max_tokens": 2})
+    complete(server.url, {**_request(ckpt, uuid, grid), "max_tokens": 2})
 
 
 def test_a_sender_that_vanishes_after_its_push_costs_nothing(consumer, pushed):
@@ -190,7 +253,7 @@ def test_a_sender_that_vanishes_after_its_push_costs_nothing(consumer, pushed):
     sock.send_multipart(_message(uuid, embeds, deepstack, grid))
     assert sock.poll(int(REPLY_S * 1000))
     sock.close(0)  # gone between the push and the request: the tensor is held, the request is answered
-    given = complete(server.url, chat_request(str(ckpt), _part(uuid, grid)))
+    given = complete(server.url, _request(ckpt, uuid, grid))
     assert given.tokens
     assert server.alive()
 
@@ -198,8 +261,8 @@ def test_a_sender_that_vanishes_after_its_push_costs_nothing(consumer, pushed):
 def test_a_push_over_the_memory_bound_is_refused(consumer):
     ckpt, endpoint, server = consumer
     big = _new_uuid()
-    grid = [1, 20, 24]  # 120 rows x 192 floats = 90 KiB, over max_gb's ~52 KiB
+    grid = [1, 20, 24]  # 120 rows x 192 floats = 90 KiB, over max_gb's ~52 KiB or the 80 KiB tmpfs
     reply = _send(endpoint, _message(big, *_zeros(120), grid))
     assert isinstance(reply, Nack)
-    assert "max_gb" in reply.reason
-    _assert_error_then_healthy(ckpt, server, _part(big, grid))
+    assert "bytes" in reply.reason  # the bound it is over, and its size
+    _assert_error_then_healthy(ckpt, server, _request(ckpt, big, grid))

@@ -1,10 +1,11 @@
 """vitserve's own vLLM encoder-cache connector (docs/vllm.md, "vitserve's vLLM connector"; SPEC §12): vitserve
 pushes each embedding over its wire (docs/wire.md) to this connector inside vLLM, then sends vLLM a chat request
-whose parts name the embeddings by uuid only. Loaded by vLLM 0.32 by module path:
+whose parts name the embeddings by uuid only and whose `ec_transfer_params` announces them. Loaded by vLLM 0.32
+by module path:
 
     --ec-transfer-config '{"ec_connector": "VitserveECConnector", "ec_connector_module_path":
       "vitserve.vllm_connector", "ec_role": "ec_consumer", "ec_connector_extra_config":
-      {"endpoint": "tcp://0.0.0.0:5600", "max_gb": 4, "key_file": "/run/secrets/vitserve-wire-key"}}'
+      {"endpoint": "tcp://10.0.0.5:5600", "max_gb": 4, "key_file": "/run/secrets/vitserve-wire-key"}}'
 
 vLLM builds the class twice. The SCHEDULER side (in vLLM's engine-core process) runs the receiver
 (vitserve/connector/store.py): it binds `endpoint`, checks and acknowledges each message, and keeps the tensor as a
@@ -13,13 +14,16 @@ its own with several GPUs and on vLLM's CPU platform) copies a file into vLLM's 
 start_load_caches; the scheduler side names the files in the step's metadata, and pins each one until the
 request that loads it finishes, so the file is there.
 
-A request's metadata-only items (an embedding part with no tensor) are checked before vLLM schedules it:
-- ensure_cache_available: every such item whole and of the rows vLLM's placeholder needs and the model's width:
-  True. One not here yet: False (vLLM defers the request) for at most `wait_s` (extra config, default 5 s).
-- past that, or an item of the wrong rows or width: the request is named by take_unavailable_requests, and
-  vLLM fails it (an error answer; the engine and the next request are unaffected).
-- has_cache_item says True only for a tensor that is whole on this host. Items with pixels (a raw image) are
-  vLLM's own to encode: this connector never defers them.
+Per request, in the scheduler (vLLM 0.32 vllm/v1/core/sched/scheduler.py calls, for one request at a time:
+ensure_cache_available, then has_cache_item for its items, then update_state_after_alloc for the allocated ones):
+- ensure_cache_available decides with admission.py's pure rules: an item is supplied from here only when the
+  request announced it and the tensor held agrees with the announcement, the placeholder and the model's width.
+  One announced and not here yet defers the request, for at most `wait_s`, and not at all once the receiver has
+  failed; a malformed announcement, a mismatch, an item without pixels that is not announced, or a wait past
+  `wait_s`: the request is named by take_unavailable_requests and vLLM fails it alone.
+- has_cache_item says True only for a uuid that ensure_cache_available just checked for the request being
+  scheduled; items with pixels that are not announced are vLLM's own to encode.
+Nothing here raises into vLLM's scheduler: an error of the connector's own fails the request concerned.
 
 Imports: torch, pyzmq, msgspec or msgpack (rpc/wire.py), the standard library, vitserve's rpc modules, and vLLM
 itself; `pip install --no-deps vitserve` into vLLM's environment is all it needs (tests/integration/test_vllm_connector_imports.py
@@ -39,8 +43,10 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.logger import init_logger
 
+from vitserve.connector import admission, counters
+from vitserve.connector.config import KEY, parse_config, start_store
 from vitserve.connector.store import EmbeddingStore, Shape, as_dict, read_entry
-from vitserve.rpc.wirekey import read_key_file
+from vitserve.rpc.tensors import DTYPES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,9 +55,6 @@ if TYPE_CHECKING:
 log = init_logger("vllm.vitserve_connector")  # under "vllm": vLLM's handler and VLLM_LOGGING_LEVEL apply
 
 MODULE_PATH = "vitserve.vllm_connector"  # the ec_connector_module_path that names this module to vLLM
-DEFAULT_WAIT_S = 5.0
-# keys of an item's processed data that carry its content: an item with none of them is metadata-only
-_CONTENT_MARKS = ("pixel_values", "_embeds", "input_features")
 
 
 @dataclass
@@ -64,61 +67,132 @@ class VitserveECMetadata(ECConnectorMetadata):  # type: ignore[misc]  # vLLM is 
 class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
-        config = vllm_config.ec_transfer_config
         self._dtype = vllm_config.model_config.dtype
-        self._loads: dict[str, dict[str, Any]] = {}
-        self._pinned: dict[str, set[str]] = {}  # request id -> uuids pinned for it
-        self._waiting_since: dict[str, float] = {}  # request id -> first deferral (monotonic)
-        self._unavailable: set[str] = set()
-        self._wait_s = float(config.get_from_extra_config("wait_s", DEFAULT_WAIT_S))
         self.store: EmbeddingStore | None = None
         if role == ECConnectorRole.SCHEDULER:
-            self.store = _start_store(vllm_config)
+            self._init_scheduler(vllm_config)
+
+    def _init_scheduler(self, vllm_config: VllmConfig) -> None:
+        config, unknown = parse_config(vllm_config.ec_transfer_config.ec_connector_extra_config or {})
+        if unknown:
+            log.warning("vitserve connector: ignoring %s.%s (not a key it knows)", KEY, ", ".join(unknown))
+        self._wait_s = config.wait_s
+        self._model_config = vllm_config.model_config
+        self._metadata_fields: dict[str, frozenset[str]] = {}  # modality -> vLLM's placeholder metadata keys
+        self._loads: dict[str, dict[str, Any]] = {}
+        self._announced: dict[str, dict[str, admission.Announced]] = {}  # request id -> its announcement
+        self._supplied: dict[str, set[str]] = {}  # request id -> uuids checked and pinned for it
+        self._checking: frozenset[str] = frozenset()  # what has_cache_item may say True for (the request now)
+        self._waiting_since: dict[str, float] = {}  # request id -> first deferral (monotonic)
+        self._unavailable: set[str] = set()
+        self._counts: dict[str, int] = {}  # the glue's own counters (counters.py)
+        self._reported: dict[str, int] = {}  # the last counters sent to vLLM's stats
+        self.store = start_store(config, _model_shape(vllm_config), log)
+        log.info(
+            "vitserve connector: bound %s (max_gb %g, key %s, wait_s %g, width %d, merge %d), files in %s",
+            self.store.endpoint,
+            config.max_gb,
+            "required" if config.key_file else "none",
+            config.wait_s,
+            self.store.shape.width,
+            self.store.shape.merge,
+            self.store.dir,
+        )
 
     # ------------------------------------------------------------------------------- scheduler side
 
     def has_cache_item(self, identifier: str) -> bool:
-        return self.store is not None and self.store.touch(identifier) is not None
+        return identifier in self._checking
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        self._checking = frozenset()
+        if request.request_id in self._unavailable:
+            return False
+        try:
+            return self._ensure(request, num_computed_tokens)
+        except Exception:  # the connector's own error fails this request, never vLLM's scheduler
+            log.exception("vitserve connector: checking request %s failed", request.request_id)
+            return self._fail(request, "error", "the connector failed to check it (see the traceback above)")
+
+    def _ensure(self, request: Request, num_computed_tokens: int) -> bool:
         assert self.store is not None
         rid = request.request_id
-        if rid in self._unavailable:
-            return False
-        missing = []
-        for index, feature in enumerate(request.mm_features):
-            position = feature.mm_position
-            if not _metadata_only(feature) or position.offset + position.length <= num_computed_tokens:
-                continue  # vLLM encodes it itself, or its tokens are in the KV cache already
-            entry = self.store.pin(feature.identifier, rid)
-            if entry is None:
-                missing.append(feature.identifier)
-                continue
-            self._pinned.setdefault(rid, set()).add(feature.identifier)
-            rows = request.get_num_encoder_embeds(index)
-            if entry.rows != rows or (self.store.shape.width and entry.width != self.store.shape.width):
-                why = (
-                    f"holds {entry.rows} x {entry.width}, the request needs {rows} x {self.store.shape.width}"
-                )
-                return self._fail(request, feature.identifier, why)
-        if not missing:
-            self._waiting_since.pop(rid, None)
-            return True
-        since = self._waiting_since.setdefault(rid, time.monotonic())
-        if time.monotonic() - since >= self._wait_s:
-            return self._fail(request, missing[0], f"never arrived (waited {self._wait_s:g} s)")
-        return False
+        try:
+            announced = self._announcement(request)
+        except admission.AnnouncementError as exc:
+            return self._fail(request, "malformed", f"its ec_transfer_params is malformed: {exc}")
+        items = [self._item(request, index, num_computed_tokens) for index in range(len(request.mm_features))]
+        verdict = admission.admit(items, announced, self.store.get, self.store.shape.width)
+        if verdict.failure is not None:
+            return self._fail(request, verdict.reason or "mismatch", verdict.failure)
+        if verdict.missing:
+            return self._defer(request, verdict.missing)
+        for uuid in verdict.supply - self._supplied.get(rid, set()):
+            if self.store.pin(uuid, rid) is None:  # evicted since it was checked: wait for it as if missing
+                return self._defer(request, (uuid,))
+            self._supplied.setdefault(rid, set()).add(uuid)
+        self._waiting_since.pop(rid, None)
+        self._checking = verdict.supply
+        return True
 
-    def _fail(self, request: Request, uuid: str, why: str) -> bool:
+    def _announcement(self, request: Request) -> dict[str, admission.Announced]:
+        rid = request.request_id
+        if rid not in self._announced:
+            self._announced[rid] = admission.parse_announcement(
+                getattr(request, "ec_transfer_params", None), DTYPES
+            )
+        return self._announced[rid]
+
+    def _item(self, request: Request, index: int, num_computed_tokens: int) -> admission.Item:
+        feature = request.mm_features[index]
+        position = feature.mm_position
+        done = position.offset + position.length <= num_computed_tokens
+        return admission.Item(
+            uuid=feature.identifier,
+            rows=0 if done else request.get_num_encoder_embeds(index),
+            has_content=not done and self._has_content(feature),
+            done=done,
+        )
+
+    def _has_content(self, feature: Any) -> bool:
+        """Whether the item carries what vLLM's encoder needs: any processed key besides those vLLM's parser
+        declares as placeholder metadata (`embedding_fields`; the grid, Qwen3-VL's timestamps). A raw image has
+        pixel values, or with --mm-processor-cache-type shm an address; a metadata-only part has the grid only
+        (vLLM passes embedding parts around its processor cache). As vLLM's own ECCPUConnector decides it."""
+        if feature.data is None:
+            return False
+        metadata = self._metadata_fields.get(feature.modality)
+        if metadata is None:
+            from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
+
+            metadata = frozenset(PlaceholderMetadataResolver(self._model_config).fields_for(feature.modality))
+            self._metadata_fields[feature.modality] = metadata
+        return any(elem.data is not None for key, elem in feature.data.items() if key not in metadata)
+
+    def _defer(self, request: Request, missing: tuple[str, ...]) -> bool:
+        assert self.store is not None
+        now = time.monotonic()
+        since = self._waiting_since.setdefault(request.request_id, now)
+        failed = self.store.failure_since(since)
+        why = admission.keep_waiting(missing, now - since, self._wait_s, failed)
+        if why is None:
+            return False
+        return self._fail(request, "receiver_failed" if failed else "not_arrived", why)
+
+    def _fail(self, request: Request, reason: str, why: str) -> bool:
         log.warning(
-            "vitserve connector: request %s fails: its embedding %s %s (send it with vitserve "
-            "--llm_transport wire to this connector first)",
+            "vitserve connector: request %s fails: %s (send it through vitserve --llm_transport wire, which "
+            "pushes its embeddings to this connector and announces them)",
             request.request_id,
-            uuid,
             why,
         )
+        self._count("failed_" + reason)
         self._unavailable.add(request.request_id)
+        self._checking = frozenset()
         return False
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counts[name] = self._counts.get(name, 0) + n
 
     def take_unavailable_requests(self) -> set[str]:
         failed, self._unavailable = self._unavailable, set()
@@ -129,10 +203,12 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         assert self.store is not None
         uuid = request.mm_features[index].identifier
-        entry = self.store.pin(uuid, request.request_id)
+        if uuid not in self._supplied.get(request.request_id, ()):
+            return  # vLLM encodes it itself
+        entry = self.store.get(uuid)  # pinned for this request since ensure_cache_available: still there
         if entry is not None:
-            self._pinned.setdefault(request.request_id, set()).add(uuid)
             self._loads[uuid] = as_dict(entry)
+            self._count("supplied")
 
     def build_connector_meta(self, scheduler_output: Any) -> VitserveECMetadata:
         meta, self._loads = VitserveECMetadata(self._loads), {}
@@ -144,13 +220,47 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
 
     def _release(self, rid: str) -> None:
         self._waiting_since.pop(rid, None)
+        self._announced.pop(rid, None)
         if self.store is not None:
-            self.store.unpin(self._pinned.pop(rid, set()), rid)
+            self.store.unpin(self._supplied.pop(rid, set()), rid)
 
     def shutdown(self) -> None:
         if self.store is not None:
             self.store.close()
             self.store = None
+
+    # ------------------------------------------------------------------------- metrics (vLLM's /metrics)
+
+    def get_ec_connector_stats(self) -> Any:
+        """What moved since the last step (vLLM calls it once per step on the scheduler side), or None."""
+        if self.store is None:
+            return None
+        now = counters.snapshot(self.store.counters(), self._counts)
+        data = counters.delta(self._reported, now)
+        if not data:
+            return None
+        self._reported = now
+        from vitserve.connector.metrics import VitserveECConnectorStats
+
+        return VitserveECConnectorStats(data=data)
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        from vitserve.connector.metrics import VitserveECConnectorStats
+
+        return VitserveECConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        from vitserve.connector.metrics import VitservePromMetrics
+
+        return VitservePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---------------------------------------------------------------------------------- worker side
 
@@ -164,47 +274,13 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
             device = f"{device}:{current_platform.current_device()}"
         for uuid, where in meta.loads.items():
             if uuid not in encoder_cache:
+                # read_entry's tensor is a copy of its own (nothing of the file stays mapped): on a CPU in the
+                # model's dtype `.to` is that tensor, one copy in all; on a GPU one more, host to device
                 tensor = read_entry(where["path"], where["dtype"], where["rows"], where["width"])
                 encoder_cache[uuid] = tensor.to(device=device, dtype=self._dtype)
 
     def save_caches(self, encoder_cache: dict[str, Any], mm_hash: str, **kwargs: Any) -> None:
         return None  # a consumer only
-
-
-def _metadata_only(feature: Any) -> bool:
-    """An item whose processed data carries no content (no pixels, no embedding): its tensor comes from here."""
-    data = feature.data
-    return data is not None and not any(mark in key for key in data for mark in _CONTENT_MARKS)
-
-
-def _start_store(vllm_config: VllmConfig) -> EmbeddingStore:
-    config = vllm_config.ec_transfer_config
-    endpoint = config.get_from_extra_config("endpoint", None)
-    if not endpoint:
-        raise ValueError(
-            "VitserveECConnector needs ec_connector_extra_config.endpoint, e.g. tcp://0.0.0.0:5600"
-        )
-    max_gb = float(config.get_from_extra_config("max_gb", 4))
-    key_file = config.get_from_extra_config("key_file", None)
-    key = read_key_file(key_file) if key_file else None
-    store = EmbeddingStore(
-        endpoint,
-        int(max_gb * 2**30),
-        _model_shape(vllm_config),
-        key=key,
-        directory=config.get_from_extra_config("shm_dir", None),
-        log=log,
-    )
-    log.info(
-        "vitserve connector: bound %s (max_gb %g, key %s, width %d, merge %d), files in %s",
-        store.endpoint,
-        max_gb,
-        "required" if key else "none",
-        store.shape.width,
-        store.shape.merge,
-        store.dir,
-    )
-    return store
 
 
 def _model_shape(vllm_config: VllmConfig) -> Shape:

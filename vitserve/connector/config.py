@@ -1,0 +1,100 @@
+"""The connector's `ec_connector_extra_config`, checked once at vLLM's start (docs/vllm.md, the table of keys),
+and the store it starts: no vLLM here, so the same code runs in tests without it.
+
+A wrong value stops vLLM's start with one line naming the key, what it must be and what it got. A keyless
+endpoint that another host could reach is refused by the store (protected mode, docs/vllm.md "Security") unless
+`allow_unauthenticated` is true.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vitserve.connector.store import EmbeddingStore, Shape
+from vitserve.rpc.wirekey import read_key_file
+
+DEFAULT_MAX_GB = 4.0
+DEFAULT_WAIT_S = 5.0
+KEY = "ec_connector_extra_config"
+KNOWN = (
+    "endpoint",
+    "max_gb",
+    "key_file",
+    "wait_s",
+    "shm_dir",
+    "max_hold_s",
+    "allow_unauthenticated",
+    "pull_from",
+)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    endpoint: str
+    max_gb: float = DEFAULT_MAX_GB
+    key_file: str | None = None
+    wait_s: float = DEFAULT_WAIT_S
+    shm_dir: str | None = None
+    max_hold_s: float | None = None  # None: the store's default
+    allow_unauthenticated: bool = False
+
+    @property
+    def max_bytes(self) -> int:
+        return int(self.max_gb * 2**30)
+
+
+def parse_config(extra: Mapping[str, Any]) -> tuple[ConnectorConfig, list[str]]:
+    """The config, and the keys it does not know (a typo, or a later version's): ValueError when a value is
+    wrong."""
+    endpoint = extra.get("endpoint")
+    if not isinstance(endpoint, str) or not endpoint:
+        raise ValueError(
+            f"VitserveECConnector needs {KEY}.endpoint, the ZMQ address it binds, e.g. tcp://127.0.0.1:5600"
+        )
+    config = ConnectorConfig(
+        endpoint=endpoint,
+        max_gb=_positive(extra, "max_gb", DEFAULT_MAX_GB),
+        key_file=_text(extra, "key_file"),
+        wait_s=_positive(extra, "wait_s", DEFAULT_WAIT_S),
+        shm_dir=_text(extra, "shm_dir"),
+        max_hold_s=_positive(extra, "max_hold_s", None),
+        allow_unauthenticated=_flag(extra, "allow_unauthenticated"),
+    )
+    return config, sorted(k for k in extra if k not in KNOWN)
+
+
+def _positive(extra: Mapping[str, Any], key: str, default: float | None) -> Any:
+    value = extra.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{KEY}.{key} must be a number > 0, not {value!r}")
+    return float(value)
+
+
+def _text(extra: Mapping[str, Any], key: str) -> str | None:
+    value = extra.get(key)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"{KEY}.{key} must be a path, not {value!r}")
+    return value
+
+
+def _flag(extra: Mapping[str, Any], key: str) -> bool:
+    value = extra.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{KEY}.{key} must be true or false (JSON), not {value!r}")
+    return value
+
+
+def start_store(config: ConnectorConfig, shape: Shape, log: logging.Logger) -> EmbeddingStore:
+    """Bind the connector's receiver as `config` says (raises what the store raises: ValueError for a keyless
+    endpoint another host could reach without allow_unauthenticated, OSError for a bind that fails)."""
+    key = read_key_file(config.key_file) if config.key_file else None
+    kwargs: dict[str, Any] = {"key": key, "directory": config.shm_dir, "log": log}
+    if config.max_hold_s is not None:
+        kwargs["max_hold_s"] = config.max_hold_s
+    kwargs["allow_unauthenticated"] = config.allow_unauthenticated
+    return EmbeddingStore(config.endpoint, config.max_bytes, shape, **kwargs)

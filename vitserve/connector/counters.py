@@ -1,0 +1,85 @@
+"""The connector's counters as vLLM's stats carry them (pure; metrics.py is the vLLM side, docs/vllm.md "Metrics").
+
+vLLM 0.32 asks the scheduler-side connector for its stats once per engine step (`get_ec_connector_stats`), ships
+their `data` dict to its API server and hands it to the connector class's Prometheus metrics there. The data is
+`{"counts": {name: increase since the last report}, "gauges": {name: value now}}`: plain ints, so it crosses
+vLLM's msgpack; two reports merge by adding counts and keeping the later gauges.
+
+The names: the store's counters (store.py `counters()`) and the glue's own (`supplied`, `failed_<reason>`),
+each under `vllm:vitserve_connector_<name>`; `refused_<reason>` and `failed_<reason>` are one metric each with
+a `reason` label.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+PREFIX = "vllm:vitserve_connector_"
+GAUGES = {
+    "held_bytes": "Bytes of embeddings the connector holds now (received, not yet evicted or expired).",
+    "held": "Embeddings the connector holds now.",
+    "max_bytes": "The connector's bound in bytes: max_gb, or less when its shm_dir device has less room.",
+}
+COUNTERS = {
+    "received": "Embeddings received, checked and acknowledged.",
+    "rejected": "Messages dropped unanswered: not vitserve's wire.",
+    "handshakes_failed": "Peers whose ZMTP handshake failed: without the key, or not ZMQ; nothing of theirs read.",
+    "evicted": "Held embeddings evicted to make room (loaded or expired ones only).",
+    "expired": "Held embeddings dropped at their expiry.",
+    "releases": "Held embeddings released early: vitserve said their request failed.",
+    "receiver_restarts": "Times the receiver thread ended and was restarted.",
+    "supplied": "Embeddings the connector handed to vLLM's encoder cache, checked against their request.",
+}
+LABELLED = {  # a prefix of counter names -> (its metric, documentation); the rest of the name is the reason
+    "refused_": ("refused", "Messages refused with a nack, by reason; nothing of them kept."),
+    "failed_": (
+        "requests_failed",
+        "Requests the connector failed (vLLM answers them with an error), by reason.",
+    ),
+}
+OTHER = "other"  # the reason of refusals the store counted without one
+
+
+def snapshot(counters: Mapping[str, int | float], glue: Mapping[str, int]) -> dict[str, int]:
+    """The store's counters and the glue's own, as one flat dict of ints."""
+    return {**{k: int(v) for k, v in counters.items()}, **glue}
+
+
+def delta(previous: Mapping[str, int], now: Mapping[str, int]) -> dict[str, Any]:
+    """The stats data from one snapshot to the next ({} when nothing moved)."""
+    counts = {}
+    for name, value in now.items():
+        if name in GAUGES or name == "refused":
+            continue
+        moved = value - previous.get(name, 0)
+        if moved > 0:
+            counts[name] = moved
+    refused = now.get("refused", 0) - previous.get("refused", 0)
+    reasons = sum(v for k, v in counts.items() if k.startswith("refused_"))
+    if refused > reasons:  # a store that counts no reasons, or not all of them
+        counts["refused_" + OTHER] = refused - reasons
+    gauges = {name: now[name] for name in GAUGES if name in now}
+    if not counts and all(previous.get(name) == value for name, value in gauges.items()):
+        return {}
+    return {"counts": counts, "gauges": gauges}
+
+
+def merge(first: Mapping[str, Any], later: Mapping[str, Any]) -> dict[str, Any]:
+    counts = dict(first.get("counts", {}))
+    for name, value in later.get("counts", {}).items():
+        counts[name] = counts.get(name, 0) + value
+    return {"counts": counts, "gauges": {**first.get("gauges", {}), **later.get("gauges", {})}}
+
+
+def metric(name: str) -> tuple[str, str | None]:
+    """(the metric's name without PREFIX, its reason label or None) for a counter's name."""
+    for prefix, (metric_name, _) in LABELLED.items():
+        if name.startswith(prefix):
+            return metric_name, name.removeprefix(prefix)
+    return name, None
+
+
+def flat(data: Mapping[str, Any]) -> dict[str, int]:
+    """One line's worth for vLLM's periodic log ("EC Transfer metrics: ...")."""
+    return {**data.get("counts", {}), **data.get("gauges", {})}
