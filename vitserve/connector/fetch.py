@@ -1,0 +1,433 @@
+"""The consumer's end of a pull (SPEC §13; rpc/pull.py has the messages): the connector's scheduler side asks,
+and a thread of this module fetches, each announced embedding from the producer (a vitserve replica) that the
+chat request names. Nothing here blocks the caller: vLLM's scheduler loop calls `start(uuid, producer)` and later
+`result(uuid)` (or `poll()`), and the thread does the network.
+
+Who may be fetched from: `pull_from` (hosts, or CIDRs of IP addresses; default loopback only) admits an endpoint by
+its host. A name is admitted only when listed itself (no DNS lookup on the scheduler's thread); an IP address when
+a listed network holds it; `ipc://` when loopback is admitted; nothing else. Without a key only this host's
+endpoints are admitted; with one, every DEALER is a CURVE client (vitserve/rpc/wirekey.py) and a producer with
+another key fails the handshake, which fails its fetches at once. A refused endpoint fails the fetch at
+`start()`, with the reason.
+
+Bounds: at most `max_in_flight` queries sent and unanswered, and at most `max_bytes_in_flight` bytes they may
+bring (each counted at its announced size); a fetch beyond them waits its turn, within its deadline. A fetch
+whose announced size alone passes the byte bound is refused at once (it would wait forever). Every fetch ends by
+`deadline_s` after `start()`: kept, refused or failed, each with its reason.
+
+A fetched message is handed to `on_message` (the store's "keep this message") on the fetcher's thread: it
+returns None when kept, or why it refused it, which becomes the fetch's reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import socket
+import threading
+import time
+import uuid as uuids
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from vitserve.rpc.endpoints import host_only
+from vitserve.rpc.pull import Missing, decode_answer, encode_fetch
+from vitserve.rpc.tensors import DTYPES
+from vitserve.rpc.wire import ImageEmbedding, WireError
+from vitserve.rpc.wirekey import configure_client
+
+DEFAULT_PULL_FROM = ("127.0.0.0/8", "::1", "localhost")
+_POLL_MS = 100  # the longest the thread sleeps with fetches running (a deadline is seen this late at most)
+_KEEP_OUTCOME_S = 60.0  # an outcome not taken by then is dropped
+_IDLE_LINK_S = 60.0  # a producer's socket unused this long is closed (a replica scaled away)
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+class Allowlist:
+    """`pull_from` parsed: IP networks and host names."""
+
+    def __init__(self, entries: Iterable[str]) -> None:
+        self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        self.names: set[str] = set()
+        for entry in entries:
+            text = str(entry).strip()
+            try:
+                network = ipaddress.ip_network(text, strict=False)
+            except ValueError:
+                if not text or "/" in text or text == "*":
+                    raise ValueError(f"pull_from entry {entry!r} is neither a host nor a CIDR") from None
+                self.names.add(text.lower())
+                continue
+            if "/" not in text and network.network_address.is_unspecified:  # 0.0.0.0 is a bind, not a host
+                raise ValueError(f"pull_from entry {entry!r} is neither a host nor a CIDR (0.0.0.0/0: any)")
+            self.networks.append(network)
+        self.entries = tuple(entries)
+
+    def refuses(self, endpoint: str) -> str | None:
+        """Why `endpoint` may not be fetched from, or None when it is admitted."""
+        scheme, sep, rest = endpoint.partition("://")
+        if scheme == "ipc" and sep:
+            return (
+                None
+                if self._admits_host("127.0.0.1")
+                else "ipc:// is this host's, and pull_from admits no loopback"
+            )
+        if scheme != "tcp" or not sep:
+            return f"a producer is tcp://HOST:PORT (or ipc://), got {endpoint[:80]!r}"
+        try:
+            parts = urlsplit(f"//{rest}")
+            host, port = parts.hostname or "", parts.port
+        except ValueError:
+            host, port = "", None
+        if not host or port is None:
+            return f"a producer is tcp://HOST:PORT, got {endpoint[:80]!r}"
+        if host in ("0.0.0.0", "::", "*"):
+            return f"{endpoint} is a bind address: the producer advertises where it is reached (--pull_advertise)"
+        if not self._admits_host(host):
+            return f"host {host} is not admitted by pull_from {list(self.entries)}"
+        return None
+
+    def _admits_host(self, host: str) -> bool:
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return host.lower() in self.names
+        return any(address in network for network in self.networks if network.version == address.version)
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """The fetcher's limits (the connector's extra config: pull_from, key_file, wait_s)."""
+
+    pull_from: tuple[str, ...] = DEFAULT_PULL_FROM
+    key: bytes | None = None  # the wire's shared secret; None: only this host's producers
+    deadline_s: float = 5.0  # from start() to the fetch's end, its wait for a turn included
+    max_in_flight: int = 16  # queries sent and not answered
+    max_bytes_in_flight: int = 2**30  # their announced bytes together
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What the announcement says the tensor is; the answer must agree."""
+
+    rows: int
+    width: int  # main rows and every DeepStack level concatenated
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.width * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one fetch ended: kept (the store took the message) or not, and why."""
+
+    uuid: str
+    producer: str
+    kept: bool
+    reason: str = ""  # empty when kept
+    seconds: float = 0.0  # from start() to the end
+
+
+@dataclass
+class _Fetch:
+    uuid: str
+    producer: str
+    expect: Expect | None
+    nbytes: int
+    started: float  # monotonic
+    query_id: str = field(default_factory=lambda: uuids.uuid4().hex)
+    sent: bool = False
+
+
+class Fetcher:
+    """See the module docstring. `start`, `result`, `poll`, `busy` and `counters` are safe from any thread."""
+
+    def __init__(
+        self,
+        config: FetchConfig,
+        on_message: Callable[[ImageEmbedding], str | None],
+        *,
+        log: logging.Logger | None = None,
+    ) -> None:
+        self.config, self.on_message = config, on_message
+        self.allow = Allowlist(config.pull_from)
+        self.log = log or logging.getLogger(__name__)
+        self.counts = dict.fromkeys(("kept", "missing", "refused", "failed", "late"), 0)
+        self._lock = threading.Lock()
+        self._live: dict[str, _Fetch] = {}  # uuid -> fetch not ended, in start order
+        self._ended: dict[str, tuple[Outcome, float]] = {}  # uuid -> (outcome, monotonic end)
+        self._fresh: list[Outcome] = []  # ended since the last poll()
+        self._closing = False
+        self._wake_r, self._wake_w = socket.socketpair()  # start() wakes the thread at once
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._thread = threading.Thread(target=self._run, name="vitserve-ec-fetcher", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the caller's side (any thread)
+
+    def start(self, uuid: str, producer: str, expect: Expect | None = None) -> Outcome | None:
+        """Fetch `uuid` from `producer` unless a fetch of it is under way. None: under way (see result());
+        an Outcome: refused at once (not admitted, too large, closed)."""
+        fetch = _Fetch(
+            uuid,
+            producer,
+            expect,
+            expect.nbytes if expect else self.config.max_bytes_in_flight,
+            time.monotonic(),
+        )
+        reason = self._refusal(fetch)
+        with self._lock:
+            if uuid in self._live:
+                return None
+            self._ended.pop(uuid, None)
+            if reason is not None:
+                return self._end(fetch, reason)
+            self._live[uuid] = fetch
+        with contextlib.suppress(BlockingIOError):
+            self._wake_w.send(b"\0")
+        return None
+
+    def result(self, uuid: str) -> Outcome | None:
+        """How the last fetch of `uuid` ended; None while it runs or when there was none."""
+        with self._lock:
+            ended = self._ended.get(uuid)
+            return ended[0] if ended is not None and uuid not in self._live else None
+
+    def busy(self, uuid: str) -> bool:
+        with self._lock:
+            return uuid in self._live
+
+    def poll(self) -> list[Outcome]:
+        """The fetches that ended since the last poll()."""
+        with self._lock:
+            fresh, self._fresh = self._fresh, []
+            return fresh
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return {**self.counts, "in_flight": len(self._live)}
+
+    def close(self) -> None:
+        self._closing = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+        self._thread.join(5)
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _refusal(self, fetch: _Fetch) -> str | None:
+        if self._closing:
+            return "the fetcher is closed"
+        reason = self.allow.refuses(fetch.producer)
+        if reason is None and self.config.key is None and not host_only(fetch.producer):
+            reason = f"no key_file: only this host's producers may be pulled from, not {fetch.producer}"
+        if reason is None and fetch.nbytes > self.config.max_bytes_in_flight:
+            reason = f"{fetch.nbytes} bytes are more than a pull may bring ({self.config.max_bytes_in_flight} bytes)"
+        return reason
+
+    def _end(self, fetch: _Fetch, reason: str | None, counter: str = "refused") -> Outcome:
+        """Record how `fetch` ended (under _lock)."""
+        outcome = Outcome(
+            fetch.uuid, fetch.producer, reason is None, reason or "", time.monotonic() - fetch.started
+        )
+        self.counts["kept" if reason is None else counter] += 1
+        if self._live.get(fetch.uuid) is fetch:
+            del self._live[fetch.uuid]
+        self._ended[fetch.uuid] = (outcome, time.monotonic())
+        self._fresh.append(outcome)
+        if reason is not None:
+            self.log.warning(
+                "vitserve connector: pulling %s from %s failed: %s", fetch.uuid, fetch.producer, reason
+            )
+        return outcome
+
+    # ------------------------------------------------------------------ the fetcher's thread
+
+    def _run(self) -> None:
+        links = _Links(self.config.key)
+        try:
+            while not self._closing:
+                # 1) sleep until an answer, a handshake failure, a new fetch or the poll period
+                events = links.poll(self._wake_r, _POLL_MS)
+                # 2) the caller's new fetches are in _live: only the wake-up is read
+                self._drain_wakes(events)
+                # 3) read what producers answered, and the handshakes they refused
+                for link in links.readable(events):
+                    self._read(link)
+                for producer, why in links.refused(events):
+                    self._fail_producer(links, producer, why)
+                # 4) send queued queries while the bounds allow, 5) end fetches past their deadline
+                self._send_queued(links)
+                self._expire(links, time.monotonic())
+        except Exception:
+            self.log.exception("vitserve connector: the fetcher failed; every fetch of it fails")
+            with self._lock:
+                for fetch in list(self._live.values()):
+                    self._end(fetch, "the fetcher failed (see vLLM's log)", "failed")
+        finally:
+            links.close()
+
+    def _drain_wakes(self, events: dict[object, int]) -> None:
+        if self._wake_r in events:  # the fetches it announces are in _live already
+            with contextlib.suppress(BlockingIOError):
+                self._wake_r.recv(4096)
+
+    def _send_queued(self, links: _Links) -> None:
+        with self._lock:
+            sent = [f for f in self._live.values() if f.sent]
+            count, nbytes = len(sent), sum(f.nbytes for f in sent)
+            for fetch in [f for f in self._live.values() if not f.sent]:
+                if (
+                    count >= self.config.max_in_flight
+                    or nbytes + fetch.nbytes > self.config.max_bytes_in_flight
+                ):
+                    break  # in start order: a later small fetch does not overtake an earlier large one
+                links.send(fetch.producer, encode_fetch(fetch.uuid, fetch.query_id))
+                fetch.sent, count, nbytes = True, count + 1, nbytes + fetch.nbytes
+
+    def _read(self, link: _Link) -> None:
+        while True:
+            try:
+                frames = link.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._answer(link.producer, frames)
+
+    def _answer(self, producer: str, frames: list[zmq.Frame]) -> None:
+        try:
+            answer = decode_answer(frames)
+        except WireError as exc:
+            with self._lock:
+                self.counts["failed"] += 1
+            self.log.warning(
+                "vitserve connector: %s answered a pull with something not the wire: %s", producer, exc
+            )
+            return
+        query_id = answer.query_id if isinstance(answer, Missing) else answer.message_id
+        with self._lock:
+            fetch = self._live.get(answer.uuid or "")
+            if fetch is None or fetch.query_id != query_id or fetch.producer != producer:
+                self.counts["late"] += 1  # an answer to a query given up on (or never asked)
+                return
+            if isinstance(answer, Missing):
+                self._end(fetch, f"{producer} does not hold it: {answer.reason}", "missing")
+                return
+        reason = _disagrees(answer, fetch.expect) or self.on_message(answer)
+        with self._lock:
+            if self._live.get(fetch.uuid) is fetch:
+                self._end(fetch, reason and f"{producer} sent it, but it was refused: {reason}", "refused")
+
+    def _fail_producer(self, links: _Links, producer: str, why: str) -> None:
+        with self._lock:
+            for fetch in [f for f in self._live.values() if f.producer == producer]:
+                self._end(fetch, why, "failed")
+        links.drop(producer)
+
+    def _expire(self, links: _Links, now: float) -> None:
+        with self._lock:
+            late = [f for f in self._live.values() if now - f.started >= self.config.deadline_s]
+            for fetch in late:
+                waited = "no answer" if fetch.sent else "no turn within the bounds on pulls in flight"
+                self._end(fetch, f"{waited} in {self.config.deadline_s:g} s", "failed")
+            for uuid in [u for u, (_, at) in self._ended.items() if now - at > _KEEP_OUTCOME_S]:
+                del self._ended[uuid]
+            busy = {f.producer for f in self._live.values()}
+        # a producer that let a query time out may be gone: its socket goes, with the queries queued in it
+        links.drop_unused({f.producer for f in late if f.sent} - busy, busy, now)
+
+
+def _disagrees(message: ImageEmbedding, expect: Expect | None) -> str | None:
+    if expect is None:
+        return None
+    width = sum(int(t.shape[1]) for t in (message.embedding, *message.deepstack))
+    got = (message.num_tokens, width, message.dtype)
+    if got != (expect.rows, expect.width, expect.dtype):
+        return f"it is {got[0]} x {got[1]} {got[2]}, the request announced {expect.rows} x {expect.width} {expect.dtype}"
+    return None
+
+
+@dataclass
+class _Link:
+    producer: str
+    sock: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes]
+    used: float  # monotonic: the last query sent
+
+
+class _Links:
+    """One DEALER per producer (the fetcher's thread only), with a monitor that reports refused handshakes."""
+
+    def __init__(self, key: bytes | None) -> None:
+        self.key = key
+        self.ctx = zmq.Context(io_threads=1)
+        self.links: dict[str, _Link] = {}
+
+    def send(self, producer: str, frame: bytes) -> None:
+        link = self.links.get(producer) or self._open(producer)
+        link.used = time.monotonic()
+        with contextlib.suppress(zmq.Again):  # HWM reached: the fetch ends at its deadline
+            link.sock.send(frame, zmq.NOBLOCK)
+
+    def _open(self, producer: str) -> _Link:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.key is not None:
+            configure_client(sock, self.key)
+        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        sock.connect(producer)
+        self.links[producer] = _Link(producer, sock, monitor, time.monotonic())
+        return self.links[producer]
+
+    def poll(self, wake: socket.socket, timeout_ms: int) -> dict[object, int]:
+        poller = zmq.Poller()
+        poller.register(wake, zmq.POLLIN)
+        for link in self.links.values():
+            poller.register(link.sock, zmq.POLLIN)
+            poller.register(link.monitor, zmq.POLLIN)
+        return dict(poller.poll(timeout_ms))
+
+    def readable(self, events: dict[object, int]) -> list[_Link]:
+        return [link for link in self.links.values() if link.sock in events]
+
+    def refused(self, events: dict[object, int]) -> list[tuple[str, str]]:
+        refused = []
+        for link in self.links.values():
+            if link.monitor in events:
+                event = recv_monitor_message(link.monitor)
+                name = zmq.Event(event["event"]).name
+                refused.append(
+                    (
+                        link.producer,
+                        f"{link.producer} refused the handshake ({name}): another key_file, or not vitserve",
+                    )
+                )
+        return refused
+
+    def drop(self, producer: str) -> None:
+        link = self.links.pop(producer, None)
+        if link is not None:
+            link.monitor.close(linger=0)
+            link.sock.close(linger=0)
+
+    def drop_unused(self, timed_out: set[str], busy: set[str], now: float) -> None:
+        """Close the links of producers that let a query time out, and of those idle for long."""
+        idle = {p for p, link in self.links.items() if p not in busy and now - link.used > _IDLE_LINK_S}
+        for producer in timed_out | idle:
+            self.drop(producer)
+
+    def close(self) -> None:
+        for producer in list(self.links):
+            self.drop(producer)
+        self.ctx.term()
