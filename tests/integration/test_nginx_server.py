@@ -1,21 +1,27 @@
 """The real nginx that the balancer tests put in front of several vLLMs (tests/nginx_server.py): round robin reaches
 every backend, and a request that a backend cannot take (down, or answering 502) is sent to the other one, POSTs
-included: the balancer retry of issue 49. Two tiny HTTP servers on threads are the backends."""
+included: the balancer retry of issue 49. Two tiny HTTP servers on threads are the backends. And the balancer of
+deploy/compose.pull.yaml is a config nginx accepts."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import re
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.nginx_server import nginx_server
+from tests.nginx_server import nginx_binary, nginx_server
 
 pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+TEMP_KINDS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
 
 
 class Backend:
@@ -106,3 +112,17 @@ def test_without_retry_a_failing_backend_fails_the_request(tmp_path):
     assert statuses == [200, 200, 502, 502], (
         "the retry above is nginx's, configured: not a property of the test"
     )
+
+
+def test_the_deploy_config_is_one_nginx_accepts(tmp_path):
+    """deploy/nginx.pull.conf (deploy/compose.pull.yaml's balancer) passes `nginx -t`: its service names become
+    loopback (nothing resolves them here) and its temp paths go under tmp_path; nothing else changes."""
+    text = (ROOT / "deploy" / "nginx.pull.conf").read_text()
+    text = re.sub(r"server vllm-\d+:", "server 127.0.0.1:", text)
+    temps = "".join(f"    {kind}_temp_path {tmp_path}/{kind};\n" for kind in TEMP_KINDS)
+    text = text.replace("http {\n", "http {\n" + temps, 1)
+    (tmp_path / "nginx.conf").write_text(text)
+    argv = [nginx_binary(), "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")]
+    argv += ["-e", str(tmp_path / "error.log"), "-g", f"pid {tmp_path}/nginx.pid;"]
+    check = subprocess.run(argv, capture_output=True, text=True, check=False)
+    assert check.returncode == 0, check.stderr
