@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.nginx_server import RETRY
-from vitserve.connector.fetch import Allowlist
+from vitserve.connector.allowlist import Allowlist
 from vitserve.flags import build_config
 
 pytestmark = pytest.mark.unit

@@ -198,6 +198,21 @@ def test_the_stores_refusal_and_a_disagreeing_tensor_fail_the_fetch():
         assert kept.messages == {}
 
 
+def test_a_store_that_raises_fails_that_fetch_and_the_fetcher_goes_on():
+    held = {u: message(u) for u in ("5" * 64, "6" * 64)}
+
+    def broken(m: ImageEmbedding) -> str | None:
+        if m.uuid == "5" * 64:
+            raise OSError("no space left on device")
+        return None
+
+    with running(held) as producer, contextlib.closing(Fetcher(FetchConfig(), broken)) as f:
+        f.start("5" * 64, producer.endpoint)
+        assert "keeping it failed: OSError: no space left on device" in ended(f, "5" * 64).reason
+        f.start("6" * 64, producer.endpoint)
+        assert ended(f, "6" * 64).kept
+
+
 def test_a_fetch_larger_than_the_byte_bound_is_refused_at_once():
     with fetcher(Kept(), max_bytes_in_flight=EXPECT.nbytes - 1) as f:
         outcome = f.start("2" * 64, "tcp://127.0.0.1:5700", EXPECT)

@@ -3,12 +3,10 @@ and a thread of this module fetches, each announced embedding from the producer 
 chat request names. Nothing here blocks the caller: vLLM's scheduler loop calls `start(uuid, producer)` and later
 `result(uuid)` (or `poll()`), and the thread does the network.
 
-Who may be fetched from: `pull_from` (hosts, or CIDRs of IP addresses; default loopback only) admits an endpoint by
-its host. A name is admitted only when listed itself (no DNS lookup on the scheduler's thread); an IP address when
-a listed network holds it; `ipc://` when loopback is admitted; nothing else. Without a key only this host's
-endpoints are admitted; with one, every DEALER is a CURVE client (vitserve/rpc/wirekey.py) and a producer with
-another key fails the handshake, which fails its fetches at once. A refused endpoint fails the fetch at
-`start()`, with the reason.
+Who may be fetched from: an endpoint whose host `pull_from` admits (vitserve/connector/allowlist.py; loopback
+only by default). Without a key only this host's endpoints are admitted; with one, every DEALER is a CURVE client
+(vitserve/rpc/wirekey.py) and a producer with another key fails the handshake, which fails its fetches at once. A
+refused endpoint fails the fetch at `start()`, with the reason.
 
 Bounds: at most `max_in_flight` queries sent and unanswered, and at most `max_bytes_in_flight` bytes they may
 bring (each counted at its announced size); a fetch beyond them waits its turn, within its deadline. A fetch
@@ -16,32 +14,31 @@ whose announced size alone passes the byte bound is refused at once (it would wa
 `deadline_s` after `start()`: kept, refused or failed, each with its reason.
 
 A fetched message is handed to `on_message` (the store's "keep this message") on the fetcher's thread: it
-returns None when kept, or why it refused it, which becomes the fetch's reason.
+returns None when kept, or why it refused it, which becomes the fetch's reason (an exception in it too: it ends
+that fetch, never the fetcher).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import socket
 import threading
 import time
 import uuid as uuids
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from vitserve.connector.allowlist import DEFAULT_PULL_FROM, Allowlist
 from vitserve.rpc.endpoints import host_only
 from vitserve.rpc.pull import Missing, decode_answer, encode_fetch
 from vitserve.rpc.tensors import DTYPES
 from vitserve.rpc.wire import ImageEmbedding, WireError
 from vitserve.rpc.wirekey import configure_client
 
-DEFAULT_PULL_FROM = ("127.0.0.0/8", "::1", "localhost")
 _POLL_MS = 100  # the longest the thread sleeps with fetches running (a deadline is seen this late at most)
 _KEEP_OUTCOME_S = 60.0  # an outcome not taken by then is dropped
 _IDLE_LINK_S = 60.0  # a producer's socket unused this long is closed (a replica scaled away)
@@ -50,58 +47,6 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-
-
-class Allowlist:
-    """`pull_from` parsed: IP networks and host names."""
-
-    def __init__(self, entries: Iterable[str]) -> None:
-        self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
-        self.names: set[str] = set()
-        for entry in entries:
-            text = str(entry).strip()
-            try:
-                network = ipaddress.ip_network(text, strict=False)
-            except ValueError:
-                if not text or "/" in text or text == "*":
-                    raise ValueError(f"pull_from entry {entry!r} is neither a host nor a CIDR") from None
-                self.names.add(text.lower())
-                continue
-            if "/" not in text and network.network_address.is_unspecified:  # 0.0.0.0 is a bind, not a host
-                raise ValueError(f"pull_from entry {entry!r} is neither a host nor a CIDR (0.0.0.0/0: any)")
-            self.networks.append(network)
-        self.entries = tuple(entries)
-
-    def refuses(self, endpoint: str) -> str | None:
-        """Why `endpoint` may not be fetched from, or None when it is admitted."""
-        scheme, sep, rest = endpoint.partition("://")
-        if scheme == "ipc" and sep:
-            return (
-                None
-                if self._admits_host("127.0.0.1")
-                else "ipc:// is this host's, and pull_from admits no loopback"
-            )
-        if scheme != "tcp" or not sep:
-            return f"a producer is tcp://HOST:PORT (or ipc://), got {endpoint[:80]!r}"
-        try:
-            parts = urlsplit(f"//{rest}")
-            host, port = parts.hostname or "", parts.port
-        except ValueError:
-            host, port = "", None
-        if not host or port is None:
-            return f"a producer is tcp://HOST:PORT, got {endpoint[:80]!r}"
-        if host in ("0.0.0.0", "::", "*"):
-            return f"{endpoint} is a bind address: the producer advertises where it is reached (--pull_advertise)"
-        if not self._admits_host(host):
-            return f"host {host} is not admitted by pull_from {list(self.entries)}"
-        return None
-
-    def _admits_host(self, host: str) -> bool:
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            return host.lower() in self.names
-        return any(address in network for network in self.networks if network.version == address.version)
 
 
 @dataclass(frozen=True)
@@ -324,10 +269,17 @@ class Fetcher:
             if isinstance(answer, Missing):
                 self._end(fetch, f"{producer} does not hold it: {answer.reason}", "missing")
                 return
-        reason = _disagrees(answer, fetch.expect) or self.on_message(answer)
+        reason = _disagrees(answer, fetch.expect) or self._keep(answer)
         with self._lock:
             if self._live.get(fetch.uuid) is fetch:
                 self._end(fetch, reason and f"{producer} sent it, but it was refused: {reason}", "refused")
+
+    def _keep(self, message: ImageEmbedding) -> str | None:
+        try:
+            return self.on_message(message)
+        except Exception as exc:  # the store's failure ends this fetch, never the fetcher
+            self.log.exception("vitserve connector: keeping a pulled %s failed", message.uuid)
+            return f"keeping it failed: {type(exc).__name__}: {exc}"
 
     def _fail_producer(self, links: _Links, producer: str, why: str) -> None:
         with self._lock:
