@@ -119,12 +119,33 @@ def test_an_item_the_producer_does_not_hold_fails_with_its_reason():
     assert f.counters()["missing"] == 1
 
 
-def test_a_dead_producer_fails_the_fetch_at_its_deadline():
+def test_a_producer_that_is_not_there_fails_the_fetch_before_its_deadline():
     nobody = f"tcp://127.0.0.1:{unused_port()}"
-    with fetcher(Kept(), deadline_s=0.3) as f:
+    with fetcher(Kept(), deadline_s=ENDS_S) as f:
         f.start("d" * 64, nobody)
         outcome = ended(f, "d" * 64)
     assert not outcome.kept
+    assert "refuses connections" in outcome.reason
+    assert outcome.seconds < ENDS_S, "told by the refused connection, not by the deadline"
+
+
+def test_a_producer_that_stops_fails_the_fetches_it_took():
+    """A replica killed after it took a query: the connection drops, and the fetch fails then."""
+    producer = BareProducer()
+    with fetcher(Kept(), deadline_s=ENDS_S) as f:
+        f.start("d" * 64, producer.endpoint)
+        producer.take(1)
+        producer.sock.close(linger=0)
+        outcome = ended(f, "d" * 64)
+    assert "closed the connection before answering" in outcome.reason
+    assert outcome.seconds < ENDS_S
+
+
+def test_a_producer_that_never_answers_fails_the_fetch_at_its_deadline():
+    producer = BareProducer()  # takes the query, says nothing: a stalled replica
+    with contextlib.closing(producer.sock), fetcher(Kept(), deadline_s=0.3) as f:
+        f.start("d" * 64, producer.endpoint)
+        outcome = ended(f, "d" * 64)
     assert "no answer in 0.3 s" in outcome.reason
     assert outcome.seconds >= 0.3
 
@@ -279,7 +300,7 @@ def test_a_late_answer_is_dropped_and_a_new_fetch_gets_a_new_query():
         f.start("7" * 64, producer.endpoint)
         producer.take(1)
         assert "no answer in 0.3 s" in ended(f, "7" * 64).reason
-        f.start("7" * 64, producer.endpoint)  # asked again: a fresh query, on a fresh socket
+        f.start("7" * 64, producer.endpoint, deadline_s=ENDS_S)  # asked again: a fresh query, a fresh socket
         producer.take(1)
         producer.answer(0, message("7" * 64))  # the first query's answer: too late
         assert producer.queries[-1][2] != producer.queries[0][2]

@@ -5,13 +5,17 @@ chat request names. Nothing here blocks the caller: vLLM's scheduler loop calls 
 
 Who may be fetched from: an endpoint whose host `pull_from` admits (vitserve/connector/allowlist.py; loopback
 only by default). Without a key only this host's endpoints are admitted; with one, every DEALER is a CURVE client
-(vitserve/rpc/wirekey.py) and a producer with another key fails the handshake, which fails its fetches at once. A
-refused endpoint fails the fetch at `start()`, with the reason.
+(vitserve/rpc/wirekey.py). A refused endpoint fails the fetch at `start()`, with the reason.
+
+A producer that will not answer fails its fetches as soon as its DEALER's monitor says so, not at their deadline:
+it refuses the handshake (another key, or not vitserve), refuses the connection (nothing listens: a killed
+replica), or drops it after taking a query (a query written to a dropped connection is never answered). A
+producer that takes the query and stays silent (a stalled replica) fails it at the deadline.
 
 Bounds: at most `max_in_flight` queries sent and unanswered, and at most `max_bytes_in_flight` bytes they may
 bring (each counted at its announced size); a fetch beyond them waits its turn, within its deadline. A fetch
 whose announced size alone passes the byte bound is refused at once (it would wait forever). Every fetch ends by
-`deadline_s` after `start()`: kept, refused or failed, each with its reason.
+its deadline (`deadline_s`) after `start()`: kept, refused or failed, each with its reason.
 
 A fetched message is handed to `on_message` (the store's "keep this message") on the fetcher's thread: it
 returns None when kept, or why it refused it, which becomes the fetch's reason (an exception in it too: it ends
@@ -47,6 +51,17 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+# what a DEALER's monitor tells of a producer that will not answer: its queries fail now, not at their deadline
+_GONE = _HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+
+
+def _why_gone(producer: str, event: int) -> str:
+    if event & _HANDSHAKE_FAILED:
+        name = zmq.Event(event).name
+        return f"{producer} refused the handshake ({name}): another key_file, or not vitserve"
+    if event == zmq.EVENT_DISCONNECTED:  # a query written to a connection that dropped is never answered
+        return f"{producer} closed the connection before answering (the replica stopped?)"
+    return f"{producer} refuses connections (is the replica running, and is it reached there?)"
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,7 @@ class _Fetch:
     expect: Expect | None
     nbytes: int
     started: float  # monotonic
+    deadline_s: float  # from started to its end
     query_id: str = field(default_factory=lambda: uuids.uuid4().hex)
     sent: bool = False
 
@@ -122,15 +138,19 @@ class Fetcher:
 
     # ------------------------------------------------------------------ the caller's side (any thread)
 
-    def start(self, uuid: str, producer: str, expect: Expect | None = None) -> Outcome | None:
+    def start(
+        self, uuid: str, producer: str, expect: Expect | None = None, deadline_s: float | None = None
+    ) -> Outcome | None:
         """Fetch `uuid` from `producer` unless a fetch of it is under way. None: under way (see result());
-        an Outcome: refused at once (not admitted, too large, closed)."""
+        an Outcome: refused at once (not admitted, too large, closed). `deadline_s` (default: the config's) is
+        for a caller whose own wait has less left, e.g. the request's remaining `wait_s`."""
         fetch = _Fetch(
             uuid,
             producer,
             expect,
             expect.nbytes if expect else self.config.max_bytes_in_flight,
             time.monotonic(),
+            self.config.deadline_s if deadline_s is None else deadline_s,
         )
         reason = self._refusal(fetch)
         with self._lock:
@@ -289,10 +309,10 @@ class Fetcher:
 
     def _expire(self, links: _Links, now: float) -> None:
         with self._lock:
-            late = [f for f in self._live.values() if now - f.started >= self.config.deadline_s]
+            late = [f for f in self._live.values() if now - f.started >= f.deadline_s]
             for fetch in late:
                 waited = "no answer" if fetch.sent else "no turn within the bounds on pulls in flight"
-                self._end(fetch, f"{waited} in {self.config.deadline_s:g} s", "failed")
+                self._end(fetch, f"{waited} in {fetch.deadline_s:g} s", "failed")
             for uuid in [u for u, (_, at) in self._ended.items() if now - at > _KEEP_OUTCOME_S]:
                 del self._ended[uuid]
             busy = {f.producer for f in self._live.values()}
@@ -337,7 +357,7 @@ class _Links:
         sock.setsockopt(zmq.LINGER, 0)
         if self.key is not None:
             configure_client(sock, self.key)
-        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        monitor = sock.get_monitor_socket(_GONE)
         sock.connect(producer)
         self.links[producer] = _Link(producer, sock, monitor, time.monotonic())
         return self.links[producer]
@@ -354,18 +374,12 @@ class _Links:
         return [link for link in self.links.values() if link.sock in events]
 
     def refused(self, events: dict[object, int]) -> list[tuple[str, str]]:
-        refused = []
-        for link in self.links.values():
-            if link.monitor in events:
-                event = recv_monitor_message(link.monitor)
-                name = zmq.Event(event["event"]).name
-                refused.append(
-                    (
-                        link.producer,
-                        f"{link.producer} refused the handshake ({name}): another key_file, or not vitserve",
-                    )
-                )
-        return refused
+        """(producer, why) for each producer whose monitor says it will not answer."""
+        return [
+            (link.producer, _why_gone(link.producer, recv_monitor_message(link.monitor)["event"]))
+            for link in self.links.values()
+            if link.monitor in events
+        ]
 
     def drop(self, producer: str) -> None:
         link = self.links.pop(producer, None)
