@@ -60,7 +60,7 @@ def _why_gone(producer: str, event: int) -> str:
         name = zmq.Event(event).name
         return f"{producer} refused the handshake ({name}): another key_file, or not vitserve"
     if event == zmq.EVENT_DISCONNECTED:  # a query written to a connection that dropped is never answered
-        return f"{producer} closed the connection before answering (the replica stopped?)"
+        return f"the connection to {producer} dropped before its answer came (the replica stopped, or sent more than a pull may bring)"
     return f"{producer} refuses connections (is the replica running, and is it reached there?)"
 
 
@@ -130,6 +130,7 @@ class Fetcher:
         self._ended: dict[str, tuple[Outcome, float]] = {}  # uuid -> (outcome, monotonic end)
         self._fresh: list[Outcome] = []  # ended since the last poll()
         self._closing = False
+        self.loops = 0  # the thread's turns: about one per poll period while nothing happens
         self._wake_r, self._wake_w = socket.socketpair()  # start() wakes the thread at once
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -221,9 +222,10 @@ class Fetcher:
     # ------------------------------------------------------------------ the fetcher's thread
 
     def _run(self) -> None:
-        links = _Links(self.config.key)
+        links = _Links(self.config.key, self.config.max_bytes_in_flight)
         try:
             while not self._closing:
+                self.loops += 1
                 # 1) sleep until an answer, a handshake failure, a new fetch or the poll period
                 events = links.poll(self._wake_r, _POLL_MS)
                 # 2) the caller's new fetches are in _live: only the wake-up is read
@@ -245,7 +247,8 @@ class Fetcher:
             links.close()
 
     def _drain_wakes(self, events: dict[object, int]) -> None:
-        if self._wake_r in events:  # the fetches it announces are in _live already
+        # zmq.Poller names a plain socket by its fd; undrained, it would wake every poll (a busy loop)
+        if self._wake_r.fileno() in events or self._wake_r in events:  # its fetches are in _live already
             with contextlib.suppress(BlockingIOError):
                 self._wake_r.recv(4096)
 
@@ -341,8 +344,11 @@ class _Link:
 class _Links:
     """One DEALER per producer (the fetcher's thread only), with a monitor that reports refused handshakes."""
 
-    def __init__(self, key: bytes | None) -> None:
+    def __init__(self, key: bytes | None, max_frame_bytes: int) -> None:
         self.key = key
+        self.max_frame_bytes = (
+            max_frame_bytes  # ZMQ_MAXMSGSIZE: a frame past all a pull may bring is cut unread
+        )
         self.ctx = zmq.Context(io_threads=1)
         self.links: dict[str, _Link] = {}
 
@@ -355,6 +361,7 @@ class _Links:
     def _open(self, producer: str) -> _Link:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         if self.key is not None:
             configure_client(sock, self.key)
         monitor = sock.get_monitor_socket(_GONE)
