@@ -34,34 +34,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from vitserve.connector.allowlist import DEFAULT_PULL_FROM, Allowlist
+from vitserve.connector.links import Link, Links
 from vitserve.rpc.endpoints import host_only
 from vitserve.rpc.pull import Missing, decode_answer, encode_fetch
 from vitserve.rpc.tensors import DTYPES
 from vitserve.rpc.wire import ImageEmbedding, WireError
-from vitserve.rpc.wirekey import configure_client
 
 _POLL_MS = 100  # the longest the thread sleeps with fetches running (a deadline is seen this late at most)
 _KEEP_OUTCOME_S = 60.0  # an outcome not taken by then is dropped
-_IDLE_LINK_S = 60.0  # a producer's socket unused this long is closed (a replica scaled away)
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-# what a DEALER's monitor tells of a producer that will not answer: its queries fail now, not at their deadline
-_GONE = _HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-
-
-def _why_gone(producer: str, event: int) -> str:
-    if event & _HANDSHAKE_FAILED:
-        name = zmq.Event(event).name
-        return f"{producer} refused the handshake ({name}): another key_file, or not vitserve"
-    if event == zmq.EVENT_DISCONNECTED:  # a query written to a connection that dropped is never answered
-        return f"the connection to {producer} dropped before its answer came (the replica stopped, or sent more than a pull may bring)"
-    return f"{producer} refuses connections (is the replica running, and is it reached there?)"
 
 
 @dataclass(frozen=True)
@@ -222,7 +204,7 @@ class Fetcher:
     # ------------------------------------------------------------------ the fetcher's thread
 
     def _run(self) -> None:
-        links = _Links(self.config.key, self.config.max_bytes_in_flight)
+        links = Links(self.config.key, self.config.max_bytes_in_flight)
         try:
             while not self._closing:
                 self.loops += 1
@@ -252,7 +234,7 @@ class Fetcher:
             with contextlib.suppress(BlockingIOError):
                 self._wake_r.recv(4096)
 
-    def _send_queued(self, links: _Links) -> None:
+    def _send_queued(self, links: Links) -> None:
         with self._lock:
             sent = [f for f in self._live.values() if f.sent]
             count, nbytes = len(sent), sum(f.nbytes for f in sent)
@@ -265,7 +247,7 @@ class Fetcher:
                 links.send(fetch.producer, encode_fetch(fetch.uuid, fetch.query_id))
                 fetch.sent, count, nbytes = True, count + 1, nbytes + fetch.nbytes
 
-    def _read(self, link: _Link) -> None:
+    def _read(self, link: Link) -> None:
         while True:
             try:
                 frames = link.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -304,13 +286,13 @@ class Fetcher:
             self.log.exception("vitserve connector: keeping a pulled %s failed", message.uuid)
             return f"keeping it failed: {type(exc).__name__}: {exc}"
 
-    def _fail_producer(self, links: _Links, producer: str, why: str) -> None:
+    def _fail_producer(self, links: Links, producer: str, why: str) -> None:
         with self._lock:
             for fetch in [f for f in self._live.values() if f.producer == producer]:
                 self._end(fetch, why, "failed")
         links.drop(producer)
 
-    def _expire(self, links: _Links, now: float) -> None:
+    def _expire(self, links: Links, now: float) -> None:
         with self._lock:
             late = [f for f in self._live.values() if now - f.started >= f.deadline_s]
             for fetch in late:
@@ -331,76 +313,3 @@ def _disagrees(message: ImageEmbedding, expect: Expect | None) -> str | None:
     if got != (expect.rows, expect.width, expect.dtype):
         return f"it is {got[0]} x {got[1]} {got[2]}, the request announced {expect.rows} x {expect.width} {expect.dtype}"
     return None
-
-
-@dataclass
-class _Link:
-    producer: str
-    sock: zmq.Socket[bytes]
-    monitor: zmq.Socket[bytes]
-    used: float  # monotonic: the last query sent
-
-
-class _Links:
-    """One DEALER per producer (the fetcher's thread only), with a monitor that reports refused handshakes."""
-
-    def __init__(self, key: bytes | None, max_frame_bytes: int) -> None:
-        self.key = key
-        self.max_frame_bytes = (
-            max_frame_bytes  # ZMQ_MAXMSGSIZE: a frame past all a pull may bring is cut unread
-        )
-        self.ctx = zmq.Context(io_threads=1)
-        self.links: dict[str, _Link] = {}
-
-    def send(self, producer: str, frame: bytes) -> None:
-        link = self.links.get(producer) or self._open(producer)
-        link.used = time.monotonic()
-        with contextlib.suppress(zmq.Again):  # HWM reached: the fetch ends at its deadline
-            link.sock.send(frame, zmq.NOBLOCK)
-
-    def _open(self, producer: str) -> _Link:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
-        if self.key is not None:
-            configure_client(sock, self.key)
-        monitor = sock.get_monitor_socket(_GONE)
-        sock.connect(producer)
-        self.links[producer] = _Link(producer, sock, monitor, time.monotonic())
-        return self.links[producer]
-
-    def poll(self, wake: socket.socket, timeout_ms: int) -> dict[object, int]:
-        poller = zmq.Poller()
-        poller.register(wake, zmq.POLLIN)
-        for link in self.links.values():
-            poller.register(link.sock, zmq.POLLIN)
-            poller.register(link.monitor, zmq.POLLIN)
-        return dict(poller.poll(timeout_ms))
-
-    def readable(self, events: dict[object, int]) -> list[_Link]:
-        return [link for link in self.links.values() if link.sock in events]
-
-    def refused(self, events: dict[object, int]) -> list[tuple[str, str]]:
-        """(producer, why) for each producer whose monitor says it will not answer."""
-        return [
-            (link.producer, _why_gone(link.producer, recv_monitor_message(link.monitor)["event"]))
-            for link in self.links.values()
-            if link.monitor in events
-        ]
-
-    def drop(self, producer: str) -> None:
-        link = self.links.pop(producer, None)
-        if link is not None:
-            link.monitor.close(linger=0)
-            link.sock.close(linger=0)
-
-    def drop_unused(self, timed_out: set[str], busy: set[str], now: float) -> None:
-        """Close the links of producers that let a query time out, and of those idle for long."""
-        idle = {p for p, link in self.links.items() if p not in busy and now - link.used > _IDLE_LINK_S}
-        for producer in timed_out | idle:
-            self.drop(producer)
-
-    def close(self) -> None:
-        for producer in list(self.links):
-            self.drop(producer)
-        self.ctx.term()
