@@ -39,4 +39,6 @@ if "$quick"; then
 fi
 # A real vLLM in a venv of its own for tests/vllm/ (idempotent: returns at once when it is there).
 bash scripts/vllm-env.sh
+# A real nginx (Debian's package) in front of several vLLMs for the pull tests (idempotent).
+bash scripts/nginx.sh
 python -m pytest "$@"

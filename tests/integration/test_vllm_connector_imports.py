@@ -29,7 +29,13 @@ FORBIDDEN = (
     "msgpack",
     "safetensors",
 )
-ALLOWED_VITSERVE = {"vitserve", "vitserve.lazy", "vitserve.errors", "vitserve.endpoints", "vitserve.vllm_connector"}
+ALLOWED_VITSERVE = {
+    "vitserve",
+    "vitserve.lazy",
+    "vitserve.errors",
+    "vitserve.endpoints",
+    "vitserve.vllm_connector",
+}
 
 PROBE = textwrap.dedent(
     """
