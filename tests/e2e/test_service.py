@@ -12,7 +12,7 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from tests.e2e.live import TEST_CONFIG, live_server, noise_png, wait_until
+from tests.e2e.live import TEST_CONFIG, live_server, noise_png, run_to_exit, wait_until
 from tests.fakes import ThreadGroup, TinyEncoder
 from vitserve.api.listen import bind_socket
 from vitserve.api.server import Service, warmup_image
@@ -209,7 +209,7 @@ def test_the_app_is_built_once_after_the_start_and_a_refusal_then_exits_2(capfd)
 
     service = Service(TEST_CONFIG, engine, processor_for, metrics, sock=bind_socket("127.0.0.1", 0))
     assert (service.app, built) == (None, [])  # nothing of the app before the engine's start
-    assert asyncio.run(service.run()) == 2
+    assert run_to_exit(service) == 2
     assert built == [TEST_CONFIG]  # once, with the Config the start returned
     assert service.app is None
     assert not service.started.is_set()
