@@ -19,9 +19,10 @@ Per point, best and median of the repeats, one thread (vitserve's pool thread se
   acknowledged -> read_entry done: in the encoder cache on a CPU);
 - ec_storage: vitserve's safetensors file (ec_files.write_file) + the header check + vLLM's ECExampleConnector
   load (`safetensors.torch.load_file(path)["ec_cache"].clone()`), the path the cross-host target compares with;
-- same host: vitserve writes the tensor into the connector's incoming area (vitserve/connector/handoff.py),
-  the file message names it, the connector checks and adopts it and acknowledges, and read_entry (encode done ->
-  in the encoder cache), when this tree has that module.
+- same host: vitserve writes the tensor into the connector's incoming area (vitserve/handover/same_host.py;
+  `same_host_write` is that write alone, with its sampled checksum), the file message names it, the connector
+  checks and adopts it (vitserve/connector/handoff.py) and acknowledges, and read_entry (encode done -> in the
+  encoder cache).
 
 The directory is --dir (default /dev/shm). Each run appends its record to bench/out/handover_split.jsonl and prints
 RESULTS.md's table.
@@ -51,7 +52,9 @@ from bench import harness  # noqa: E402
 from vitserve.connector import keys  # noqa: E402
 from vitserve.connector.files import TensorDir, read_entry  # noqa: E402
 from vitserve.connector.store import EmbeddingStore, Shape, as_dict  # noqa: E402
-from vitserve.handover.ec_files import check_file, file_path, write_file  # noqa: E402
+from vitserve.handover.ec_files import check_file, file_path  # noqa: E402
+from vitserve.handover.ec_files import write_file as write_safetensors  # noqa: E402
+from vitserve.handover.same_host import SameHost, write_file  # noqa: E402
 from vitserve.rpc.sender import LLMSender  # noqa: E402
 from vitserve.rpc.wire import ImageEmbedding, encode_embedding_message  # noqa: E402
 from vitserve.rpc.wirekey import configure_client  # noqa: E402
@@ -147,7 +150,7 @@ def ec_storage(tensor: torch.Tensor, root: Path, repeats: int) -> tuple[float, f
     path = file_path(root, uuid)
 
     def once() -> None:
-        write_file(root, uuid, tensor, {"bench": "handover_split"})
+        write_safetensors(root, uuid, tensor, {"bench": "handover_split"})
         check_file(root, uuid, tensor.shape[0], tensor.shape[1])
         safetensors.torch.load_file(str(path))["ec_cache"].clone()
 
@@ -181,15 +184,43 @@ def point(image: str, width: int, root: Path, key: str, repeats: int) -> dict:
     out["wire"] = wire_whole(parts, grid, root, None, repeats)
     out["wire_curve"] = wire_whole(parts, grid, root, key, repeats)
     out["ec_storage"] = ec_storage(tensor, root, repeats)
-    with contextlib.suppress(ImportError):
-        from bench.handover_same_host import same_host  # the same-host path, where this tree has it
-
-        out["same_host"] = same_host(parts, grid, root, repeats)
+    out.update(same_host(parts, grid, root, repeats))
     return out
 
 
+def same_host(parts: list[torch.Tensor], grid: tuple[int, int, int], root: Path, repeats: int) -> dict:
+    """The same-host path: vitserve.handover.same_host.SameHost writes the file into a real EmbeddingStore's
+    incoming area and sends its name over a real LLMSender; the store adopts it; then read_entry. Also its write
+    alone (write_file: the cast-and-write pass and the sampled checksum)."""
+    width = sum(int(p.shape[1]) for p in parts)
+    store = EmbeddingStore("tcp://127.0.0.1:*", 4 << 30, Shape(width, 2), directory=str(root), log=_LOG,
+                           dtype="bfloat16")  # fmt: skip
+    whole, writes = [], []
+    with contextlib.closing(store), LLMSender(store.endpoint) as sender:
+        assert sender.wait_reachable(30), f"no connection to the store on {store.endpoint}"
+        same = SameHost(sender, None)
+        assert same.dtype(torch.float32) == torch.bfloat16, "the connector did not say it serves bfloat16"
+        assert same.local, "the same-host path is not taken"
+        for i in range(repeats + 1):
+            m = message(parts, grid)
+            t0 = time.perf_counter()
+            same.send(m, time.monotonic() + 60, torch.bfloat16).wait(60)
+            w = as_dict(store.get(str(m.uuid)))  # type: ignore[arg-type]
+            loaded = read_entry(w["path"], w["dtype"], w["rows"], w["width"])
+            whole.append(time.perf_counter() - t0)
+            if i == 0:
+                assert torch.equal(loaded, torch.cat(parts, dim=1)), "the adopted file is not the tensor"
+            store.unpin({str(m.uuid)}, "bench")
+            t0 = time.perf_counter()
+            f = write_file(Path(same.info.incoming), message(parts, grid), torch.bfloat16, time.time() + 60)
+            writes.append(time.perf_counter() - t0)
+            os.unlink(Path(same.info.incoming) / f.name)
+        assert same.files == repeats + 1, "a file hand-over fell back to the bytes"
+    return {"same_host": ms(whole[1:]), "same_host_write": ms(writes[1:])}
+
+
 COLUMNS = ("memcpy", "clone", "cast", "encode", "zmq", "zmq_curve", "file_write", "read_entry", "wire",
-           "wire_curve", "ec_storage", "same_host")  # fmt: skip
+           "wire_curve", "ec_storage", "same_host_write", "same_host")  # fmt: skip
 
 
 def table(rows: list[dict]) -> list[str]:
