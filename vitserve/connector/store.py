@@ -53,7 +53,7 @@ DEFAULT_HOLD_S = 30.0  # a holds query without expires_at keeps what it names th
 TOUCH_S = 10.0  # a scheduling attempt keeps an unpinned entry at least this long
 # what became of what arrived: acknowledged, nacked (also refused_<code> per code of checks.REASONS), not the wire
 # (garbage, or malformed: nacked when it names a message id), a handshake that failed (no key, not ZMTP)
-_MESSAGES = ("received", "refused", "rejected", "handshakes_failed")
+_MESSAGES = ("received", "adopted", "refused", "rejected", "handshakes_failed")  # adopted: of received, files
 _ENTRIES = ("evicted", "expired", "releases", "receiver_restarts")  # what became of what was held
 COUNTERS = (*_MESSAGES, *_ENTRIES, *(f"refused_{code}" for code in REASONS))  # + held, held_bytes, max_bytes
 _POLL_MS = 200
@@ -273,6 +273,7 @@ class EmbeddingStore:
             if isinstance(m, FileEmbedding):
                 self._incoming.discard(m.name)  # adopted (gone already), or refused: nothing is left behind
         self.counts["received"] += 1
+        self.counts["adopted"] += isinstance(m, FileEmbedding)  # the same-host hand-over's (handoff.py)
         self._reply(peer, encode_ack(m.message_id))
 
     def _reject(self, peer: zmq.Frame, body: list[zmq.Frame], exc: Exception) -> None:
