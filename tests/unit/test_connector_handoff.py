@@ -177,3 +177,13 @@ def test_a_full_device_the_write_fails_cleanly_and_the_bytes_are_refused_device_
         same.send(big, time.monotonic() + 30, torch.float32).wait(30)  # room again: one write
         assert same.files == 1
         assert s.get("c" * 64) is not None
+
+
+def test_a_file_nobody_announced_is_removed_after_a_while(store):
+    f = written(store)
+    old = time.time() - 120  # its writer died two minutes ago
+    os.utime(incoming(store) / f.name, (old, old))
+    fresh = written(store, "b" * 64)
+    store._incoming._swept -= 60  # the receiver's next sweep is due
+    store._incoming.sweep()
+    assert [p.name for p in incoming(store).iterdir()] == [fresh.name]
