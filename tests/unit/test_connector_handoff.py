@@ -187,3 +187,23 @@ def test_a_file_nobody_announced_is_removed_after_a_while(store):
     store._incoming._swept -= 60  # the receiver's next sweep is due
     store._incoming.sweep()
     assert [p.name for p in incoming(store).iterdir()] == [fresh.name]
+
+
+def test_a_restarted_connector_is_asked_again_and_its_new_area_is_used(tmp_path):
+    first = EmbeddingStore(
+        "tcp://127.0.0.1:*", 1 << 20, Shape(WIDTH, 2), directory=str(tmp_path), dtype="float32"
+    )
+    endpoint = first.endpoint
+    with LLMSender(endpoint) as sender:
+        assert sender.wait_reachable(30)
+        same = SameHost(sender, None)
+        same.send(message("a" * 64), time.monotonic() + 30, torch.float32).wait(30)
+        first.close()  # vLLM restarted: its directory and token are gone
+        with contextlib.closing(
+            EmbeddingStore(endpoint, 1 << 20, Shape(WIDTH, 2), directory=str(tmp_path), dtype="float32")
+        ) as second:
+            assert sender.wait_reachable(30)
+            same.send(message("b" * 64), time.monotonic() + 30, torch.float32).wait(30)
+            assert same.files == 2
+            assert second.counters()["adopted"] == 1
+            assert same.info.incoming == str(second.dir / ".incoming")

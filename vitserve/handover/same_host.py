@@ -103,6 +103,10 @@ class SameHost:
                     )
             return self.info
 
+    def forget(self) -> None:
+        with self._lock:
+            self.info, self.local, self._asked = None, False, -PROBE_EVERY_S
+
     def dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype an embedding travels in: vLLM's, when the connector said it."""
         info = self.ask()
@@ -110,6 +114,10 @@ class SameHost:
 
     def send(self, message: ImageEmbedding, deadline: float, dtype: torch.dtype) -> Delivery:
         """Hand one message over: as a file when the area is local, else its bytes in `dtype`."""
+        info = self.ask()
+        if self.local and info is not None and not shares_directory(info):
+            self.forget()  # its token is gone: the connector restarted (a new directory); ask the new one
+            self.ask()
         if self.local and self.info is not None:
             with contextlib.suppress(OSError):
                 f = write_file(Path(self.info.incoming), message, dtype, expires_at(deadline))
