@@ -46,7 +46,7 @@ def zero_width() -> list:
 
 def on_disk(store: EmbeddingStore) -> tuple[int, int, list[str]]:
     """(bytes of the tensor files, their count, temporary files)."""
-    files = [p for p in store.dir.iterdir() if p.name != ".lock"]
+    files = [p for p in store.dir.iterdir() if not p.name.startswith(".")]
     temp = [p.name for p in files if p.name.endswith(TEMP_SUFFIX)]
     return sum(p.stat().st_size for p in files if p.name not in temp), len(files) - len(temp), temp
 

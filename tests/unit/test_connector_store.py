@@ -58,7 +58,7 @@ def frames(
 
 def tensor_files(store: EmbeddingStore) -> list:
     """The files the store keeps (its lock file aside), temporary ones included."""
-    return sorted(p for p in store.dir.iterdir() if p.name != ".lock")
+    return sorted(p for p in store.dir.iterdir() if not p.name.startswith("."))
 
 
 class Peer:

@@ -100,6 +100,18 @@ def test_wire_one_image_equals_vllms_own(consumer, wire, stream):
     assert sent <= BODY_LIMIT
 
 
+def test_wire_on_one_host_the_tensor_is_written_once_and_answers_equal_vllms_own(consumer, wire):
+    """vitserve in this process sees the connector's shm_dir (one host, one tmpfs): it writes the embedding into
+    the connector's incoming area, the connector adopts the file (counted `adopted` in vLLM's /metrics)."""
+    ckpt, vllm = consumer.ckpt, consumer.server
+    body = chat_request(str(ckpt), image_url_part(png(144, 112, seed=67)))
+    adopted = metric(vllm.url, "vllm:vitserve_connector_adopted_total")
+    through, pushed, _ = _through(wire.url, body)
+    assert_same_answer(complete(vllm.url, body), through)
+    assert pushed == 1
+    assert metric(vllm.url, "vllm:vitserve_connector_adopted_total") == adopted + 1
+
+
 @pytest.fixture(scope="module")
 def wire_clip() -> bytes:
     from tests.vllm.test_front_door import CLIP_FPS, CLIP_FRAMES

@@ -20,6 +20,7 @@ REASONS = (
     "device_full",  # the shm device said ENOSPC, also after evicting what is spent
     "conflict",  # the uuid is held with another shape and a scheduled request will load it
     "write_failed",  # the file could not be written (any other OSError)
+    "bad_file",  # a same-host file message whose file is not what it says (connector/handoff.py)
     "internal",  # anything else that went wrong while taking it (a bug: the log has the traceback)
 )
 

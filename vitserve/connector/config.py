@@ -89,11 +89,13 @@ def _flag(extra: Mapping[str, Any], key: str) -> bool:
     return value
 
 
-def start_store(config: ConnectorConfig, shape: Shape, log: logging.Logger) -> EmbeddingStore:
+def start_store(
+    config: ConnectorConfig, shape: Shape, log: logging.Logger, dtype: str = ""
+) -> EmbeddingStore:
     """Bind the connector's receiver as `config` says (raises what the store raises: ValueError for a keyless
     endpoint another host could reach without allow_unauthenticated, OSError for a bind that fails)."""
     key = read_key_file(config.key_file) if config.key_file else None
-    kwargs: dict[str, Any] = {"key": key, "directory": config.shm_dir, "log": log}
+    kwargs: dict[str, Any] = {"key": key, "directory": config.shm_dir, "log": log, "dtype": dtype}
     if config.max_hold_s is not None:
         kwargs["max_hold_s"] = config.max_hold_s
     kwargs["allow_unauthenticated"] = config.allow_unauthenticated

@@ -23,6 +23,7 @@ GAUGES = {
 }
 COUNTERS = {
     "received": "Embeddings received, checked and acknowledged.",
+    "adopted": "Of those received, files vitserve wrote into the connector's shared memory (one host: one write).",
     "rejected": "Messages dropped unanswered: not vitserve's wire.",
     "handshakes_failed": "Peers whose ZMTP handshake failed: without the key, or not ZMQ; nothing of theirs read.",
     "evicted": "Held embeddings evicted to make room (loaded or expired ones only).",

@@ -87,7 +87,9 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
         self._unavailable: set[str] = set()
         self._counts: dict[str, int] = {}  # the glue's own counters (counters.py)
         self._reported: dict[str, int] = {}  # the last counters sent to vLLM's stats
-        self.store = start_store(config, _model_shape(vllm_config), log)
+        self.store = start_store(
+            config, _model_shape(vllm_config), log, str(self._dtype).removeprefix("torch.")
+        )
         log.info(
             "vitserve connector: bound %s (max_gb %g, key %s, wait_s %g, width %d, merge %d), files in %s",
             self.store.endpoint,

@@ -19,11 +19,8 @@ A peer cannot hold the engine's memory: router.py sets ZMQ's limits (message siz
 keyless connector binds only an endpoint of this host (protected mode; `allow_unauthenticated` lifts it, with a
 warning), since libzmq cannot bound the frames of one unfinished multipart message.
 
-Counters (`counters()`, a flat dict, stable names; logged once a minute while they move, and at close):
-received (acknowledged), refused (nacked, all reasons) and refused_<code> per code of checks.REASONS, rejected
-(not the wire: garbage, or a malformed message, nacked as "malformed" when it names a message id),
-handshakes_failed (a peer without the key, or not speaking ZMTP: nothing of it read), evicted, expired, releases
-(release messages taken), receiver_restarts; and the gauges held (entries), held_bytes, max_bytes (the bound).
+Same host: a file vitserve wrote into the incoming area is checked and adopted by a rename (handoff.py).
+Counters (`counters()`, stable names, logged once a minute while they move and at close): COUNTERS below.
 """
 
 from __future__ import annotations
@@ -37,14 +34,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import zmq
 
 from vitserve.connector.checks import REASONS, RateLimitedLog, Refusal, Shape, check_message
-from vitserve.connector.files import TensorDir, is_device_full, read_entry
+from vitserve.connector.files import TensorDir, file_name, is_device_full, read_entry
+from vitserve.connector.handoff import Incoming, check_file
 from vitserve.connector.ledger import HeldTensor, Ledger
 from vitserve.connector.router import Router
 from vitserve.endpoints import host_only
+from vitserve.rpc.handoff import FileEmbedding, Hello, decode_handoff
 from vitserve.rpc.replies import HoldsQuery, Release, decode_inbound, encode_held, encode_nack, message_id_of
 from vitserve.rpc.wire import ImageEmbedding, WireError, encode_ack
 
@@ -53,13 +51,11 @@ __all__ = ["COUNTERS", "REASONS", "EmbeddingStore", "HeldTensor", "Shape", "as_d
 DEFAULT_MAX_HOLD_S = 300.0  # the longest an entry is kept unpinned past its last push, holds query or touch
 DEFAULT_HOLD_S = 30.0  # a holds query without expires_at keeps what it names this long
 TOUCH_S = 10.0  # a scheduling attempt keeps an unpinned entry at least this long
-_MESSAGES = ("received", "refused", "rejected", "handshakes_failed")  # what became of what arrived
+# what became of what arrived: acknowledged, nacked (also refused_<code> per code of checks.REASONS), not the wire
+# (garbage, or malformed: nacked when it names a message id), a handshake that failed (no key, not ZMTP)
+_MESSAGES = ("received", "adopted", "refused", "rejected", "handshakes_failed")  # adopted: of received, files
 _ENTRIES = ("evicted", "expired", "releases", "receiver_restarts")  # what became of what was held
-COUNTERS = (
-    *_MESSAGES,
-    *_ENTRIES,
-    *(f"refused_{code}" for code in REASONS),
-)  # counters() adds held, held_bytes, max_bytes
+COUNTERS = (*_MESSAGES, *_ENTRIES, *(f"refused_{code}" for code in REASONS))  # + held, held_bytes, max_bytes
 _POLL_MS = 200
 _LOG_EVERY_S = 60.0
 
@@ -78,8 +74,9 @@ class EmbeddingStore:
         log: logging.Logger | None = None,
         max_hold_s: float = DEFAULT_MAX_HOLD_S,
         allow_unauthenticated: bool = False,
+        dtype: str = "",  # the dtype vLLM serves, said to vitserve (rpc/handoff.py info)
     ) -> None:
-        self.shape, self.max_hold_s, self._key = shape, float(max_hold_s), key
+        self.shape, self.max_hold_s, self._key, self.dtype = shape, float(max_hold_s), key, dtype
         self.log = log or logging.getLogger(__name__)
         self._init_protection(endpoint, allow_unauthenticated)
         self._init_state()
@@ -116,6 +113,7 @@ class EmbeddingStore:
         root = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         self._dir = TensorDir(Path(root), self.log)
         self.dir = self._dir.path
+        self._incoming = Incoming(self.dir, self.dtype, self.shape.width)  # the same-host hand-over's area
         free = self._dir.free_bytes()
         if max_bytes > free:
             self.log.warning(
@@ -172,6 +170,7 @@ class EmbeddingStore:
         self._closing = True
         self._thread.join(5)
         self.log.info("vitserve connector on %s closed: %s", self.endpoint, self.counters())
+        self._incoming.close()
         self._dir.close()
 
     # ------------------------------------------------------------------ the receiver thread
@@ -240,12 +239,14 @@ class EmbeddingStore:
     def _take(self, frames: list[zmq.Frame]) -> None:
         peer, body = frames[0], frames[1:]
         try:
-            message = decode_inbound(body)
+            message = decode_handoff(body) or decode_inbound(body)
         except Exception as exc:  # WireError, or a decoder bug: either way the message is not the wire
             self._reject(peer, body, exc)
             return
         try:
-            if isinstance(message, HoldsQuery):
+            if isinstance(message, Hello):
+                self._reply(peer, self._incoming.info(message.query_id))
+            elif isinstance(message, HoldsQuery):
                 self._reply(peer, encode_held(self._holds(message), message.query_id))
             elif isinstance(message, Release):
                 self._release(message)
@@ -256,7 +257,7 @@ class EmbeddingStore:
                 "internal", logging.ERROR, "vitserve connector: failed to take a message", exc_info=True
             )
 
-    def _take_embedding(self, peer: zmq.Frame, m: ImageEmbedding) -> None:
+    def _take_embedding(self, peer: zmq.Frame, m: ImageEmbedding | FileEmbedding) -> None:
         try:
             self._keep(m)
         except Refusal as refusal:
@@ -268,26 +269,24 @@ class EmbeddingStore:
             )
             self._refuse(peer, m, Refusal("internal", f"{type(exc).__name__}: {str(exc)[:200]}"))
             return
+        finally:
+            if isinstance(m, FileEmbedding):
+                self._incoming.discard(m.name)  # adopted (gone already), or refused: nothing is left behind
         self.counts["received"] += 1
+        self.counts["adopted"] += isinstance(m, FileEmbedding)  # the same-host hand-over's (handoff.py)
         self._reply(peer, encode_ack(m.message_id))
 
     def _reject(self, peer: zmq.Frame, body: list[zmq.Frame], exc: Exception) -> None:
         self.counts["rejected"] += 1
-        nbytes = sum(len(f) for f in body)
         why = str(exc) if isinstance(exc, WireError) else f"{type(exc).__name__} while decoding"
-        self._say(
-            "rejected",
-            logging.WARNING,
-            "vitserve connector: rejected a message (%d frames, %d bytes): %s",
-            len(body),
-            nbytes,
-            why,
-        )
+        shape = (len(body), sum(len(f) for f in body))
+        self._say("rejected", logging.WARNING, "vitserve connector: rejected a message (%d frames, %d bytes): %s",
+                  *shape, why)  # fmt: skip
         message_id = message_id_of(body)
         if message_id is not None:
             self._reply(peer, encode_nack(message_id, f"malformed: {why}"))
 
-    def _refuse(self, peer: zmq.Frame, m: ImageEmbedding, refusal: Refusal) -> None:
+    def _refuse(self, peer: zmq.Frame, m: ImageEmbedding | FileEmbedding, refusal: Refusal) -> None:
         self.counts["refused"] += 1
         self.counts[f"refused_{refusal.code}"] += 1
         self._say(
@@ -319,10 +318,11 @@ class EmbeddingStore:
             for uuid in message.uuids:
                 self._ledger.release(uuid, message.request_id, now)
 
-    def _keep(self, m: ImageEmbedding) -> None:
+    def _keep(self, m: ImageEmbedding | FileEmbedding) -> None:
         """Check and keep one message; Refusal when it cannot be kept (and nothing of it is)."""
         now = time.time()
-        rows, width, nbytes = check_message(m, self.shape, now)
+        check = check_file if isinstance(m, FileEmbedding) else check_message
+        rows, width, nbytes = check(m, self.shape, now)  # type: ignore[arg-type]
         if nbytes > self.max_bytes:
             raise Refusal(
                 "too_large", f"{nbytes} bytes are more than the bound ({self.max_bytes} bytes, max_gb)"
@@ -349,17 +349,19 @@ class EmbeddingStore:
                 f"{nbytes} bytes do not fit in the bound ({self.max_bytes} bytes, max_gb) beside the tensors "
                 "acknowledged and not yet loaded, pinned or promised",
             )
-        path = self._write(uuid, [m.embedding, *m.deepstack], rows, nbytes)
+        path = self._write(uuid, m, rows, nbytes)
         with self._lock:
             self._ledger.add(
                 uuid, HeldTensor(path, m.dtype, rows, width, nbytes, expires_at), m.request_id, now
             )
 
-    def _write(self, uuid: str, parts: list[torch.Tensor], rows: int, nbytes: int) -> Path:
-        """The file, written; on ENOSPC, evict spent entries and try once more."""
+    def _write(self, uuid: str, m: ImageEmbedding | FileEmbedding, rows: int, nbytes: int) -> Path:
+        """The file, written (or vitserve's, adopted); on ENOSPC, evict spent entries and try once more."""
+        if isinstance(m, FileEmbedding):  # the same-host hand-over: vitserve wrote it, it becomes ours
+            return self._incoming.adopt(m, self._dir.path / file_name(uuid))
         for attempt in (1, 2):
             try:
-                return self._dir.write(uuid, parts, rows)
+                return self._dir.write(uuid, [m.embedding, *m.deepstack], rows)
             except OSError as exc:
                 if not is_device_full(exc):
                     raise Refusal("write_failed", f"{self.dir}: {exc.strerror or exc}") from exc
@@ -376,6 +378,7 @@ class EmbeddingStore:
         raise AssertionError("unreachable")
 
     def _sweep(self) -> None:
+        self._incoming.sweep()
         with self._lock:
             expired = self._ledger.expire(time.time())
         self._delete(expired, "expired")

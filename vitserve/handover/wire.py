@@ -46,8 +46,9 @@ from vitserve.handover.base import Handover, Setup, Transport
 from vitserve.handover.ec_files import ec_uuid
 from vitserve.handover.ec_storage import NotAConsumer, strip
 from vitserve.handover.embeds import EmbeddingMismatch, video_timestamps
+from vitserve.handover.same_host import SameHost
 from vitserve.rpc.sender import Delivery, LLMSender, WireRefused
-from vitserve.rpc.tensors import dtype_name
+from vitserve.rpc.tensors import DTYPES, dtype_name
 from vitserve.rpc.wire import ImageEmbedding
 from vitserve.transport_specs import WireSpec
 
@@ -116,6 +117,9 @@ class WireTransport(WireSpec, Transport):
                 raise ValueError("--llm_transport wire needs --llm_endpoint")
             sender = LLMSender(config.llm_endpoint, key_file=config.wire_key_file)
         self.sender = sender
+        self.handoff = SameHost(
+            sender, config.wire_key_file
+        )  # one write on one host; vLLM's dtype on the wire
         self.hint = config_hint(sender.endpoint, config.wire_key_file)
         self._fingerprint = ""
         self._known: OrderedDict[str, tuple[list[int], str]] = OrderedDict()  # uuid -> grid, dtype
@@ -239,7 +243,8 @@ class WireRequest(Handover):
         self, uuid: str, item_id: str, grid: list[int], main: torch.Tensor, deep: list[torch.Tensor]
     ) -> None:
         width = sum(int(t.shape[1]) for t in (main, *deep))
-        self.items[uuid] = _announced(int(main.shape[0]), width, dtype_name(main.dtype))
+        dtype = dtype_name(self.transport.handoff.dtype(main.dtype))  # what it travels in: vLLM's dtype
+        self.items[uuid] = _announced(int(main.shape[0]), width, dtype)
         self.messages.append(
             ImageEmbedding(
                 request_id=self.request_id,
@@ -295,7 +300,8 @@ class WireRequest(Handover):
         self.pushed = True
         for message in self.messages:
             message.num_images = len(self.messages)
-            deliveries.append(sender.send(message, deadline=self.deadline))
+            dtype = DTYPES[self.items[message.uuid or ""]["dtype"]]
+            deliveries.append(self.transport.handoff.send(message, self.deadline, dtype))
         try:
             for d in deliveries:
                 await self._acked(d)
@@ -303,7 +309,8 @@ class WireRequest(Handover):
             for d in deliveries:
                 d.acked.cancel()  # the rest are withdrawn when one failed or the client left
         for message in self.messages:
-            self.transport.remember(message.uuid or "", list(message.grid_thw), message.dtype)
+            uuid = message.uuid or ""
+            self.transport.remember(uuid, list(message.grid_thw), self.items[uuid]["dtype"])
         self.metrics.embedding_bytes_sent_total.inc(sum(d.nbytes for d in deliveries))
         self.metrics.stage_seconds.labels(stage="send").observe(time.perf_counter() - start)
 

@@ -1,0 +1,153 @@
+"""vitserve's side of the same-host hand-over and of the cast before the wire (docs/wire.md, "One write on one
+host"; the messages: rpc/handoff.py).
+
+Once, on the first item it hands over, vitserve asks the connector (a hello on a short-lived DEALER of its own,
+keyed as the sender) where its incoming area is and what vLLM serves. When vitserve can read the connector's host
+token at the path it names (same host, same /dev/shm: containers share it with `--ipc=host` or one /dev/shm volume),
+each embedding is written once, straight into the connector's incoming area in vLLM's dtype, and the message
+carries its name, size and checksum; otherwise its bytes travel as before, cast to vLLM's dtype here, never after
+the wire. A write that fails (a full device: ENOSPC) removes its file and the bytes travel instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+import uuid as uuid_mod
+from pathlib import Path
+
+import torch
+import zmq
+
+from vitserve.rpc.handoff import (
+    FileEmbedding,
+    Info,
+    decode_info,
+    encode_file,
+    encode_hello,
+    sampled_crc,
+    write_rows,
+)
+from vitserve.rpc.sender import Delivery, LLMSender, expires_at
+from vitserve.rpc.tensors import DTYPES
+from vitserve.rpc.wire import ImageEmbedding
+from vitserve.rpc.wirekey import configure_client, read_key_file
+
+log = logging.getLogger(__name__)
+
+PROBE_WAIT_S = 1.0  # a hello unanswered this long: no same-host path, bytes as before (asked again later)
+PROBE_EVERY_S = 30.0
+
+
+def probe(endpoint: str, key_file: str | None, timeout_s: float = PROBE_WAIT_S) -> Info | None:
+    """The connector's info answer, or None (it does not answer in time, or is an older connector)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        if key_file is not None:
+            configure_client(sock, read_key_file(key_file))
+        sock.connect(endpoint)
+        sock.send(encode_hello(uuid_mod.uuid4().hex))
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        return decode_info(sock.recv())
+    except Exception as exc:  # an answer that is not an info (an older connector's nack): no same-host path
+        log.info("vitserve connector at %s: no same-host hand-over (%s)", endpoint, exc)
+        return None
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def shares_directory(info: Info) -> bool:
+    """Whether this process sees the connector's very directory: its token file holds its token."""
+    try:
+        return Path(info.token_file).read_text() == info.token and os.access(info.incoming, os.W_OK)
+    except OSError:
+        return False
+
+
+class SameHost:
+    """What the connector said (asked once; again after PROBE_EVERY_S while it did not answer)."""
+
+    def __init__(self, sender: LLMSender, key_file: str | None) -> None:
+        self.sender, self.endpoint, self.key_file = sender, sender.endpoint, key_file
+        self.info: Info | None = None
+        self.local = False  # the incoming area is this host's (and this /dev/shm's)
+        self.files = 0  # embeddings handed over as files
+        self._asked = -PROBE_EVERY_S
+        self._lock = threading.Lock()
+
+    def ask(self) -> Info | None:
+        """The connector's info (blocking at most PROBE_WAIT_S, the first time)."""
+        with self._lock:
+            if (
+                self.info is None
+                and self.sender.reachable
+                and time.monotonic() - self._asked >= PROBE_EVERY_S
+            ):
+                self._asked = time.monotonic()
+                self.info = probe(self.endpoint, self.key_file)
+                self.local = (
+                    self.info is not None and bool(self.info.incoming) and shares_directory(self.info)
+                )
+                if self.info is not None:
+                    how = "one write into its shared memory" if self.local else "bytes on the wire"
+                    log.info(
+                        "vitserve connector at %s serves %s: %s", self.endpoint, self.info.dtype or "?", how
+                    )
+            return self.info
+
+    def forget(self) -> None:
+        with self._lock:
+            self.info, self.local, self._asked = None, False, -PROBE_EVERY_S
+
+    def dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype an embedding travels in: vLLM's, when the connector said it."""
+        info = self.ask()
+        return DTYPES[info.dtype] if info is not None and info.dtype in DTYPES else dtype
+
+    def send(self, message: ImageEmbedding, deadline: float, dtype: torch.dtype) -> Delivery:
+        """Hand one message over: as a file when the area is local, else its bytes in `dtype`."""
+        info = self.ask()
+        if self.local and info is not None and not shares_directory(info):
+            self.forget()  # its token is gone: the connector restarted (a new directory); ask the new one
+            self.ask()
+        if self.local and self.info is not None:
+            with contextlib.suppress(OSError):
+                f = write_file(Path(self.info.incoming), message, dtype, expires_at(deadline))
+                self.files += 1
+                return self.sender.submit([encode_file(f)], message_id=f.message_id, deadline=deadline)
+        if message.embedding.dtype != dtype:  # cast once, here: the connector never casts what it receives
+            message = dataclasses.replace(
+                message,
+                embedding=message.embedding.to(dtype),
+                deepstack=[d.to(dtype) for d in message.deepstack],
+            )
+        return self.sender.send(message, deadline=deadline)
+
+
+def write_file(incoming: Path, m: ImageEmbedding, dtype: torch.dtype, expires: float) -> FileEmbedding:
+    """Write `m`'s rows (main and DeepStack levels side by side) in `dtype` to a new file in `incoming`; OSError
+    (ENOSPC, ...) with the file removed."""
+    name = f"in-{uuid_mod.uuid4().hex}"
+    fd = os.open(incoming / name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    try:
+        nbytes = write_rows(fd, [m.embedding, *m.deepstack], dtype)
+        crc = sampled_crc(fd, nbytes)
+    except BaseException as exc:
+        os.unlink(incoming / name)
+        log.warning("same-host hand-over: writing %s failed (%s); the bytes go on the wire", name, exc)
+        raise
+    finally:
+        os.close(fd)
+    rows = int(m.embedding.shape[0])
+    return FileEmbedding(name, nbytes, crc, message_id=uuid_mod.uuid4().hex, request_id=m.request_id,
+                         uuid=str(m.uuid), expires_at=float(expires), grid_thw=m.grid_thw, rows=rows,
+                         width=nbytes // max(1, rows * torch.empty((), dtype=dtype).element_size()),
+                         dtype=next(k for k, v in DTYPES.items() if v == dtype))  # fmt: skip
