@@ -47,6 +47,8 @@ def reserve_for_rank(
     if found is not None:
         say(f"stress: skipped, the reservation stored in {path} matches this setup")
         res = stress.adopt(encoder, found, str(path))
+        if found.sizing is not None:
+            say(found.detail)  # why that budget, as the start that chose it said
     elif sized:
         assert cfg.visual_mem_gb is not None
         say(f"stress: sizing the budget for --visual_mem_gb {cfg.visual_mem_gb:g}")

@@ -107,7 +107,7 @@ def size_for_memory(
         ]
         raise MemoryTargetError(diagnostic(knobs, measured, "no budget fits it"))
     res = _reservation(encoder, shape, knobs, outcome, new_meter())
-    say(prefix + res.detail)
+    say(res.detail)  # the start-up line that says why: G, the prediction, the probes, the bound
     return res
 
 
@@ -227,7 +227,7 @@ def _reservation(
         method,
         sum(units),
         images,
-        f"sized for --visual_mem_gb {knobs.target_gb:g}: {detail}",
+        f"--visual_mem_gb {knobs.target_gb:g}: {detail}",
         meter.baseline,
         budget_tokens=out.budget,
         sizing=out.why(knobs.target_gb),
