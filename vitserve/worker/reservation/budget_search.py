@@ -85,7 +85,7 @@ def search(target_gb: float, record: Record, runs: Runs, say: Callable[[str], No
     """Probe, target, validate (module docstring). Adds every run to `record`, and the decision."""
     target = target_gb * 2**30
     probe(target, record, runs, say)
-    low, high = record.bracket(target_gb)
+    low, high = (_agreed(runs, d) for d in record.bracket(target_gb))
     best = _validate(target, record, runs, say, low, high)
     if best is None:
         best = _fallback(target, record, runs, low, high)
@@ -173,6 +173,13 @@ def _fallback(
         return None
     best = max(fits, key=lambda p: p.budget)
     return Outcome(best.budget, best.bytes, model.at(best.budget), "visual_mem_gb", probes, 0)
+
+
+def _agreed(runs: Runs, decision: Decision | None) -> Decision | None:
+    """The decision when every rank of the group holds the same one (their records are written alike), else
+    None on every rank: ranks must validate the same budgets together."""
+    value = decision.budget if decision is not None else -1
+    return decision if runs.agree_min(value) == -runs.agree_min(-value) else None
 
 
 def _run(runs: Runs, budget: int, kind: str) -> Point:
