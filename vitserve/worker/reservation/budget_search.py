@@ -86,9 +86,12 @@ def search(target_gb: float, record: Record, runs: Runs, say: Callable[[str], No
     target = target_gb * 2**30
     probe(target, record, runs, say)
     low, high = (_agreed(runs, d) for d in record.bracket(target_gb))
+    before = len(record.points)
     best = _validate(target, record, runs, say, low, high)
     if best is None:
         best = _fallback(target, record, runs, low, high)
+        tried = sum(1 for p in record.points[before:] if p.kind == "validation")
+        best = dataclasses.replace(best, validations=tried) if best is not None else None
     if best is not None:
         record.decisions.append(Decision(target_gb, best.budget, int(best.bytes)))
     return best
