@@ -14,8 +14,8 @@ meters), so that what makes it monotone can be tested on any meter.
 3. Validate: the full-budget stress there; its reading becomes a point. Within the target: kept, and when the
    model, refined by it, says more than STEP_UP larger fits, that is validated next. Over it: the model's new
    choice, at most SHRINK of the failed budget. At most MAX_VALIDATIONS stresses in all.
-4. The largest budget validated within the target; else the earlier decision below it (the bracket's low end,
-   which fitted a smaller target); else the largest probe within the target; else None.
+4. The largest budget validated within the target; else the larger of the earlier decision below it (the
+   bracket's low end, which fitted a smaller target) and the largest run within the target; else None.
 
 Every value that picks a stress is agreed over the TP group (Runs.agree_min), so the ranks choose alike.
 """
@@ -164,17 +164,17 @@ def _choose(
 def _fallback(
     target: float, record: Record, runs: Runs, low: Decision | None, high: Decision | None
 ) -> Outcome | None:
-    """No validation passed: the earlier decision below (it fitted a smaller target), else the largest point
-    within the target (at most the bracket's high end)."""
+    """No validation passed: the larger of the earlier decision below (it fitted a smaller target) and the
+    largest run within the target (at most the bracket's high end); None when there is neither."""
     model = Model(record.points, runs.shape)
     probes = tuple(p.budget for p in model.points)
-    if low is not None:
-        return Outcome(low.budget, low.bytes, model.at(low.budget), "earlier_start", probes, 0, stored=True)
     cap = high.budget if high is not None else MAX_BUDGET_TOKENS
     fits = [p for p in model.points if p.bytes <= target and p.budget <= cap]
-    if not fits:
+    best = max(fits, key=lambda p: p.budget, default=None)
+    if low is not None and (best is None or low.budget >= best.budget):
+        return Outcome(low.budget, low.bytes, model.at(low.budget), "earlier_start", probes, 0, stored=True)
+    if best is None:
         return None
-    best = max(fits, key=lambda p: p.budget)
     return Outcome(best.budget, best.bytes, model.at(best.budget), "visual_mem_gb", probes, 0)
 
 
