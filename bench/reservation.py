@@ -4,7 +4,7 @@ and, with --visual_mem_gb, the budget the search chooses against the largest bud
 
     python bench/reservation.py                              # ratios: every tiny tower, seeds 1 and 2
     python bench/reservation.py --families qwen2_vl --budget 1024 --batches 60 --seeds 1
-    python bench/reservation.py --visual_mem_gb 0.5 --model demo
+    python bench/reservation.py --visual_mem_gb 2 4 6 --model demo --sittings 5 --load 2   # issue 52's sittings
     python bench/reservation.py --visual_mem_gb 0.2 --families qwen2_vl   # a tiny checkpoint (tests/checkpoints.py)
     python bench/reservation.py --quick                      # a smoke run: qwen2_vl, budget 1024, 2 batches, seed 1
 
@@ -19,11 +19,12 @@ loading (meter.py):
    peak RSS over everything, what the rank's PeakWatch compares with the published bytes.
 One JSON line per case (ratios serving/full, serving/predicted, full/predicted), then the worst of each.
 
---visual_mem_gb (record `visual_mem_gb`), one process, fp32: the search is vitserve/worker/reservation/sizing.py's
-size_for_memory, as a rank runs it. "Really fits" means the full-budget stress at that budget, measured as the
+--visual_mem_gb (record `visual_mem_gb`), fp32, each target in a fresh process with a fresh model record (an
+independent start), --sittings times, with --load busy processes beside each sitting and `uptime` recorded: the
+search is vitserve/worker/reservation/sizing.py's size_for_memory, as a rank runs it. "Really fits" means the full-budget stress at that budget, measured as the
 search measures it (a fresh meter; the published bytes), is within the target. The largest such budget is found
-by bisection: up from the chosen budget, doubling while it fits, then halving the interval down to --tolerance
-of it. Each point is one stress (one reading of a noisy heap: every reading is in the record). Issue 36's
+by bisection: first chosen / (1 - --tolerance) (over the target: the chosen budget is within tolerance), else
+doubling while it fits, then halving the interval down to --tolerance of it. Each point is one stress (one reading of a noisy heap: every reading is in the record). Issue 36's
 target: chosen >= 0.9 x largest.
 """
 
