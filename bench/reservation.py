@@ -4,7 +4,7 @@ and, with --visual_mem_gb, the budget the search chooses against the largest bud
 
     python bench/reservation.py                              # ratios: every tiny tower, seeds 1 and 2
     python bench/reservation.py --families qwen2_vl --budget 1024 --batches 60 --seeds 1
-    python bench/reservation.py --visual_mem_gb 0.5 --model demo
+    python bench/reservation.py --visual_mem_gb 2 4 6 --model demo --sittings 5 --load 2   # issue 52's sittings
     python bench/reservation.py --visual_mem_gb 0.2 --families qwen2_vl   # a tiny checkpoint (tests/checkpoints.py)
     python bench/reservation.py --quick                      # a smoke run: qwen2_vl, budget 1024, 2 batches, seed 1
 
@@ -19,11 +19,12 @@ loading (meter.py):
    peak RSS over everything, what the rank's PeakWatch compares with the published bytes.
 One JSON line per case (ratios serving/full, serving/predicted, full/predicted), then the worst of each.
 
---visual_mem_gb (record `visual_mem_gb`), one process, fp32: the search is vitserve/worker/reservation/sizing.py's
-size_for_memory, as a rank runs it. "Really fits" means the full-budget stress at that budget, measured as the
+--visual_mem_gb (record `visual_mem_gb`), fp32, each target in a fresh process with a fresh model record (an
+independent start), --sittings times, with --load busy processes beside each sitting and `uptime` recorded: the
+search is vitserve/worker/reservation/sizing.py's size_for_memory, as a rank runs it. "Really fits" means the full-budget stress at that budget, measured as the
 search measures it (a fresh meter; the published bytes), is within the target. The largest such budget is found
-by bisection: up from the chosen budget, doubling while it fits, then halving the interval down to --tolerance
-of it. Each point is one stress (one reading of a noisy heap: every reading is in the record). Issue 36's
+by bisection: first chosen / (1 - --tolerance) (over the target: the chosen budget is within tolerance), else
+doubling while it fits, then halving the interval down to --tolerance of it. Each point is one stress (one reading of a noisy heap: every reading is in the record). Issue 36's
 target: chosen >= 0.9 x largest.
 """
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -122,63 +124,115 @@ def ratios(args: argparse.Namespace) -> list[dict]:
     return results
 
 
-def chosen_vs_largest(args: argparse.Namespace, tmp: Path) -> dict:
+def chosen_vs_largest(args: argparse.Namespace, target_gb: float, tmp: Path) -> dict:
+    """One start's search for target_gb (a fresh model record: an independent start), then the bisection.
+    Runs inside its own process (a fresh heap)."""
     model, enc = rank_encoder(args.model, args.families[0], tmp)  # first: the rank's heap settings
     import torch
 
     from vitserve.config import GIB, Config
     from vitserve.processors import load_image_processor
     from vitserve.worker.reservation import StressShape, sizing
+    from vitserve.worker.reservation.budget_model import Record
 
-    cfg = Config(model=model, visual_mem_gb=args.visual_mem_gb, visual_batch_max_tokens=0,
+    cfg = Config(model=model, visual_mem_gb=target_gb, visual_batch_max_tokens=0,
                  budget_source="visual_mem_gb", visual_infer_batch_size=args.batch)  # fmt: skip
     shape = StressShape.of(cfg, load_image_processor(model, budget_tokens=0).clamp_info())
     knobs = sizing.Knobs.of(cfg, enc, shape)
     lines: list[str] = []
-    readings: list[tuple[int, float]] = []
+    readings: list[tuple[int, float, float]] = []  # budget, published GiB, glibc's heap extent growth GiB
 
     def fits(budget: int) -> bool:
-        run = sizing._stress(
-            enc, dataclasses.replace(shape, visual_batch_max_tokens=budget), sizing.fresh_meter(enc.device)
-        )
-        readings.append((budget, run.bytes / GIB))
+        meter = sizing.fresh_meter(enc.device)
+        run = sizing._stress(enc, dataclasses.replace(shape, visual_batch_max_tokens=budget), meter)
+        readings.append((budget, round(run.bytes / GIB, 4), round(getattr(meter, "heap_growth", 0) / GIB, 4)))
         print(f"  {budget} tokens: {run.bytes / GIB:.4f} GiB", flush=True)
         return run.bytes <= knobs.target_bytes
 
     start = time.monotonic()
+    record = Record()
     with torch.inference_mode():
-        res = sizing.size_for_memory(enc, shape, knobs, lambda: sizing.fresh_meter(enc.device), lines.append)
+        res = sizing.size_for_memory(
+            enc, shape, knobs, lambda: sizing.fresh_meter(enc.device), lines.append, record
+        )
         search_s = time.monotonic() - start
-        largest = _bisect(
+        largest, fitted = _bisect(
             res.budget_tokens, fits, args.tolerance, lambda b: sizing._round(enc, shape, knobs, b)
         )
-    report = {"model": args.model or f"tiny {args.families[0]}", "visual_mem_gb": args.visual_mem_gb,
-              "chosen": res.budget_tokens, "chosen_gib": res.bytes / GIB, "largest": largest,
-              "ratio": round(res.budget_tokens / largest, 3), "search_s": round(search_s, 1), "search": lines,
-              "readings": readings}  # fmt: skip
-    print(json.dumps({k: report[k] for k in ("chosen", "largest", "ratio", "search_s")}))
+    report = {"model": args.model or f"tiny {args.families[0]}", "visual_mem_gb": target_gb,
+              "chosen": res.budget_tokens, "chosen_gib": round(res.bytes / GIB, 4), "largest": largest,
+              "largest_fitted": fitted, "ratio": round(res.budget_tokens / largest, 3), "search_s": round(search_s, 1),
+              "sizing": res.sizing, "search": lines, "readings": readings,
+              "points": [(p.budget, round(p.bytes / GIB, 4), p.kind) for p in record.points]}  # fmt: skip
+    print(json.dumps({k: report[k] for k in ("visual_mem_gb", "chosen", "largest", "ratio", "search_s")}))
     return report
 
 
-def _bisect(chosen: int, fits, tolerance: float, round_down) -> int:  # type: ignore[no-untyped-def]
-    """The largest budget that fits, from the chosen one (which the search validated)."""
-    lo, hi = chosen, None
-    step = chosen
-    while hi is None and step < 64 * chosen:
-        step *= 2
-        candidate = round_down(step)
-        if fits(candidate):
-            lo = candidate
-        else:
-            hi = candidate
+def _bisect(chosen: int, fits, tolerance: float, round_down) -> tuple[int, bool]:  # type: ignore[no-untyped-def]
+    """The largest budget that fits, from the chosen one (which the search validated), to within `tolerance`:
+    first chosen / (1 - tolerance): over the target, the largest is below it, so the chosen one is within
+    tolerance of it (returned, False: not itself measured to fit); within, doubling then halving the interval."""
+    lo, hi = chosen, round_down(math.ceil(chosen / (1 - tolerance)))
+    if hi <= lo or not fits(hi):
+        return hi, False
+    lo, hi = hi, None
+    while hi is None and lo < 64 * chosen:
+        candidate = round_down(lo * 2)
+        lo, hi = (candidate, None) if fits(candidate) else (lo, candidate)
     if hi is None:
-        return lo
+        return lo, True
     while hi - lo > max(tolerance * lo, 1):
         mid = round_down((lo + hi) // 2)
         if mid <= lo or mid >= hi:
             break
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return lo, True
+
+
+def sittings(args: argparse.Namespace) -> list[dict]:
+    """--sittings of the targets, each target a fresh process, with --load busy processes running beside."""
+    out = []
+    for k in range(args.sittings):
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+        try:
+            uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+            sitting: dict[str, Any] = {
+                "sitting": k + 1,
+                "uptime": uptime,
+                "busy_processes": args.load,
+                "targets": [],
+            }
+            for gb in args.visual_mem_gb:
+                case = json.dumps(
+                    {"gb": gb, **{a: getattr(args, a) for a in ("model", "families", "batch", "tolerance")}}
+                )
+                run = subprocess.run([sys.executable, __file__, "--target_case", case], cwd=ROOT, capture_output=True,
+                                     text=True, check=True)  # fmt: skip
+                sitting["targets"].append(json.loads(run.stdout.strip().splitlines()[-1]))
+                print(
+                    json.dumps(
+                        {
+                            k2: sitting["targets"][-1][k2]
+                            for k2 in ("visual_mem_gb", "chosen", "largest", "ratio")
+                        }
+                    ),
+                    flush=True,
+                )
+            sitting["uptime_after"] = subprocess.run(
+                ["uptime"], capture_output=True, text=True
+            ).stdout.strip()
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+        chosen = [t["chosen"] for t in sitting["targets"]]
+        sitting["monotone"] = chosen == sorted(chosen)
+        print(
+            f"sitting {k + 1}: {sitting['uptime']}: budgets {chosen}, monotone {sitting['monotone']}",
+            flush=True,
+        )
+        out.append(sitting)
+    return out
 
 
 def main() -> None:
@@ -189,18 +243,31 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=QWEN_BUDGET, help="the Qwen towers' budget")
     ap.add_argument("--batches", type=int, default=40)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--visual_mem_gb", type=float, help="measure the search for this target instead")
+    ap.add_argument(
+        "--visual_mem_gb", type=float, nargs="+", help="measure the search for these targets instead"
+    )
+    ap.add_argument("--sittings", type=int, default=1, help="with --visual_mem_gb: sittings of all targets")
+    ap.add_argument(
+        "--load", type=int, default=0, help="with --visual_mem_gb: busy processes beside each sitting"
+    )
     ap.add_argument(
         "--model", default=None, help="with --visual_mem_gb: --model (default: a tiny checkpoint)"
     )
     ap.add_argument("--batch", type=int, default=4, help="with --visual_mem_gb: --visual_infer_batch_size")
     ap.add_argument(
-        "--tolerance", type=float, default=0.02, help="with --visual_mem_gb: bisection stops within"
+        "--tolerance", type=float, default=0.1, help="with --visual_mem_gb: bisection stops within"
     )
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one ratios case in this process
+    ap.add_argument("--target_case", help=argparse.SUPPRESS)  # internal: one --visual_mem_gb target
     args = ap.parse_args()
     if args.case:
         print(json.dumps(one_case(*json.loads(args.case))))
+        return
+    if args.target_case:
+        case = json.loads(args.target_case)
+        ns = argparse.Namespace(**{k: v for k, v in case.items() if k != "gb"})
+        with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as tmp:
+            print(json.dumps(chosen_vs_largest(ns, case["gb"], Path(tmp))))
         return
     if args.quick:
         args.families, args.budget, args.batches, args.seeds = args.families[:1], 1024, 2, [1]
@@ -208,8 +275,7 @@ def main() -> None:
     if args.visual_mem_gb is None:
         results: Any = ratios(args)
     else:
-        with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as tmp:
-            results = chosen_vs_largest(args, Path(tmp))
+        results = sittings(args)
     harness.finish(run, results, args)
 
 

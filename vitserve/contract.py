@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import torch
 
@@ -220,6 +220,9 @@ class EngineInfo:
     # everything besides an image's bytes that decides its embedding (the weights' content digest, budget,
     # resize, dtype, versions: the engine cache's fingerprint); "" until the ranks are ready
     fingerprint: str = ""
+    # --visual_mem_gb alone: why the budget (the target, the model's prediction there, the budgets measured
+    # behind it, which limit bound it), from the first rank; None otherwise
+    sizing: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

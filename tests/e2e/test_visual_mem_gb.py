@@ -41,6 +41,11 @@ def test_the_chosen_budget_is_served_as_if_the_flag_gave_it(tmp_path, qwen2, cap
         assert info["budget_source"] == "visual_mem_gb"
         assert info["visual_mem_gb"] == 0.2
         assert budget >= 4
+        why = info["visual_mem_sizing"]  # why this budget: G, the model's prediction, the probes, the bound
+        assert why["visual_mem_gb"] == 0.2
+        assert 0 < why["measured_bytes"] <= 0.2 * 2**30
+        assert why["bound"] in ("visual_mem_gb", "model_ceiling", "per_image_max", "earlier_start")
+        assert why["probes"][0] == 64
         assert info["processor_clamp"]["max_tokens"] == budget  # the image processor clamps to it
         assert info["limits"]["max_queue_tokens"] == 4 * budget  # the queue's default follows it
         banner = capsys.readouterr().err

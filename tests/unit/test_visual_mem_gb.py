@@ -77,27 +77,33 @@ def test_the_stored_reservation_keeps_the_chosen_budget():
     assert Reservation.from_stored(res.stored()).budget_tokens == 900
     old = {k: v for k, v in res.stored().items() if k != "budget_tokens"}  # an entry stored before it
     assert Reservation.from_stored(old).budget_tokens == 0
+    assert Reservation.from_stored(old).sizing is None
 
 
-def test_after_the_shrinks_every_probe_within_the_target_is_tried_largest_first():
-    """A CPU heap reads more after larger runs than the same budget read as a probe: when the target and its
-    three 5% shrinks fail, the probes' budgets within the target follow, largest first, until one passes."""
-    from vitserve.model import load_encoder
-    from vitserve.worker.reservation import StressShape, sizing
+def test_the_stored_reservation_keeps_why():
+    why = {
+        "visual_mem_gb": 4.0,
+        "predicted_bytes": 1,
+        "measured_bytes": 1,
+        "bound": "visual_mem_gb",
+        "probes": [64],
+    }
+    res = Reservation(123, Method.FULL, tokens=900, images=1, detail="sized", budget_tokens=900, sizing=why)
+    assert Reservation.from_stored(res.stored()).sizing == why
 
-    encoder = load_encoder("demo")
-    shape = StressShape(0, 4, max_image_tokens=16384, min_image_tokens=4)
-    knobs = Knobs(0.1, 1, 4, 16384, "float32", 0, min_image_tokens=4)
-    probes = [Measured(b, gib * 2**30, 0.1) for b, gib in ((64, 0.01), (128, 0.02), (256, 0.04), (512, 0.07))]
-    probes.append(Measured(1024, 0.2 * 2**30, 0.1))  # over the target: the bracket is 512 .. 1,024
-    tried: list[Measured] = []
-    budgets = []
-    for budget in sizing._candidates(encoder, shape, knobs, probes, tried):
-        budgets.append(budget)
-        tried.append(Measured(budget, 1.0 * 2**30 if budget > 128 else 0.05 * 2**30, 0.1))  # all over but 128
-        if tried[-1].bytes <= knobs.target_bytes:
-            break
-    target, *shrinks = budgets[:4]
-    assert 512 < target < 1024
-    assert all(0.93 <= b / a <= 0.95 for a, b in zip(budgets[:3], shrinks, strict=True)), budgets  # a grid's
-    assert budgets[4:] == [512, 256, 128]  # then the probes within the target, largest first
+
+def test_the_model_record_round_trips_and_a_changed_key_starts_afresh(tmp_path, caplog):
+    from vitserve.worker.reservation import stored
+    from vitserve.worker.reservation.budget_model import Decision, Point, Record
+
+    record = Record(
+        [Point(64, 64, 4096, 1.5e6), Point(128, 128, 16384, float("inf"))], [Decision(2.0, 64, 1)]
+    )
+    path = stored.model_path(tmp_path / "reservation_cache_cpu_0.json")
+    assert path.name == "reservation_model_cpu_0.json"
+    stored.store_model(path, {"weights": "a"}, record)
+    assert stored.load_model(path, {"weights": "a"}) == record
+    assert stored.load_model(path, {"weights": "b"}) == Record()
+    assert "another setup" in caplog.text
+    stored.invalidate(tmp_path / "reservation_cache_cpu_0.json")  # a live peak above the reservation
+    assert not path.exists()

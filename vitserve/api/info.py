@@ -22,7 +22,17 @@ from vitserve.transport_specs import SPECS, transports_info
 # The banner's lines: a label and the info keys it shows, in order.
 BANNER_LINES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("model", "family", "embed_dim", "dtype", "device")),
-    ("budget", ("budget_tokens", "budget_source", "visual_mem_gb", "max_batch_images", "max_video_tokens")),
+    (
+        "budget",
+        (
+            "budget_tokens",
+            "budget_source",
+            "visual_mem_gb",
+            "visual_mem_sizing",
+            "max_batch_images",
+            "max_video_tokens",
+        ),
+    ),
     ("processor clamp", ("processor_clamp",)),
     ("layout", ("tp", "dp", "nnodes")),
     (
@@ -67,6 +77,7 @@ def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dic
         "budget_tokens": config.visual_batch_max_tokens,
         "budget_source": config.budget_source,  # flag, or visual_mem_gb: chosen by the ranks to fit it
         "visual_mem_gb": config.visual_mem_gb,  # None: no memory target
+        "visual_mem_sizing": info.sizing,  # with it alone: why the budget (docs/api.md); None otherwise
         "max_batch_images": config.visual_infer_batch_size,
         "max_video_tokens": config.max_video_tokens,  # what one video may cost in all; 0: no cap
         "processor_clamp": processor.clamp_info(),

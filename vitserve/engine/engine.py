@@ -269,6 +269,7 @@ class Engine:
             reserved_memory_bytes={rank: msg.reserved_bytes for rank, msg in readies},
             reserved_source=first.reserved_source,
             fingerprint=self._jobs.fingerprint,
+            sizing=first.sizing,
         )
 
     # -------------------------------------------------------------------- views for the CLI and tests

@@ -70,6 +70,7 @@ class ReadyMsg:
     budget_tokens: int = (
         0  # the budget it reserved for: --visual_batch_max_tokens, or chosen for --visual_mem_gb
     )
+    sizing: dict[str, Any] | None = None  # --visual_mem_gb alone: why that budget (Reservation.sizing)
     kind: Kind = Kind.READY
 
     def __post_init__(self) -> None:

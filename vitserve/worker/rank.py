@@ -228,6 +228,7 @@ class RankWorker:
                     weights_digest=enc.weights_digest,
                     budget_tokens=res.budget_tokens
                     or self.cfg.visual_batch_max_tokens,  # --visual_mem_gb's choice
+                    sizing=res.sizing,
                 )
             )
         )

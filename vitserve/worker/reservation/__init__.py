@@ -7,8 +7,9 @@
 Inside: record.py (what bounds a batch, StressShape, and the one Reservation record), worst_case.py (the
 batches), meter.py (CPU RSS / CUDA pool growth, and PeakWatch while serving), memory_model.py
 (extrapolation where the full forward is slow), stress.py (running them), sizing.py (a budget from
---visual_mem_gb), stored.py (the stored reservation and its key), published.py (the reservation file an
-LLM server reads), reserve.py (the rank's one call).
+--visual_mem_gb: budget_search.py's search over budget_model.py's model and record), stored.py (the stored
+reservation, the model record and their key), published.py (the reservation file an LLM server reads),
+reserve.py (the rank's one call).
 """
 
 from vitserve.worker.reservation.meter import PeakWatch

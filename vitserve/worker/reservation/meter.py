@@ -118,11 +118,14 @@ class CpuMeter(Meter):
         self.baseline = (self.rss_before or 0) * 1024
         self.maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
         self.hwm = 0  # KiB, the highest VmHWM a measured run reached
+        self.heap_growth = 0  # bytes: glibc's heap extent (mallinfo2 arena + hblkhd) grown by the last run
 
     def measure(self, run: Callable[[], None]) -> int:
         _release_free_heap()
         reset = _reset_rss_peak()
+        extent = heap_extent()
         run()
+        self.heap_growth = max(heap_extent() - extent, 0)  # beside RSS, for bench/reservation.py
         hwm = proc_status_kib("VmHWM")
         if reset and hwm is not None and self.rss_before is not None:
             self.hwm = max(self.hwm, hwm)
@@ -160,6 +163,38 @@ def _release_free_heap() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: the growth may read low
         pass
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [  # glibc >= 2.33 malloc.h, every field a size_t
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def heap_extent() -> int:
+    """glibc's heap extent (mallinfo2: arena + hblkhd), 0 where mallinfo2 is missing. With vitserve.model.fast_alloc's
+    setting it never shrinks between forwards, so its growth over a run is what the heap had to add for it: the
+    allocator's own count, which no page-level accounting (and no other process) moves."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return 0
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.arena + info.hblkhd)
 
 
 def _reset_rss_peak() -> bool:

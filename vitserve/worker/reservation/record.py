@@ -36,6 +36,9 @@ class Reservation:
     detail: str = ""  # which shapes were measured, for the log
     baseline: int = 0  # what the bytes count from: CPU RSS / CUDA pool before the stress (PeakWatch)
     budget_tokens: int = 0  # --visual_mem_gb: the budget chosen (sizing.py); 0: the flag's budget
+    # --visual_mem_gb: why that budget (budget_search.Outcome.why: the target, the model's prediction there, the
+    # budgets measured behind it, which limit bound it); None otherwise
+    sizing: dict[str, Any] | None = None
 
     @property
     def source(self) -> Literal["stress", "override"]:
@@ -51,6 +54,7 @@ class Reservation:
             "images": self.images,
             "detail": self.detail,
             "budget_tokens": self.budget_tokens,
+            "sizing": self.sizing,
         }
 
     @classmethod
@@ -59,10 +63,10 @@ class Reservation:
         fields = {k: body[k] for k in ("bytes", "tokens", "images", "detail")}
         if not all(isinstance(fields[k], int) for k in ("bytes", "tokens", "images")):
             raise TypeError(f"not a stored reservation: {body!r}")
-        budget = body.get("budget_tokens", 0)
-        if not isinstance(budget, int):
+        budget, sizing = body.get("budget_tokens", 0), body.get("sizing")
+        if not isinstance(budget, int) or not (sizing is None or isinstance(sizing, dict)):
             raise TypeError(f"not a stored reservation: {body!r}")
-        return cls(method=Method(body["method"]), budget_tokens=budget, **fields)
+        return cls(method=Method(body["method"]), budget_tokens=budget, sizing=sizing, **fields)
 
 
 @dataclass(frozen=True)

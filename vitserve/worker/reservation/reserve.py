@@ -37,6 +37,7 @@ def reserve_for_rank(
         shape=shape,
     )
     sized = cfg.budget_source == "visual_mem_gb"
+    model_key = dict(key)  # the model record's: every target's runs and decisions
     if sized:  # the budget is the result: the key is the target, with the search's bounds
         key["visual_mem_gb"] = cfg.visual_mem_gb
     path = stored.cache_path(cfg.runtime_dir, device.type, global_rank)
@@ -46,11 +47,19 @@ def reserve_for_rank(
     if found is not None:
         say(f"stress: skipped, the reservation stored in {path} matches this setup")
         res = stress.adopt(encoder, found, str(path))
+        if found.sizing is not None:
+            say(found.detail)  # why that budget, as the start that chose it said
     elif sized:
         assert cfg.visual_mem_gb is not None
         say(f"stress: sizing the budget for --visual_mem_gb {cfg.visual_mem_gb:g}")
         knobs = sizing.Knobs.of(cfg, encoder, shape)
-        res = sizing.size_for_memory(encoder, shape, knobs, lambda: sizing.fresh_meter(device), say)
+        record = stored.load_model(stored.model_path(path), model_key)
+        try:
+            res = sizing.size_for_memory(
+                encoder, shape, knobs, lambda: sizing.fresh_meter(device), say, record
+            )
+        finally:  # refined, never replaced: a failed search's runs are kept too
+            stored.store_model(stored.model_path(path), model_key, record)
         stored.store(path, key, res)
     else:
         say(f"stress: measuring the worst case at --visual_batch_max_tokens {shape.visual_batch_max_tokens}")

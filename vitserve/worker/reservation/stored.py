@@ -26,16 +26,50 @@ from typing import Any
 import torch
 
 import vitserve
+from vitserve.worker.reservation.budget_model import Record
 from vitserve.worker.reservation.published import write_json_atomic
 from vitserve.worker.reservation.record import Reservation, StressShape
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2  # bump when the stress or the model changes what a stored number means
+CACHE_FORMAT = 3  # bump when the stress or the model changes what a stored number means
 
 
 def cache_path(runtime_dir: str | os.PathLike[str], device_type: str, global_rank: int) -> Path:
     return Path(runtime_dir) / f"reservation_cache_{device_type.replace(os.sep, '_')}_{int(global_rank)}.json"
+
+
+def model_path(cache_file: Path) -> Path:
+    """--visual_mem_gb's model record (budget_model.Record) beside the stored reservation: every run measured
+    and every decision, under the key without the target, so that starts with other targets share it."""
+    return cache_file.with_name(cache_file.name.replace("reservation_cache_", "reservation_model_", 1))
+
+
+def load_model(path: Path, key: dict[str, Any]) -> Record:
+    """The model record stored under `key`; an empty one when there is none or it was measured under another
+    key (a warning names what changed)."""
+    try:
+        body = json.loads(path.read_text())
+        stored, record = body["key"], Record.from_json(body["record"])
+    except FileNotFoundError:
+        return Record()
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("the model record %s is unreadable (%s): measuring again", path, exc)
+        return Record()
+    if stored != key:
+        changed = sorted(k for k in key.keys() | stored.keys() if stored.get(k) != key.get(k))
+        log.warning(
+            "the model record %s was measured under another setup (%s): measuring again", path, changed
+        )
+        return Record()
+    return record
+
+
+def store_model(path: Path, key: dict[str, Any], record: Record) -> None:
+    try:
+        write_json_atomic(path, {"key": key, "record": record.to_json()})
+    except OSError as exc:
+        log.warning("could not store the model record at %s (%s)", path, exc)
 
 
 def device_name(device: torch.device) -> str:
@@ -114,7 +148,10 @@ def store(path: Path, key: dict[str, Any], res: Reservation) -> None:
 
 
 def invalidate(path: Path) -> None:
-    try:
-        path.unlink(missing_ok=True)
-    except OSError as exc:
-        log.warning("could not remove the stored reservation %s: %s", path, exc)
+    """Remove the stored reservation and, beside it, the model record: a live peak above the reservation means
+    what was measured under-read, so the next start measures from scratch."""
+    for stale in (path, model_path(path)):
+        try:
+            stale.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not remove the stored reservation %s: %s", stale, exc)
