@@ -37,7 +37,7 @@ import zmq
 
 from vitserve.connector.allowlist import DEFAULT_PULL_FROM, Allowlist
 from vitserve.connector.links import Link, Links
-from vitserve.rpc.endpoints import host_only
+from vitserve.endpoints import host_only
 from vitserve.rpc.pull import Missing, decode_answer, encode_fetch
 from vitserve.rpc.tensors import DTYPES
 from vitserve.rpc.wire import ImageEmbedding, WireError
