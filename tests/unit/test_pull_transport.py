@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 
 import pytest
@@ -224,4 +225,58 @@ def test_vllms_500_is_a_502_naming_the_producer():
         assert caught.value.status == 502
         assert pull.advertise in caught.value.message
     finally:
+        asyncio.run(pull.close())
+
+
+# --------------------------------------------------------------------------- the connector's side (no vLLM)
+
+
+def _wait(fn, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while (value := fn()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
+def test_the_connector_fetches_an_announced_item_into_its_store_and_fails_what_it_cannot_get(tmp_path):
+    from vitserve.connector.admission import Announced
+    from vitserve.connector.config import parse_config, start_store
+    from vitserve.connector.pulling import Puller
+    from vitserve.connector.store import Shape
+
+    log = logging.getLogger("test")
+    config, _ = parse_config({"shm_dir": str(tmp_path), "wait_s": 5})
+    store = start_store(config, Shape(8, 2), log)
+    puller = Puller(config, None, store, log)
+    pull = _transport()
+    try:
+        request = pull.begin()
+        image, result = _encoded(b"image bytes")
+        request.image_part(image, result, 0)
+        body = json.loads(asyncio.run(request.ready({})))
+        announced = {
+            uuid: Announced(a["rows"], a["width"], a["dtype"], a["producer"])
+            for uuid, a in body["ec_transfer_params"]["vitserve"]["items"].items()
+        }
+        (uuid,) = announced
+        assert puller.step("vllm-1", (uuid,), announced, 5.0) is None  # started: the request waits
+        held = _wait(lambda: store.get(uuid))
+        assert held is not None
+        assert (held.rows, held.width, held.dtype) == (6, 8, "float32")
+        assert store.counters()["received"] == 1
+        # a producer that does not hold it: that request fails, naming the producer and why
+        gone = {"f" * 64: Announced(6, 8, "float32", pull.advertise)}
+        assert puller.step("vllm-2", tuple(gone), gone, 5.0) is None
+        why = _wait(lambda: puller.step("vllm-2", tuple(gone), gone, 5.0))
+        assert why is not None
+        assert pull.advertise in why
+        assert "not held" in why
+        # a producer outside pull_from: refused at once, no network
+        far = {"e" * 64: Announced(6, 8, "float32", "tcp://10.9.9.9:5700")}
+        refused = puller.step("vllm-3", tuple(far), far, 5.0)
+        assert refused is not None
+        assert "10.9.9.9" in refused
+    finally:
+        puller.close()
+        store.close()
         asyncio.run(pull.close())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid as uuid_mod
 from typing import Any
 
@@ -107,6 +108,7 @@ class PullRequest(UuidHandover):
         for uuid in uuids:
             message = self.pull.store.hold(uuid, self.request_id)
             if message is not None:
+                message.expires_at = max(message.expires_at, self._expires_at())
                 self.pinned.append(uuid)
                 self._announce(message)
             grids.append(None if message is None else list(message.grid_thw))
@@ -180,12 +182,17 @@ class PullRequest(UuidHandover):
         try:
             for message in self.messages:
                 message.num_images = len(self.messages)
+                message.expires_at = self._expires_at()
                 self.pull.store.keep(message, self.request_id)
                 self.pinned.append(message.uuid or "")
         except BaseException:
             self.release()
             raise
         return await self.pull.body(payload)
+
+    def _expires_at(self) -> float:
+        """Until when a connector may keep what it fetched: this request's deadline (the wire's rule)."""
+        return time.time() + self.pull.setup.config.request_timeout_s
 
     def check_answer(self, status: int, content: bytes) -> None:
         super().check_answer(status, content)
