@@ -44,6 +44,7 @@ NON_VITSERVE_FLAGS = {
     "no-deps": "pip install --no-deps /path/to/vitserve (docs/vllm.md, vitserve's vLLM connector)",
     "wheel-dir": "pip wheel --wheel-dir dist (docs/vllm.md, vitserve's vLLM connector)",
     "shm-size": "docker run --shm-size (docs/vllm.md, The wire hand-over, Containers)",
+    "data-parallel-size": "vllm serve --data-parallel-size (docs/vllm.md, Pull)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
 # The outside notes' scenario IDs ("scenario L3", test_f5_..., "(B10)"): cite docs/design.md's invariants instead.
