@@ -10,12 +10,14 @@ its own counters in vLLM's /metrics (a fetched item is `received` as a push is, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from tests.nginx_server import NginxServer
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
 from tests.vllm.connector_server import ConnectorVllm
 from tests.vllm.stack import metric, png, vitserve_in_process
@@ -71,17 +73,20 @@ def _width(consumer: ConnectorVllm) -> int:
 
 @pytest.mark.parametrize(
     ("producer", "why"),
-    [("tcp://10.9.9.9:5700", "not admitted"), (None, "not held")],
-    ids=["outside-pull_from", "missing"],
+    [("tcp://10.9.9.9:5700", "not admitted"), (None, "not held"), ("dead", "refuses connections")],
+    ids=["outside-pull_from", "missing", "replica-gone"],
 )
 def test_pull_an_item_that_cannot_be_fetched_fails_that_request_alone(consumer, pull, producer, why):
-    """Straight to vLLM: an announced item whose producer is outside pull_from (refused at once, no network), or
-    a producer that does not hold it (vitserve's own, asked for a uuid it never kept): vLLM fails that request
+    """Straight to vLLM: an announced item whose producer is outside pull_from (refused at once, no network), a
+    producer that does not hold it (vitserve's own, asked for a uuid it never kept), or a replica that is gone
+    (nothing listens: the fetch fails when the connection is refused, not at wait_s): vLLM fails that request
     and serves the next one."""
     vllm = consumer.server
     info = httpx.get(pull.url + "/v1/info", timeout=10).json()
+    if producer == "dead":  # a replica that was killed: nothing listens at its address
+        producer = f"tcp://127.0.0.1:{unused_port()}"
     producer = producer or info["pull_advertise"]
-    uuid = ("a" if producer.startswith("tcp://10.") else "b") * 64
+    uuid = {"not admitted": "a", "not held": "b"}.get(why, "c") * 64
     part = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": uuid}
     body = chat_request(str(consumer.ckpt), part)
     item = {"rows": 4, "width": _width(consumer), "dtype": "float32", "producer": producer}
@@ -93,3 +98,49 @@ def test_pull_an_item_that_cannot_be_fetched_fails_that_request_alone(consumer, 
     assert why in vllm.log_path.read_text(errors="replace")
     good = chat_request(str(consumer.ckpt), image_url_part(png(64, 64, seed=90)))
     assert_same_answer(complete(vllm.url, good), complete(pull.url, good))
+
+
+# ------------------------------------------- two vLLMs behind nginx, one of them with two data-parallel cores
+
+
+@pytest.fixture(scope="module")
+def balanced(connector_qwen2_5_vl, connector_dp, tmp_path_factory):
+    """nginx round robin over the Qwen2.5-VL connector vLLM (push and pull) and the data-parallel one (pull
+    only), and two vitserve replicas pulling, both with nginx as --llm_url."""
+    one, dp = connector_qwen2_5_vl, connector_dp
+    assert one.ckpt == dp.ckpt, "one checkpoint: the same weights and model name behind the balancer"
+    tmp = tmp_path_factory.mktemp("pull-balanced")
+    nginx = NginxServer(
+        tmp / "nginx", [f"127.0.0.1:{one.server.port}", f"127.0.0.1:{dp.server.port}"]
+    ).start()
+    try:
+        replicas = []
+        with contextlib.ExitStack() as stack:
+            for name in ("r0", "r1"):
+                bind = f"tcp://127.0.0.1:{unused_port()}"
+                args = ("--llm_transport", "pull", "--pull_bind", bind, "--wire_key_file", str(one.key_file))
+                replicas.append(
+                    stack.enter_context(vitserve_in_process(one.ckpt, nginx.url, tmp / name, *args))
+                )
+            yield one, dp, nginx, replicas
+    finally:
+        nginx.stop()
+
+
+def test_pull_behind_a_balancer_and_data_parallel_cores_every_answer_is_vllms_own(balanced):
+    one, dp, nginx, replicas = balanced
+    bodies = [
+        chat_request(str(one.ckpt), image_url_part(png(64 + 16 * (i % 4), 64, seed=100 + i)))
+        for i in range(8)
+    ]
+    expected = [complete(one.server.url, b) for b in bodies]  # vLLM's own tower on the raw image
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(complete, [r.url for r in replicas] * 4, bodies))
+    for want, got in zip(expected, answers, strict=True):
+        assert_same_answer(want, got)
+    served = {tries[-1] for tries in nginx.upstreams()[-8:]}
+    assert served == {f"127.0.0.1:{one.server.port}", f"127.0.0.1:{dp.server.port}"}, "both engines served"
+    per_core = [metric(dp.server.url, RECEIVED, engine=str(i)) for i in (0, 1)]
+    assert all(n > 0 for n in per_core), f"both data-parallel cores fetched: {per_core}"
+    assert one.server.alive()
+    assert dp.server.alive()
