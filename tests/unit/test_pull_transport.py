@@ -280,3 +280,25 @@ def test_the_connector_fetches_an_announced_item_into_its_store_and_fails_what_i
         puller.close()
         store.close()
         asyncio.run(pull.close())
+
+
+def test_the_documented_pull_commands_agree(tmp_path):
+    """docs/vllm.md "Pull": vitserve takes its flags (the key file stood in for), and the connector's pull_from
+    admits the producer vitserve advertises, with the same key file."""
+    from tests.vllm import wire_docs
+    from vitserve.connector.allowlist import Allowlist
+
+    vitserve, vllm = (
+        argv for b in wire_docs.section("## Pull (`--llm_transport pull`)") for argv in wire_docs.commands(b)
+    )
+    assert vllm[:3] == wire_docs.VLLM_MODULE
+    extra = wire_docs.ec_transfer_config(wire_docs.options(vllm[3:])["ec-transfer-config"])
+    extra = extra["ec_connector_extra_config"]
+    assert "endpoint" not in extra
+    key = tmp_path / "key"
+    key.write_bytes(b"k" * 32)
+    assert vitserve[0] == "vitserve"
+    config = build_config([str(key) if a == extra["key_file"] else a for a in vitserve[1:]], {})
+    assert config.llm_transport == "pull"
+    assert config.wire_key_file == str(key)
+    assert Allowlist(tuple(extra["pull_from"])).refuses(config.pull_advertise or "") is None
