@@ -154,11 +154,32 @@ def cli_in_process(argv: list[str], tmp_path):
     ~1 s where starting the CLI costs 7-13 s of imports on 2 cores. For tests whose subject is what the service
     does with its flags, not the process (tests/cli.py runs that). The block must end with the service
     stopping with exit 0."""
+    service = _cli_service(argv, tmp_path)
+    with serving(service) as result:
+        yield InProcess(f"http://127.0.0.1:{service.port}")
+    assert result.get("code") == 0, result
+
+
+def cli_exit_in_process(argv: list[str], tmp_path) -> int:
+    """The exit code of `vitserve ARGV` for a start-up that ends by itself (e.g. a memory target no budget
+    fits: 2), its service run as cli_in_process runs it; what it prints goes to this process's stderr."""
+    return run_to_exit(_cli_service(argv, tmp_path))
+
+
+def run_to_exit(service: Service) -> int:
+    """`service.run()`'s exit code, run in a thread (so pytest's own signal handlers stay as they are) until
+    it returns by itself."""
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(code=asyncio.run(service.run())), daemon=True)
+    thread.start()
+    thread.join(START_LIMIT_S)
+    assert "code" in result, f"the service did not exit within {START_LIMIT_S} s"
+    return result["code"]
+
+
+def _cli_service(argv: list[str], tmp_path) -> Service:
     from vitserve import cli, preflight
     from vitserve.flags import build_config
 
     config = build_config(argv, {"VITSERVE_RUNTIME_DIR": str(Path(tmp_path) / "rt")})
-    service = cli.build_service(config, preflight.check(config))
-    with serving(service) as result:
-        yield InProcess(f"http://127.0.0.1:{service.port}")
-    assert result.get("code") == 0, result
+    return cli.build_service(config, preflight.check(config))

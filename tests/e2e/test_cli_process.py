@@ -36,6 +36,9 @@ BASE_ARGS = [
     "--request_timeout_s",
     "240",
 ]
+# No start-up stress (a given reservation): for the CLI tests whose subject is not the stress, ~6 CPU-s less
+# each on 2 cores. The stress of a CLI start is tested here (cli_server) and in test_startup_cache.py.
+FAST_START = ["--visual_reserved_mem_gb", "0.25"]
 
 
 def test_startup_failure_exits_nonzero_naming_the_knob(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 from tests.cli import Cli
 from tests.e2e.live import noise_png
-from tests.e2e.test_cli_process import BASE_ARGS, metric
+from tests.e2e.test_cli_process import BASE_ARGS, FAST_START, metric
 from tests.receivers import ReceiverProcess
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,7 +24,7 @@ TIMEOUT_S = 5
 def _args(endpoint: str) -> list[str]:
     args = list(BASE_ARGS)
     args[args.index("--request_timeout_s") + 1] = str(TIMEOUT_S)
-    return [*args, "--llm_endpoint", endpoint]
+    return [*args, *FAST_START, "--llm_endpoint", endpoint]
 
 
 def _encode(url: str, request_id: str, seed: int) -> httpx.Response:

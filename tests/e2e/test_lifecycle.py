@@ -20,7 +20,7 @@ import pytest
 
 from tests.cli import Cli
 from tests.e2e.netcheck import children_of
-from tests.e2e.test_cli_process import BASE_ARGS
+from tests.e2e.test_cli_process import BASE_ARGS, FAST_START
 
 pytestmark = pytest.mark.timeout(300)
 STOP_LIMIT_S = 5.0
@@ -163,7 +163,7 @@ def _free_port() -> int:
 
 def test_polling_ready_while_starting_is_quiet_and_kept_out_of_request_metrics(tmp_path):
     port = _free_port()
-    srv = Cli([*BASE_ARGS[:2], "--port", str(port), *BASE_ARGS[4:]], tmp_path)
+    srv = Cli([*BASE_ARGS[:2], "--port", str(port), *BASE_ARGS[4:], *FAST_START], tmp_path)
     url = f"http://127.0.0.1:{port}"
     codes: list[int] = []
     try:

@@ -25,6 +25,7 @@ def test_the_ranks_of_an_in_process_service_write_to_the_tests_stderr(tmp_path, 
     running test's capture (capfd) as the CLI process's reach its stderr. Without the copy they would go
     where the forkserver's stderr went when the session started, which no test reads."""
     argv = ["--model", "demo", "--port", "0", "--device", "cpu", "--visual_batch_max_tokens", "256"]
+    argv += ["--visual_reserved_mem_gb", "0.25"]  # no start-up stress: its lines are not what this reads
     with cli_in_process(argv, tmp_path):
         pass
     err = capfd.readouterr().err

@@ -12,12 +12,13 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from tests.e2e.live import TEST_CONFIG, live_server, noise_png, wait_until
+from tests.e2e.live import TEST_CONFIG, live_server, noise_png, run_to_exit, wait_until
 from tests.fakes import ThreadGroup, TinyEncoder
 from vitserve.api.listen import bind_socket
 from vitserve.api.server import Service, warmup_image
 from vitserve.cli import render_banner
 from vitserve.engine import Engine
+from vitserve.errors import ConfigError
 from vitserve.flags import FLAGS
 from vitserve.metrics import Metrics
 from vitserve.processors import load_image_processor
@@ -182,3 +183,37 @@ def test_stop_during_startup_cancels_the_start_and_exits_0():
     assert not service.started.is_set()  # the start was cancelled, not finished
     assert engine.readiness().reason == "shutting down"
     assert metrics.value("vitserve_requests_total", code="503") is None  # the /ready polls are probes
+
+
+def test_the_app_is_built_once_after_the_start_and_a_refusal_then_exits_2(capfd):
+    """The processor and the app are built once, from the Config the engine's start returned (never before:
+    until then the start-up app answers). A setting refused there exits 2 with one line, as the CLI's checks
+    before the ranks do, and stops the ranks that are running by then."""
+    metrics = Metrics()
+    processor = load_image_processor("qwen2_5_vl", budget_tokens=TEST_CONFIG.visual_batch_max_tokens)
+    open_gate = threading.Event()
+    open_gate.set()  # the rank encodes the warm-up at once: the start finishes
+    engine = Engine(
+        TEST_CONFIG,
+        metrics,
+        encoder_factory=lambda _config: TinyEncoder(),
+        environ={},
+        group_factory=functools.partial(ThreadGroup, gate=open_gate),
+        warmup_image=warmup_image(processor),
+    )
+    built: list[object] = []
+
+    def processor_for(config):
+        built.append(config)
+        raise ConfigError("--some_flag refused once the ranks are up")
+
+    service = Service(TEST_CONFIG, engine, processor_for, metrics, sock=bind_socket("127.0.0.1", 0))
+    assert (service.app, built) == (None, [])  # nothing of the app before the engine's start
+    assert run_to_exit(service) == 2
+    assert built == [TEST_CONFIG]  # once, with the Config the start returned
+    assert service.app is None
+    assert not service.started.is_set()
+    assert engine.readiness().reason == "shutting down"  # the ranks were stopped
+    err = capfd.readouterr().err
+    assert "vitserve: start-up failed: --some_flag refused once the ranks are up" in err
+    assert "Traceback" not in err

@@ -15,13 +15,12 @@ import torch
 
 from tests.cli import Cli
 from tests.e2e.live import noise_png
-from tests.e2e.test_cli_process import BASE_ARGS
+from tests.e2e.test_cli_process import BASE_ARGS, FAST_START
 from tests.redis_server import redis_server
 from vitserve.client import VitserveClient
 
 pytestmark = pytest.mark.timeout(300)
 PASSWORD = "s3cret-for-the-test"
-FAST_START = ["--visual_reserved_mem_gb", "0.25"]  # no start-up stress: two replicas start on 2 cores
 
 
 def replica(tmp_path, args: list[str], env: dict[str, str]) -> Cli:

@@ -23,7 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from tests.cli import Cli
 from tests.e2e.live import live_server, noise_png, wait_until
-from tests.e2e.test_cli_process import BASE_ARGS
+from tests.e2e.test_cli_process import BASE_ARGS, FAST_START
 from tests.fakes import thread_engine
 from vitserve.rpc import EmbeddingReceiver
 
@@ -229,7 +229,7 @@ def test_the_cli_exports_what_is_buffered_when_it_drains_on_sigterm(collector, t
     """The real `vitserve --otlp_endpoint ...` process; the batch delay is longer than the test, so the
     spans can only arrive through the flush at exit, after the SIGTERM drain."""
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
-    srv = Cli([*BASE_ARGS, "--otlp_endpoint", collector.url], tmp_path)
+    srv = Cli([*BASE_ARGS, *FAST_START, "--otlp_endpoint", collector.url], tmp_path)
     try:
         srv.wait_started()
         r = httpx.post(

@@ -1,8 +1,8 @@
 """--visual_mem_gb through the `vitserve` CLI (docs/engine.md, "A budget from a memory target"): the budget
 the ranks choose is the processor's clamp, the queue's and /v1/info's, as if --visual_batch_max_tokens had
-given it (the CLI's service run in this process); a target no budget fits, or one a given budget does not
-fit, exits 2 with one line that names every knob; settings that contradict it are refused before any rank
-starts."""
+given it (the CLI's service run in this process); a target no budget fits (the CLI process), or one a given
+budget does not fit (its service in this process), exits 2 with one line that names every knob; settings that
+contradict it are refused before any rank starts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from tests.checkpoints import make_checkpoint
 from tests.cli import Cli
-from tests.e2e.live import cli_in_process, noise_png
+from tests.e2e.live import cli_exit_in_process, cli_in_process, noise_png
 
 pytestmark = pytest.mark.timeout(300)
 ARGS = ["--port", "0", "--device", "cpu", "--visual_infer_batch_size", "4", "--dist_timeout_s", "120"]
@@ -23,12 +23,12 @@ def qwen2(tmp_path_factory):
     return str(make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("qwen2")))
 
 
-def _failure(r) -> str:
+def _failure(code: int, stderr: str) -> str:
     """The one diagnostic line of a start-up that exits 2."""
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.startswith("vitserve: start-up failed:")]
-    assert len(lines) == 1, r.stderr[-3000:]
+    assert code == 2, stderr[-3000:]
+    assert "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("vitserve: start-up failed:")]
+    assert len(lines) == 1, stderr[-3000:]
     return lines[0]
 
 
@@ -53,9 +53,8 @@ def test_the_chosen_budget_is_served_as_if_the_flag_gave_it(tmp_path, qwen2, cap
 
 
 def test_a_target_below_the_smallest_image_exits_2_naming_every_knob(tmp_path, qwen2):
-    line = _failure(
-        Cli.run(["--model", qwen2, *ARGS, "--visual_mem_gb", "0.000001"], tmp_path, timeout_s=240)
-    )
+    r = Cli.run(["--model", qwen2, *ARGS, "--visual_mem_gb", "0.000001"], tmp_path, timeout_s=240)
+    line = _failure(r.returncode, r.stderr)
     assert "--visual_mem_gb 1e-06 per rank: no budget fits it" in line
     assert "the family's smallest image 4 tokens" in line
     assert "raise --visual_mem_gb above" in line
@@ -63,9 +62,11 @@ def test_a_target_below_the_smallest_image_exits_2_naming_every_knob(tmp_path, q
         assert knob in line, knob
 
 
-def test_a_given_budget_over_the_target_exits_2(tmp_path, qwen2):
+def test_a_given_budget_over_the_target_exits_2(tmp_path, qwen2, capfd):
+    """The service's decision, run in this process (the CLI process's own exit 2 is the test above)."""
     args = ["--model", qwen2, *ARGS, "--visual_mem_gb", "0.000001", "--visual_batch_max_tokens", "64"]
-    line = _failure(Cli.run(args, tmp_path, timeout_s=240))
+    code = cli_exit_in_process(args, tmp_path)
+    line = _failure(code, capfd.readouterr().err)
     assert "--visual_batch_max_tokens 64 does not fit it" in line
     for knob in KNOBS:
         assert knob in line, knob

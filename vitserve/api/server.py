@@ -36,7 +36,7 @@ from vitserve.api.listen import bind_socket
 from vitserve.api.starting import starting_app
 from vitserve.config import Config
 from vitserve.contract import Engine, ProcessedImage
-from vitserve.errors import MemoryTargetError
+from vitserve.errors import ConfigError, MemoryTargetError, VitserveError
 from vitserve.metrics import Metrics
 from vitserve.processors.base import VisionProcessor
 
@@ -75,8 +75,8 @@ def warmup_image(processor: VisionProcessor) -> ProcessedImage:
 
 
 class _AppSwitch:
-    """The ASGI app uvicorn serves: the start-up app (api/starting.py) until the Service has built its app
-    from the decided Config (--visual_mem_gb alone), else the app from the start."""
+    """The ASGI app uvicorn serves: the start-up app (api/starting.py) until the engine's start has decided
+    the Config, then the app the Service built from it."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -99,8 +99,8 @@ class Service:
         banner: Callable[[Service], str] | None = None,
     ):
         """processor_for: the image processor for the Config to serve with (the CLI's loader). The processor
-        and the app are built from the Config the budget is decided in: here when the flags give the budget;
-        with --visual_mem_gb alone, once the engine's start returned the ranks' choice (run)."""
+        and the app are built once, in run(), from the Config the engine's start returned: the flags' own, or
+        with --visual_mem_gb alone the flags' with the budget the ranks chose."""
         self.config = config
         self.engine = engine
         self.metrics = metrics
@@ -109,8 +109,6 @@ class Service:
         self.processor: VisionProcessor | None = None
         self.app: FastAPI | None = None
         self._switch = _AppSwitch(starting_app(config, engine, metrics, self.state))
-        if config.budget_source != "visual_mem_gb":
-            self._open_front(config)
         self.sock = sock or bind_socket(config.host, config.port)
         self.port: int = self.sock.getsockname()[1]  # the real one when --port 0
         self.banner = banner
@@ -121,7 +119,7 @@ class Service:
         self.started = threading.Event()
 
     def _open_front(self, config: Config) -> None:
-        """The image processor and the app, built once, from the Config the budget is decided in."""
+        """The image processor and the app, built once, from the Config the engine's start decided."""
         self.config = config
         self.processor = self._processor_for(config)
         self.app = create_app(config, self.engine, self.processor, self.metrics, state=self.state)
@@ -148,8 +146,11 @@ class Service:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await serving
             return decided
-        if self.app is None:  # --visual_mem_gb alone: built now, with the budget the ranks chose
-            self._open_front(decided)
+        if (code := await self._open_front_after_start(decided)) is not None:
+            server.should_exit = True
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await serving
+            return code
         if self.banner is not None:  # printed whatever --log_level says: it is the record of every guard
             print(self.banner(self), file=sys.stderr, flush=True)
         self.started.set()
@@ -169,7 +170,6 @@ class Service:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await starting
             await self.engine.shutdown()  # marks the engine stopping; nothing is left to stop
-            await self._close_front()
             by = signal.Signals(self._signum).name if self._signum is not None else "request"
             log.info("stopped by %s during start-up; the encoder ranks are gone", by)
             return 128 + self._signum if self._signum is not None else 0
@@ -177,13 +177,28 @@ class Service:
             decided = starting.result()
         except MemoryTargetError as exc:  # a setting that can never work: one line, exit 2 (docs/api.md)
             print(f"vitserve: start-up failed: {exc}", file=sys.stderr, flush=True)
-            await self._close_front()
             return 2
         except Exception as exc:  # start-up failed: the engine's message names the knob
             log.error("start-up failed: %s", exc)
-            await self._close_front()
             return 1
         return decided  # a stop that came with READY is seen by _serve_until_stopped: it drains at once
+
+    async def _open_front_after_start(self, decided: Config) -> int | None:
+        """Build the processor and the app (_open_front); None once they serve, else the exit code: 2 for a
+        setting they refuse (one line, as the CLI's checks before the ranks print it), 1 for anything else.
+        The engine is stopped first: its ranks are running by now."""
+        try:
+            self._open_front(decided)
+        except (ConfigError, VitserveError, OSError) as exc:
+            print(f"vitserve: start-up failed: {exc}", file=sys.stderr, flush=True)
+            code = 2
+        except Exception as exc:
+            log.exception("start-up failed: %s", exc)
+            code = 1
+        else:
+            return None
+        await self.engine.shutdown()
+        return code
 
     async def _serve_until_stopped(self, server: _Server, serving: asyncio.Task[None]) -> int:
         assert self._stop is not None

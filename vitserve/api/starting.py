@@ -1,9 +1,9 @@
-"""What uvicorn serves while the ranks choose the budget (--visual_mem_gb alone), before the app exists.
+"""What uvicorn serves while the ranks start, before the app exists.
 
-The image processor and the app are built from the Config the engine's start decided (Service.run), so
-until the ranks are ready this small app answers instead, behind the same edge (the API key, the probe
-counts): /health 200, /ready 503 with the engine's reason, /metrics, and 503 not_ready on every other path.
-With a budget the flags give, the app itself serves from the start and this is not used.
+The image processor and the app are built once, from the Config the engine's start decided (Service.run: the
+flags' own, or with --visual_mem_gb alone the budget the ranks chose), so until the ranks are ready this
+small app answers instead, behind the same edge (the API key, the probe counts): /health 200, /ready 503 with
+the engine's reason, /metrics, and 503 not_ready on every other path.
 """
 
 from __future__ import annotations
