@@ -38,6 +38,11 @@ class Config:
     llm_transport: str = "inline"  # or "wire": pushed to vitserve's vLLM connector at llm_endpoint
     wire_key_file: str | None = None  # the connector's shared secret (wire only); its path, never its bytes
     ec_storage_path: str | None = None
+    # --llm_transport pull (docs/vllm.md, "Pull"): where vitserve's producer binds, the endpoint vLLM fetches from,
+    # and the bound on what it keeps for fetching
+    pull_bind: str | None = None
+    pull_advertise: str | None = None
+    pull_store_gb: float = 4.0
     ec_ttl_s: float = 600.0
     ec_storage_gb: float = 4.0
     max_queue_tokens: int | None = None  # None -> 4 x budget (see queue_token_limit)

@@ -143,19 +143,82 @@ class WireSpec(_MetadataParts):
     def preflight(cls, config: Config, family: Family) -> None:
         """A key file this process can read (its contents are the connector's shared secret: never logged)."""
         super().preflight(config, family)
-        if config.wire_key_file is None:
-            return
-        try:
-            Path(config.wire_key_file).read_bytes()  # its length is checked where it is read (rpc/wirekey.py)
-        except OSError as exc:
+        _readable_key(config)
+
+
+class PullSpec(_MetadataParts):
+    name = "pull"
+    help = (
+        "kept here and fetched by vitserve's vLLM connector from --pull_bind (announced at --pull_advertise; "
+        "a metadata-only part)"
+    )
+    flags = ("wire_key_file", "pull_bind", "pull_advertise")
+    banner = ("pull producer", ("pull_bind", "pull_advertise", "pull_store_gb"))
+
+    @classmethod
+    def check_flags(cls, config: Config) -> None:
+        super().check_flags(config)
+        bind = config.pull_bind
+        if bind is None or not bind.startswith("tcp://") or ":" not in bind[len("tcp://") :]:
             raise ConfigError(
-                f"--wire_key_file {config.wire_key_file} cannot be read ({exc.strerror or exc}); give the file "
-                "that holds the connector's key_file secret"
-            ) from None
+                f"--llm_transport {cls.name} needs --pull_bind tcp://HOST:PORT, where vLLM's connector fetches "
+                f"the embeddings (got {bind!r})"
+            )
+        if config.pull_advertise is None and not _concrete(bind):
+            raise ConfigError(
+                f"--pull_bind {bind} binds every interface: set --pull_advertise tcp://NAME:PORT, the address vLLM "
+                "reaches this replica at (announced with each item)"
+            )
+        advertise = config.pull_advertise or bind
+        if not advertise.startswith("tcp://") or not _concrete(advertise):
+            raise ConfigError(
+                f"--pull_advertise {advertise!r} must be tcp://HOST:PORT with a host vLLM can reach (not 0.0.0.0 or *)"
+            )
+        # the wire's protected mode: embeddings go unkeyed only from an endpoint no other host can reach
+        if config.wire_key_file is None and not host_only(bind):
+            raise ConfigError(
+                f"--pull_bind {bind} is reachable from other hosts: --llm_transport {cls.name} needs "
+                "--wire_key_file there (the connector's key_file), or a bind on this host (tcp://127.0.0.1:PORT)"
+            )
+
+    @classmethod
+    def preflight(cls, config: Config, family: Family) -> None:
+        super().preflight(config, family)
+        _readable_key(config)
+
+    @classmethod
+    def info(cls, config: Config) -> dict[str, Any]:
+        pulling = config.llm_transport == cls.name
+        return {
+            "pull_bind": config.pull_bind,
+            "pull_advertise": (config.pull_advertise or config.pull_bind) if pulling else None,
+            "pull_store_gb": config.pull_store_gb,
+        }
+
+
+def _concrete(endpoint: str) -> bool:
+    """A tcp:// endpoint whose host names one address (not every interface)."""
+    host = endpoint.partition("://")[2].rpartition(":")[0].strip("[]")
+    return host not in ("", "*", "0.0.0.0", "::")
+
+
+def _readable_key(config: Config) -> None:
+    """--wire_key_file, when set, is a file this process can read (never logged)."""
+    if config.wire_key_file is None:
+        return
+    try:
+        Path(config.wire_key_file).read_bytes()  # its length is checked where it is read (rpc/wirekey.py)
+    except OSError as exc:
+        raise ConfigError(
+            f"--wire_key_file {config.wire_key_file} cannot be read ({exc.strerror or exc}); give the file "
+            "that holds the connector's key_file secret"
+        ) from None
 
 
 # The table, by --llm_transport value, in --help's order.
-SPECS: dict[str, type[TransportSpec]] = {spec.name: spec for spec in (InlineSpec, EcStorageSpec, WireSpec)}
+SPECS: dict[str, type[TransportSpec]] = {
+    spec.name: spec for spec in (InlineSpec, EcStorageSpec, WireSpec, PullSpec)
+}
 
 
 def spec_of(config: Config) -> type[TransportSpec]:

@@ -20,7 +20,7 @@ from vitserve.connector.admission import (
     keep_waiting,
     parse_announcement,
 )
-from vitserve.connector.config import ConnectorConfig, parse_config, start_store
+from vitserve.connector.config import ConnectorConfig, for_rank, parse_config, start_store
 from vitserve.connector.store import Shape
 from vitserve.rpc.tensors import DTYPES
 
@@ -40,7 +40,7 @@ def announce(**items: dict) -> dict:
 
 
 def item(rows: int = 12, width: int = WIDTH, dtype: str = "float32") -> dict:
-    return {"rows": rows, "width": width, "dtype": dtype, "producer": "ignored: a later version's key"}
+    return {"rows": rows, "width": width, "dtype": dtype, "later": "ignored: a later version's key"}
 
 
 def test_an_announcement_is_read_and_unknown_keys_are_ignored():
@@ -164,7 +164,9 @@ def test_the_extra_config_is_read_and_a_wrong_value_names_its_key():
     assert config == ConnectorConfig("tcp://127.0.0.1:1", max_gb=1.0, wait_s=2.0)
     assert unknown == ["max_bgb"]
     for extra, says in [
-        ({}, "needs ec_connector_extra_config.endpoint"),
+        ({"endpoint": ""}, "endpoint must be the ZMQ address"),
+        ({"pull_from": "10.0.0.0/8"}, "pull_from must be a list"),
+        ({"pull_from": ["*"]}, "pull_from: "),
         ({"endpoint": "tcp://127.0.0.1:1", "max_gb": "4"}, "max_gb must be a number > 0, not '4'"),
         ({"endpoint": "tcp://127.0.0.1:1", "max_hold_s": 0}, "max_hold_s must be a number > 0"),
         ({"endpoint": "tcp://127.0.0.1:1", "allow_unauthenticated": "true"}, "must be true or false"),
@@ -182,3 +184,33 @@ def test_a_keyless_connector_refuses_an_endpoint_another_host_could_reach(tmp_pa
     allowed, _ = parse_config({"endpoint": "tcp://127.0.0.1:0", "shm_dir": str(tmp_path), "max_hold_s": 5})
     store = start_store(allowed, Shape(WIDTH, 2), log)  # loopback needs no key
     store.close()
+
+
+def test_a_pull_only_config_binds_nothing_and_an_announced_producer_is_read(tmp_path):
+    config, unknown = parse_config({"pull_from": ["10.0.0.0/8", "vitserve-0"], "shm_dir": str(tmp_path)})
+    assert (config.endpoint, config.pull_from, unknown) == (None, ("10.0.0.0/8", "vitserve-0"), [])
+    store = start_store(config, Shape(WIDTH, 2), logging.getLogger("test"))
+    try:
+        assert store.endpoint == ""
+        assert store.failure_since(0.0) is None
+    finally:
+        store.close()
+    got = parse_announcement(announce(**{U: {**item(), "producer": "tcp://10.0.0.7:5700"}}), DTYPES)
+    assert got[U].producer == "tcp://10.0.0.7:5700"
+    with pytest.raises(AnnouncementError, match="producer must be a ZMQ endpoint"):
+        parse_announcement(announce(**{U: {**item(), "producer": 7}}), DTYPES)
+
+
+def test_each_data_parallel_engine_core_binds_its_own_push_endpoint_or_is_refused():
+    push, _ = parse_config({"endpoint": "tcp://127.0.0.1:5600"})
+    assert for_rank(push, 0) == push
+    with pytest.raises(
+        ValueError, match="leave out ec_connector_extra_config.endpoint and run vitserve with"
+    ):
+        for_rank(push, 1)  # push alone: vitserve cannot choose the core
+    both, _ = parse_config({"endpoint": "tcp://127.0.0.1:5600", "pull_from": ["127.0.0.1"]})
+    assert for_rank(both, 1).endpoint == "tcp://127.0.0.1:5601"
+    ipc, _ = parse_config({"endpoint": "ipc:///tmp/c.sock", "pull_from": ["127.0.0.1"]})
+    assert for_rank(ipc, 2).endpoint == "ipc:///tmp/c.sock-2"
+    pull, _ = parse_config({})
+    assert for_rank(pull, 3) == pull  # nothing bound, nothing to offset

@@ -106,10 +106,6 @@ def test_nginx_retries_as_the_tested_nginx_does():
     assert all(line in shipped for line in tested), f"deploy/nginx.pull.conf must carry {tested}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="--llm_transport pull and its flags land with the integration of issue 49: drop this mark",
-)
 def test_replica_flags_parse(tmp_path):
     key = tmp_path / "key"
     key.write_bytes(b"k" * 32)

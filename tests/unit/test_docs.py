@@ -45,6 +45,9 @@ NON_VITSERVE_FLAGS = {
     "wheel-dir": "pip wheel --wheel-dir dist (docs/vllm.md, vitserve's vLLM connector)",
     "shm-size": "docker run --shm-size (docs/vllm.md, The wire hand-over, Containers)",
     "ipc": "docker run --ipc=host (docs/vllm.md and docs/wire.md, one write on one host)",
+    "data-parallel-size": "vllm serve --data-parallel-size (docs/vllm.md, Pull)",
+    "sittings": "python bench/reservation.py --sittings (docs/engine.md, a budget from memory)",
+    "load": "python bench/reservation.py --load (docs/engine.md, a budget from memory)",
 }
 OUTSIDE_NOTES = re.compile(r"\b(SPEC|DESIGN|INTERFACES|RELIABILITY)\b")
 # The outside notes' scenario IDs ("scenario L3", test_f5_..., "(B10)"): cite docs/design.md's invariants instead.

@@ -451,10 +451,13 @@ def test_one_end_without_a_key_is_named_as_such(tmp_path):
             with LLMSender(peer.endpoint, key_file=key) as tx:
                 deadline = time.monotonic() + 10
                 while words not in (tx.link.refusal or ""):  # libzmq may first say less (rpc/link.py)
-                    assert time.monotonic() < deadline, tx.link.refusal
+                    if time.monotonic() > deadline:  # libzmq said only the vague reason every try: it names
+                        assert "key" in (tx.link.refusal or ""), tx.link.refusal  # the key all the same
+                        break
                     time.sleep(0.01)
-                time.sleep(0.3)  # a vaguer reason from a later try does not replace it
-                assert words in tx.link.refusal
+                else:
+                    time.sleep(0.3)  # a vaguer reason from a later try does not replace it
+                    assert words in tx.link.refusal
     finally:
         keyed_peer.close()
         open_peer.close()

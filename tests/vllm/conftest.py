@@ -18,3 +18,26 @@ def connector_vllm(tmp_path_factory):
         yield started
     finally:
         started.server.stop()
+
+
+@pytest.fixture(scope="session")
+def connector_qwen2_5_vl(tmp_path_factory):
+    """The other family's connector vLLM (tests/vllm/connector_server.py), shared by tests/vllm/test_wire.py and
+    test_pull.py."""
+    started = servers.take_more("connector_qwen2_5_vl", tmp_path_factory.mktemp("connector_qwen2_5_vl"))
+    try:
+        started.server.wait_ready()
+        yield started
+    finally:
+        started.server.stop()
+
+
+@pytest.fixture(scope="session")
+def connector_dp(tmp_path_factory):
+    """Qwen2.5-VL with two data-parallel engine cores, pulling (tests/vllm/test_pull.py)."""
+    started = servers.take_more("connector_dp", tmp_path_factory.mktemp("connector_dp"))
+    try:
+        started.server.wait_ready()
+        yield started
+    finally:
+        started.server.stop()

@@ -43,6 +43,10 @@ MAX_GB = 0.00005  # ~52 KiB: a few 128x96 images' tensors (12 rows x 192 floats,
 WAIT_S = 1.0  # the connector's wait_s: how long a request whose items never came is deferred
 SHM_BYTES = 80 * 1024  # the Qwen3-VL connector's tmpfs: 20 pages, a few small images' tensors
 SHM_MAX_GB = 1  # its max_gb: far more than the device holds
+_MADE: dict[str, Path] = {}  # family -> the first checkpoint made for it in this process
+PULL_WAIT_S = (
+    5.0  # the data-parallel one's wait_s: a fetch's deadline (the first fetches on a loaded machine)
+)
 
 
 @dataclass
@@ -59,10 +63,16 @@ class ConnectorVllm:
         return str(self.ckpt)
 
 
-def prepare(tmp: Path, family: str = FAMILY) -> Callable[[bool], ConnectorVllm]:
+def prepare(tmp: Path, family: str = FAMILY, data_parallel: int = 1) -> Callable[[bool], ConnectorVllm]:
     """Make one for `family` under `tmp`: its checkpoint, key and directories now; its start, waiting until it
-    is ready or not, is what comes back (tests/vllm/servers.py starts it on a thread of its own)."""
-    ckpt = make_servable_checkpoint(family, tmp / family, max_units=512)
+    is ready or not, is what comes back (tests/vllm/servers.py starts it on a thread of its own).
+    `data_parallel` > 1: that many engine cores (--data-parallel-size), each with its connector, pull only (no
+    `endpoint`: tests/vllm/test_pull.py), serving the checkpoint an earlier one of its family made (the same
+    weights and model name, so a balancer may send a request to either)."""
+    ckpt = _MADE.get(family) if data_parallel > 1 else None
+    if ckpt is None:
+        ckpt = make_servable_checkpoint(family, tmp / family, max_units=512)
+        _MADE.setdefault(family, ckpt)
     (tmp / "pkg").mkdir()
     (tmp / "pkg" / "vitserve").symlink_to(Path(__file__).resolve().parents[2] / "vitserve")
     key_file = tmp / "key"
@@ -73,6 +83,8 @@ def prepare(tmp: Path, family: str = FAMILY) -> Callable[[bool], ConnectorVllm]:
         shm_dir = tmp / "shm"
         shm_dir.mkdir()
     endpoint = f"tcp://127.0.0.1:{unused_port()}"  # vLLM binds it a minute later
+    if data_parallel > 1:
+        endpoint = ""  # pull only: nothing bound
     config = {
         "ec_connector": "VitserveECConnector",
         "ec_connector_module_path": "vitserve.vllm_connector",
@@ -85,6 +97,10 @@ def prepare(tmp: Path, family: str = FAMILY) -> Callable[[bool], ConnectorVllm]:
             "shm_dir": str(shm_dir),
         },
     }
+    if data_parallel > 1:
+        extra = config["ec_connector_extra_config"]
+        del extra["endpoint"]
+        extra["wait_s"] = PULL_WAIT_S
 
     def launch(wait: bool) -> ConnectorVllm:
         server = VllmServer(
@@ -97,10 +113,11 @@ def prepare(tmp: Path, family: str = FAMILY) -> Callable[[bool], ConnectorVllm]:
                 json.dumps(config),
                 "--trust-request-mm-kwargs",
                 *(("--mm-processor-cache-type", "shm") if family == FAMILY else ()),
+                *(("--data-parallel-size", str(data_parallel)) if data_parallel > 1 else ()),
             ),
             extra_env={"PYTHONPATH": os.fspath(tmp / "pkg")},
             wait=wait,
-            worker_in_engine_core=family != FAMILY,
+            worker_in_engine_core=family != FAMILY and data_parallel == 1,
         )
         return ConnectorVllm(ckpt, endpoint, key_file, server, shm_dir, mounted)
 

@@ -122,6 +122,8 @@ def start(root: Path) -> Servers:
 MORE: dict[str, Callable[[Path], Callable[[bool], connector_server.ConnectorVllm]]] = {
     "connector": connector_server.prepare,
     "connector_qwen2_5_vl": functools.partial(connector_server.prepare, family="qwen2_5_vl"),
+    # tests/vllm/test_pull.py: two data-parallel engine cores fetching (pull), beside the one above behind nginx
+    "connector_dp": functools.partial(connector_server.prepare, family="qwen2_5_vl", data_parallel=2),
 }
 
 

@@ -43,7 +43,7 @@ from tests.cli import Cli
 from tests.e2e.live import cli_in_process
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
 from tests.videos import make_clip
-from tests.vllm import servers, wire_docs
+from tests.vllm import wire_docs
 from tests.vllm.connector_server import ConnectorVllm
 from tests.vllm.stack import BUDGET, cli_args, metric, png, vitserve_in_process
 from tests.vllm.test_connector import _send
@@ -282,14 +282,9 @@ def test_wire_vitserve_killed_between_its_push_and_its_request_costs_vllm_nothin
 
 
 @pytest.fixture(scope="module")
-def consumer_qwen2_5_vl(tmp_path_factory) -> Iterator[ConnectorVllm]:
-    """The other family's connector vLLM (tests/vllm/connector_server.py), started early, stopped here."""
-    started = servers.take_more("connector_qwen2_5_vl", tmp_path_factory.mktemp("connector_qwen2_5_vl"))
-    try:
-        started.server.wait_ready()
-        yield started
-    finally:
-        started.server.stop()
+def consumer_qwen2_5_vl(connector_qwen2_5_vl) -> ConnectorVllm:
+    """The other family's connector vLLM (tests/vllm/conftest.py: the session's, shared with test_pull.py)."""
+    return connector_qwen2_5_vl
 
 
 def _documented(consumer: ConnectorVllm) -> dict[str, str]:

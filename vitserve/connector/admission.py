@@ -37,6 +37,7 @@ class Announced:
     rows: int
     width: int
     dtype: str
+    producer: str | None = None  # a pull: where to fetch it (vitserve --pull_advertise); None: pushed
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,10 @@ def _announced(uuid: str, item: object, dtypes: Collection[str]) -> Announced:
     rows, width, dtype = _count(uuid, item, "rows"), _count(uuid, item, "width"), item.get("dtype")
     if not isinstance(dtype, str) or dtype not in dtypes:
         raise AnnouncementError(f"announced item {uuid}: dtype {dtype!r} is not one of {sorted(dtypes)}")
-    return Announced(rows, width, dtype)
+    producer = item.get("producer")
+    if producer is not None and (not isinstance(producer, str) or not 0 < len(producer) <= MAX_UUID_CHARS):
+        raise AnnouncementError(f"announced item {uuid}: producer must be a ZMQ endpoint, not {producer!r}")
+    return Announced(rows, width, dtype, producer)
 
 
 def _count(uuid: str, item: Mapping[str, object], name: str) -> int:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from vitserve.connector.allowlist import Allowlist
 from vitserve.connector.store import EmbeddingStore, Shape
 from vitserve.rpc.wirekey import read_key_file
 
@@ -33,13 +34,15 @@ KNOWN = (
 
 @dataclass(frozen=True)
 class ConnectorConfig:
-    endpoint: str
+    endpoint: str | None  # None: pull only (vitserve --llm_transport pull), nothing bound
     max_gb: float = DEFAULT_MAX_GB
     key_file: str | None = None
     wait_s: float = DEFAULT_WAIT_S
     shm_dir: str | None = None
     max_hold_s: float | None = None  # None: the store's default
     allow_unauthenticated: bool = False
+    # the producers a pull may fetch from (allowlist.py); None: not given, this host's only (DEFAULT_PULL_FROM)
+    pull_from: tuple[str, ...] | None = None
 
     @property
     def max_bytes(self) -> int:
@@ -50,9 +53,10 @@ def parse_config(extra: Mapping[str, Any]) -> tuple[ConnectorConfig, list[str]]:
     """The config, and the keys it does not know (a typo, or a later version's): ValueError when a value is
     wrong."""
     endpoint = extra.get("endpoint")
-    if not isinstance(endpoint, str) or not endpoint:
+    if endpoint is not None and (not isinstance(endpoint, str) or not endpoint):
         raise ValueError(
-            f"VitserveECConnector needs {KEY}.endpoint, the ZMQ address it binds, e.g. tcp://127.0.0.1:5600"
+            f"{KEY}.endpoint must be the ZMQ address the connector binds for vitserve --llm_transport wire, e.g. "
+            f"tcp://127.0.0.1:5600, or left out (--llm_transport pull binds nothing); not {endpoint!r}"
         )
     config = ConnectorConfig(
         endpoint=endpoint,
@@ -62,8 +66,48 @@ def parse_config(extra: Mapping[str, Any]) -> tuple[ConnectorConfig, list[str]]:
         shm_dir=_text(extra, "shm_dir"),
         max_hold_s=_positive(extra, "max_hold_s", None),
         allow_unauthenticated=_flag(extra, "allow_unauthenticated"),
+        pull_from=_pull_from(extra),
     )
     return config, sorted(k for k in extra if k not in KNOWN)
+
+
+def _pull_from(extra: Mapping[str, Any]) -> tuple[str, ...] | None:
+    value = extra.get("pull_from")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(
+            f'{KEY}.pull_from must be a list of networks or host names, e.g. ["10.0.0.0/8"], not {value!r}'
+        )
+    try:
+        Allowlist(tuple(value))
+    except ValueError as exc:
+        raise ValueError(f"{KEY}.pull_from: {exc}") from None
+    return tuple(value)
+
+
+def for_rank(config: ConnectorConfig, index: int) -> ConnectorConfig:
+    """The config of data-parallel engine core `index` (vLLM's parallel_config.data_parallel_index; one
+    connector per engine core, each in its own process): a push endpoint offset by the index (tcp: the port +
+    index; ipc: the path + "-index"), as vLLM's own Mooncake consumer does. Without `pull_from` given, an engine
+    core past the first is refused: vitserve --llm_transport wire pushes to one endpoint and cannot choose which
+    engine core gets a request, so half of them would fail."""
+    if config.endpoint is None or index == 0:
+        return config
+    if config.pull_from is None:
+        raise ValueError(
+            f"this vLLM runs data-parallel engine cores (this is #{index}), and vitserve --llm_transport wire "
+            "pushes to one endpoint without knowing which core gets a request: leave out "
+            f"{KEY}.endpoint and run vitserve with --llm_transport pull (each core fetches what its requests "
+            'name; docs/vllm.md, "Pull"), or give each engine its own vLLM'
+        )
+    scheme, _, rest = config.endpoint.partition("://")
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        endpoint = f"tcp://{host}:{int(port) + index}" if port.isdigit() and int(port) else config.endpoint
+    else:
+        endpoint = f"{config.endpoint}-{index}"
+    return replace(config, endpoint=endpoint)
 
 
 def _positive(extra: Mapping[str, Any], key: str, default: float | None) -> Any:

@@ -44,9 +44,12 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from vllm.logger import init_logger
 
 from vitserve.connector import admission, counters
-from vitserve.connector.config import KEY, parse_config, start_store
+from vitserve.connector.allowlist import DEFAULT_PULL_FROM
+from vitserve.connector.config import KEY, for_rank, parse_config, start_store
+from vitserve.connector.pulling import Puller
 from vitserve.connector.store import EmbeddingStore, Shape, as_dict, read_entry
 from vitserve.rpc.tensors import DTYPES
+from vitserve.rpc.wirekey import read_key_file
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,6 +72,7 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role)
         self._dtype = vllm_config.model_config.dtype
         self.store: EmbeddingStore | None = None
+        self._puller: Puller | None = None
         if role == ECConnectorRole.SCHEDULER:
             self._init_scheduler(vllm_config)
 
@@ -87,12 +91,16 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
         self._unavailable: set[str] = set()
         self._counts: dict[str, int] = {}  # the glue's own counters (counters.py)
         self._reported: dict[str, int] = {}  # the last counters sent to vLLM's stats
-        self.store = start_store(
-            config, _model_shape(vllm_config), log, str(self._dtype).removeprefix("torch.")
-        )
+        config = for_rank(config, vllm_config.parallel_config.data_parallel_index)  # ValueError: cannot serve
+        dtype = str(self._dtype).removeprefix("torch.")
+        self.store = start_store(config, _model_shape(vllm_config), log, dtype)
+        key = read_key_file(config.key_file) if config.key_file else None
+        self._puller = Puller(config, key, self.store, log)
         log.info(
-            "vitserve connector: bound %s (max_gb %g, key %s, wait_s %g, width %d, merge %d), files in %s",
-            self.store.endpoint,
+            "vitserve connector: bound %s, pulls from %s (max_gb %g, key %s, wait_s %g, width %d, merge %d), "
+            "files in %s",
+            self.store.endpoint or "nothing (pull only)",
+            ", ".join(config.pull_from or DEFAULT_PULL_FROM),
             config.max_gb,
             "required" if config.key_file else "none",
             config.wait_s,
@@ -128,6 +136,10 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
         if verdict.failure is not None:
             return self._fail(request, verdict.reason or "mismatch", verdict.failure)
         if verdict.missing:
+            assert self._puller is not None
+            why = self._puller.step(rid, verdict.missing, announced, self._left_s(rid))
+            if why is not None:
+                return self._fail(request, "pull", why)
             return self._defer(request, verdict.missing)
         for uuid in verdict.supply - self._supplied.get(rid, set()):
             if self.store.pin(uuid, rid) is None:  # evicted since it was checked: wait for it as if missing
@@ -171,6 +183,11 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
             self._metadata_fields[feature.modality] = metadata
         return any(elem.data is not None for key, elem in feature.data.items() if key not in metadata)
 
+    def _left_s(self, rid: str) -> float:
+        """What is left of the request's wait_s (all of it before its first deferral)."""
+        since = self._waiting_since.get(rid)
+        return self._wait_s if since is None else self._wait_s - (time.monotonic() - since)
+
     def _defer(self, request: Request, missing: tuple[str, ...]) -> bool:
         assert self.store is not None
         now = time.monotonic()
@@ -184,7 +201,7 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
     def _fail(self, request: Request, reason: str, why: str) -> bool:
         log.warning(
             "vitserve connector: request %s fails: %s (send it through vitserve --llm_transport wire, which "
-            "pushes its embeddings to this connector and announces them)",
+            "pushes its embeddings to this connector, or pull, which announces where to fetch them)",
             request.request_id,
             why,
         )
@@ -223,10 +240,15 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
     def _release(self, rid: str) -> None:
         self._waiting_since.pop(rid, None)
         self._announced.pop(rid, None)
+        if self._puller is not None:
+            self._puller.forget(rid)
         if self.store is not None:
             self.store.unpin(self._supplied.pop(rid, set()), rid)
 
     def shutdown(self) -> None:
+        if self._puller is not None:
+            self._puller.close()
+            self._puller = None
         if self.store is not None:
             self.store.close()
             self.store = None

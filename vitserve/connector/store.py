@@ -65,7 +65,7 @@ class EmbeddingStore:
 
     def __init__(
         self,
-        endpoint: str,
+        endpoint: str | None,
         max_bytes: int,
         shape: Shape,
         *,
@@ -78,12 +78,16 @@ class EmbeddingStore:
     ) -> None:
         self.shape, self.max_hold_s, self._key, self.dtype = shape, float(max_hold_s), key, dtype
         self.log = log or logging.getLogger(__name__)
-        self._init_protection(endpoint, allow_unauthenticated)
+        if endpoint is not None:
+            self._init_protection(endpoint, allow_unauthenticated)
         self._init_state()
         self._init_dir(directory, max_bytes)
-        self._init_socket(endpoint)
-        self._thread = threading.Thread(target=self._supervise, name="vitserve-ec-receiver", daemon=True)
-        self._thread.start()
+        self.endpoint = ""  # None: pull only (connector/pulling.py keeps through `accept`), nothing bound
+        self._thread: threading.Thread | None = None
+        if endpoint is not None:
+            self._init_socket(endpoint)
+            self._thread = threading.Thread(target=self._supervise, name="vitserve-ec-receiver", daemon=True)
+            self._thread.start()
 
     def _init_protection(self, endpoint: str, allow_unauthenticated: bool) -> None:
         """Protected mode: without a key, only an endpoint of this host, unless the config says otherwise."""
@@ -154,6 +158,18 @@ class EmbeddingStore:
             for uuid in uuids:
                 self._ledger.unpin(uuid, request_id, now + min(TOUCH_S, self.max_hold_s), now)
 
+    def accept(self, m: ImageEmbedding) -> str | None:
+        """Keep a message that came another way than the receiver (a pull's fetch), with the same checks and
+        counters as a push; None when kept, else why not."""
+        try:
+            self._keep(m)
+        except Refusal as refusal:
+            self.counts["refused"] += 1
+            self.counts[f"refused_{refusal.code}"] += 1
+            return str(refusal)
+        self.counts["received"] += 1
+        return None
+
     def counters(self) -> dict[str, int | float]:
         with self._lock:
             held = {"held": len(self._ledger.entries), "held_bytes": self._ledger.held_bytes}
@@ -161,14 +177,15 @@ class EmbeddingStore:
 
     def failure_since(self, t: float) -> str | None:
         """Why the receiver failed after `t` (time.monotonic()), or None: messages in flight then were lost."""
-        if not self._thread.is_alive() and not self._closing:
+        if self._thread is not None and not self._thread.is_alive() and not self._closing:
             return "vitserve connector: its receiver thread ended"
         failure = self._failure
         return failure[1] if failure is not None and failure[0] > t else None
 
     def close(self) -> None:
         self._closing = True
-        self._thread.join(5)
+        if self._thread is not None:
+            self._thread.join(5)
         self.log.info("vitserve connector on %s closed: %s", self.endpoint, self.counters())
         self._incoming.close()
         self._dir.close()

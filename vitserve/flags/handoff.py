@@ -41,6 +41,20 @@ HANDOFF: dict[str, Flag] = {
     "ec_storage_path": Flag(
         optional(str), "LLM handoff", "the vLLM EC consumer's shared_storage_path (ec_storage only)"
     ),
+    "pull_bind": Flag(
+        optional(str),
+        "LLM handoff",
+        "ZMQ endpoint vitserve's pull producer binds, tcp://HOST:PORT (pull only); vLLM's connector fetches there",
+    ),
+    "pull_advertise": Flag(
+        optional(str),
+        "LLM handoff",
+        "the endpoint vLLM fetches from, announced per item (pull only; default --pull_bind; needed when "
+        "--pull_bind is 0.0.0.0)",
+    ),
+    "pull_store_gb": Flag(
+        float, "LLM handoff", "bound on the embeddings kept for vLLM to fetch (pull); a full store: 503"
+    ),
     "ec_ttl_s": Flag(float, "LLM handoff", "an encoder-cache file no request uses is removed after this"),
     "ec_storage_gb": Flag(
         float, "LLM handoff", "bound on the encoder-cache files' bytes; least recently used go first"
@@ -49,7 +63,7 @@ HANDOFF: dict[str, Flag] = {
 
 
 def validate(config: Config) -> None:
-    check_positive(config, "llm_timeout_s", "ec_ttl_s", "ec_storage_gb")
+    check_positive(config, "llm_timeout_s", "ec_ttl_s", "ec_storage_gb", "pull_store_gb")
     if config.llm_endpoint is not None and not re.match(r"^(tcp|ipc)://.+", config.llm_endpoint):
         raise ConfigError(f"--llm_endpoint {config.llm_endpoint!r} must be tcp://host:port or ipc:///path")
     _check_llm_url(config)
@@ -76,8 +90,9 @@ def _check_llm_transport(config: Config) -> None:
     transport = config.llm_transport
     if transport not in SPECS:
         raise ConfigError(f"--llm_transport {transport!r} is not one of {', '.join(SPECS)}")
-    for name, spec in SPECS.items():
-        for flag in spec.flags:
-            if name != transport and getattr(config, flag) is not None:
-                raise ConfigError(f"--{flag} is used only with --llm_transport {name}")
+    own = spec_of(config).flags
+    for flag in dict.fromkeys(f for spec in SPECS.values() for f in spec.flags):
+        if flag not in own and getattr(config, flag) is not None:
+            users = " or ".join(name for name, spec in SPECS.items() if flag in spec.flags)
+            raise ConfigError(f"--{flag} is used only with --llm_transport {users}")
     spec_of(config).check_flags(config)

@@ -10,12 +10,14 @@ from __future__ import annotations
 from vitserve.handover.base import Setup, Transport
 from vitserve.handover.ec_storage import EcStorageTransport
 from vitserve.handover.inline import InlineTransport
+from vitserve.handover.pull import PullTransport
 from vitserve.handover.wire import WireTransport
 
 TRANSPORTS: dict[str, type[Transport]] = {
     InlineTransport.name: InlineTransport,
     EcStorageTransport.name: EcStorageTransport,
     WireTransport.name: WireTransport,
+    PullTransport.name: PullTransport,
 }
 
 

@@ -1,0 +1,146 @@
+"""vitserve --llm_transport pull in front of a real vLLM that runs vitserve's own encoder-cache connector
+(docs/vllm.md, "Pull"): the session's one connector vLLM (tests/vllm/connector_server.py, `connector_vllm`: Qwen3-VL,
+a key file, a small bound, wait_s 1 s), shared with tests/vllm/test_wire.py and test_connector.py: no vLLM
+start-up of its own. Its extra config names no `pull_from`, so its connector fetches from this host's producers
+only, with its key: vitserve binds its producer on loopback with the same --wire_key_file.
+
+Tokens must equal vLLM's own from the raw image (logprobs within 1e-4); what the connector fetched is read from
+its own counters in vLLM's /metrics (a fetched item is `received` as a push is, then `supplied`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.nginx_server import NginxServer
+from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
+from tests.vllm.connector_server import ConnectorVllm
+from tests.vllm.stack import metric, png, vitserve_in_process
+from tests.vllm_server import unused_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+RECEIVED = "vllm:vitserve_connector_received_total"
+
+
+@pytest.fixture(scope="module")
+def consumer(connector_vllm) -> ConnectorVllm:
+    connector_vllm.server.wait_ready()
+    return connector_vllm
+
+
+def _vitserve(consumer: ConnectorVllm, name: str):
+    bind = f"tcp://127.0.0.1:{unused_port()}"
+    args = ("--llm_transport", "pull", "--pull_bind", bind, "--wire_key_file", str(consumer.key_file))
+    return vitserve_in_process(consumer.ckpt, consumer.server.url, consumer.ckpt.parent / name, *args)
+
+
+@pytest.fixture(scope="module")
+def pull(consumer):
+    with _vitserve(consumer, "pull-vs") as server:
+        yield server
+
+
+def test_pull_one_image_equals_vllms_own(consumer, pull):
+    vllm = consumer.server
+    body = chat_request(str(consumer.ckpt), image_url_part(png(96, 64, seed=81)))
+    before = metric(vllm.url, RECEIVED)
+    through = complete(pull.url, body)
+    assert metric(vllm.url, RECEIVED) - before == 1  # fetched from vitserve, not encoded by vLLM
+    assert_same_answer(complete(vllm.url, body), through)
+
+
+def test_pull_two_replicas_at_once_every_answer_is_vllms_own(consumer, pull):
+    ckpt, vllm = consumer.ckpt, consumer.server
+    bodies = [chat_request(str(ckpt), image_url_part(png(64 + 16 * i, 64, seed=82 + i))) for i in range(4)]
+    expected = [complete(vllm.url, b) for b in bodies]
+    with _vitserve(consumer, "pull-2") as second, ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(complete, [pull.url, second.url] * 2, bodies))
+    for want, got in zip(expected, answers, strict=True):
+        assert_same_answer(want, got)
+    assert vllm.alive()
+
+
+def _width(consumer: ConnectorVllm) -> int:
+    config = json.loads((consumer.ckpt / "config.json").read_text())
+    levels = len(config["vision_config"].get("deepstack_visual_indexes") or [])
+    return int(config["text_config"]["hidden_size"]) * (1 + levels)
+
+
+@pytest.mark.parametrize(
+    ("producer", "why"),
+    [("tcp://10.9.9.9:5700", "not admitted"), (None, "not held"), ("dead", "refuses connections")],
+    ids=["outside-pull_from", "missing", "replica-gone"],
+)
+def test_pull_an_item_that_cannot_be_fetched_fails_that_request_alone(consumer, pull, producer, why):
+    """Straight to vLLM: an announced item whose producer is outside pull_from (refused at once, no network), a
+    producer that does not hold it (vitserve's own, asked for a uuid it never kept), or a replica that is gone
+    (nothing listens: the fetch fails when the connection is refused, not at wait_s): vLLM fails that request
+    and serves the next one."""
+    vllm = consumer.server
+    info = httpx.get(pull.url + "/v1/info", timeout=10).json()
+    if producer == "dead":  # a replica that was killed: nothing listens at its address
+        producer = f"tcp://127.0.0.1:{unused_port()}"
+    producer = producer or info["pull_advertise"]
+    uuid = {"not admitted": "a", "not held": "b"}.get(why, "c") * 64
+    part = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": uuid}
+    body = chat_request(str(consumer.ckpt), part)
+    item = {"rows": 4, "width": _width(consumer), "dtype": "float32", "producer": producer}
+    body["ec_transfer_params"] = {"vitserve": {"v": 1, "items": {uuid: item}}}
+    r = httpx.post(vllm.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 500, r.text
+    assert vllm.alive()
+    assert vllm.log_path.read_text(errors="replace").count(uuid) >= 1
+    assert why in vllm.log_path.read_text(errors="replace")
+    good = chat_request(str(consumer.ckpt), image_url_part(png(64, 64, seed=90)))
+    assert_same_answer(complete(vllm.url, good), complete(pull.url, good))
+
+
+# ------------------------------------------- two vLLMs behind nginx, one of them with two data-parallel cores
+
+
+@pytest.fixture(scope="module")
+def balanced(connector_qwen2_5_vl, connector_dp, tmp_path_factory):
+    """nginx round robin over the Qwen2.5-VL connector vLLM (push and pull) and the data-parallel one (pull
+    only), and two vitserve replicas pulling, both with nginx as --llm_url."""
+    one, dp = connector_qwen2_5_vl, connector_dp
+    assert one.ckpt == dp.ckpt, "one checkpoint: the same weights and model name behind the balancer"
+    tmp = tmp_path_factory.mktemp("pull-balanced")
+    nginx = NginxServer(
+        tmp / "nginx", [f"127.0.0.1:{one.server.port}", f"127.0.0.1:{dp.server.port}"]
+    ).start()
+    try:
+        replicas = []
+        with contextlib.ExitStack() as stack:
+            for name in ("r0", "r1"):
+                bind = f"tcp://127.0.0.1:{unused_port()}"
+                args = ("--llm_transport", "pull", "--pull_bind", bind, "--wire_key_file", str(one.key_file))
+                replicas.append(
+                    stack.enter_context(vitserve_in_process(one.ckpt, nginx.url, tmp / name, *args))
+                )
+            yield one, dp, nginx, replicas
+    finally:
+        nginx.stop()
+
+
+def test_pull_behind_a_balancer_and_data_parallel_cores_every_answer_is_vllms_own(balanced):
+    one, dp, nginx, replicas = balanced
+    bodies = [
+        chat_request(str(one.ckpt), image_url_part(png(64 + 16 * (i % 4), 64, seed=100 + i)))
+        for i in range(8)
+    ]
+    expected = [complete(one.server.url, b) for b in bodies]  # vLLM's own tower on the raw image
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(complete, [r.url for r in replicas] * 4, bodies))
+    for want, got in zip(expected, answers, strict=True):
+        assert_same_answer(want, got)
+    served = {tries[-1] for tries in nginx.upstreams()[-8:]}
+    assert served == {f"127.0.0.1:{one.server.port}", f"127.0.0.1:{dp.server.port}"}, "both engines served"
+    per_core = [metric(dp.server.url, RECEIVED, engine=str(i)) for i in (0, 1)]
+    assert all(n > 0 for n in per_core), f"both data-parallel cores fetched: {per_core}"
+    assert one.server.alive()
+    assert dp.server.alive()

@@ -1,0 +1,68 @@
+"""The connector's pull (docs/vllm.md, "Pull"; SPEC §13): an announced item that names a `producer` and is not
+held is fetched from that producer (vitserve --llm_transport pull) rather than waited for. No vLLM here: glue.py
+calls `Puller.step` with what admission.py found missing, after admission's checks passed (the announced rows
+against the request's placeholder, the width against the model's, the dtype one of the wire's), so nothing is
+fetched for a request that would fail anyway.
+
+- A fetch goes only to a producer `pull_from` admits (allowlist.py), with the key when one is set (fetch.py); a
+  refusal at once (not admitted, a bind address, too big) fails the request with the reason, no network.
+- The fetched message is kept by the store through the same checks and bound as a push (store.py `accept`).
+- A fetch of this request that ended without keeping (the producer answered `missing`, did not answer within
+  `wait_s`, was unreachable, or its tensor disagreed) fails the request: vLLM fails that request alone
+  (take_unavailable_requests) and stays healthy. An earlier request's failure is not this one's: its fetch is
+  started again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from vitserve.connector.admission import Announced
+from vitserve.connector.allowlist import DEFAULT_PULL_FROM
+from vitserve.connector.config import ConnectorConfig
+from vitserve.connector.fetch import Expect, FetchConfig, Fetcher
+from vitserve.connector.store import EmbeddingStore
+
+
+class Puller:
+    """The fetcher of one engine core's connector (each data-parallel core has its own) and which fetches each
+    request started."""
+
+    def __init__(
+        self, config: ConnectorConfig, key: bytes | None, store: EmbeddingStore, log: logging.Logger
+    ) -> None:
+        fetch = FetchConfig(
+            pull_from=config.pull_from or DEFAULT_PULL_FROM, key=key, deadline_s=config.wait_s
+        )
+        self.fetcher = Fetcher(fetch, on_message=store.accept, log=log)
+        self._started: dict[str, set[str]] = {}  # request id -> uuids fetched for it
+
+    def step(
+        self, request_id: str, missing: tuple[str, ...], announced: Mapping[str, Announced], left_s: float
+    ) -> str | None:
+        """Start or follow the fetches of a request's missing items; None: keep waiting (a fetch runs, or an
+        item is pushed), else why the request fails."""
+        started = self._started.setdefault(request_id, set())
+        for uuid in missing:
+            item = announced[uuid]
+            if item.producer is None or self.fetcher.busy(uuid):
+                continue
+            outcome = self.fetcher.result(uuid)
+            if uuid in started and outcome is not None and not outcome.kept:
+                return f"item {uuid}: fetching it from producer {item.producer} failed: {outcome.reason}"
+            expect = Expect(item.rows, item.width, item.dtype)
+            refused = self.fetcher.start(uuid, item.producer, expect, deadline_s=max(left_s, 0.001))
+            if refused is not None:
+                return f"item {uuid}: producer {item.producer} refused: {refused.reason}"
+            started.add(uuid)
+        return None
+
+    def forget(self, request_id: str) -> None:
+        self._started.pop(request_id, None)
+
+    def counters(self) -> dict[str, int]:
+        return {f"pull_{name}": int(n) for name, n in self.fetcher.counters().items()}
+
+    def close(self) -> None:
+        self.fetcher.close()
