@@ -9,6 +9,7 @@ import logging
 import zmq
 import zmq.auth.thread
 
+from vitserve.endpoints import host_only
 from vitserve.rpc.wirekey import ZAP_DOMAIN, keypair
 
 log = logging.getLogger(__name__)
@@ -44,3 +45,23 @@ class _OnlyKey:
             "refused a wire peer without the shared key (domain %s): %d refused so far", domain, self.refused
         )
         return False
+
+
+def check_protected(
+    endpoint: str, key: bytes | None, allow_unauthenticated: bool, log: logging.Logger
+) -> None:
+    """Protected mode: without a key, the connector binds only an endpoint of this host (loopback, ipc://), unless
+    its config says `allow_unauthenticated` (then a WARNING says what that lets anyone do)."""
+    if key is not None or host_only(endpoint):
+        return
+    if not allow_unauthenticated:
+        raise ValueError(
+            f"vitserve's connector will not bind {endpoint} without a key: set key_file in "
+            "ec_connector_extra_config (the same file as vitserve --wire_key_file), or bind loopback "
+            '(tcp://127.0.0.1:PORT) or ipc://, or set "allow_unauthenticated": true'
+        )
+    log.warning(
+        "vitserve connector: %s is bound WITHOUT a key (allow_unauthenticated): anyone who reaches it can fill "
+        "the bound and put tensors under any uuid; set key_file (vitserve --wire_key_file)",
+        endpoint,
+    )

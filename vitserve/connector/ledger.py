@@ -22,6 +22,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MAX_CLAIMS = 64  # request ids kept per entry (a uuid pushed by many requests at once keeps the newest)
 
@@ -197,3 +198,8 @@ class Ledger:
 
 
 _CLAIM_CHARS = 256  # a claim keeps this much of a request id (a release names at most as many)
+
+
+def as_dict(entry: HeldTensor) -> dict[str, Any]:
+    """What the worker side needs to load a held tensor (the step's metadata, glue.py)."""
+    return {"path": str(entry.path), "dtype": entry.dtype, "rows": entry.rows, "width": entry.width}

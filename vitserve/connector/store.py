@@ -32,16 +32,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import zmq
 
 from vitserve.connector.checks import REASONS, RateLimitedLog, Refusal, Shape, check_message
 from vitserve.connector.files import TensorDir, file_name, is_device_full, read_entry
 from vitserve.connector.handoff import Incoming, check_file
-from vitserve.connector.ledger import HeldTensor, Ledger
+from vitserve.connector.keys import check_protected
+from vitserve.connector.ledger import HeldTensor, Ledger, as_dict
 from vitserve.connector.router import Router
-from vitserve.endpoints import host_only
 from vitserve.rpc.handoff import FileEmbedding, Hello, decode_handoff
 from vitserve.rpc.replies import HoldsQuery, Release, decode_inbound, encode_held, encode_nack, message_id_of
 from vitserve.rpc.wire import ImageEmbedding, WireError, encode_ack
@@ -79,7 +78,7 @@ class EmbeddingStore:
         self.shape, self.max_hold_s, self._key, self.dtype = shape, float(max_hold_s), key, dtype
         self.log = log or logging.getLogger(__name__)
         if endpoint is not None:
-            self._init_protection(endpoint, allow_unauthenticated)
+            check_protected(endpoint, key, allow_unauthenticated, self.log)
         self._init_state()
         self._init_dir(directory, max_bytes)
         self.endpoint = ""  # None: pull only (connector/pulling.py keeps through `accept`), nothing bound
@@ -88,22 +87,6 @@ class EmbeddingStore:
             self._init_socket(endpoint)
             self._thread = threading.Thread(target=self._supervise, name="vitserve-ec-receiver", daemon=True)
             self._thread.start()
-
-    def _init_protection(self, endpoint: str, allow_unauthenticated: bool) -> None:
-        """Protected mode: without a key, only an endpoint of this host, unless the config says otherwise."""
-        if self._key is not None or host_only(endpoint):
-            return
-        if not allow_unauthenticated:
-            raise ValueError(
-                f"vitserve's connector will not bind {endpoint} without a key: set key_file in "
-                "ec_connector_extra_config (the same file as vitserve --wire_key_file), or bind loopback "
-                '(tcp://127.0.0.1:PORT) or ipc://, or set "allow_unauthenticated": true'
-            )
-        self.log.warning(
-            "vitserve connector: %s is bound WITHOUT a key (allow_unauthenticated): anyone who reaches it can fill "
-            "the bound and put tensors under any uuid; set key_file (vitserve --wire_key_file)",
-            endpoint,
-        )
 
     def _init_state(self) -> None:
         self.counts = dict.fromkeys(COUNTERS, 0)
@@ -407,7 +390,3 @@ class EmbeddingStore:
                 entry.path.unlink()
         if counter and entries:
             self.counts[counter] += len(entries)
-
-
-def as_dict(entry: HeldTensor) -> dict[str, Any]:
-    return {"path": str(entry.path), "dtype": entry.dtype, "rows": entry.rows, "width": entry.width}
