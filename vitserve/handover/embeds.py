@@ -47,6 +47,18 @@ class EmbedsLayout:
         """What the LLM is told of a video's time: "none", "second_per_grid" or "timestamps"."""
         return FAMILIES[self.family].video_time
 
+    def check_split(self, what: str, main: torch.Tensor, deep: list[torch.Tensor], grid: list[int]) -> None:
+        """Refuse (500) an item's main rows and DeepStack levels whose rows or summed width are not what the LLM
+        will assume for `grid`, before anything is sent (the uuid transports send them unjoined)."""
+        rows = self.grid_rows(grid)
+        shapes = [tuple(t.shape) for t in (main, *deep)]
+        width = sum(s[1] for s in shapes if len(s) == 2)
+        if any(len(s) != 2 or s[0] != rows for s in shapes) or width != self.width:
+            raise EmbeddingMismatch(
+                f"{what}: embedding of shapes {shapes}, but the LLM server expects ({rows}, {self.width}) "
+                f"for grid {grid} ({self.family}); nothing was sent to it"
+            )
+
     def check_video_served(self) -> None:
         """400 before any decoding for a family whose video embeddings vLLM takes in another form."""
         if self.tiles:
@@ -150,3 +162,12 @@ def checked_video_tensor(
             f"({rows}, {layout.width}) for grid {grid} ({layout.family}); nothing was sent to it"
         )
     return tensor, grid
+
+
+def video_rows(results: Sequence[ItemResult]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A video's groups joined in time order: its main rows (T*h*w/m^2, hidden) and each DeepStack level's."""
+    if any(r.embedding is None for r in results):
+        raise EmbeddingMismatch("the engine returned no embedding for a video group of a chat request")
+    main = torch.cat([r.embedding for r in results if r.embedding is not None])
+    levels = len(results[0].deepstack) if results else 0
+    return main, [torch.cat([r.deepstack[k] for r in results]) for k in range(levels)]

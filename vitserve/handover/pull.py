@@ -32,7 +32,7 @@ from vitserve.connector.producer import Producer
 from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
 from vitserve.handover.base import Setup
 from vitserve.handover.by_uuid import UuidHandover, UuidTransport, strip
-from vitserve.handover.embeds import EmbeddingMismatch
+from vitserve.handover.embeds import EmbeddingMismatch, video_rows
 from vitserve.handover.pull_store import PullStore
 from vitserve.handover.wire import ItemUnavailable
 from vitserve.rpc.tensors import dtype_name
@@ -123,11 +123,7 @@ class PullRequest(UuidHandover):
         return self.named(uuid, "image", grid)
 
     def video_part(self, video: PreparedVideo, results: list[ItemResult], index: int) -> dict[str, Any]:
-        if any(r.embedding is None for r in results):
-            raise EmbeddingMismatch("the engine returned no embedding for a video group of a chat request")
-        main = torch.cat([r.embedding for r in results if r.embedding is not None])
-        levels = len(results[0].deepstack) if results else 0
-        deep = [torch.cat([r.deepstack[k] for r in results]) for k in range(levels)]
+        main, deep = video_rows(results)
         grid = list(video.metadata.grid_thw)
         uuid = self.pull.uuid("video", *(g.image_id for g in video.groups))
         self._add(f"video {index}", uuid, video.video_id, grid, main, deep)
@@ -143,14 +139,7 @@ class PullRequest(UuidHandover):
         deep: list[torch.Tensor],
     ) -> None:
         """Refuse (500) rows or a width that are not what vLLM will assume; else the item joins the request."""
-        rows = self.layout.grid_rows(grid)
-        shapes = [tuple(t.shape) for t in (main, *deep)]
-        width = sum(s[1] for s in shapes if len(s) == 2)
-        if any(len(s) != 2 or s[0] != rows for s in shapes) or width != self.layout.width:
-            raise EmbeddingMismatch(
-                f"{what}: embedding of shapes {shapes}, but the LLM server expects ({rows}, {self.layout.width}) "
-                f"for grid {grid} ({self.layout.family}); nothing was sent to it"
-            )
+        self.layout.check_split(what, main, deep, grid)
         message = ImageEmbedding(
             request_id=self.request_id,
             image_index=len(self.messages),

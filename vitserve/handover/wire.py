@@ -45,7 +45,7 @@ from vitserve.errors import LLMTimeout, VitserveError
 from vitserve.handover.base import Handover, Setup, Transport
 from vitserve.handover.ec_files import ec_uuid
 from vitserve.handover.ec_storage import NotAConsumer, strip
-from vitserve.handover.embeds import EmbeddingMismatch, video_timestamps
+from vitserve.handover.embeds import EmbeddingMismatch, video_rows, video_timestamps
 from vitserve.handover.same_host import SameHost
 from vitserve.rpc.sender import Delivery, LLMSender, WireRefused
 from vitserve.rpc.tensors import DTYPES, dtype_name
@@ -207,37 +207,22 @@ class WireRequest(Handover):
         if result.embedding is None:
             raise EmbeddingMismatch("the engine returned no embedding for an image of a chat request")
         grid = [int(n) for n in image.item.grid_thw]
-        self._check(f"image {index}", result.embedding, list(result.deepstack), grid)
+        self.layout.check_split(f"image {index}", result.embedding, list(result.deepstack), grid)
         uuid = ec_uuid(self.transport.fingerprint(), "image", image.image_id)
         self._add(uuid, image.image_id, grid, result.embedding, list(result.deepstack))
         return _part(uuid, "image", grid)
 
     def video_part(self, video: PreparedVideo, results: list[ItemResult], index: int) -> dict[str, Any]:
         """The part for a video: one message with its groups' rows joined in time order."""
-        if any(r.embedding is None for r in results):
-            raise EmbeddingMismatch("the engine returned no embedding for a video group of a chat request")
-        main = torch.cat([r.embedding for r in results if r.embedding is not None])  # (T*h*w/m^2, hidden)
-        levels = len(results[0].deepstack) if results else 0
-        deep = [torch.cat([r.deepstack[k] for r in results]) for k in range(levels)]
+        main, deep = video_rows(results)
         grid = list(video.metadata.grid_thw)
-        self._check(f"video {index}", main, deep, grid)
+        self.layout.check_split(f"video {index}", main, deep, grid)
         uuid = ec_uuid(self.transport.fingerprint(), "video", *(g.image_id for g in video.groups))
         self._add(uuid, video.video_id, grid, main, deep)
         part = _part(uuid, "video", grid)
         if self.layout.video_time == "timestamps":
             part["video_embeds"]["timestamps"] = video_timestamps(video)
         return part
-
-    def _check(self, what: str, main: torch.Tensor, deep: list[torch.Tensor], grid: list[int]) -> None:
-        """Refuse (500) rows or a width that are not what vLLM will assume, before anything is sent."""
-        rows = self.layout.grid_rows(grid)
-        shapes = [tuple(t.shape) for t in (main, *deep)]
-        width = sum(s[1] for s in shapes if len(s) == 2)
-        if any(len(s) != 2 or s[0] != rows for s in shapes) or width != self.layout.width:
-            raise EmbeddingMismatch(
-                f"{what}: embedding of shapes {shapes}, but the LLM server expects ({rows}, {self.layout.width}) "
-                f"for grid {grid} ({self.layout.family}); nothing was sent to it"
-            )
 
     def _add(
         self, uuid: str, item_id: str, grid: list[int], main: torch.Tensor, deep: list[torch.Tensor]

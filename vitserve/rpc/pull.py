@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vitserve.rpc import wire
+from vitserve.rpc.replies import versioned
 from vitserve.rpc.wire import WIRE_VERSION, ImageEmbedding, WireError, decode_embedding_message
 
 MAX_REASON_CHARS = 1024
@@ -51,7 +52,7 @@ def decode_fetch(frames: Sequence[Any]) -> Fetch:
     """What a connector sends a producer: one frame, a fetch query. WireError for anything else."""
     if len(frames) != 1:
         raise WireError(f"a fetch query is one frame, got {len(frames)}")
-    query = _versioned(frames[0])
+    query = versioned(frames[0])
     _check_fetch(query)
     return Fetch(query["query_id"], query["fetch"])
 
@@ -60,7 +61,7 @@ def decode_answer(frames: Sequence[Any]) -> ImageEmbedding | Missing:
     """What a producer sends back: a `missing` answer (one frame) or an embedding message. WireError for
     anything else."""
     if len(frames) == 1:
-        answer = _versioned(frames[0])
+        answer = versioned(frames[0])
         if "missing" not in answer:
             raise WireError(f"a one-frame answer is `missing`; got the keys {sorted(answer)[:8]}")
         reason = answer.get("reason")
@@ -69,14 +70,6 @@ def decode_answer(frames: Sequence[Any]) -> ImageEmbedding | Missing:
         _check_fetch({"fetch": answer["missing"], "query_id": answer.get("query_id")})
         return Missing(answer["query_id"], answer["missing"], reason[:MAX_REASON_CHARS])
     return decode_embedding_message(frames)
-
-
-def _versioned(frame: Any) -> dict[str, Any]:
-    message = wire._parse_header(wire._buffer(frame))
-    version = message.get("v")
-    if version != WIRE_VERSION or type(version) is not int:
-        raise WireError(f"unknown wire version {wire._kind(version)}; this end speaks v{WIRE_VERSION}")
-    return message
 
 
 def _check_fetch(query: dict[str, Any]) -> None:

@@ -84,7 +84,7 @@ def encode_held(uuids: Sequence[str], query_id: str) -> bytes:
 
 def decode_reply(frame: Any) -> Ack | Nack | Held:
     """What a receiver or the connector sent back; WireError for anything else."""
-    reply = _versioned(frame)
+    reply = versioned(frame)
     if "ack" in reply:
         return Ack(_id(reply, "ack"))
     if "nack" in reply:
@@ -101,7 +101,7 @@ def decode_inbound(frames: Sequence[Any]) -> ImageEmbedding | HoldsQuery | Relea
     """What vitserve sends the connector: a holds query (one frame with `holds`), a release (one frame with
     `release`), or an embedding message (rpc/wire.py decode_embedding_message). WireError for anything else."""
     if len(frames) == 1:
-        query = _versioned(frames[0])
+        query = versioned(frames[0])
         if "holds" in query:
             _check_holds(query)
             return HoldsQuery(query["query_id"], tuple(query["holds"]), query.get("expires_at"))
@@ -122,7 +122,8 @@ def message_id_of(frames: Sequence[Any]) -> str | None:
     return message_id if wire._is_id(message_id) else None
 
 
-def _versioned(frame: Any) -> dict[str, Any]:
+def versioned(frame: Any) -> dict[str, Any]:
+    """One msgpack frame of the wire's current version, as a dict (WireError otherwise)."""
     message = wire._parse_header(wire._buffer(frame))
     version = message.get("v")
     if version != WIRE_VERSION or type(version) is not int:
