@@ -197,7 +197,8 @@ PROTECTED = textwrap.dedent(
             hf_config=types.SimpleNamespace(vision_config=None),
             get_hidden_size=lambda: 64,
         )
-        return types.SimpleNamespace(ec_transfer_config=ec, model_config=model)
+        parallel = types.SimpleNamespace(data_parallel_index=0, data_parallel_size=1)
+        return types.SimpleNamespace(ec_transfer_config=ec, model_config=model, parallel_config=parallel)
 
     extra = {"endpoint": "tcp://0.0.0.0:0", "shm_dir": sys.argv[1]}
     try:
