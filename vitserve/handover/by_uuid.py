@@ -16,7 +16,7 @@ encoder-cache connector loads the embedding named U. Each transport keeps only h
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from vitserve.contract import PreparedVideo
 from vitserve.errors import VitserveError
@@ -59,7 +59,7 @@ class UuidHandover(Handover):
     started as this transport's consumer (`not_consumer_hint`); `named` is where it sees every part made."""
 
     reuses = True
-    not_consumer_hint: ClassVar[str]  # the 502's advice: how to start vLLM as this transport's consumer
+    not_consumer_hint: str  # the 502's advice: how to start vLLM as this transport's consumer
 
     def __init__(self, transport: UuidTransport):
         self.transport = transport

@@ -24,13 +24,10 @@ from typing import Any
 from vitserve.config import GIB
 from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
 from vitserve.handover.base import Setup
-from vitserve.handover.by_uuid import NotAConsumer, UuidHandover, UuidTransport, strip
+from vitserve.handover.by_uuid import UuidHandover, UuidTransport, strip
 from vitserve.handover.ec_store import EcStore
 from vitserve.handover.embeds import check_tensor, checked_video_tensor, llm_tensor
 from vitserve.transport_specs import EcStorageSpec
-
-# re-exported for handover/wire.py, which imports them from here until it extends by_uuid.py too
-__all__ = ["EcStorageTransport", "EcTicket", "NotAConsumer", "strip"]
 
 CONSUMER_HINT = (
     "start vLLM with --ec-transfer-config "

@@ -4,7 +4,8 @@ and acknowledged there BEFORE the request goes to vLLM (--llm_url) with metadata
 uuid; the connector loads it into vLLM's encoder cache. No directory is shared, so vLLM may run on another
 host and any number of replicas may feed one vLLM.
 
-- The uuids and parts are ec_storage's (handover/ec_files.py `ec_uuid`, handover/ec_storage.py): an image's
+- The uuids, parts, holds lookup and "not a consumer" answer are those of every uuid transport
+  (handover/by_uuid.py, the base it shares with ec_storage and pull): an image's
   uuid comes from its bytes and the engine's fingerprint, a video's from its groups' ids. The message header
   carries it as `uuid`.
 - One message per item: an image is its embedding and its DeepStack frames; a video is ONE message with the
@@ -42,10 +43,9 @@ import torch
 from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
 from vitserve.endpoints import host_only
 from vitserve.errors import LLMTimeout, VitserveError
-from vitserve.handover.base import Handover, Setup, Transport
-from vitserve.handover.ec_files import ec_uuid
-from vitserve.handover.ec_storage import NotAConsumer, strip
-from vitserve.handover.embeds import EmbeddingMismatch, video_rows, video_timestamps
+from vitserve.handover.base import Setup
+from vitserve.handover.by_uuid import UuidHandover, UuidTransport, strip
+from vitserve.handover.embeds import EmbeddingMismatch, video_rows
 from vitserve.handover.same_host import SameHost
 from vitserve.rpc.sender import Delivery, LLMSender, WireRefused
 from vitserve.rpc.tensors import DTYPES, dtype_name
@@ -56,8 +56,6 @@ CONNECT_WAIT_S = 2.0  # a request waits this long at most for a connector to be 
 HOLDS_WAIT_S = 1.0  # a holds query unanswered this long: every image is pushed again
 KNOWN_ITEMS = 65_536  # uuids this replica pushed, with their grids (a repeated image's part needs its grid)
 ANNOUNCEMENT_VERSION = 1  # of ec_transfer_params["vitserve"]
-# What a vLLM that is not an EC consumer answers a metadata-only part with (400), as for ec_storage.
-_NOT_CONSUMER = b"The data should contain the fields"
 
 
 def config_hint(endpoint: str, key_file: str | None) -> str:
@@ -106,7 +104,7 @@ class ItemUnavailable(VitserveError):
     status, code = 502, "llm_item_unavailable"
 
 
-class WireTransport(WireSpec, Transport):
+class WireTransport(WireSpec, UuidTransport):
     """The DEALER connected to the connector, and the grids of what this replica pushed."""
 
     def __init__(self, setup: Setup, sender: LLMSender | None = None):
@@ -121,18 +119,12 @@ class WireTransport(WireSpec, Transport):
             sender, config.wire_key_file
         )  # one write on one host; vLLM's dtype on the wire
         self.hint = config_hint(sender.endpoint, config.wire_key_file)
-        self._fingerprint = ""
         self._known: OrderedDict[str, tuple[list[int], str]] = OrderedDict()  # uuid -> grid, dtype
         self._lock = threading.Lock()  # parts are made on the pool's threads
 
     @property
     def endpoint(self) -> str:
         return self.sender.endpoint
-
-    def fingerprint(self) -> str:
-        if not self._fingerprint:
-            self._fingerprint = self.setup.fingerprint()
-        return self._fingerprint
 
     def begin(self) -> WireRequest:
         """A request's hand-over; its deadline is the request's (--request_timeout_s from now)."""
@@ -165,42 +157,33 @@ class WireTransport(WireSpec, Transport):
         await asyncio.to_thread(self.sender.close)
 
 
-class WireRequest(Handover):
+class WireRequest(UuidHandover):
     """One request's messages: made with its parts, pushed and acknowledged in `ready`."""
 
-    reuses = True
+    transport: WireTransport
 
     def __init__(self, transport: WireTransport, deadline: float):
-        self.transport = transport
-        self.layout = transport.layout
+        super().__init__(transport)
+        self.not_consumer_hint = transport.hint
         self.metrics = transport.setup.metrics
         self.deadline = deadline  # time.monotonic()
         self.request_id = f"chat-{uuid_mod.uuid4().hex}"
         self.messages: list[ImageEmbedding] = []
-        self.hits: list[dict[str, Any] | None] = []  # per image: its part when the connector holds it
         self.items: dict[str, dict[str, Any]] = {}  # uuid -> its announcement (rows, width, dtype)
         self.pushed = False  # its messages went to the sender: a failure releases them
 
     # -------------------------------------------------------------- the parts (on the preprocessing pool)
 
-    async def held(self, digests: list[str]) -> list[bool]:
-        return await self.transport.setup.run(self.lookup, digests)  # type: ignore[no-any-return]
-
-    def lookup(self, digests: list[str]) -> list[bool]:
-        """One holds query for the images this replica pushed before; an unanswered one means none is held."""
-        fingerprint = self.transport.fingerprint()
-        uuids = [ec_uuid(fingerprint, "image", digest) for digest in digests]
+    def holds(self, uuids: list[str]) -> list[list[int] | None]:
+        """One holds query for the images this replica pushed before (an unanswered one means none is held);
+        each held one is announced as it was pushed."""
         known = {u: k for u in uuids if (k := self.transport.known(u)) is not None}
         sender = self.transport.sender
         held = sender.holds(list(known), HOLDS_WAIT_S, deadline=self.deadline) if known else set()
-        self.hits = [_part(u, "image", known[u][0]) if u in held else None for u in uuids]
         for u in held & set(known):
             grid, dtype = known[u]
             self.items[u] = _announced(self.layout.grid_rows(grid), self.layout.width, dtype)
-        return [hit is not None for hit in self.hits]
-
-    def reused_part(self, index: int) -> dict[str, Any] | None:
-        return self.hits[index] if index < len(self.hits) else None
+        return [known[u][0] if u in held else None for u in uuids]
 
     def image_part(self, image: PreparedImage, result: ItemResult, index: int) -> dict[str, Any]:
         """The part for an image the engine encoded; its message joins the request (checked first)."""
@@ -208,21 +191,18 @@ class WireRequest(Handover):
             raise EmbeddingMismatch("the engine returned no embedding for an image of a chat request")
         grid = [int(n) for n in image.item.grid_thw]
         self.layout.check_split(f"image {index}", result.embedding, list(result.deepstack), grid)
-        uuid = ec_uuid(self.transport.fingerprint(), "image", image.image_id)
+        uuid = self.transport.uuid("image", image.image_id)
         self._add(uuid, image.image_id, grid, result.embedding, list(result.deepstack))
-        return _part(uuid, "image", grid)
+        return self.named(uuid, "image", grid)
 
     def video_part(self, video: PreparedVideo, results: list[ItemResult], index: int) -> dict[str, Any]:
         """The part for a video: one message with its groups' rows joined in time order."""
         main, deep = video_rows(results)
         grid = list(video.metadata.grid_thw)
         self.layout.check_split(f"video {index}", main, deep, grid)
-        uuid = ec_uuid(self.transport.fingerprint(), "video", *(g.image_id for g in video.groups))
+        uuid = self.transport.uuid("video", *(g.image_id for g in video.groups))
         self._add(uuid, video.video_id, grid, main, deep)
-        part = _part(uuid, "video", grid)
-        if self.layout.video_time == "timestamps":
-            part["video_embeds"]["timestamps"] = video_timestamps(video)
-        return part
+        return self.video_named(uuid, video, grid)
 
     def _add(
         self, uuid: str, item_id: str, grid: list[int], main: torch.Tensor, deep: list[torch.Tensor]
@@ -331,27 +311,20 @@ class WireRequest(Handover):
         )
 
     def check_answer(self, status: int, content: bytes) -> None:
-        check_answer(status, content, self.transport.hint)
-
-
-def _part(uuid: str, kind: str, grid: list[int]) -> dict[str, Any]:
-    return {"type": f"{kind}_embeds", f"{kind}_embeds": {f"{kind}_grid_thw": grid}, "uuid": uuid}
+        """A non-consumer's 400 (the base), or vLLM's failure of the request, becomes vitserve's 502 (OpenAI's
+        shape) that says what to do."""
+        super().check_answer(status, content)
+        check_answer(status, content)
 
 
 def _announced(rows: int, width: int, dtype: str) -> dict[str, Any]:
     return {"rows": rows, "width": width, "dtype": dtype}
 
 
-def check_answer(status: int, content: bytes, hint: str) -> None:
-    """A non-consumer's 400 for a metadata-only part, or vLLM's failure of the request, becomes vitserve's 502
-    (OpenAI's shape) that says what to do. vLLM 0.32 answers a request its connector failed (an item that never
-    arrived or was let go: take_unavailable_requests) with a bare 500 "Internal server error"; its log names the
-    item ("vitserve connector: request ... fails")."""
-    if status == 400 and _NOT_CONSUMER in content:
-        raise NotAConsumer(
-            "the LLM server at --llm_url is not an encoder-cache consumer (it asked for the tensor of a "
-            f"metadata-only embedding part); {hint}"
-        )
+def check_answer(status: int, content: bytes) -> None:
+    """vLLM's failure of a request becomes vitserve's 502 llm_item_unavailable. vLLM 0.32 answers a request its
+    connector failed (an item that never arrived or was let go: take_unavailable_requests) with a bare 500
+    "Internal server error"; its log names the item ("vitserve connector: request ... fails")."""
     if status == 500:
         raise ItemUnavailable(
             f"vLLM failed the request ({_error_message(content)}): with --llm_transport wire, what it answers "
