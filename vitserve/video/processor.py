@@ -55,13 +55,19 @@ class ProcessedVideo:
     video_grid_thw: tuple[int, int, int]  # (T, h, w); InternVL: (frames, tile/patch, tile/patch)
     sampling: Sampling  # frame indices, total frames, source fps
     plan: VideoPlan  # resized size, tokens, clamp
-    group_times: tuple[
-        tuple[float, float], ...
-    ]  # per group: (start_s, end_s), its first and last frame's time
-    second_per_grid_t: float | None  # Qwen2.5-VL: temporal_patch_size / sampled_fps; else None
-    timestamps_s: (
-        tuple[float, ...] | None
-    )  # Qwen3-VL/3.5: per group, the mean of its first and last frame's time
+    times: VideoTimes  # where its temporal groups sit in time
+
+    @property
+    def group_times(self) -> tuple[tuple[float, float], ...]:
+        return self.times.group_times
+
+    @property
+    def second_per_grid_t(self) -> float | None:
+        return self.times.second_per_grid_t
+
+    @property
+    def timestamps_s(self) -> tuple[float, ...] | None:
+        return self.times.timestamps_s
 
     @property
     def frame_indices(self) -> tuple[int, ...]:
@@ -129,15 +135,12 @@ class VideoProcessor:
         picked = _sampled_frames(frames, sampling)
         width, height = source_size or (picked[0].shape[1], picked[0].shape[0])
         plan = self.plan(width, height, len(picked))
-        times = self.times(sampling)
         return ProcessedVideo(
             pixel_values_videos=self._pixels(picked, plan),
             video_grid_thw=plan.grid_thw,
             sampling=sampling,
             plan=plan,
-            group_times=times.group_times,
-            second_per_grid_t=times.second_per_grid_t,
-            timestamps_s=times.timestamps_s,
+            times=self.times(sampling),
         )
 
     def times(self, sampling: Sampling) -> VideoTimes:
