@@ -340,9 +340,8 @@ class EmbeddingStore:
                 )
             replaced = [self._ledger.remove(uuid)] if held is not None else []
             fits, expired, evicted = self._ledger.make_room(nbytes, now)
-        self._delete(replaced, "")
-        self._delete(expired, "expired")
-        self._delete(evicted, "evicted")
+            self._tally(expired=expired, evicted=evicted)
+        self._delete(replaced + expired + evicted)
         if not fits:
             raise Refusal(
                 "full",
@@ -374,19 +373,26 @@ class EmbeddingStore:
                     ) from exc
             with self._lock:
                 evicted = self._ledger.evict(nbytes)
-            self._delete(evicted, "evicted")
+                self._tally(evicted=evicted)
+            self._delete(evicted)
         raise AssertionError("unreachable")
 
     def _sweep(self) -> None:
         self._incoming.sweep()
         with self._lock:
             expired = self._ledger.expire(time.time())
-        self._delete(expired, "expired")
+            self._tally(expired=expired)
+        self._delete(expired)
 
-    def _delete(self, entries: list[HeldTensor], counter: str) -> None:
-        """Delete the files of entries the ledger let go (only this thread writes and deletes files)."""
+    def _tally(self, **taken: list[HeldTensor]) -> None:
+        """Count what the ledger let go, under the lock that took it out: a reader that no longer finds an entry
+        finds it counted."""
+        for counter, entries in taken.items():
+            self.counts[counter] += len(entries)
+
+    @staticmethod
+    def _delete(entries: list[HeldTensor]) -> None:
+        """Delete the files of entries the ledger let go (only the receiver thread writes and deletes files)."""
         for entry in entries:
             with contextlib.suppress(OSError):
                 entry.path.unlink()
-        if counter and entries:
-            self.counts[counter] += len(entries)
