@@ -67,7 +67,8 @@ class Metrics:
         self.llm_messages_total = Counter(
             p + "llm_messages",
             "Embedding messages to the LLM endpoint by outcome: delivered (acknowledged), llm_timeout, "
-            "not_ready (shut down first), withdrawn (the client went away first)",
+            "llm_refused (a nack), not_ready (shut down first), withdrawn (the client went away first), "
+            "llm_connector_unavailable (wire: no connector to send to)",
             ["outcome"],
             registry=r,
         )

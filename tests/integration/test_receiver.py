@@ -17,7 +17,7 @@ import zmq
 
 from vitserve.errors import ConfigError, LLMTimeout, NotReady
 from vitserve.rpc import EmbeddingReceiver, ImageEmbedding, LLMSender, encode_embedding_message
-from vitserve.rpc.sender import Delivery
+from vitserve.rpc.delivery import Delivery
 
 
 @pytest.fixture

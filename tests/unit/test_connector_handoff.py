@@ -18,9 +18,10 @@ from tests.unit.test_connector_hostile import tmpfs  # noqa: F401  # the 1 MiB t
 from tests.unit.test_connector_store import REPLY_MS, WIDTH
 from vitserve.connector.store import EmbeddingStore, Shape, as_dict, read_entry
 from vitserve.handover.same_host import SameHost, probe, shares_directory, write_file
+from vitserve.rpc.delivery import WireRefused
 from vitserve.rpc.handoff import FileEmbedding, encode_file, sampled_crc
 from vitserve.rpc.replies import Ack, Nack, decode_reply
-from vitserve.rpc.sender import LLMSender, WireRefused
+from vitserve.rpc.sender import LLMSender
 from vitserve.rpc.wire import ImageEmbedding
 
 

@@ -36,8 +36,9 @@ from vitserve.handover.embeds import EmbeddingMismatch, EmbedsLayout
 from vitserve.handover.wire import ConnectorUnavailable, WireTransport, config_hint
 from vitserve.metrics import Metrics
 from vitserve.rpc import wire as wire_format
+from vitserve.rpc.delivery import WireRefused
 from vitserve.rpc.replies import HoldsQuery, decode_inbound, encode_held, encode_nack
-from vitserve.rpc.sender import LLMSender, WireRefused
+from vitserve.rpc.sender import LLMSender
 from vitserve.rpc.wire import ImageEmbedding, WireError, encode_ack
 from vitserve.transport_specs import WireSpec
 

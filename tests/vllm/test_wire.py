@@ -361,14 +361,14 @@ def test_wire_images_that_do_not_fit_are_a_clear_502_and_release_what_was_pushed
     ckpt, vllm, url = consumer_qwen2_5_vl.ckpt, consumer_qwen2_5_vl.server, documented_wire.url
     body = chat_request(str(ckpt), image_url_part(png(280, 252, seed=90)))
     body["messages"][0]["content"][1:1] = [image_url_part(png(280, 252, seed=91 + i)) for i in range(2)]
-    refused0 = metric(url, "vitserve_llm_messages_total", outcome="refused")
+    refused0 = metric(url, "vitserve_llm_messages_total", outcome="llm_refused")
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60, trust_env=False)
     assert r.status_code == 502, r.text
     error = r.json()["error"]
     assert error["code"] == "llm_connector_unavailable"
     assert "refused an embedding" in error["message"]
     assert "other embeddings were released" in error["message"]
-    assert metric(url, "vitserve_llm_messages_total", outcome="refused") > refused0
+    assert metric(url, "vitserve_llm_messages_total", outcome="llm_refused") > refused0
     assert vllm.alive()
     fresh = chat_request(str(ckpt), image_url_part(png(280, 252, seed=94)))
     assert_same_answer(complete(vllm.url, fresh), complete(url, fresh))

@@ -3,18 +3,18 @@
 push() sends one item (an image, or a video's temporal group) and returns once the receiver acknowledged
 it: the engine awaits item k's push before it sends item k+1 of the same request, so a request's images and
 then its videos' groups arrive in order (each group as soon as it is encoded and its predecessors were
-delivered), and /encode can answer 200 only when every item was delivered. No acknowledgement by the request's deadline raises
-LLMTimeout (504 llm_timeout). LLMSender's own I/O thread does the socket work; here we only await.
+delivered), and /encode can answer 200 only when every item was delivered. No acknowledgement by the request's
+deadline raises LLMTimeout (504 llm_timeout). LLMSender's own I/O thread does the socket work, and
+rpc/delivery.py's `settle` (the wire transport's too) awaits it and counts its outcome.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from vitserve.contract import EncodedImage, EncodeRequest, RequestItem
-from vitserve.errors import VitserveError
 from vitserve.metrics import Metrics
+from vitserve.rpc.delivery import settle
 from vitserve.rpc.sender import LLMSender
 from vitserve.rpc.wire import ImageEmbedding, VideoGroupRef
 
@@ -51,17 +51,9 @@ class LLMPush:
             video=_video_ref(item),
         )
         delivery = self._sender.send(message, deadline=request.deadline)
-        try:
-            await asyncio.wrap_future(delivery.acked)  # cancelling this withdraws the message
-        except VitserveError as exc:
-            self._metrics.llm_messages_total.labels(outcome=exc.code).inc()
-            raise
-        except asyncio.CancelledError:  # the client went away: the message is withdrawn if still unsent
-            self._metrics.llm_messages_total.labels(outcome="withdrawn").inc()
-            raise
+        await settle([delivery], self._metrics.llm_messages_total)  # cancelling this withdraws the message
         seconds = time.monotonic() - start
         self.sent += 1
-        self._metrics.llm_messages_total.labels(outcome="delivered").inc()
         self._metrics.embedding_bytes_sent_total.inc(delivery.nbytes)
         self._metrics.stage_seconds.labels(stage="send").observe(seconds)
         return seconds

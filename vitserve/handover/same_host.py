@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from vitserve.rpc.delivery import Delivery, expires_at
 from vitserve.rpc.handoff import (
     FileEmbedding,
     Info,
@@ -32,7 +33,7 @@ from vitserve.rpc.handoff import (
     sampled_crc,
     write_rows,
 )
-from vitserve.rpc.sender import Delivery, LLMSender, expires_at
+from vitserve.rpc.sender import LLMSender
 from vitserve.rpc.tensors import DTYPES
 from vitserve.rpc.wire import ImageEmbedding
 from vitserve.rpc.wirekey import configure_client, read_key_file

@@ -42,12 +42,13 @@ import torch
 
 from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
 from vitserve.endpoints import host_only
-from vitserve.errors import LLMTimeout, VitserveError
+from vitserve.errors import VitserveError
 from vitserve.handover.base import Setup
 from vitserve.handover.by_uuid import UuidHandover, UuidTransport, strip
 from vitserve.handover.embeds import EmbeddingMismatch, video_rows
 from vitserve.handover.same_host import SameHost
-from vitserve.rpc.sender import Delivery, LLMSender, WireRefused
+from vitserve.rpc.delivery import Unsent, WireRefused, settle
+from vitserve.rpc.sender import LLMSender
 from vitserve.rpc.tensors import DTYPES, dtype_name
 from vitserve.rpc.wire import ImageEmbedding
 from vitserve.transport_specs import WireSpec
@@ -259,7 +260,9 @@ class WireRequest(UuidHandover):
         if not sender.reachable:
             wait = min(CONNECT_WAIT_S, max(self.deadline - time.monotonic(), 0.0))
             if not await asyncio.to_thread(sender.wait_reachable, wait):
-                self._count("llm_connector_unavailable", len(self.messages))
+                self.metrics.llm_messages_total.labels(outcome="llm_connector_unavailable").inc(
+                    len(self.messages)
+                )
                 raise self._unreachable(self.transport.unreachable())
         deliveries = []
         self.pushed = True
@@ -268,40 +271,21 @@ class WireRequest(UuidHandover):
             dtype = DTYPES[self.items[message.uuid or ""]["dtype"]]
             deliveries.append(self.transport.handoff.send(message, self.deadline, dtype))
         try:
-            for d in deliveries:
-                await self._acked(d)
-        finally:
-            for d in deliveries:
-                d.acked.cancel()  # the rest are withdrawn when one failed or the client left
-        for message in self.messages:
-            uuid = message.uuid or ""
-            self.transport.remember(uuid, list(message.grid_thw), self.items[uuid]["dtype"])
-        self.metrics.embedding_bytes_sent_total.inc(sum(d.nbytes for d in deliveries))
-        self.metrics.stage_seconds.labels(stage="send").observe(time.perf_counter() - start)
-
-    async def _acked(self, d: Delivery) -> None:
-        try:
-            await asyncio.wrap_future(d.acked)
+            await settle(deliveries, self.metrics.llm_messages_total)
         except WireRefused as exc:
-            self._count("refused")
             raise ConnectorUnavailable(
                 f"{exc.message}; nothing was sent to vLLM, and the request's other embeddings were released. "
                 "Its limits (max_gb, shm_dir and that device's size, docs/vllm.md \"The connector's limits\") "
                 "are in vLLM's --ec-transfer-config"
             ) from None
-        except LLMTimeout:
-            self._count("llm_timeout")
-            if d.sent_at is None:  # never handed to a connector: it went away
-                why = self.transport.sender.link.refusal or "no connector was connected until the deadline"
-                raise self._unreachable(why) from None
-            raise
-        except asyncio.CancelledError:
-            self._count("withdrawn")
-            raise
-        self._count("delivered")
-
-    def _count(self, outcome: str, n: int = 1) -> None:
-        self.metrics.llm_messages_total.labels(outcome=outcome).inc(n)
+        except Unsent:  # never handed to a connector: none was there, or it went away
+            why = sender.link.refusal or "no connector was connected until the deadline"
+            raise self._unreachable(why) from None
+        for message in self.messages:
+            uuid = message.uuid or ""
+            self.transport.remember(uuid, list(message.grid_thw), self.items[uuid]["dtype"])
+        self.metrics.embedding_bytes_sent_total.inc(sum(d.nbytes for d in deliveries))
+        self.metrics.stage_seconds.labels(stage="send").observe(time.perf_counter() - start)
 
     def _unreachable(self, why: str) -> ConnectorUnavailable:
         return ConnectorUnavailable(

@@ -37,14 +37,14 @@ import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from concurrent.futures import InvalidStateError
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from vitserve.errors import ConfigError, LLMTimeout, NotReady, VitserveError
 from vitserve.rpc import link, wire
+from vitserve.rpc.delivery import Delivery, Unsent, WireRefused, expires_at
 from vitserve.rpc.holds import PendingHolds, Queries, Releases
 from vitserve.rpc.replies import Held, Nack, decode_reply
 from vitserve.rpc.wire import ImageEmbedding, WireError, encode_embedding_message
@@ -56,38 +56,7 @@ log = logging.getLogger(__name__)
 # embedding alive: 8 x 59 MB (4096 x 3584 float32) = 470 MB at most in the API process.
 DEFAULT_SNDHWM = 8
 DEFAULT_HEARTBEAT_S = 1.0  # ZMTP ping interval; a receiver silent for 3 intervals is disconnected
-EXPIRY_MARGIN_S = 0.25  # a message expires this long before its request's deadline (docs/wire.md)
 _MAX_WAIT_S = 0.1  # longest single poll of the I/O thread
-
-
-class WireRefused(VitserveError):
-    """The receiver refused a message (a nack) and keeps nothing of it; its reason is in the message."""
-
-    status, code = 502, "llm_refused"
-
-
-@dataclass(eq=False)
-class Delivery:
-    """One message on its way. `acked` resolves when the receiver acknowledged it, or raises LLMTimeout
-    (deadline passed) or NotReady (sender closed); cancelling it withdraws the message."""
-
-    message_id: str
-    frames: list[bytes | memoryview]
-    deadline: float  # time.monotonic() based
-    nbytes: int
-    acked: Future[None] = field(default_factory=Future)
-    sent_at: float | None = None  # monotonic time ZMQ took it (last time, when sent again)
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Block until acknowledged; raises as `acked` does (or TimeoutError after timeout_s)."""
-        self.acked.result(timeout_s)
-
-
-def expires_at(deadline: float) -> float:
-    """The Unix time a message for a request with this (monotonic) deadline expires: shortly before the
-    deadline, so an acknowledgement sent just before expiry still reaches the sender in time."""
-    remaining = deadline - time.monotonic()
-    return time.time() + remaining - min(EXPIRY_MARGIN_S, max(remaining, 0.0) / 2)
 
 
 class LLMSender:
@@ -298,13 +267,11 @@ class LLMSender:
             self._outbox.remove(d)
 
     def _timeout(self, d: Delivery) -> LLMTimeout:
+        what = f"the LLM receiver at --llm_endpoint {self.endpoint} did not acknowledge an embedding before the request deadline (--request_timeout_s)"
         if d.sent_at is None:
-            why = "it could not be sent: no receiver is connected, or it is full"
-        else:
-            why = "it was sent but the receiver did not acknowledge it (it is slow, hung or gone)"
+            return Unsent(f"{what}: it could not be sent: no receiver is connected, or it is full")
         return LLMTimeout(
-            f"the LLM receiver at --llm_endpoint {self.endpoint} did not acknowledge an embedding before "
-            f"the request deadline (--request_timeout_s): {why}"
+            f"{what}: it was sent but the receiver did not acknowledge it (it is slow, hung or gone)"
         )
 
     def _send_queued(self) -> None:
