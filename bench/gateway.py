@@ -40,7 +40,8 @@ wire and pull, of vitserve's connector (endpoint on a free loopback port, max_gb
 image per request, per image size: one warm-up per arm, then `--rounds` rounds (default 8) of one request per
 arm, each round's order rotated so every arm goes first equally often. Per point and arm: ttft p50 (p90 from
 10 rounds, p99 from 100), the ratio to vLLM alone of the same vLLM (the table), upstream bytes per request and
-vitserve's hand-over (`vitserve_upstream_body_bytes`, `vitserve_stage_seconds{stage="handover"}`).
+vitserve's hand-over (`vitserve_upstream_body_bytes`, `vitserve_stage_seconds{stage="handover"}`; for pull,
+vitserve keeping the item: the fetch runs in vLLM once it schedules the request and shows in the ttft only).
 """
 
 from __future__ import annotations

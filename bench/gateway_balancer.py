@@ -2,7 +2,7 @@
 embedding pulled by whichever engine gets it from the vitserve replica the request names (docs/vllm.md, "Pull").
 
     python bench/gateway.py --balancer            # 4 windows of 90 s per arm, 8 clients, 1080p
-    python bench/gateway.py --balancer --quick    # 2 windows of 20 s per arm: a smoke run
+    python bench/gateway.py --balancer --quick    # 2 windows of 10 s per arm: a smoke run
 
 Two real vLLMs serving one checkpoint (bench/gateway_parts.py's qwen2_5_vl-3584: Qwen2.5-VL-7B's width 3,584, a
 one-layer LLM, a tiny tower), each with vitserve's connector pulling (no endpoint; `pull_from` loopback, no key),
@@ -42,7 +42,7 @@ from tests.vllm_server import VllmServer, unused_port
 MODEL = "qwen2_5_vl-3584"
 CLIENTS = 8
 ROUNDS = 4  # windows per arm (--rounds); --quick: 2
-WINDOW_S = {"quick": 20.0, "standard": 90.0}
+WINDOW_S = {"quick": 10.0, "standard": 90.0}  # each window then drains (tens of s at 1080p)
 ARMS = ("vllm", "pull")
 
 
