@@ -260,20 +260,22 @@ def gateway_table(res: dict) -> list[str]:
 
 def gateway_widths_table(res: dict) -> list[str]:
     """bench/gateway.py --widths: per model and image size, each arm's ttft against vLLM alone's in its own
-    sitting (wire's: the vLLM with vitserve's connector, a point of its own; an older record names none)."""
+    sitting (wire's and pull's: the vLLM with vitserve's connector, a point of its own; an older record names
+    none); p90 / p99 where the rounds reached them."""
     rows = []
     for p in res["points"]:
         base = p["vllm"]["ttft_p50_s"]
-        for arm in (a for a in ("vllm", "inline", "ec_storage", "wire") if a in p):
+        for arm in (a for a in ("vllm", "inline", "ec_storage", "wire", "pull") if a in p):
             r = p[arm]
             mode = f"vllm ({p['connector']})" if arm == "vllm" and "connector" in p else arm
-            rows.append([p["model"], p["size"], mode, f"{r['ttft_p50_s']:.3f}",
+            tails = " / ".join(_f(r.get(f"ttft_p{q}_s"), 3) for q in (90, 99))
+            rows.append([p["model"], p["size"], mode, f"{r['ttft_p50_s']:.3f}", tails,
                          f"**{r['ttft_p50_s'] / base:.2f}x**" if arm != "vllm" and base else "-",
                          f"{r['upstream_bytes']:,}" if "upstream_bytes" in r else "-",
                          f"{r['handover_ms']:.1f}" if "handover_ms" in r else "-", r["requests"],
                          f"{p['load_before']:.1f}"])  # fmt: skip
-    head = ["model (row width)", "image", "mode", "ttft p50 (s)", "/ vLLM alone", "upstream bytes per request",
-            "vitserve hand-over (ms)", "requests", "load"]  # fmt: skip
+    head = ["model (row width)", "image", "mode", "ttft p50 (s)", "p90 / p99 (s)", "/ vLLM alone",
+            "upstream bytes per request", "vitserve hand-over (ms)", "requests", "load"]  # fmt: skip
     return _table(head, rows)
 
 
