@@ -136,18 +136,36 @@ def read_entry(path: str, dtype: str, rows: int, width: int) -> torch.Tensor:
     tensor's memory, so the file may go at once and nothing of it stays mapped. torch.from_file(shared=False)
     would map the file copy-on-write instead: vLLM's encoder cache would then hold the deleted file's pages, and
     the connector's shared-memory device would never get its space back (on the CPU platform `.to()` of the same
-    dtype is that very tensor). A file shorter than rows x width raises ValueError."""
+    dtype is that very tensor). A file shorter than rows x width raises ValueError.
+
+    The read holds a shared flock, and checks that `path` still names the file it opened: a file the connector
+    let go may be recycled (pool.py), and vitserve writes one only under an exclusive flock, taken without waiting,
+    after renaming it away from `path`. A file let go while this load raced its release raises FileNotFoundError,
+    as it did when such a file was deleted."""
     tensor = _empty(rows, width, DTYPES[dtype])
     nbytes = tensor.numel() * tensor.element_size()
     view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
     done = 0
     with open(path, "rb", buffering=0) as f:
+        _still_held(f.fileno(), path)
         while done < nbytes:  # read(2) returns at most ~2 GiB at a time
             got = f.readinto(view[done:])
             if not got:
                 raise ValueError(f"{path} holds {done} bytes, {nbytes} expected ({rows} x {width} {dtype})")
             done += got
     return tensor
+
+
+def _still_held(fd: int, path: str) -> None:
+    """Lock the open file shared; FileNotFoundError when vitserve is writing it or `path` names another file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        named, opened = os.stat(path), os.fstat(fd)
+        same = (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+    except OSError:  # BlockingIOError: vitserve holds it; ENOENT: it went to the pool
+        same = False
+    if not same:
+        raise FileNotFoundError(errno.ENOENT, "the connector let this file go while it was loaded", path)
 
 
 def _empty(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,172 @@
+"""Recycled pages (vitserve/connector/pool.py): the files of entries the connector let go are kept, a few, and
+vitserve's next same-host write claims one and overwrites it. Real ZMQ on loopback, a real LLMSender, real files
+and flocks, writers in real threads."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.unit.test_connector_handoff import incoming, message, send_file
+from tests.unit.test_connector_store import WIDTH
+from vitserve.connector.files import _still_held
+from vitserve.connector.pool import POOL, POOL_FILES, Pool, claim
+from vitserve.connector.store import EmbeddingStore, Shape, as_dict, read_entry
+from vitserve.handover.same_host import SameHost, write_file
+from vitserve.rpc.sender import LLMSender
+
+ONE = 12 * WIDTH * 2  # one message(uuid) in bfloat16: 12 rows
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A bound of one embedding: each arrival evicts the one before once it is loaded (spent)."""
+    with contextlib.closing(
+        EmbeddingStore("tcp://127.0.0.1:*", ONE + 100, Shape(WIDTH, 2), directory=str(tmp_path), dtype="bfloat16")
+    ) as s:  # fmt: skip
+        yield s
+
+
+def pool_of(store: EmbeddingStore) -> Path:
+    return store.dir / POOL
+
+
+def loaded(store: EmbeddingStore, uuid: str) -> torch.Tensor:
+    """What vLLM's worker reads, then the request finished (the entry is spent)."""
+    w = as_dict(store.get(uuid))
+    tensor = read_entry(w["path"], w["dtype"], w["rows"], w["width"])
+    store.pin(uuid, "vllm")
+    store.unpin({uuid}, "vllm")
+    return tensor
+
+
+def expected(m) -> torch.Tensor:
+    return torch.cat([m.embedding, *m.deepstack], dim=-1).to(torch.bfloat16)
+
+
+def test_a_spent_file_is_pooled_and_the_next_write_reuses_it_with_the_right_contents(store):
+    with LLMSender(store.endpoint) as sender:
+        assert sender.wait_reachable(30)
+        same = SameHost(sender, None)
+        assert same.dtype(torch.float32) == torch.bfloat16
+        sent = {}
+        for uuid, rows in (("a" * 64, 12), ("b" * 64, 12), ("c" * 64, 12), ("d" * 64, 8)):
+            sent[uuid] = message(uuid, rows)
+            same.send(sent[uuid], time.monotonic() + 30, torch.bfloat16).wait(30)
+            assert torch.equal(loaded(store, uuid), expected(sent[uuid])), uuid
+    assert same.files == 4
+    # b evicted a into the pool and c took it; c evicted b, and d took it (shorter: truncated)
+    assert same.recycled == 2
+    counters = store.counters()
+    assert (counters["evicted"], counters["pooled"], counters["adopted"]) == (3, 3, 4)
+    assert (counters["pool_files"], counters["pool_bytes"]) == (1, ONE)  # c's file, evicted by d
+    assert list(incoming(store).iterdir()) == []
+
+
+def test_two_writers_never_claim_the_same_file(tmp_path):
+    area, pool = tmp_path / ".incoming", tmp_path / POOL
+    area.mkdir()
+    pool.mkdir()
+    for round_ in range(20):
+        for i in range(3):
+            (pool / f"p-{round_:016x}{i:016x}").write_bytes(b"\0" * 64)
+        barrier, got = threading.Barrier(6), []
+
+        def writer(barrier=barrier, got=got) -> None:
+            barrier.wait()
+            claimed = claim(area, 64)
+            if claimed is not None:
+                got.append(claimed[0])
+                os.close(claimed[1])
+
+        threads = [threading.Thread(target=writer) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(got) == 3, round_  # each pool file claimed once, three writers went fresh
+        assert len(set(got)) == 3, round_
+        assert list(pool.iterdir()) == []
+        for name in got:
+            (area / name).unlink()
+
+
+def test_the_pool_keeps_at_most_its_files_and_bytes_and_deletes_the_rest(tmp_path):
+    pool = Pool(tmp_path, max_bytes=10 << 20)
+    files = [tmp_path / f"{i:064x}" for i in range(POOL_FILES + 2)]
+    for f in files:
+        f.write_bytes(b"\0" * 1024)
+    pool.take(files)
+    assert pool.counters() == {
+        "pooled": POOL_FILES,
+        "pool_files": POOL_FILES,
+        "pool_bytes": POOL_FILES * 1024,
+    }
+    assert not any(f.exists() for f in files)  # the two that did not fit are deleted
+    pool.drain()
+    assert pool.counters()["pool_files"] == 0
+    (tmp_path / "small").mkdir()
+    small = Pool(tmp_path / "small", max_bytes=1500)
+    two = [tmp_path / "x", tmp_path / "y"]
+    for f in two:
+        f.write_bytes(b"\0" * 1024)
+    small.take(two)
+    assert small.counters()["pool_bytes"] == 1024  # the bytes bound (never more than max_bytes)
+
+
+def test_a_file_a_worker_still_reads_is_never_written(store):
+    """A load that raced its release: the worker holds the shared flock; vitserve's claim skips and deletes it."""
+    m = message("a" * 64)
+    f = write_file(incoming(store), m, torch.bfloat16, time.time() + 60)
+    send_file(store, f)
+    path = store.get("a" * 64).path
+    with open(path, "rb") as reader:
+        fcntl.flock(reader.fileno(), fcntl.LOCK_SH)
+        store.pin("a" * 64, "vllm")
+        store.unpin({"a" * 64}, "vllm")
+        send_file(store, write_file(incoming(store), message("b" * 64), torch.bfloat16, time.time() + 60))
+        assert store.counters()["pool_files"] == 1  # a, evicted into the pool while it is read
+        other = write_file(incoming(store), message("c" * 64), torch.bfloat16, time.time() + 60)
+        assert not other.recycled  # the claim found the reader's lock: a fresh file instead
+        assert store.counters()["pool_files"] == 0
+        assert reader.read() == expected(m).view(torch.uint8).numpy().tobytes()  # untouched
+
+
+def test_a_worker_that_opened_a_file_before_it_was_let_go_finds_it_gone(store):
+    """read_entry's check once it holds its lock (files._still_held), for a worker that opened the file just before
+    the connector let it go and vitserve claimed it."""
+    f = write_file(incoming(store), message("a" * 64), torch.bfloat16, time.time() + 60)
+    send_file(store, f)
+    w = as_dict(store.get("a" * 64))
+    fd = os.open(w["path"], os.O_RDONLY)  # opened; then the entry goes to the pool and vitserve claims it
+    try:
+        store.pin("a" * 64, "vllm")
+        store.unpin({"a" * 64}, "vllm")
+        send_file(store, write_file(incoming(store), message("b" * 64), torch.bfloat16, time.time() + 60))
+        claimed = claim(incoming(store), ONE)
+        assert claimed is not None
+        with pytest.raises(FileNotFoundError, match="let this file go"):
+            _still_held(fd, w["path"])  # vitserve holds its exclusive lock
+        os.close(claimed[1])  # written and announced: its lock is gone, and the path names nothing
+        with pytest.raises(FileNotFoundError, match="let this file go"):
+            _still_held(fd, w["path"])
+    finally:
+        os.close(fd)
+
+
+def test_a_planted_link_in_the_pool_is_never_written_through(store, tmp_path):
+    """vitserve opens what it claimed without following a link, and deletes what is not a plain file."""
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"\1" * ONE)
+    pool_of(store).joinpath("p-" + "0" * 32).symlink_to(outside)
+    assert claim(incoming(store), ONE) is None
+    assert outside.read_bytes() == b"\1" * ONE
+    assert list(incoming(store).iterdir()) == []
+    assert list(pool_of(store).iterdir()) == []
