@@ -170,3 +170,26 @@ def test_a_planted_link_in_the_pool_is_never_written_through(store, tmp_path):
     assert outside.read_bytes() == b"\1" * ONE
     assert list(incoming(store).iterdir()) == []
     assert list(pool_of(store).iterdir()) == []
+
+
+def test_the_workers_buffer_is_reused_only_once_its_tensor_is_gone(tmp_path):
+    """read_entry's huge-page buffers (files._Buffers): a tensor vLLM still holds is never read into."""
+    rows, width = 2048, 1024  # 4 MiB of float16: a buffer of its own
+    first, second = tmp_path / "1", tmp_path / "2"
+    a = torch.randn(rows, width).to(torch.float16)
+    b = torch.randn(rows, width).to(torch.float16)
+    first.write_bytes(a.view(torch.uint8).numpy().tobytes())
+    second.write_bytes(b.view(torch.uint8).numpy().tobytes())
+    whole = read_entry(str(first), "float16", rows, width)
+    held, base = whole[1:], whole.data_ptr()  # a view alone keeps the buffer busy
+    del whole
+    other = read_entry(str(second), "float16", rows, width)
+    assert other.data_ptr() != base  # another buffer
+    assert torch.equal(held, a[1:])
+    assert torch.equal(other, b)
+    ptr = other.data_ptr()
+    del other
+    again = read_entry(str(first), "float16", rows, width)
+    assert again.data_ptr() == ptr  # the buffer whose tensor is gone, reused
+    assert torch.equal(again, a)
+    assert torch.equal(held, a[1:])
