@@ -65,8 +65,8 @@ class Pool:
 
     def drain(self) -> None:
         """Delete every pool file (the device is full: their pages are worth more as room)."""
-        with self._lock:
-            for entry in os.scandir(self.path):
+        with self._lock, contextlib.suppress(OSError), os.scandir(self.path) as it:
+            for entry in it:
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
 
@@ -77,10 +77,12 @@ class Pool:
     def _contents(self) -> tuple[int, int]:
         """(files, bytes) in the pool now (vitserve may take one meanwhile: an overestimate, never under)."""
         files = nbytes = 0
-        for entry in os.scandir(self.path):
-            with contextlib.suppress(OSError):
-                nbytes += entry.stat(follow_symlinks=False).st_size
-                files += 1
+        # OSError: the directory is gone (the store closed)
+        with contextlib.suppress(OSError), os.scandir(self.path) as it:
+            for entry in it:
+                with contextlib.suppress(OSError):
+                    nbytes += entry.stat(follow_symlinks=False).st_size
+                    files += 1
         return files, nbytes
 
 
