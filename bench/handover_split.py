@@ -14,7 +14,8 @@ Per point, best and median of the repeats, one thread (vitserve's pool thread se
   without and with CURVE (vitserve/rpc/wirekey.py): send, encryption, the loopback, decryption, the receive;
   their difference over the bytes is CURVE's cost per GB;
 - file write: the connector's vitserve.connector.files.TensorDir.write (DeepStack levels side by side, in chunks);
-- read_entry: the worker's vitserve.connector.files.read_entry (one read(2) into a tensor of its own);
+- read_entry: the worker's vitserve.connector.files.read_entry (one read(2) into a tensor of its own; the bench
+  drops each tensor, so from the second on it reads into a reused buffer whose pages are there);
 - wire / wire+curve: the whole of today's path, a real LLMSender to a real EmbeddingStore (encode done ->
   acknowledged -> read_entry done: in the encoder cache on a CPU);
 - ec_storage: vitserve's safetensors file (ec_files.write_file) + the header check + vLLM's ECExampleConnector
