@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from tests.unit.test_connector_handoff import incoming, message, send_file
-from tests.unit.test_connector_store import WIDTH
+from tests.unit.test_connector_hostile import big, tmpfs  # noqa: F401  # the 1 MiB tmpfs fixture
+from tests.unit.test_connector_store import WIDTH, Peer
 from vitserve.connector.files import _still_held
 from vitserve.connector.pool import POOL, POOL_FILES, Pool, claim
 from vitserve.connector.store import EmbeddingStore, Shape, as_dict, read_entry
 from vitserve.handover.same_host import SameHost, write_file
+from vitserve.rpc.replies import Ack
 from vitserve.rpc.sender import LLMSender
 
 ONE = 12 * WIDTH * 2  # one message(uuid) in bfloat16: 12 rows
@@ -193,3 +195,22 @@ def test_the_workers_buffer_is_reused_only_once_its_tensor_is_gone(tmp_path):
     assert again.data_ptr() == ptr  # the buffer whose tensor is gone, reused
     assert torch.equal(again, a)
     assert torch.equal(held, a[1:])
+
+
+def test_a_full_device_empties_the_pool_before_it_refuses(tmpfs):  # noqa: F811
+    """On a 1 MiB tmpfs: the pool's pages are the first room a write that meets ENOSPC gets back."""
+    with contextlib.closing(
+        EmbeddingStore("tcp://127.0.0.1:*", 10 << 20, Shape(WIDTH, 2), directory=str(tmpfs))
+    ) as s:
+        peer = Peer(s)
+        for uuid in ("a" * 64, "b" * 64):
+            assert isinstance(peer.send(big(uuid)), Ack)
+            s.pin(uuid, "vllm")
+            s.unpin({uuid}, "vllm")  # loaded: spent
+        reply = peer.send(big("c" * 64))  # a goes to the pool, and its pages leave no room for c
+        assert isinstance(reply, Ack), reply
+        counters = s.counters()
+        assert counters["refused"] == 0
+        assert (counters["pooled"], counters["pool_files"], counters["pool_bytes"]) == (2, 0, 0)
+        assert s.get("c" * 64) is not None
+        peer.close()
