@@ -127,13 +127,14 @@ def test_a_file_a_worker_still_reads_is_never_written(store):
     """A load that raced its release: the worker holds the shared flock; vitserve's claim skips and deletes it."""
     m = message("a" * 64)
     f = write_file(incoming(store), m, torch.bfloat16, time.time() + 60)
-    send_file(store, f)
+    assert isinstance(send_file(store, f), Ack)
     path = store.get("a" * 64).path
     with open(path, "rb") as reader:
         fcntl.flock(reader.fileno(), fcntl.LOCK_SH)
         store.pin("a" * 64, "vllm")
         store.unpin({"a" * 64}, "vllm")
-        send_file(store, write_file(incoming(store), message("b" * 64), torch.bfloat16, time.time() + 60))
+        b = write_file(incoming(store), message("b" * 64), torch.bfloat16, time.time() + 60)
+        assert isinstance(send_file(store, b), Ack)
         assert store.counters()["pool_files"] == 1  # a, evicted into the pool while it is read
         other = write_file(incoming(store), message("c" * 64), torch.bfloat16, time.time() + 60)
         assert not other.recycled  # the claim found the reader's lock: a fresh file instead
@@ -145,13 +146,14 @@ def test_a_worker_that_opened_a_file_before_it_was_let_go_finds_it_gone(store):
     """read_entry's check once it holds its lock (files._still_held), for a worker that opened the file just before
     the connector let it go and vitserve claimed it."""
     f = write_file(incoming(store), message("a" * 64), torch.bfloat16, time.time() + 60)
-    send_file(store, f)
+    assert isinstance(send_file(store, f), Ack)
     w = as_dict(store.get("a" * 64))
     fd = os.open(w["path"], os.O_RDONLY)  # opened; then the entry goes to the pool and vitserve claims it
     try:
         store.pin("a" * 64, "vllm")
         store.unpin({"a" * 64}, "vllm")
-        send_file(store, write_file(incoming(store), message("b" * 64), torch.bfloat16, time.time() + 60))
+        b = write_file(incoming(store), message("b" * 64), torch.bfloat16, time.time() + 60)
+        assert isinstance(send_file(store, b), Ack)
         claimed = claim(incoming(store), ONE)
         assert claimed is not None
         with pytest.raises(FileNotFoundError, match="let this file go"):
