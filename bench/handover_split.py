@@ -14,7 +14,8 @@ Per point, best and median of the repeats, one thread (vitserve's pool thread se
   without and with CURVE (vitserve/rpc/wirekey.py): send, encryption, the loopback, decryption, the receive;
   their difference over the bytes is CURVE's cost per GB;
 - file write: the connector's vitserve.connector.files.TensorDir.write (DeepStack levels side by side, in chunks);
-- read_entry: the worker's vitserve.connector.files.read_entry (one read(2) into a tensor of its own);
+- read_entry: the worker's vitserve.connector.files.read_entry (one read(2) into a tensor of its own; the bench
+  drops each tensor, so from the second on it reads into a reused buffer whose pages are there);
 - wire / wire+curve: the whole of today's path, a real LLMSender to a real EmbeddingStore (encode done ->
   acknowledged -> read_entry done: in the encoder cache on a CPU);
 - ec_storage: vitserve's safetensors file (ec_files.write_file) + the header check + vLLM's ECExampleConnector
@@ -22,7 +23,9 @@ Per point, best and median of the repeats, one thread (vitserve's pool thread se
 - same host: vitserve writes the tensor into the connector's incoming area (vitserve/handover/same_host.py;
   `same_host_write` is that write alone, with its sampled checksum), the file message names it, the connector
   checks and adopts it (vitserve/connector/handoff.py) and acknowledges, and read_entry (encode done -> in the
-  encoder cache).
+  encoder cache);
+- same host, recycled: the same, in a steady stream: each file is written over the pages of a file the connector
+  let go (vitserve/connector/pool.py), not into a fresh one (`same_host_write_recycled`: that write alone).
 
 The directory is --dir (default /dev/shm). Each run appends its record to bench/out/handover_split.jsonl and prints
 RESULTS.md's table.
@@ -51,6 +54,7 @@ import zmq  # noqa: E402
 from bench import harness  # noqa: E402
 from vitserve.connector import keys  # noqa: E402
 from vitserve.connector.files import TensorDir, read_entry  # noqa: E402
+from vitserve.connector.pool import POOL  # noqa: E402
 from vitserve.connector.store import EmbeddingStore, Shape, as_dict  # noqa: E402
 from vitserve.handover.ec_files import check_file, file_path  # noqa: E402
 from vitserve.handover.ec_files import write_file as write_safetensors  # noqa: E402
@@ -185,23 +189,32 @@ def point(image: str, width: int, root: Path, key: str, repeats: int) -> dict:
     out["wire_curve"] = wire_whole(parts, grid, root, key, repeats)
     out["ec_storage"] = ec_storage(tensor, root, repeats)
     out.update(same_host(parts, grid, root, repeats))
+    out.update(same_host(parts, grid, root, repeats, recycled=True))
     return out
 
 
-def same_host(parts: list[torch.Tensor], grid: tuple[int, int, int], root: Path, repeats: int) -> dict:
+def same_host(parts: list[torch.Tensor], grid: tuple[int, int, int], root: Path, repeats: int,
+              recycled: bool = False) -> dict:  # fmt: skip
     """The same-host path: vitserve.handover.same_host.SameHost writes the file into a real EmbeddingStore's
     incoming area and sends its name over a real LLMSender; the store adopts it; then read_entry. Also its write
-    alone (write_file: the cast-and-write pass and the sampled checksum)."""
+    alone (write_file: the cast-and-write pass and the sampled checksum).
+
+    recycled: the store's bound holds one embedding and a half, so each arrival evicts the one before (loaded,
+    spent) into the pool (vitserve/connector/pool.py) and vitserve's next write claims its file and overwrites its
+    pages, as in a steady stream; the write alone gives its file back to the pool as the connector would."""
     width = sum(int(p.shape[1]) for p in parts)
-    store = EmbeddingStore("tcp://127.0.0.1:*", 4 << 30, Shape(width, 2), directory=str(root), log=_LOG,
+    nbytes = int(parts[0].shape[0]) * width * 2
+    bound = nbytes * 3 // 2 if recycled else 4 << 30
+    store = EmbeddingStore("tcp://127.0.0.1:*", bound, Shape(width, 2), directory=str(root), log=_LOG,
                            dtype="bfloat16")  # fmt: skip
-    whole, writes = [], []
+    whole, writes, warm = [], [], 2 if recycled else 1  # recycled: the first two writes find the pool empty
     with contextlib.closing(store), LLMSender(store.endpoint) as sender:
         assert sender.wait_reachable(30), f"no connection to the store on {store.endpoint}"
         same = SameHost(sender, None)
         assert same.dtype(torch.float32) == torch.bfloat16, "the connector did not say it serves bfloat16"
         assert same.local, "the same-host path is not taken"
-        for i in range(repeats + 1):
+        incoming = Path(same.info.incoming)  # type: ignore[union-attr]
+        for i in range(repeats + warm):
             m = message(parts, grid)
             t0 = time.perf_counter()
             same.send(m, time.monotonic() + 60, torch.bfloat16).wait(60)
@@ -210,17 +223,25 @@ def same_host(parts: list[torch.Tensor], grid: tuple[int, int, int], root: Path,
             whole.append(time.perf_counter() - t0)
             if i == 0:
                 assert torch.equal(loaded, torch.cat(parts, dim=1)), "the adopted file is not the tensor"
+            store.pin(str(m.uuid), "bench")  # the request that loaded it finishes: its push's claim ends
             store.unpin({str(m.uuid)}, "bench")
             t0 = time.perf_counter()
-            f = write_file(Path(same.info.incoming), message(parts, grid), torch.bfloat16, time.time() + 60)
+            f = write_file(incoming, message(parts, grid), torch.bfloat16, time.time() + 60)
             writes.append(time.perf_counter() - t0)
-            os.unlink(Path(same.info.incoming) / f.name)
-        assert same.files == repeats + 1, "a file hand-over fell back to the bytes"
-    return {"same_host": ms(whole[1:]), "same_host_write": ms(writes[1:])}
+            if recycled:  # back to the pool, as the connector gives a spent entry's file
+                os.rename(incoming / f.name, incoming.parent / POOL / f"p-{next(_ids)[-32:]}")
+            else:
+                os.unlink(incoming / f.name)
+        assert same.files == repeats + warm, "a file hand-over fell back to the bytes"
+        assert same.recycled >= (repeats if recycled else 0), f"{same.recycled} writes recycled a pool file"
+        assert recycled or same.recycled == 0, "a fresh write found a pool file"
+    key = "_recycled" if recycled else ""
+    return {f"same_host{key}": ms(whole[warm:]), f"same_host_write{key}": ms(writes[warm:])}
 
 
 COLUMNS = ("memcpy", "clone", "cast", "encode", "zmq", "zmq_curve", "file_write", "read_entry", "wire",
-           "wire_curve", "ec_storage", "same_host_write", "same_host")  # fmt: skip
+           "wire_curve", "ec_storage", "same_host_write", "same_host", "same_host_write_recycled",
+           "same_host_recycled")  # fmt: skip
 
 
 def table(rows: list[dict]) -> list[str]:

@@ -20,10 +20,13 @@ GAUGES = {
     "held_bytes": "Bytes of embeddings the connector holds now (received, not yet evicted or expired).",
     "held": "Embeddings the connector holds now.",
     "max_bytes": "The connector's bound in bytes: max_gb, or less when its shm_dir device has less room.",
+    "pool_files": "Files kept for vitserve's next same-host write (recycled pages, on top of max_gb).",
+    "pool_bytes": "Bytes of the files kept for vitserve's next same-host write (recycled pages, on top of max_gb).",
 }
 COUNTERS = {
     "received": "Embeddings received, checked and acknowledged.",
     "adopted": "Of those received, files vitserve wrote into the connector's shared memory (one host: one write).",
+    "pooled": "Files of embeddings let go that were kept for vitserve's next same-host write instead of deleted.",
     "rejected": "Messages dropped unanswered: not vitserve's wire.",
     "handshakes_failed": "Peers whose ZMTP handshake failed: without the key, or not ZMQ; nothing of theirs read.",
     "evicted": "Held embeddings evicted to make room (loaded or expired ones only).",

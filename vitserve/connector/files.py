@@ -22,11 +22,13 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from vitserve.rpc.tensors import DTYPES, tensor_to_buffer
 
@@ -35,6 +37,8 @@ STAGING = f".{PREFIX}new-"  # a directory being made, before it has its lock and
 STAGING_S = 60.0  # a staging directory without a lock this old was left by a start that died
 LOCK_NAME = ".lock"
 HUGE_PAGE_MIN_BYTES = 4 << 20  # read_entry maps tensors from this size on (_empty)
+HUGE_PAGE_BYTES = 2 << 20
+KEPT_BUFFERS = 4  # read_entry's buffers kept for reuse in each worker (_Buffers)
 TEMP_SUFFIX = ".tmp"
 CHUNK_BYTES = (
     8 << 20
@@ -136,12 +140,18 @@ def read_entry(path: str, dtype: str, rows: int, width: int) -> torch.Tensor:
     tensor's memory, so the file may go at once and nothing of it stays mapped. torch.from_file(shared=False)
     would map the file copy-on-write instead: vLLM's encoder cache would then hold the deleted file's pages, and
     the connector's shared-memory device would never get its space back (on the CPU platform `.to()` of the same
-    dtype is that very tensor). A file shorter than rows x width raises ValueError."""
+    dtype is that very tensor). A file shorter than rows x width raises ValueError.
+
+    The read holds a shared flock, and checks that `path` still names the file it opened: a file the connector
+    let go may be recycled (pool.py), and vitserve writes one only under an exclusive flock, taken without waiting,
+    after renaming it away from `path`. A file let go while this load raced its release raises FileNotFoundError,
+    as it did when such a file was deleted."""
     tensor = _empty(rows, width, DTYPES[dtype])
     nbytes = tensor.numel() * tensor.element_size()
     view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
     done = 0
     with open(path, "rb", buffering=0) as f:
+        _still_held(f.fileno(), path)
         while done < nbytes:  # read(2) returns at most ~2 GiB at a time
             got = f.readinto(view[done:])
             if not got:
@@ -150,14 +160,60 @@ def read_entry(path: str, dtype: str, rows: int, width: int) -> torch.Tensor:
     return tensor
 
 
+def _still_held(fd: int, path: str) -> None:
+    """Lock the open file shared; FileNotFoundError when vitserve is writing it or `path` names another file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        named, opened = os.stat(path), os.fstat(fd)
+        same = (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+    except OSError:  # BlockingIOError: vitserve holds it; ENOENT: it went to the pool
+        same = False
+    if not same:
+        raise FileNotFoundError(errno.ENOENT, "the connector let this file go while it was loaded", path)
+
+
 def _empty(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
     """A tensor for read_entry. A large one is anonymous memory advised to use transparent huge pages: a fresh
     88.5 MB torch.empty costs ~21,600 page faults as read(2) fills it, and read_entry took 69-74 ms against 30-32 ms
-    so (bench/handover_split.py, issue 51). The tensor keeps its mapping; it goes when the tensor goes."""
+    so (bench/handover_split.py, issue 51). The tensor keeps its mapping; it goes when the tensor goes, or is
+    reused (_Buffers)."""
     nbytes = rows * width * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE_MIN_BYTES:
         return torch.empty(rows, width, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return _BUFFERS.take(nbytes).view(dtype).reshape(rows, width)
+
+
+class _Buffers:
+    """The worker's huge-page buffers, each reused once every tensor made of it is gone (vLLM dropped it from its
+    encoder cache, or on a GPU at once, after the copy to the device): a buffer whose pages are already there
+    saves their faults and zeroing, 20 -> ~12 ms for 88.5 MB here (bench/handover_split.py). At most
+    KEPT_BUFFERS are kept, so at most that many idle ones hold memory; a tensor's storage alive keeps its
+    buffer's memory whatever this does (torch's weak reference says when it is gone)."""
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[mmap.mmap, StorageWeakRef]] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        size = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        with self._lock:
+            free = [i for i, (_, ref) in enumerate(self._kept) if ref.expired()]  # type: ignore[no-untyped-call]
+            same = [i for i in free if len(self._kept[i][0]) == size]
+            buf = self._kept[same[0]][0] if same else _huge_pages(size)
+            tensor = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)  # (nbytes,)
+            kept = (buf, StorageWeakRef(tensor.untyped_storage()))  # type: ignore[no-untyped-call]
+            if same or free:  # the same buffer again, or one of another size let go for it
+                self._kept[(same or free)[0]] = kept
+            elif len(self._kept) < KEPT_BUFFERS:
+                self._kept.append(kept)
+            return tensor
+
+
+def _huge_pages(size: int) -> mmap.mmap:
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(AttributeError, OSError):  # no MADV_HUGEPAGE (THP off): small pages, as before
         buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(rows, width)
+    return buf
+
+
+_BUFFERS = _Buffers()

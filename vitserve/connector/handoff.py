@@ -8,7 +8,9 @@ FIFO), that it is a regular file with one link (not a hard link to a file elsewh
 announced size, with the announced sampled checksum; then it is renamed to its digest name in the store's
 directory and checked to be still the file that was checked. Whatever fails is a Refusal ("bad_file: ..."), and
 the file under that name is removed: nothing is left behind. Files nobody announced are removed after
-STALE_S.
+STALE_S (from their last write: vitserve touches a pool file it claims before it moves it here).
+
+The pool of recycled files beside it (pool.py) is the incoming area's: `pool`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 
 from vitserve.connector.checks import Refusal, Shape
+from vitserve.connector.pool import Pool
 from vitserve.rpc.handoff import NAME, FileEmbedding, Info, encode_info, sampled_crc
 from vitserve.rpc.tensors import DTYPES
 
@@ -31,9 +34,9 @@ _SWEEP_EVERY_S = 10.0
 
 
 class Incoming:
-    """`<store dir>/incoming` and the host token; `info`, `adopt`, `discard`, `sweep`."""
+    """`<store dir>/incoming` and the host token; `info`, `adopt`, `discard`, `sweep`; `pool` (pool.py)."""
 
-    def __init__(self, store_dir: Path, dtype: str, width: int) -> None:
+    def __init__(self, store_dir: Path, dtype: str, width: int, max_bytes: int) -> None:
         self.path = store_dir / INCOMING
         self.path.mkdir(mode=0o700)
         self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
@@ -41,6 +44,7 @@ class Incoming:
         self.token_file = store_dir / TOKEN_NAME
         self.token_file.write_text(self.token)
         self.dtype, self.width = dtype, width
+        self.pool = Pool(store_dir, max_bytes)
         self._swept = time.monotonic()
 
     def info(self, query_id: str) -> bytes:

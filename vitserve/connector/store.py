@@ -100,7 +100,6 @@ class EmbeddingStore:
         root = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         self._dir = TensorDir(Path(root), self.log)
         self.dir = self._dir.path
-        self._incoming = Incoming(self.dir, self.dtype, self.shape.width)  # the same-host hand-over's area
         free = self._dir.free_bytes()
         if max_bytes > free:
             self.log.warning(
@@ -109,6 +108,7 @@ class EmbeddingStore:
                 *(max_bytes, root, free, free),
             )
         self.max_bytes = min(max_bytes, free)
+        self._incoming = Incoming(self.dir, self.dtype, self.shape.width, self.max_bytes)  # same host's area
         self._ledger = Ledger(self.max_bytes)
 
     def _init_socket(self, endpoint: str) -> None:
@@ -156,7 +156,7 @@ class EmbeddingStore:
     def counters(self) -> dict[str, int | float]:
         with self._lock:
             held = {"held": len(self._ledger.entries), "held_bytes": self._ledger.held_bytes}
-            return {**self.counts, **held, "max_bytes": self.max_bytes}
+            return {**self.counts, **held, "max_bytes": self.max_bytes, **self._incoming.pool.counters()}
 
     def failure_since(self, t: float) -> str | None:
         """Why the receiver failed after `t` (time.monotonic()), or None: messages in flight then were lost."""
@@ -375,6 +375,7 @@ class EmbeddingStore:
                 evicted = self._ledger.evict(nbytes)
                 self._tally(evicted=evicted)
             self._delete(evicted)
+            self._incoming.pool.drain()  # what was evicted went to the pool: the device needs its pages now
         raise AssertionError("unreachable")
 
     def _sweep(self) -> None:
@@ -390,9 +391,7 @@ class EmbeddingStore:
         for counter, entries in taken.items():
             self.counts[counter] += len(entries)
 
-    @staticmethod
-    def _delete(entries: list[HeldTensor]) -> None:
-        """Delete the files of entries the ledger let go (only the receiver thread writes and deletes files)."""
-        for entry in entries:
-            with contextlib.suppress(OSError):
-                entry.path.unlink()
+    def _delete(self, entries: list[HeldTensor]) -> None:
+        """The files of entries the ledger let go: kept in the pool for vitserve's next same-host write (pool.py), or
+        deleted."""
+        self._incoming.pool.take(e.path for e in entries)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from vitserve.connector.pool import claim
 from vitserve.rpc.delivery import Delivery, expires_at
 from vitserve.rpc.handoff import (
     FileEmbedding,
@@ -81,6 +82,7 @@ class SameHost:
         self.info: Info | None = None
         self.local = False  # the incoming area is this host's (and this /dev/shm's)
         self.files = 0  # embeddings handed over as files
+        self.recycled = 0  # of those, written over a file of the connector's pool (its pages already there)
         self._asked = -PROBE_EVERY_S
         self._lock = threading.Lock()
 
@@ -123,6 +125,7 @@ class SameHost:
             with contextlib.suppress(OSError):
                 f = write_file(Path(self.info.incoming), message, dtype, expires_at(deadline))
                 self.files += 1
+                self.recycled += f.recycled
                 return self.sender.submit([encode_file(f)], message_id=f.message_id, deadline=deadline)
         if message.embedding.dtype != dtype:  # cast once, here: the connector never casts what it receives
             message = dataclasses.replace(
@@ -134,10 +137,16 @@ class SameHost:
 
 
 def write_file(incoming: Path, m: ImageEmbedding, dtype: torch.dtype, expires: float) -> FileEmbedding:
-    """Write `m`'s rows (main and DeepStack levels side by side) in `dtype` to a new file in `incoming`; OSError
+    """Write `m`'s rows (main and DeepStack levels side by side) in `dtype` into `incoming`: over a file of the
+    connector's pool when it has one (its pages are there already: connector/pool.py), else a new file; OSError
     (ENOSPC, ...) with the file removed."""
-    name = f"in-{uuid_mod.uuid4().hex}"
-    fd = os.open(incoming / name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    rows = int(m.embedding.shape[0])
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = rows * sum(int(p.shape[1]) for p in (m.embedding, *m.deepstack)) * itemsize
+    claimed = claim(incoming, expected)
+    name, fd = claimed or (f"in-{uuid_mod.uuid4().hex}", -1)
+    if fd < 0:
+        fd = os.open(incoming / name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     try:
         nbytes = write_rows(fd, [m.embedding, *m.deepstack], dtype)
         crc = sampled_crc(fd, nbytes)
@@ -146,9 +155,8 @@ def write_file(incoming: Path, m: ImageEmbedding, dtype: torch.dtype, expires: f
         log.warning("same-host hand-over: writing %s failed (%s); the bytes go on the wire", name, exc)
         raise
     finally:
-        os.close(fd)
-    rows = int(m.embedding.shape[0])
+        os.close(fd)  # a claimed file's lock goes with it: written, it is announced
     return FileEmbedding(name, nbytes, crc, message_id=uuid_mod.uuid4().hex, request_id=m.request_id,
                          uuid=str(m.uuid), expires_at=float(expires), grid_thw=m.grid_thw, rows=rows,
-                         width=nbytes // max(1, rows * torch.empty((), dtype=dtype).element_size()),
+                         width=nbytes // max(1, rows * itemsize), recycled=claimed is not None,
                          dtype=next(k for k, v in DTYPES.items() if v == dtype))  # fmt: skip

@@ -71,6 +71,7 @@ class FileEmbedding:
     rows: int
     width: int  # main columns and DeepStack levels side by side
     dtype: str
+    recycled: bool = False  # not on the wire: vitserve wrote over a pool file (connector/pool.py)
 
 
 def encode_hello(query_id: str) -> bytes:
