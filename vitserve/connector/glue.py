@@ -261,7 +261,8 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
         """What moved since the last step (vLLM calls it once per step on the scheduler side), or None."""
         if self.store is None:
             return None
-        now = counters.snapshot(self.store.counters(), self._counts)
+        pulls = self._puller.counters() if self._puller is not None else {}
+        now = counters.snapshot(self.store.counters(), {**self._counts, **pulls})
         data = counters.delta(self._reported, now)
         if not data:
             return None
