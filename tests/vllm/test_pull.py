@@ -20,8 +20,11 @@ import http.server
 import json
 import queue
 import signal
+import subprocess
+import textwrap
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,7 +34,7 @@ from tests.nginx_server import NginxServer
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
 from tests.vllm.connector_server import ConnectorVllm
 from tests.vllm.stack import cli_args, metric, png, vitserve_in_process
-from tests.vllm_server import unused_port
+from tests.vllm_server import unused_port, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 RECEIVED = "vllm:vitserve_connector_received_total"
@@ -265,3 +268,62 @@ def test_pull_a_replica_killed_between_its_chat_request_and_the_pull_fails_its_r
     finally:
         holding.close()
         doomed.stop()
+
+
+CORES = textwrap.dedent(
+    """
+    import sys, types
+    import vitserve.vllm_connector as module
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    def config(extra, index, local):
+        ec = types.SimpleNamespace(ec_connector_extra_config=extra, is_ec_producer=False, is_ec_consumer=True)
+        model = types.SimpleNamespace(
+            dtype="float32", hf_config=types.SimpleNamespace(vision_config=None), get_hidden_size=lambda: 64
+        )
+        parallel = types.SimpleNamespace(data_parallel_index=index, data_parallel_rank_local=local)
+        return types.SimpleNamespace(ec_transfer_config=ec, model_config=model, parallel_config=parallel)
+
+    extra = {"endpoint": sys.argv[2], "shm_dir": sys.argv[1]}
+    for name, more, index, local in [
+        ("one-endpoint", {}, 1, 1), ("multi-node", {"dp_push": True}, 2, 0), ("pinned", {"dp_push": True}, 1, 1)
+    ]:
+        try:
+            connector = module.VitserveECConnector(config({**extra, **more}, index, local), ECConnectorRole.SCHEDULER)
+        except ValueError as exc:
+            print(name, "REFUSED", exc, flush=True)
+        else:
+            print(name, "BOUND", connector.store.endpoint, flush=True)
+            connector.shutdown()
+    """
+)
+
+
+def test_a_data_parallel_core_the_connector_cannot_serve_by_push_is_refused_at_its_start(tmp_path):
+    """The glue's own start (as vLLM's engine core runs it, in a fresh interpreter of vLLM's venv, vitserve's
+    package alone on its path; not a whole vLLM start-up) for engine core 1 of a vLLM given one push endpoint,
+    core 2 of a multi-node one (the first core of its node), and core 1 with dp_push: the first two refuse to
+    start saying what to use instead, the third binds the port + 1."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "vitserve").symlink_to(Path(__file__).resolve().parents[2] / "vitserve")
+    port = unused_port()
+    env = {"PYTHONPATH": str(tmp_path / "pkg"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [str(vllm_python()), "-c", CORES, str(tmp_path), f"tcp://127.0.0.1:{port - 1}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert said["one-endpoint"].startswith("REFUSED this vLLM runs data-parallel engine cores (this is #1)")
+    assert "--llm_transport pull" in said["one-endpoint"]
+    assert "dp_push" in said["one-endpoint"]
+    assert "--llm_dp_size" in said["one-endpoint"]
+    assert said["multi-node"].startswith(
+        "REFUSED this vLLM runs data-parallel engine cores on more than one node"
+    )
+    assert "--llm_transport pull" in said["multi-node"]
+    assert said["pinned"] == f"BOUND tcp://127.0.0.1:{port}"
