@@ -37,6 +37,8 @@ class Config:
     # file kept ec_ttl_s at most, the directory bounded to ec_storage_gb (least recently used first)
     llm_transport: str = "inline"  # or "wire": pushed to vitserve's vLLM connector at llm_endpoint
     wire_key_file: str | None = None  # the connector's shared secret (wire only); its path, never its bytes
+    # wire to a vLLM with --data-parallel-size N: its engine cores' connectors, at --llm_endpoint + rank; None = 1
+    llm_dp_size: int | None = None
     ec_storage_path: str | None = None
     # --llm_transport pull (docs/vllm.md, "Pull"): where vitserve's producer binds, the endpoint vLLM fetches from,
     # and the bound on what it keeps for fetching

@@ -26,3 +26,17 @@ def host_only(endpoint: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def rank_endpoint(endpoint: str, index: int) -> str:
+    """The endpoint of data-parallel engine core `index` when core 0's is `endpoint`, as vLLM's own Mooncake
+    consumer offsets its port: tcp, the port + index; ipc (or another scheme), the path + "-index". Index 0, or a
+    tcp port 0 (an ephemeral bind), is `endpoint` itself. The connector binds it (connector/config.py), vitserve
+    --llm_transport wire --llm_dp_size pushes to it (handover/wire.py)."""
+    if index == 0:
+        return endpoint
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        return f"tcp://{host}:{int(port) + index}" if port.isdigit() and int(port) else endpoint
+    return f"{endpoint}-{index}"

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from vitserve.config import Config
-from vitserve.endpoints import host_only
+from vitserve.endpoints import host_only, rank_endpoint
 from vitserve.errors import ConfigError
 from vitserve.families import Family
 
@@ -119,7 +119,7 @@ class EcStorageSpec(_MetadataParts):
 class WireSpec(_MetadataParts):
     name = "wire"
     help = "pushed to vitserve's vLLM connector at --llm_endpoint (a metadata-only part)"
-    flags = ("wire_key_file",)
+    flags = ("wire_key_file", "llm_dp_size")
     owns_llm_endpoint = True
 
     @classmethod
@@ -138,6 +138,7 @@ class WireSpec(_MetadataParts):
                 "needs --wire_key_file there (the connector's key_file), or an endpoint on this host "
                 "(tcp://127.0.0.1:PORT, ipc://PATH)"
             )
+        _check_dp_size(config.llm_endpoint, config.llm_dp_size)
 
     @classmethod
     def preflight(cls, config: Config, family: Family) -> None:
@@ -194,6 +195,28 @@ class PullSpec(_MetadataParts):
             "pull_advertise": (config.pull_advertise or config.pull_bind) if pulling else None,
             "pull_store_gb": config.pull_store_gb,
         }
+
+
+def _check_dp_size(endpoint: str, size: int | None) -> None:
+    """--llm_dp_size: at least 1 engine core, each at --llm_endpoint + its rank (a tcp port in range)."""
+    if size is None:
+        return
+    if size < 1:
+        raise ConfigError(
+            f"--llm_dp_size must be >= 1, vLLM's --data-parallel-size (its engine cores), got {size}"
+        )
+    last = rank_endpoint(endpoint, size - 1)
+    port = last.rpartition(":")[2] if last.startswith("tcp://") else ""
+    if port.isdigit() and int(port) > 65535:
+        raise ConfigError(
+            f"--llm_dp_size {size}: engine core {size - 1}'s connector would be at {last}, past port 65535; "
+            "give --llm_endpoint a lower port"
+        )
+    if size > 1 and last == endpoint:
+        raise ConfigError(
+            f"--llm_dp_size {size} needs --llm_endpoint with a port (each core's connector is at port + its rank), "
+            f"not {endpoint}"
+        )
 
 
 def _concrete(endpoint: str) -> bool:

@@ -204,13 +204,19 @@ def test_a_pull_only_config_binds_nothing_and_an_announced_producer_is_read(tmp_
 def test_each_data_parallel_engine_core_binds_its_own_push_endpoint_or_is_refused():
     push, _ = parse_config({"endpoint": "tcp://127.0.0.1:5600"})
     assert for_rank(push, 0) == push
-    with pytest.raises(
-        ValueError, match="leave out ec_connector_extra_config.endpoint and run vitserve with"
-    ):
-        for_rank(push, 1)  # push alone: vitserve cannot choose the core
-    both, _ = parse_config({"endpoint": "tcp://127.0.0.1:5600", "pull_from": ["127.0.0.1"]})
-    assert for_rank(both, 1).endpoint == "tcp://127.0.0.1:5601"
-    ipc, _ = parse_config({"endpoint": "ipc:///tmp/c.sock", "pull_from": ["127.0.0.1"]})
+    for config in (push, parse_config({"endpoint": "tcp://127.0.0.1:5600", "pull_from": ["127.0.0.1"]})[0]):
+        with pytest.raises(
+            ValueError, match="run vitserve with --llm_transport pull.*dp_push.*--llm_dp_size"
+        ):
+            for_rank(config, 1, 1)  # push to one endpoint: vitserve cannot choose the core
+    pinned, _ = parse_config({"endpoint": "tcp://127.0.0.1:5600", "dp_push": True})
+    assert for_rank(pinned, 0, 0) == pinned
+    assert for_rank(pinned, 1, 1).endpoint == "tcp://127.0.0.1:5601"  # vitserve --llm_dp_size pins the rank
+    ipc, _ = parse_config({"endpoint": "ipc:///tmp/c.sock", "dp_push": True})
     assert for_rank(ipc, 2).endpoint == "ipc:///tmp/c.sock-2"
+    with pytest.raises(ValueError, match="more than one node .*#2, #0 on its node.*--llm_transport pull"):
+        for_rank(pinned, 2, 0)  # a second node's first core: vitserve reaches every core at one host
+    with pytest.raises(ValueError, match="dp_push must be true or false"):
+        parse_config({"endpoint": "tcp://127.0.0.1:5600", "dp_push": "yes"})
     pull, _ = parse_config({})
     assert for_rank(pull, 3) == pull  # nothing bound, nothing to offset

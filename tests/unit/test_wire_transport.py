@@ -134,12 +134,20 @@ def test_preflight_refuses_internvl_and_a_key_file_it_cannot_read(tmp_path):
 class Peer:
     """A ROUTER bound on loopback that answers as `reply(inbound)` says, on its own thread."""
 
-    def __init__(self, reply=None, secret: bytes | None = None):
+    def __init__(self, reply=None, secret: bytes | None = None, port: int | None = None):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
         self.auth = configure_server(self.sock, secret) if secret is not None else None
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        if port is None:
+            port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        else:  # a given port (a data-parallel rank's: the first rank's + its index); ZMQError when taken
+            try:
+                self.sock.bind(f"tcp://127.0.0.1:{port}")
+            except zmq.ZMQError:
+                self.sock.close()
+                self.ctx.term()
+                raise
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.reply = reply or self.keep
         self.received: list[ImageEmbedding | HoldsQuery] = []

@@ -25,9 +25,11 @@ process).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -66,9 +68,10 @@ class ConnectorVllm:
 def prepare(tmp: Path, family: str = FAMILY, data_parallel: int = 1) -> Callable[[bool], ConnectorVllm]:
     """Make one for `family` under `tmp`: its checkpoint, key and directories now; its start, waiting until it
     is ready or not, is what comes back (tests/vllm/servers.py starts it on a thread of its own).
-    `data_parallel` > 1: that many engine cores (--data-parallel-size), each with its connector, pull only (no
-    `endpoint`: tests/vllm/test_pull.py), serving the checkpoint an earlier one of its family made (the same
-    weights and model name, so a balancer may send a request to either)."""
+    `data_parallel` > 1: that many engine cores (--data-parallel-size), each with its connector, which fetches
+    (pull) and takes pushes pinned to its core (`dp_push`: core i binds `endpoint`'s port + i, for vitserve
+    --llm_transport wire --llm_dp_size; tests/vllm/test_pull.py), serving the checkpoint an earlier one of its
+    family made (the same weights and model name, so a balancer may send a request to either)."""
     ckpt = _MADE.get(family) if data_parallel > 1 else None
     if ckpt is None:
         ckpt = make_servable_checkpoint(family, tmp / family, max_units=512)
@@ -82,9 +85,9 @@ def prepare(tmp: Path, family: str = FAMILY, data_parallel: int = 1) -> Callable
     if shm_dir is None:
         shm_dir = tmp / "shm"
         shm_dir.mkdir()
-    endpoint = f"tcp://127.0.0.1:{unused_port()}"  # vLLM binds it a minute later
-    if data_parallel > 1:
-        endpoint = ""  # pull only: nothing bound
+    endpoint = (
+        f"tcp://127.0.0.1:{_unused_ports(data_parallel)}"  # vLLM binds it (and the next) a minute later
+    )
     config = {
         "ec_connector": "VitserveECConnector",
         "ec_connector_module_path": "vitserve.vllm_connector",
@@ -99,7 +102,9 @@ def prepare(tmp: Path, family: str = FAMILY, data_parallel: int = 1) -> Callable
     }
     if data_parallel > 1:
         extra = config["ec_connector_extra_config"]
-        del extra["endpoint"]
+        extra["dp_push"] = (
+            True  # core i binds the port + i; vitserve --llm_dp_size pins each request to a core
+        )
         extra["wait_s"] = PULL_WAIT_S
 
     def launch(wait: bool) -> ConnectorVllm:
@@ -122,6 +127,20 @@ def prepare(tmp: Path, family: str = FAMILY, data_parallel: int = 1) -> Callable
         return ConnectorVllm(ckpt, endpoint, key_file, server, shm_dir, mounted)
 
     return launch
+
+
+def _unused_ports(count: int) -> int:
+    """The first of `count` consecutive TCP ports free on 127.0.0.1 now (the data-parallel cores' endpoints)."""
+    for _ in range(100):
+        first = unused_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first + 1, first + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+    raise RuntimeError(f"no {count} consecutive free TCP ports")
 
 
 def _tmpfs(size: int) -> Path | None:

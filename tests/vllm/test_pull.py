@@ -5,26 +5,41 @@ start-up of its own. Its extra config names no `pull_from`, so its connector fet
 only, with its key: vitserve binds its producer on loopback with the same --wire_key_file.
 
 Tokens must equal vLLM's own from the raw image (logprobs within 1e-4); what the connector fetched is read from
-its own counters in vLLM's /metrics (a fetched item is `received` as a push is, then `supplied`).
+its own counters in vLLM's /metrics (a fetched item is `received` as a push is, then `supplied`; the fetcher's
+own: `pull_*`).
+
+Behind nginx: the Qwen2.5-VL connector vLLM and the data-parallel one (two engine cores; tests/vllm/servers.py
+`connector_dp`), whose cores also take pushes pinned to them (`dp_push`): vitserve --llm_transport wire
+--llm_dp_size 2 against it is the push half of "data parallelism through vitserve", pull the other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
+import queue
+import signal
+import subprocess
+import textwrap
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.cli import Cli
 from tests.nginx_server import NginxServer
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
 from tests.vllm.connector_server import ConnectorVllm
-from tests.vllm.stack import metric, png, vitserve_in_process
-from tests.vllm_server import unused_port
+from tests.vllm.stack import cli_args, metric, png, vitserve_in_process
+from tests.vllm_server import unused_port, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 RECEIVED = "vllm:vitserve_connector_received_total"
+PULLED = "vllm:vitserve_connector_pull_kept_total"
+PULLED_BYTES = "vllm:vitserve_connector_pull_bytes_total"
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +63,12 @@ def pull(consumer):
 def test_pull_one_image_equals_vllms_own(consumer, pull):
     vllm = consumer.server
     body = chat_request(str(consumer.ckpt), image_url_part(png(96, 64, seed=81)))
-    before = metric(vllm.url, RECEIVED)
+    names = (RECEIVED, PULLED, PULLED_BYTES)
+    before = [metric(vllm.url, name) for name in names]
     through = complete(pull.url, body)
-    assert metric(vllm.url, RECEIVED) - before == 1  # fetched from vitserve, not encoded by vLLM
+    received, pulled, pulled_bytes = (metric(vllm.url, n) - b for n, b in zip(names, before, strict=True))
+    assert (received, pulled) == (1, 1)  # fetched from vitserve, not encoded by vLLM
+    assert pulled_bytes > 0
     assert_same_answer(complete(vllm.url, body), through)
 
 
@@ -105,8 +123,8 @@ def test_pull_an_item_that_cannot_be_fetched_fails_that_request_alone(consumer, 
 
 @pytest.fixture(scope="module")
 def balanced(connector_qwen2_5_vl, connector_dp, tmp_path_factory):
-    """nginx round robin over the Qwen2.5-VL connector vLLM (push and pull) and the data-parallel one (pull
-    only), and two vitserve replicas pulling, both with nginx as --llm_url."""
+    """nginx round robin over the Qwen2.5-VL connector vLLM and the data-parallel one (both push and pull), and
+    two vitserve replicas pulling, both with nginx as --llm_url."""
     one, dp = connector_qwen2_5_vl, connector_dp
     assert one.ckpt == dp.ckpt, "one checkpoint: the same weights and model name behind the balancer"
     tmp = tmp_path_factory.mktemp("pull-balanced")
@@ -144,3 +162,168 @@ def test_pull_behind_a_balancer_and_data_parallel_cores_every_answer_is_vllms_ow
     assert all(n > 0 for n in per_core), f"both data-parallel cores fetched: {per_core}"
     assert one.server.alive()
     assert dp.server.alive()
+
+
+def test_push_to_data_parallel_cores_pins_each_request_to_the_core_it_pushed_to(connector_dp):
+    """vitserve --llm_transport wire --llm_dp_size 2: each request's embeddings go to one core's connector (its
+    endpoint's port + the rank) and the request to that core (X-data-parallel-rank). vLLM's own answer is asked
+    before each: its balancer then turns to the other core, so a request that vitserve did not pin would land on
+    the core without its embeddings and fail (after wait_s)."""
+    dp = connector_dp
+    vllm = dp.server
+    args = ("--llm_transport", "wire", "--llm_endpoint", dp.endpoint, "--llm_dp_size", "2")
+    bodies = [
+        chat_request(str(dp.ckpt), image_url_part(png(64 + 16 * i, 80, seed=130 + i))) for i in range(4)
+    ]
+    before = [metric(vllm.url, RECEIVED, engine=str(i)) for i in (0, 1)]
+    with vitserve_in_process(
+        dp.ckpt, vllm.url, dp.ckpt.parent / "push-dp", *args, "--wire_key_file", str(dp.key_file)
+    ) as push:  # ready: both cores' connectors are connected
+        for body in bodies:
+            want = complete(vllm.url, body)
+            assert_same_answer(want, complete(push.url, body))
+    per_core = [metric(vllm.url, RECEIVED, engine=str(i)) - before[i] for i in (0, 1)]
+    assert per_core == [2, 2], f"each core received the pushes of the requests pinned to it: {per_core}"
+    assert vllm.alive()
+
+
+class _Holding:
+    """An HTTP server that takes chat requests and answers none: the way from a replica to the balancer, on which
+    its request is still travelling when the replica dies. `taken` has each request's body."""
+
+    def __init__(self) -> None:
+        self.taken: queue.Queue[bytes] = queue.Queue()
+        self.done = threading.Event()
+        holding = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802  (http.server's name)
+                holding.taken.put(self.rfile.read(int(self.headers["content-length"])))
+                holding.done.wait(300)
+                with contextlib.suppress(OSError):
+                    self.send_error(503)
+
+            def log_message(self, *args: object) -> None:
+                return
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.done.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_pull_a_replica_killed_between_its_chat_request_and_the_pull_fails_its_requests_alone(
+    balanced, tmp_path
+):
+    """A third replica (the real CLI, a process of its own) sends its chat request on and is killed (SIGKILL, its
+    ranks too) before any engine fetches: that request, arriving at either engine, fails at once (the producer
+    refuses connections, not a wait_s timeout) with vLLM's log naming the producer; the replica's client gets a
+    broken connection; the replicas that live answer every request as vLLM would; both engines stay healthy and
+    serve. The request is held on its way (`_Holding`) so "between the chat request and the pull" is certain."""
+    one, dp, nginx, replicas = balanced
+    holding = _Holding()
+    bind = f"tcp://127.0.0.1:{unused_port()}"
+    args = ("--llm_transport", "pull", "--pull_bind", bind, "--wire_key_file", str(one.key_file))
+    doomed = Cli(cli_args(one.ckpt, holding.url, *args), tmp_path, session=True)
+    try:
+        doomed.wait_ready(300)
+        lost_body = chat_request(str(one.ckpt), image_url_part(png(72, 88, seed=140)))
+        bodies = [
+            chat_request(str(one.ckpt), image_url_part(png(64 + 16 * i, 72, seed=141 + i))) for i in range(4)
+        ]
+        expected = [complete(one.server.url, b) for b in bodies]
+        with ThreadPoolExecutor(5) as pool:
+            lost = pool.submit(httpx.post, doomed.url + "/v1/chat/completions", json=lost_body, timeout=120)
+            upstream = holding.taken.get(
+                timeout=120
+            )  # its embedding is kept in the replica; the request upstream
+            doomed.signal_all(signal.SIGKILL)
+            doomed.proc.wait(60)
+            answers = list(pool.map(complete, [r.url for r in replicas] * 2, bodies))
+            with pytest.raises(httpx.TransportError):
+                lost.result()
+        for want, got in zip(expected, answers, strict=True):
+            assert_same_answer(want, got)
+        ((uuid, item),) = json.loads(upstream)["ec_transfer_params"]["vitserve"]["items"].items()
+        assert item["producer"] == bind
+        for engine in (one.server, dp.server):  # the request the replica sent, reaching each engine now
+            r = httpx.post(
+                engine.url + "/v1/chat/completions",
+                content=upstream,
+                headers={"content-type": "application/json"},
+                timeout=120,
+            )
+            assert r.status_code == 500, r.text
+            log = engine.log_path.read_text(errors="replace")
+            assert f"item {uuid}: fetching it from producer {bind} failed: {bind} refuses connections" in log
+            assert engine.alive()
+        good = chat_request(str(one.ckpt), image_url_part(png(64, 64, seed=150)))
+        assert_same_answer(complete(one.server.url, good), complete(nginx.url, good))
+        assert_same_answer(complete(dp.server.url, good), complete(nginx.url, good))
+    finally:
+        holding.close()
+        doomed.stop()
+
+
+CORES = textwrap.dedent(
+    """
+    import sys, types
+    import vitserve.vllm_connector as module
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    def config(extra, index, local):
+        ec = types.SimpleNamespace(ec_connector_extra_config=extra, is_ec_producer=False, is_ec_consumer=True)
+        model = types.SimpleNamespace(
+            dtype="float32", hf_config=types.SimpleNamespace(vision_config=None), get_hidden_size=lambda: 64
+        )
+        parallel = types.SimpleNamespace(data_parallel_index=index, data_parallel_rank_local=local)
+        return types.SimpleNamespace(ec_transfer_config=ec, model_config=model, parallel_config=parallel)
+
+    extra = {"endpoint": sys.argv[2], "shm_dir": sys.argv[1]}
+    for name, more, index, local in [
+        ("one-endpoint", {}, 1, 1), ("multi-node", {"dp_push": True}, 2, 0), ("pinned", {"dp_push": True}, 1, 1)
+    ]:
+        try:
+            connector = module.VitserveECConnector(config({**extra, **more}, index, local), ECConnectorRole.SCHEDULER)
+        except ValueError as exc:
+            print(name, "REFUSED", exc, flush=True)
+        else:
+            print(name, "BOUND", connector.store.endpoint, flush=True)
+            connector.shutdown()
+    """
+)
+
+
+def test_a_data_parallel_core_the_connector_cannot_serve_by_push_is_refused_at_its_start(tmp_path):
+    """The glue's own start (as vLLM's engine core runs it, in a fresh interpreter of vLLM's venv, vitserve's
+    package alone on its path; not a whole vLLM start-up) for engine core 1 of a vLLM given one push endpoint,
+    core 2 of a multi-node one (the first core of its node), and core 1 with dp_push: the first two refuse to
+    start saying what to use instead, the third binds the port + 1."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "vitserve").symlink_to(Path(__file__).resolve().parents[2] / "vitserve")
+    port = unused_port()
+    env = {"PYTHONPATH": str(tmp_path / "pkg"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [str(vllm_python()), "-c", CORES, str(tmp_path), f"tcp://127.0.0.1:{port - 1}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert said["one-endpoint"].startswith("REFUSED this vLLM runs data-parallel engine cores (this is #1)")
+    assert "--llm_transport pull" in said["one-endpoint"]
+    assert "dp_push" in said["one-endpoint"]
+    assert "--llm_dp_size" in said["one-endpoint"]
+    assert said["multi-node"].startswith(
+        "REFUSED this vLLM runs data-parallel engine cores on more than one node"
+    )
+    assert "--llm_transport pull" in said["multi-node"]
+    assert said["pinned"] == f"BOUND tcp://127.0.0.1:{port}"

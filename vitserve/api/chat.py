@@ -179,6 +179,7 @@ class ChatHandler:
         deadline = time.monotonic() + self.config.llm_timeout_s
         extra = {k: request.headers[k] for k in _FORWARDED if k in request.headers}
         extra.update({"content-type": "application/json", "traceparent": traceparent})
+        extra.update(handover.upstream_headers())
         headers = self.upstream.headers(self._client_auth(request), extra)
         upstream_request = self.upstream.client.build_request(
             "POST", CHAT_ROUTE, content=body, headers=headers

@@ -15,6 +15,7 @@ from typing import Any
 
 from vitserve.connector.allowlist import Allowlist
 from vitserve.connector.store import EmbeddingStore, Shape
+from vitserve.endpoints import rank_endpoint
 from vitserve.rpc.wirekey import read_key_file
 
 DEFAULT_MAX_GB = 4.0
@@ -29,6 +30,7 @@ KNOWN = (
     "max_hold_s",
     "allow_unauthenticated",
     "pull_from",
+    "dp_push",
 )
 
 
@@ -43,6 +45,9 @@ class ConnectorConfig:
     allow_unauthenticated: bool = False
     # the producers a pull may fetch from (allowlist.py); None: not given, this host's only (DEFAULT_PULL_FROM)
     pull_from: tuple[str, ...] | None = None
+    # data parallel: vitserve --llm_transport wire --llm_dp_size N pins each request to a core and pushes to
+    # that core's endpoint (for_rank), so a core past the first may bind one
+    dp_push: bool = False
 
     @property
     def max_bytes(self) -> int:
@@ -67,6 +72,7 @@ def parse_config(extra: Mapping[str, Any]) -> tuple[ConnectorConfig, list[str]]:
         max_hold_s=_positive(extra, "max_hold_s", None),
         allow_unauthenticated=_flag(extra, "allow_unauthenticated"),
         pull_from=_pull_from(extra),
+        dp_push=_flag(extra, "dp_push"),
     )
     return config, sorted(k for k in extra if k not in KNOWN)
 
@@ -86,28 +92,36 @@ def _pull_from(extra: Mapping[str, Any]) -> tuple[str, ...] | None:
     return tuple(value)
 
 
-def for_rank(config: ConnectorConfig, index: int) -> ConnectorConfig:
+def for_rank(config: ConnectorConfig, index: int, local_index: int | None = None) -> ConnectorConfig:
     """The config of data-parallel engine core `index` (vLLM's parallel_config.data_parallel_index; one
-    connector per engine core, each in its own process): a push endpoint offset by the index (tcp: the port +
-    index; ipc: the path + "-index"), as vLLM's own Mooncake consumer does. Without `pull_from` given, an engine
-    core past the first is refused: vitserve --llm_transport wire pushes to one endpoint and cannot choose which
-    engine core gets a request, so half of them would fail."""
-    if config.endpoint is None or index == 0:
+    connector per engine core, each in its own process; `local_index` its data_parallel_rank_local): a push
+    endpoint offset by the index (vitserve/endpoints.py `rank_endpoint`), as vLLM's own Mooncake consumer does.
+
+    A push endpoint on a core past the first needs `dp_push` (vitserve --llm_transport wire --llm_dp_size N pins
+    each request to a core with vLLM's X-data-parallel-rank header and pushes to that core's endpoint): without
+    it vitserve pushes to one endpoint and cannot choose which core gets a request, so the others' requests would
+    fail. A core on another node than the first (`local_index` != `index`: a multi-node vLLM) cannot take pushes
+    at all: vitserve reaches every rank at --llm_endpoint's host. Both are refused, naming pull, which needs
+    neither."""
+    if config.endpoint is None:
         return config
-    if config.pull_from is None:
+    pull = (
+        f"leave out {KEY}.endpoint and run vitserve with --llm_transport pull (each core fetches what its "
+        'requests name; docs/vllm.md, "Pull")'
+    )
+    if index > 0 and local_index is not None and local_index != index:
+        raise ValueError(
+            f"this vLLM runs data-parallel engine cores on more than one node (this is #{index}, #{local_index} "
+            f"on its node), and vitserve pushes to every core at one host: {pull}"
+        )
+    if index > 0 and not config.dp_push:
         raise ValueError(
             f"this vLLM runs data-parallel engine cores (this is #{index}), and vitserve --llm_transport wire "
-            "pushes to one endpoint without knowing which core gets a request: leave out "
-            f"{KEY}.endpoint and run vitserve with --llm_transport pull (each core fetches what its requests "
-            'name; docs/vllm.md, "Pull"), or give each engine its own vLLM'
+            f"pushes to one endpoint without knowing which core gets a request: {pull}; or set {KEY}.dp_push "
+            "true and run vitserve with --llm_dp_size N (N the --data-parallel-size), which pins each request to "
+            'a core and pushes to its endpoint (port + its index; docs/vllm.md, "Push to data-parallel cores")'
         )
-    scheme, _, rest = config.endpoint.partition("://")
-    if scheme == "tcp":
-        host, _, port = rest.rpartition(":")
-        endpoint = f"tcp://{host}:{int(port) + index}" if port.isdigit() and int(port) else config.endpoint
-    else:
-        endpoint = f"{config.endpoint}-{index}"
-    return replace(config, endpoint=endpoint)
+    return replace(config, endpoint=rank_endpoint(config.endpoint, index))
 
 
 def _positive(extra: Mapping[str, Any], key: str, default: float | None) -> Any:

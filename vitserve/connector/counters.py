@@ -5,9 +5,9 @@ their `data` dict to its API server and hands it to the connector class's Promet
 `{"counts": {name: increase since the last report}, "gauges": {name: value now}}`: plain ints, so it crosses
 vLLM's msgpack; two reports merge by adding counts and keeping the later gauges.
 
-The names: the store's counters (store.py `counters()`) and the glue's own (`supplied`, `failed_<reason>`),
-each under `vllm:vitserve_connector_<name>`; `refused_<reason>` and `failed_<reason>` are one metric each with
-a `reason` label.
+The names: the store's counters (store.py `counters()`), the glue's own (`supplied`, `failed_<reason>`) and the
+fetcher's (pulling.py `Puller.counters`: `pull_*`), each under `vllm:vitserve_connector_<name>`;
+`refused_<reason>`, `failed_<reason>` and `pull_failed_<reason>` are one metric each with a `reason` label.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ GAUGES = {
     "max_bytes": "The connector's bound in bytes: max_gb, or less when its shm_dir device has less room.",
     "pool_files": "Files kept for vitserve's next same-host write (recycled pages, on top of max_gb).",
     "pool_bytes": "Bytes of the files kept for vitserve's next same-host write (recycled pages, on top of max_gb).",
+    "pull_in_flight": "Fetches from vitserve producers (pull) started and not ended.",
 }
 COUNTERS = {
     "received": "Embeddings received, checked and acknowledged.",
@@ -34,12 +35,21 @@ COUNTERS = {
     "releases": "Held embeddings released early: vitserve said their request failed.",
     "receiver_restarts": "Times the receiver thread ended and was restarted.",
     "supplied": "Embeddings the connector handed to vLLM's encoder cache, checked against their request.",
+    "pull_started": "Fetches from vitserve producers (pull) started, one per announced item not held.",
+    "pull_kept": "Fetches that brought their embedding and kept it (also counted as received).",
+    "pull_bytes": "Bytes of the embeddings fetches brought and kept.",
+    "pull_late": "Answers to fetches dropped: late (the fetch had ended) or not the wire.",
 }
 LABELLED = {  # a prefix of counter names -> (its metric, documentation); the rest of the name is the reason
     "refused_": ("refused", "Messages refused with a nack, by reason; nothing of them kept."),
     "failed_": (
         "requests_failed",
         "Requests the connector failed (vLLM answers them with an error), by reason.",
+    ),
+    "pull_failed_": (
+        "pull_failed",
+        "Fetches that ended without the embedding, by reason: missing (the producer does not hold it), refused "
+        "(not admitted by pull_from, too big, or the tensor refused), unreachable, timeout (wait_s), error.",
     ),
 }
 OTHER = "other"  # the reason of refusals the store counted without one

@@ -44,6 +44,10 @@ from vitserve.rpc.wire import ImageEmbedding, WireError
 
 _POLL_MS = 100  # the longest the thread sleeps with fetches running (a deadline is seen this late at most)
 _KEEP_OUTCOME_S = 60.0  # an outcome not taken by then is dropped
+# `counters()`: fetches started; how each ended (kept, or failed by reason: ENDINGS); the bytes kept; answers
+# dropped (late: to a query given up on; unreadable: not the wire); and, apart, `in_flight` (not ended)
+ENDINGS = ("missing", "refused", "unreachable", "timeout", "error")
+COUNTS = ("started", "kept", *ENDINGS, "bytes", "late", "unreadable")
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ class Fetcher:
         self.config, self.on_message = config, on_message
         self.allow = Allowlist(config.pull_from)
         self.log = log or logging.getLogger(__name__)
-        self.counts = dict.fromkeys(("kept", "missing", "refused", "failed", "late"), 0)
+        self.counts = dict.fromkeys(COUNTS, 0)
         self._lock = threading.Lock()
         self._live: dict[str, _Fetch] = {}  # uuid -> fetch not ended, in start order
         self._ended: dict[str, tuple[Outcome, float]] = {}  # uuid -> (outcome, monotonic end)
@@ -139,6 +143,7 @@ class Fetcher:
         with self._lock:
             if uuid in self._live:
                 return None
+            self.counts["started"] += 1
             self._ended.pop(uuid, None)
             if reason is not None:
                 return self._end(fetch, reason)
@@ -185,12 +190,13 @@ class Fetcher:
             reason = f"{fetch.nbytes} bytes are more than a pull may bring ({self.config.max_bytes_in_flight} bytes)"
         return reason
 
-    def _end(self, fetch: _Fetch, reason: str | None, counter: str = "refused") -> Outcome:
-        """Record how `fetch` ended (under _lock)."""
+    def _end(self, fetch: _Fetch, reason: str | None, counter: str = "refused", nbytes: int = 0) -> Outcome:
+        """Record how `fetch` ended (under _lock): kept (`nbytes` brought), or `counter` (one of ENDINGS)."""
         outcome = Outcome(
             fetch.uuid, fetch.producer, reason is None, reason or "", time.monotonic() - fetch.started
         )
         self.counts["kept" if reason is None else counter] += 1
+        self.counts["bytes"] += nbytes if reason is None else 0
         if self._live.get(fetch.uuid) is fetch:
             del self._live[fetch.uuid]
         self._ended[fetch.uuid] = (outcome, time.monotonic())
@@ -224,7 +230,7 @@ class Fetcher:
             self.log.exception("vitserve connector: the fetcher failed; every fetch of it fails")
             with self._lock:
                 for fetch in list(self._live.values()):
-                    self._end(fetch, "the fetcher failed (see vLLM's log)", "failed")
+                    self._end(fetch, "the fetcher failed (see vLLM's log)", "error")
         finally:
             links.close()
 
@@ -260,7 +266,7 @@ class Fetcher:
             answer = decode_answer(frames)
         except WireError as exc:
             with self._lock:
-                self.counts["failed"] += 1
+                self.counts["unreadable"] += 1
             self.log.warning(
                 "vitserve connector: %s answered a pull with something not the wire: %s", producer, exc
             )
@@ -275,9 +281,11 @@ class Fetcher:
                 self._end(fetch, f"{producer} does not hold it: {answer.reason}", "missing")
                 return
         reason = _disagrees(answer, fetch.expect) or self._keep(answer)
+        nbytes = sum(t.numel() * t.element_size() for t in (answer.embedding, *answer.deepstack))
         with self._lock:
             if self._live.get(fetch.uuid) is fetch:
-                self._end(fetch, reason and f"{producer} sent it, but it was refused: {reason}", "refused")
+                why = reason and f"{producer} sent it, but it was refused: {reason}"
+                self._end(fetch, why, "refused", nbytes)
 
     def _keep(self, message: ImageEmbedding) -> str | None:
         try:
@@ -289,7 +297,7 @@ class Fetcher:
     def _fail_producer(self, links: Links, producer: str, why: str) -> None:
         with self._lock:
             for fetch in [f for f in self._live.values() if f.producer == producer]:
-                self._end(fetch, why, "failed")
+                self._end(fetch, why, "unreachable")
         links.drop(producer)
 
     def _expire(self, links: Links, now: float) -> None:
@@ -297,7 +305,7 @@ class Fetcher:
             late = [f for f in self._live.values() if now - f.started >= f.deadline_s]
             for fetch in late:
                 waited = "no answer" if fetch.sent else "no turn within the bounds on pulls in flight"
-                self._end(fetch, f"{waited} in {fetch.deadline_s:g} s", "failed")
+                self._end(fetch, f"{waited} in {fetch.deadline_s:g} s", "timeout")
             for uuid in [u for u, (_, at) in self._ended.items() if now - at > _KEEP_OUTCOME_S]:
                 del self._ended[uuid]
             busy = {f.producer for f in self._live.values()}

@@ -91,7 +91,9 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
         self._unavailable: set[str] = set()
         self._counts: dict[str, int] = {}  # the glue's own counters (counters.py)
         self._reported: dict[str, int] = {}  # the last counters sent to vLLM's stats
-        config = for_rank(config, vllm_config.parallel_config.data_parallel_index)  # ValueError: cannot serve
+        parallel = vllm_config.parallel_config
+        local = getattr(parallel, "data_parallel_rank_local", None)
+        config = for_rank(config, parallel.data_parallel_index, local)  # ValueError: cannot serve
         dtype = str(self._dtype).removeprefix("torch.")
         self.store = start_store(config, _model_shape(vllm_config), log, dtype)
         key = read_key_file(config.key_file) if config.key_file else None
@@ -259,7 +261,8 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
         """What moved since the last step (vLLM calls it once per step on the scheduler side), or None."""
         if self.store is None:
             return None
-        now = counters.snapshot(self.store.counters(), self._counts)
+        pulls = self._puller.counters() if self._puller is not None else {}
+        now = counters.snapshot(self.store.counters(), {**self._counts, **pulls})
         data = counters.delta(self._reported, now)
         if not data:
             return None

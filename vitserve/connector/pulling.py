@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from vitserve.connector.admission import Announced
 from vitserve.connector.allowlist import DEFAULT_PULL_FROM
 from vitserve.connector.config import ConnectorConfig
-from vitserve.connector.fetch import Expect, FetchConfig, Fetcher
+from vitserve.connector.fetch import ENDINGS, Expect, FetchConfig, Fetcher
 from vitserve.connector.store import EmbeddingStore
 
 
@@ -62,7 +62,13 @@ class Puller:
         self._started.pop(request_id, None)
 
     def counters(self) -> dict[str, int]:
-        return {f"pull_{name}": int(n) for name, n in self.fetcher.counters().items()}
+        """The fetcher's counters under counters.py's names: pull_started, pull_kept, pull_bytes, pull_late
+        (answers dropped: late or unreadable), pull_failed_<reason> and the gauge pull_in_flight."""
+        got = self.fetcher.counters()
+        out = {f"pull_{name}": int(got[name]) for name in ("started", "kept", "bytes", "in_flight")}
+        out["pull_late"] = int(got["late"] + got["unreadable"])
+        out.update({f"pull_failed_{reason}": int(got[reason]) for reason in ENDINGS})
+        return out
 
     def close(self) -> None:
         self.fetcher.close()

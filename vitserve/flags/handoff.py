@@ -8,7 +8,7 @@ import re
 
 from vitserve.config import Config
 from vitserve.errors import ConfigError
-from vitserve.flags.spec import Flag, check_positive, optional
+from vitserve.flags.spec import Flag, check_positive, optional, parse_int
 from vitserve.transport_specs import SPECS, spec_of
 
 HANDOFF: dict[str, Flag] = {
@@ -37,6 +37,13 @@ HANDOFF: dict[str, Flag] = {
         optional(str),
         "LLM handoff",
         "file holding the vLLM connector's key_file secret (wire only; never shown)",
+    ),
+    "llm_dp_size": Flag(
+        optional(parse_int),
+        "LLM handoff",
+        "wire only: vLLM's --data-parallel-size; each request is pinned to one engine core "
+        "(X-data-parallel-rank) and pushed to that core's connector at --llm_endpoint + its rank",
+        "1",
     ),
     "ec_storage_path": Flag(
         optional(str), "LLM handoff", "the vLLM EC consumer's shared_storage_path (ec_storage only)"

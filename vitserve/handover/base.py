@@ -10,7 +10,8 @@ The front door (api/chat.py) picks one `Transport` at start-up, from handover/tr
    write or start sending here).
 3. `ready(payload)`: just before sending, the transport's own checks and request fields (ec_storage: fields
    stripped, files still there; a transport that pushes tensors awaits their acknowledgements here), then the
-   body that goes upstream. A VitserveError raised here means nothing goes upstream.
+   body that goes upstream, with `upstream_headers()`. A VitserveError raised here means nothing goes
+   upstream.
 4. `check_answer(status, content)`: the LLM server's answer read as this transport's (ec_storage: a
    non-consumer's 400 becomes a 502).
 5. `release()`: after the answer (a stream: once relayed); may be called more than once.
@@ -71,6 +72,11 @@ class Handover:
     async def ready(self, payload: dict[str, Any]) -> bytes:
         """The body to send, once the transport's last checks pass."""
         raise NotImplementedError(f"{type(self).__name__} builds no body")
+
+    def upstream_headers(self) -> dict[str, str]:
+        """Headers the request goes upstream with besides the client's (wire with --llm_dp_size: the engine
+        core that holds its embeddings)."""
+        return {}
 
     def check_answer(self, status: int, content: bytes) -> None:
         """Raise the VitserveError an answer means for this transport; None: relay it unchanged."""

@@ -41,12 +41,12 @@ from typing import Any
 import torch
 
 from vitserve.contract import ItemResult, PreparedImage, PreparedVideo
-from vitserve.endpoints import host_only
+from vitserve.endpoints import host_only, rank_endpoint
 from vitserve.errors import VitserveError
 from vitserve.handover.base import Setup
 from vitserve.handover.by_uuid import UuidHandover, UuidTransport, strip
 from vitserve.handover.embeds import EmbeddingMismatch, video_rows
-from vitserve.handover.same_host import SameHost
+from vitserve.handover.wire_ranks import Rank, Ranks
 from vitserve.rpc.delivery import Unsent, WireRefused, settle
 from vitserve.rpc.sender import LLMSender
 from vitserve.rpc.tensors import DTYPES, dtype_name
@@ -59,10 +59,11 @@ KNOWN_ITEMS = 65_536  # uuids this replica pushed, with their grids (a repeated 
 ANNOUNCEMENT_VERSION = 1  # of ec_transfer_params["vitserve"]
 
 
-def config_hint(endpoint: str, key_file: str | None) -> str:
+def config_hint(endpoint: str, key_file: str | None, dp_size: int = 1) -> str:
     """The vLLM side that matches this vitserve: bound where --llm_endpoint points (its port on all interfaces
     when that is a host name) and keyed with --wire_key_file's file; keyless only on an endpoint only this host
-    reaches, as vitserve itself (flags/handoff.py) and the connector's protected mode require."""
+    reaches, as vitserve itself (flags/handoff.py) and the connector's protected mode require. With --llm_dp_size
+    N: `dp_push` and --data-parallel-size N (each core binds the port + its rank)."""
     bind = endpoint
     scheme, _, rest = endpoint.partition("://")
     host, _, port = rest.rpartition(":")
@@ -71,6 +72,8 @@ def config_hint(endpoint: str, key_file: str | None) -> str:
     extra: dict[str, Any] = {"endpoint": bind}
     if key_file is not None:
         extra["key_file"] = key_file
+    if dp_size > 1:
+        extra["dp_push"] = True
     config = {
         "ec_connector": "VitserveECConnector",
         "ec_connector_module_path": "vitserve.vllm_connector",
@@ -78,8 +81,9 @@ def config_hint(endpoint: str, key_file: str | None) -> str:
         "ec_connector_extra_config": extra,
     }
     keyed = f" and key_file the secret --wire_key_file {key_file} holds" if key_file else ""
+    dp = f" --data-parallel-size {dp_size}" if dp_size > 1 else ""
     return (
-        f"start vLLM with --ec-transfer-config '{json.dumps(config, separators=(',', ':'))}': the connector "
+        f"start vLLM with{dp} --ec-transfer-config '{json.dumps(config, separators=(',', ':'))}': the connector "
         f'bound where --llm_endpoint points{keyed} (docs/vllm.md, "The wire hand-over")'
     )
 
@@ -106,7 +110,8 @@ class ItemUnavailable(VitserveError):
 
 
 class WireTransport(WireSpec, UuidTransport):
-    """The DEALER connected to the connector, and the grids of what this replica pushed."""
+    """The DEALER connected to the connector (one per data-parallel rank: handover/wire_ranks.py), and the grids
+    of what this replica pushed."""
 
     def __init__(self, setup: Setup, sender: LLMSender | None = None):
         super().__init__(setup)
@@ -114,12 +119,14 @@ class WireTransport(WireSpec, UuidTransport):
         if sender is None:
             if config.llm_endpoint is None:  # flags refuse this; a guard for direct callers
                 raise ValueError("--llm_transport wire needs --llm_endpoint")
-            sender = LLMSender(config.llm_endpoint, key_file=config.wire_key_file)
-        self.sender = sender
-        self.handoff = SameHost(
-            sender, config.wire_key_file
-        )  # one write on one host; vLLM's dtype on the wire
-        self.hint = config_hint(sender.endpoint, config.wire_key_file)
+            ends = [rank_endpoint(config.llm_endpoint, i) for i in range(config.llm_dp_size or 1)]
+            senders = [LLMSender(end, key_file=config.wire_key_file) for end in ends]
+        else:
+            senders = [sender]
+        # per rank: one write on one host; vLLM's dtype on the wire (same_host.py)
+        self.ranks = Ranks(senders, config.wire_key_file)
+        self.sender, self.handoff = self.ranks.all[0].sender, self.ranks.all[0].handoff  # rank 0's
+        self.hint = config_hint(self.sender.endpoint, config.wire_key_file, len(self.ranks))
         self._known: OrderedDict[str, tuple[list[int], str]] = OrderedDict()  # uuid -> grid, dtype
         self._lock = threading.Lock()  # parts are made on the pool's threads
 
@@ -132,15 +139,19 @@ class WireTransport(WireSpec, UuidTransport):
         return WireRequest(self, time.monotonic() + self.setup.config.request_timeout_s)
 
     def readiness(self) -> str | None:
-        """Why /ready is 503: no connector connected (or why its handshake failed: a key that differs)."""
-        if self.sender.reachable:
-            return None
-        if self.sender.link.refusal is not None:
-            return f"the vitserve connector at --llm_endpoint {self.endpoint} is not connected: {self.unreachable()}"
-        return f"no vitserve connector is connected at --llm_endpoint {self.endpoint}"
+        """Why /ready is 503: a rank's connector not connected (or why its handshake failed: a key that
+        differs)."""
+        for rank in self.ranks.not_connected():
+            where = f"--llm_endpoint {self.endpoint}"
+            if len(self.ranks) > 1:
+                where = f"{rank.endpoint} (data-parallel rank {rank.index} of --llm_dp_size {len(self.ranks)}, {where})"
+            if rank.sender.link.refusal is not None:
+                return f"the vitserve connector at {where} is not connected: {unreachable(rank.sender)}"
+            return f"no vitserve connector is connected at {where}"
+        return None
 
     def unreachable(self) -> str:
-        return self.sender.link.refusal or "no connector is connected"
+        return unreachable(self.sender)
 
     def known(self, uuid: str) -> tuple[list[int], str] | None:
         """The grid and dtype of an item this replica pushed."""
@@ -155,7 +166,11 @@ class WireTransport(WireSpec, UuidTransport):
                 self._known.popitem(last=False)
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.sender.close)
+        await asyncio.to_thread(self.ranks.close)
+
+
+def unreachable(sender: LLMSender) -> str:
+    return sender.link.refusal or "no connector is connected"
 
 
 class WireRequest(UuidHandover):
@@ -165,6 +180,8 @@ class WireRequest(UuidHandover):
 
     def __init__(self, transport: WireTransport, deadline: float):
         super().__init__(transport)
+        self.rank: Rank | None = transport.ranks.pick()  # None once released
+        self.sender, self.handoff = self.rank.sender, self.rank.handoff  # its engine core's connector
         self.not_consumer_hint = transport.hint
         self.metrics = transport.setup.metrics
         self.deadline = deadline  # time.monotonic()
@@ -179,7 +196,7 @@ class WireRequest(UuidHandover):
         """One holds query for the images this replica pushed before (an unanswered one means none is held);
         each held one is announced as it was pushed."""
         known = {u: k for u in uuids if (k := self.transport.known(u)) is not None}
-        sender = self.transport.sender
+        sender = self.sender
         held = sender.holds(list(known), HOLDS_WAIT_S, deadline=self.deadline) if known else set()
         for u in held & set(known):
             grid, dtype = known[u]
@@ -209,7 +226,7 @@ class WireRequest(UuidHandover):
         self, uuid: str, item_id: str, grid: list[int], main: torch.Tensor, deep: list[torch.Tensor]
     ) -> None:
         width = sum(int(t.shape[1]) for t in (main, *deep))
-        dtype = dtype_name(self.transport.handoff.dtype(main.dtype))  # what it travels in: vLLM's dtype
+        dtype = dtype_name(self.handoff.dtype(main.dtype))  # what it travels in: vLLM's dtype
         self.items[uuid] = _announced(int(main.shape[0]), width, dtype)
         self.messages.append(
             ImageEmbedding(
@@ -248,7 +265,7 @@ class WireRequest(UuidHandover):
         if self.pushed:
             self.pushed = False
             uuids = list(dict.fromkeys(m.uuid for m in self.messages if m.uuid))
-            self.transport.sender.release(self.request_id, uuids)
+            self.sender.release(self.request_id, uuids)
 
     async def deliver(self) -> None:
         """Push every message and return once the connector acknowledged them all. Raises
@@ -256,20 +273,20 @@ class WireRequest(UuidHandover):
         if not self.messages:
             return
         start = time.perf_counter()
-        sender = self.transport.sender
+        sender = self.sender
         if not sender.reachable:
             wait = min(CONNECT_WAIT_S, max(self.deadline - time.monotonic(), 0.0))
             if not await asyncio.to_thread(sender.wait_reachable, wait):
                 self.metrics.llm_messages_total.labels(outcome="llm_connector_unavailable").inc(
                     len(self.messages)
                 )
-                raise self._unreachable(self.transport.unreachable())
+                raise self._unreachable(unreachable(sender))
         deliveries = []
         self.pushed = True
         for message in self.messages:
             message.num_images = len(self.messages)
             dtype = DTYPES[self.items[message.uuid or ""]["dtype"]]
-            deliveries.append(self.transport.handoff.send(message, self.deadline, dtype))
+            deliveries.append(self.handoff.send(message, self.deadline, dtype))
         try:
             await settle(deliveries, self.metrics.llm_messages_total)
         except WireRefused as exc:
@@ -289,10 +306,25 @@ class WireRequest(UuidHandover):
 
     def _unreachable(self, why: str) -> ConnectorUnavailable:
         return ConnectorUnavailable(
-            f"vitserve's vLLM connector at --llm_endpoint {self.transport.endpoint} did not take the request's "
+            f"vitserve's vLLM connector at {self._where()} did not take the request's "
             f"embeddings ({why}); nothing was sent to vLLM. Is vLLM running with its connector? "
             f"{self.transport.hint}"
         )
+
+    def _where(self) -> str:
+        if len(self.transport.ranks) == 1:
+            return f"--llm_endpoint {self.sender.endpoint}"
+        return f"{self.sender.endpoint} (data-parallel rank {self.rank.index if self.rank else '?'})"
+
+    def upstream_headers(self) -> dict[str, str]:
+        """vLLM's X-data-parallel-rank: the engine core whose connector has this request's embeddings."""
+        return self.transport.ranks.headers(self.rank) if self.rank is not None else {}
+
+    def release(self) -> None:
+        """The request's answer came (or it failed): its rank has one request fewer in flight."""
+        rank, self.rank = self.rank, None
+        if rank is not None:
+            self.transport.ranks.done(rank)
 
     def check_answer(self, status: int, content: bytes) -> None:
         """A non-consumer's 400 (the base), or vLLM's failure of the request, becomes vitserve's 502 (OpenAI's
