@@ -42,7 +42,8 @@ from tests.vllm_server import VllmServer, unused_port
 FAMILY = "qwen3_vl"
 SECRET = b"a test secret of 32 bytes, fixed"
 MAX_GB = 0.00005  # ~52 KiB: a few 128x96 images' tensors (12 rows x 192 floats, 9 KiB), not a 120-row one
-WAIT_S = 1.0  # the connector's wait_s: how long a request whose items never came is deferred
+WAIT_S = 3.0  # the connector's wait_s: how long a request whose items never came is deferred, and a fetch's deadline
+# (1 s was too short for a first keyed fetch on a loaded 2-core machine: one pull behind nginx failed in 4 runs)
 SHM_BYTES = 80 * 1024  # the Qwen3-VL connector's tmpfs: 20 pages, a few small images' tensors
 SHM_MAX_GB = 1  # its max_gb: far more than the device holds
 _MADE: dict[str, Path] = {}  # family -> the first checkpoint made for it in this process

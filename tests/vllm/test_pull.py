@@ -1,6 +1,6 @@
 """vitserve --llm_transport pull in front of a real vLLM that runs vitserve's own encoder-cache connector
 (docs/vllm.md, "Pull"): the session's one connector vLLM (tests/vllm/connector_server.py, `connector_vllm`: Qwen3-VL,
-a key file, a small bound, wait_s 1 s), shared with tests/vllm/test_wire.py and test_connector.py: no vLLM
+a key file, a small bound, wait_s 3 s), shared with tests/vllm/test_wire.py and test_connector.py: no vLLM
 start-up of its own. Its extra config names no `pull_from`, so its connector fetches from this host's producers
 only, with its key: vitserve binds its producer on loopback with the same --wire_key_file.
 
