@@ -36,8 +36,8 @@ so the hand-over, not the prefill, is what differs: qwen2_5_vl-3584 (Qwen2.5-VL-
 qwen3_vl-4096x4 (Qwen3-VL-8B's 4,096 with 3 DeepStack levels: rows 16,384 wide; three layers). Narrow MLPs,
 tiny towers with the LLM's output width; vitserve's tower in bfloat16 (`--dtype float32` for a CPU without
 bf16), vLLM in float32, an encoder-cache consumer of a directory in /dev/shm (ECExampleConnector), or, for
-wire and pull, of vitserve's connector (endpoint on a free loopback port, max_gb 4, no key). One client, a new
-image per request, per image size: one warm-up per arm, then `--rounds` rounds (default 8) of one request per
+wire and pull, of vitserve's connector (endpoint on a free loopback port, max_gb 4, no key; `--keyed`: a
+key_file, vitserve's --wire_key_file). One client, a new image per request, per image size: one warm-up per arm, then `--rounds` rounds (default 8) of one request per
 arm, each round's order rotated so every arm goes first equally often. Per point and arm: ttft p50 (p90 from
 10 rounds, p99 from 100), the ratio to vLLM alone of the same vLLM (the table), upstream bytes per request and
 vitserve's hand-over (`vitserve_upstream_body_bytes`, `vitserve_stage_seconds{stage="handover"}`; for pull,
@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import shutil
 import sys
 import tempfile
@@ -164,11 +165,16 @@ def _vitserve_connector_sitting(
     """A second vLLM, with vitserve's own connector (one vLLM has one EC connector), pushed to and pulling at
     once: vllm alone, wire (pushed to its endpoint) and pull (fetched by it from vitserve's producer)."""
     endpoint = f"tcp://127.0.0.1:{unused_port()}"  # bound a minute later: tests/vllm_server.py
-    extra = {"endpoint": endpoint, "max_gb": 4, "pull_from": ["127.0.0.0/8"]}
+    extra: dict[str, object] = {"endpoint": endpoint, "max_gb": 4, "pull_from": ["127.0.0.0/8"]}
+    if args.keyed:  # CURVE on every connection, as across hosts (on one host wire's bytes still go by file)
+        key_file = tmp / f"{ckpt.name}.key"
+        key_file.write_text(secrets.token_hex(32))
+        extra["key_file"] = str(key_file)
+        front = [*front, "--wire_key_file", str(key_file)]
     fronts = {}
     if "wire" in transports:
         fronts["wire"] = ([*front, "--llm_transport", "wire", "--llm_endpoint", endpoint], ROOT)
-    if "pull" in transports:  # no key, as wire: the producer binds on loopback
+    if "pull" in transports:  # the producer binds on loopback
         bind = f"tcp://127.0.0.1:{unused_port()}"
         fronts["pull"] = ([*front, "--llm_transport", "pull", "--pull_bind", bind], ROOT)
     pkg = parts.vitserve_package(tmp, ckpt.name)
@@ -241,6 +247,8 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--size", default="1080p", choices=sorted(SIZES), help="with --balancer: the image size")
     ap.add_argument("--transports", default=",".join(TRANSPORTS),
                     help="with --widths: the vitserve transports measured (wire and pull on a second vLLM)")  # fmt: skip
+    ap.add_argument("--keyed", action="store_true",
+                    help="with --widths: the connector keyed (key_file; vitserve --wire_key_file), as across hosts")  # fmt: skip
     ap.add_argument("--ec_tree", default=str(ROOT),
                     help="with --widths: the vitserve tree whose ec_storage is measured; 'none' leaves it out")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=None,
