@@ -37,8 +37,9 @@ qwen3_vl-4096x4 (Qwen3-VL-8B's 4,096 with 3 DeepStack levels: rows 16,384 wide; 
 tiny towers with the LLM's output width; vitserve's tower in bfloat16 (`--dtype float32` for a CPU without
 bf16), vLLM in float32, an encoder-cache consumer of a directory in /dev/shm (ECExampleConnector), or, for
 wire and pull, of vitserve's connector (endpoint on a free loopback port, max_gb 4, no key; `--keyed`: a
-key_file, vitserve's --wire_key_file). One client, a new image per request, per image size: one warm-up per arm, then `--rounds` rounds (default 8) of one request per
-arm, each round's order rotated so every arm goes first equally often. Per point and arm: ttft p50 (p90 from
+key_file, vitserve's --wire_key_file). One client, a new image per request, per image size: one warm-up per
+arm, then `--rounds` rounds (default 8) of one request per arm, each round's order rotated so every arm goes
+first equally often. Per point and arm: ttft p50 (p90 from
 10 rounds, p99 from 100), the ratio to vLLM alone of the same vLLM (the table), upstream bytes per request and
 vitserve's hand-over (`vitserve_upstream_body_bytes`, `vitserve_stage_seconds{stage="handover"}`; for pull,
 vitserve keeping the item: the fetch runs in vLLM once it schedules the request and shows in the ttft only).
