@@ -120,6 +120,7 @@ class WireSpec(_MetadataParts):
     name = "wire"
     help = "pushed to vitserve's vLLM connector at --llm_endpoint (a metadata-only part)"
     flags = ("wire_key_file", "llm_dp_size")
+    banner = ("wire", ("llm_dp_size",))
     owns_llm_endpoint = True
 
     @classmethod
@@ -139,6 +140,11 @@ class WireSpec(_MetadataParts):
                 "(tcp://127.0.0.1:PORT, ipc://PATH)"
             )
         _check_dp_size(config.llm_endpoint, config.llm_dp_size)
+
+    @classmethod
+    def info(cls, config: Config) -> dict[str, Any]:
+        """vLLM's data-parallel engine cores vitserve pushes to (one sender each); null unless wire."""
+        return {"llm_dp_size": (config.llm_dp_size or 1) if config.llm_transport == cls.name else None}
 
     @classmethod
     def preflight(cls, config: Config, family: Family) -> None:
