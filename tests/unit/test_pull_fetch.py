@@ -141,6 +141,22 @@ def test_a_producer_that_is_not_there_fails_the_fetch_before_its_deadline():
     assert outcome.seconds < ENDS_S, "told by the refused connection, not by the deadline"
 
 
+def test_an_empty_scheduler_step_waits_for_a_running_fetch_until_it_ends():
+    """wait_while_running (the glue calls it on a step with nothing to run): at once when no fetch runs; while
+    one runs, until it ends, not its timeout."""
+    with running({"e" * 64: message("e" * 64)}) as producer, fetcher(Kept()) as f:
+        start = time.monotonic()
+        f.wait_while_running(ENDS_S)
+        assert time.monotonic() - start < ENDS_S, "no fetch runs: no wait"
+        f.start("e" * 64, producer.endpoint, EXPECT)
+        f.wait_while_running(ENDS_S)
+        waited = time.monotonic() - start
+        outcome = f.result("e" * 64)
+    assert outcome is not None, "the wait ended with the fetch"
+    assert outcome.kept
+    assert waited < ENDS_S, "woken by the fetch's end, not at the wait's timeout"
+
+
 def test_a_producer_that_stops_fails_the_fetches_it_took():
     """A replica killed after it took a query: the connection drops, and the fetch fails then."""
     producer = BareProducer()

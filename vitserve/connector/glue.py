@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 log = init_logger("vllm.vitserve_connector")  # under "vllm": vLLM's handler and VLLM_LOGGING_LEVEL apply
 
 MODULE_PATH = "vitserve.vllm_connector"  # the ec_connector_module_path that names this module to vLLM
+IDLE_STEP_WAIT_S = 0.01  # the longest an empty step waits for a running fetch (it ends the wait at once)
 
 
 @dataclass
@@ -233,6 +234,10 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> VitserveECMetadata:
         meta, self._loads = VitserveECMetadata(self._loads), {}
+        if self._puller is not None and not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
+            # A step with nothing to run while requests wait for their fetches: vLLM's engine core has work, so it
+            # would step again at once and spin a core (and this process's GIL) the fetch needs.
+            self._puller.fetcher.wait_while_running(IDLE_STEP_WAIT_S)
         return meta
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
