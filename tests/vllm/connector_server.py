@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.checkpoints import make_servable_checkpoint
-from tests.vllm_server import VllmServer, unused_port
+from tests.vllm_server import VllmServer, unused_port, vllm_python
 
 FAMILY = "qwen3_vl"
 SECRET = b"a test secret of 32 bytes, fixed"
@@ -77,8 +77,7 @@ def prepare(tmp: Path, family: str = FAMILY, data_parallel: int = 1) -> Callable
     if ckpt is None:
         ckpt = make_servable_checkpoint(family, tmp / family, max_units=512)
         _MADE.setdefault(family, ckpt)
-    (tmp / "pkg").mkdir()
-    (tmp / "pkg" / "vitserve").symlink_to(Path(__file__).resolve().parents[2] / "vitserve")
+    vitserve_alone(tmp)
     key_file = tmp / "key"
     key_file.write_bytes(SECRET + b"\n")
     shm_dir = _tmpfs(SHM_BYTES) if family == FAMILY else None
@@ -164,3 +163,28 @@ def _tmpfs(size: int) -> Path | None:
 def _unmount(where: Path) -> None:
     subprocess.run(["umount", "-l", os.fspath(where)], capture_output=True, timeout=30)
     shutil.rmtree(where, ignore_errors=True)
+
+
+def vitserve_alone(tmp: Path) -> Path:
+    """`tmp`/pkg holding only vitserve's package (a link to this tree's): vLLM's venv with it on PYTHONPATH is
+    vLLM with `pip install --no-deps` of this checkout, as docs/vllm.md installs it."""
+    (tmp / "pkg").mkdir()
+    (tmp / "pkg" / "vitserve").symlink_to(Path(__file__).resolve().parents[2] / "vitserve")
+    return tmp / "pkg"
+
+
+def start_glue(tmp: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run `script` (python -c) in a fresh interpreter of vLLM's venv, vitserve's package alone on its path, as
+    vLLM's engine core runs the connector's glue (not a whole vLLM start-up: a minute of the suite's two cores);
+    what it printed, once it exited 0."""
+    env = {"PYTHONPATH": str(vitserve_alone(tmp)), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [str(vllm_python()), "-c", script, str(tmp), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out

@@ -10,7 +10,6 @@ pushed after it gives vLLM's own answer for the raw image; vLLM stays healthy th
 from __future__ import annotations
 
 import errno
-import subprocess
 import textwrap
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import msgpack
 import pytest
 
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
+from tests.vllm.connector_server import start_glue
 from tests.vllm.stack import metric, png
 from tests.vllm.test_connector import (
     _announced,
@@ -32,7 +32,6 @@ from tests.vllm.test_connector import (
     _send,
     _zeros,
 )
-from tests.vllm_server import vllm_python
 from vitserve.rpc.replies import Ack, Nack
 from vitserve.rpc.wire import ImageEmbedding, encode_embedding_message
 
@@ -215,18 +214,7 @@ PROTECTED = textwrap.dedent(
 def test_a_keyless_connector_on_all_interfaces_is_refused_unless_allowed(tmp_path):
     """The glue's own start (config, store) in a fresh interpreter of vLLM's venv, vitserve's package alone on
     its path, as vLLM's engine core runs it; not a whole vLLM start-up (a minute of the suite's two cores)."""
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "vitserve").symlink_to(Path(__file__).resolve().parents[2] / "vitserve")
-    env = {"PYTHONPATH": str(tmp_path / "pkg"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [str(vllm_python()), "-c", PROTECTED, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = start_glue(tmp_path, PROTECTED)
     refused = [line for line in out.stdout.splitlines() if line.startswith("REFUSED")]
     assert len(refused) == 1, out.stdout
     assert "tcp://0.0.0.0:0" in refused[0]

@@ -20,11 +20,9 @@ import http.server
 import json
 import queue
 import signal
-import subprocess
 import textwrap
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -32,9 +30,9 @@ import pytest
 from tests.cli import Cli
 from tests.nginx_server import NginxServer
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
-from tests.vllm.connector_server import ConnectorVllm
+from tests.vllm.connector_server import ConnectorVllm, start_glue
 from tests.vllm.stack import cli_args, metric, png, vitserve_in_process
-from tests.vllm_server import unused_port, vllm_python
+from tests.vllm_server import unused_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 RECEIVED = "vllm:vitserve_connector_received_total"
@@ -304,19 +302,8 @@ def test_a_data_parallel_core_the_connector_cannot_serve_by_push_is_refused_at_i
     package alone on its path; not a whole vLLM start-up) for engine core 1 of a vLLM given one push endpoint,
     core 2 of a multi-node one (the first core of its node), and core 1 with dp_push: the first two refuse to
     start saying what to use instead, the third binds the port + 1."""
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "vitserve").symlink_to(Path(__file__).resolve().parents[2] / "vitserve")
     port = unused_port()
-    env = {"PYTHONPATH": str(tmp_path / "pkg"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [str(vllm_python()), "-c", CORES, str(tmp_path), f"tcp://127.0.0.1:{port - 1}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = start_glue(tmp_path, CORES, f"tcp://127.0.0.1:{port - 1}")
     said = dict(line.split(" ", 1) for line in out.stdout.splitlines())
     assert said["one-endpoint"].startswith("REFUSED this vLLM runs data-parallel engine cores (this is #1)")
     assert "--llm_transport pull" in said["one-endpoint"]
