@@ -11,7 +11,7 @@ What libzmq 4.3 reports on the connecting side (measured with vitserve's CURVE k
 | one keyed, one keyless | HANDSHAKE_FAILED_PROTOCOL | PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH |
 | a client key the server's ZAP handler refuses | HANDSHAKE_FAILED_AUTH | ZAP status code (400) |
 | a peer that is not ZMQ (an HTTP server) | HANDSHAKE_FAILED_NO_DETAIL | ECONNRESET or EPIPE |
-| a ZMQ socket of another type (a v1 PULL) | DISCONNECTED before HANDSHAKE_SUCCEEDED | |
+| a ZMQ socket of another type (a v1 PULL) | DISCONNECTED before HANDSHAKE_SUCCEEDED, or HANDSHAKE_FAILED_NO_DETAIL when the peer hangs up first | |
 
 A keyed server may also hang up on a keyless client before the client reads why (NO_DETAIL instead of the
 mechanism mismatch, about one try in three here): NO_DETAIL is the vague one, so it never replaces a precise
@@ -58,7 +58,8 @@ def handshake_failure(event: int, value: int, *, keyed: bool) -> str:
         return f"the connector ended the key handshake: {KEYS} hold different secrets"
     return (
         "the peer ended the ZMTP handshake: it wants a key (give --wire_key_file the file its key_file names), "
-        "or it does not speak ZMQ (is --llm_endpoint the connector's?)"
+        "it is not a wire-v2 EmbeddingReceiver (a v1 PULL receiver?), or it does not speak ZMQ "
+        "(is --llm_endpoint the connector's?)"
     )
 
 
