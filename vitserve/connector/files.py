@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from vitserve.rpc.fileio import read_into
 from vitserve.rpc.tensors import DTYPES, tensor_to_buffer
 
 PREFIX = "vitserve-ec-"
@@ -137,10 +138,10 @@ def _remove_if_orphan(path: Path, log: logging.Logger) -> None:
 
 def read_entry(path: str, dtype: str, rows: int, width: int) -> torch.Tensor:
     """A held embedding as a CPU tensor of its own (the worker's side): one copy, read(2) straight into the
-    tensor's memory, so the file may go at once and nothing of it stays mapped. torch.from_file(shared=False)
-    would map the file copy-on-write instead: vLLM's encoder cache would then hold the deleted file's pages, and
-    the connector's shared-memory device would never get its space back (on the CPU platform `.to()` of the same
-    dtype is that very tensor). A file shorter than rows x width raises ValueError.
+    tensor's memory (a large one in ranges read side by side: rpc/fileio.py), so the file may go at once and
+    nothing of it stays mapped. torch.from_file(shared=False) would map the file copy-on-write instead: vLLM's
+    encoder cache would then hold the deleted file's pages, and the connector's shared-memory device would never
+    get its space back (on the CPU platform `.to()` of the same dtype is that very tensor). A file shorter than rows x width raises ValueError.
 
     The read holds a shared flock, and checks that `path` still names the file it opened: a file the connector
     let go may be recycled (pool.py), and vitserve writes one only under an exclusive flock, taken without waiting,
@@ -149,15 +150,14 @@ def read_entry(path: str, dtype: str, rows: int, width: int) -> torch.Tensor:
     tensor = _empty(rows, width, DTYPES[dtype])
     nbytes = tensor.numel() * tensor.element_size()
     view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-    done = 0
     with open(path, "rb", buffering=0) as f:
         _still_held(f.fileno(), path)
-        while done < nbytes:  # read(2) returns at most ~2 GiB at a time
-            got = f.readinto(view[done:])
-            if not got:
-                raise ValueError(f"{path} holds {done} bytes, {nbytes} expected ({rows} x {width} {dtype})")
-            done += got
+        read_into(f.fileno(), view, lambda: _short(f.fileno(), path, nbytes, f"{rows} x {width} {dtype}"))
     return tensor
+
+
+def _short(fd: int, path: str, nbytes: int, shape: str) -> ValueError:
+    return ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, {nbytes} expected ({shape})")
 
 
 def _still_held(fd: int, path: str) -> None:
