@@ -213,6 +213,7 @@ def _rounds(
     ttft: dict[str, list[float]] = {arm: [] for arm in arms}
     errors: dict[str, dict[str, int]] = {arm: {} for arm in arms}
     before = {arm: parts.metrics(urls[arm]) for arm in arms if arm != "vllm"}
+    fetched = parts.fetches(urls["vllm"]) if "pull" in arms else (0.0, 0.0)
     for r in range(rounds):
         for arm in harness.rotate(arms, r):
             one = asyncio.run(parts.run_point(urls[arm], bodies[arm], 1, 3600.0, 1))
@@ -229,6 +230,9 @@ def _rounds(
         }
         if arm in before:
             out[arm].update(parts.handover(before[arm], parts.metrics(urls[arm])))
+    if "pull" in arms:  # what the connector's fetches took inside vLLM, once it scheduled each request
+        kept, ms = (b - a for a, b in zip(fetched, parts.fetches(urls["vllm"]), strict=True))
+        out["pull"]["fetch_ms"] = round(ms / kept, 1) if kept else None
     return out
 
 

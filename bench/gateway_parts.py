@@ -141,6 +141,18 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def fetches(url: str) -> tuple[float, float]:
+    """(fetches kept, their milliseconds) from a vLLM's /metrics: vitserve's connector's pull counters, summed over
+    engines (0, 0 where it has none)."""
+    text = httpx.get(url + "/metrics", timeout=30, trust_env=False).text
+    totals = {"vllm:vitserve_connector_pull_kept_total": 0.0, "vllm:vitserve_connector_pull_ms_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rpartition(" ")[2])
+    return tuple(totals.values())  # type: ignore[return-value]
+
+
 def handover(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     """Upstream bytes per request and the hand-over stage's mean (ms) between two `metrics` readings."""
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}

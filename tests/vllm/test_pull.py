@@ -38,6 +38,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 RECEIVED = "vllm:vitserve_connector_received_total"
 PULLED = "vllm:vitserve_connector_pull_kept_total"
 PULLED_BYTES = "vllm:vitserve_connector_pull_bytes_total"
+PULLED_MS = "vllm:vitserve_connector_pull_ms_total"  # may stay 0: a fetch can take under 0.5 ms
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,7 @@ def test_pull_one_image_equals_vllms_own(consumer, pull):
     received, pulled, pulled_bytes = (metric(vllm.url, n) - b for n, b in zip(names, before, strict=True))
     assert (received, pulled) == (1, 1)  # fetched from vitserve, not encoded by vLLM
     assert pulled_bytes > 0
+    assert PULLED_MS in httpx.get(vllm.url + "/metrics", timeout=10, trust_env=False).text
     assert_same_answer(complete(vllm.url, body), through)
 
 

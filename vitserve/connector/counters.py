@@ -38,6 +38,7 @@ COUNTERS = {
     "pull_started": "Fetches from vitserve producers (pull) started, one per announced item not held.",
     "pull_kept": "Fetches that brought their embedding and kept it (also counted as received).",
     "pull_bytes": "Bytes of the embeddings fetches brought and kept.",
+    "pull_ms": "Milliseconds the kept fetches took, each from its start to its embedding kept (/ pull_kept: the mean).",
     "pull_late": "Answers to fetches dropped: late (the fetch had ended) or not the wire.",
 }
 LABELLED = {  # a prefix of counter names -> (its metric, documentation); the rest of the name is the reason

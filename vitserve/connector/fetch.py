@@ -47,7 +47,7 @@ _KEEP_OUTCOME_S = 60.0  # an outcome not taken by then is dropped
 # `counters()`: fetches started; how each ended (kept, or failed by reason: ENDINGS); the bytes kept; answers
 # dropped (late: to a query given up on; unreadable: not the wire); and, apart, `in_flight` (not ended)
 ENDINGS = ("missing", "refused", "unreachable", "timeout", "error")
-COUNTS = ("started", "kept", *ENDINGS, "bytes", "late", "unreadable")
+COUNTS = ("started", "kept", *ENDINGS, "bytes", "ms", "late", "unreadable")
 
 
 @dataclass(frozen=True)
@@ -204,6 +204,7 @@ class Fetcher:
         )
         self.counts["kept" if reason is None else counter] += 1
         self.counts["bytes"] += nbytes if reason is None else 0
+        self.counts["ms"] += round(outcome.seconds * 1000) if reason is None else 0
         if self._live.get(fetch.uuid) is fetch:
             del self._live[fetch.uuid]
         self._ended[fetch.uuid] = (outcome, time.monotonic())

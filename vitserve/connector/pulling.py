@@ -62,10 +62,10 @@ class Puller:
         self._started.pop(request_id, None)
 
     def counters(self) -> dict[str, int]:
-        """The fetcher's counters under counters.py's names: pull_started, pull_kept, pull_bytes, pull_late
-        (answers dropped: late or unreadable), pull_failed_<reason> and the gauge pull_in_flight."""
+        """The fetcher's counters under counters.py's names: pull_started, pull_kept, pull_bytes, pull_ms,
+        pull_late (answers dropped: late or unreadable), pull_failed_<reason> and the gauge pull_in_flight."""
         got = self.fetcher.counters()
-        out = {f"pull_{name}": int(got[name]) for name in ("started", "kept", "bytes", "in_flight")}
+        out = {f"pull_{name}": int(got[name]) for name in ("started", "kept", "bytes", "ms", "in_flight")}
         out["pull_late"] = int(got["late"] + got["unreadable"])
         out.update({f"pull_failed_{reason}": int(got[reason]) for reason in ENDINGS})
         return out
