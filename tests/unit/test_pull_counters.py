@@ -47,9 +47,12 @@ def test_every_fetch_started_ends_counted_once_kept_with_its_bytes_or_failed_by_
 
 
 class _Store:
-    """What the puller needs of the store: keep a fetched message."""
+    """What the puller needs of the store: keep a fetched message; no incoming area (the bytes come)."""
 
     def accept(self, message) -> str | None:
+        return None
+
+    def area(self) -> None:
         return None
 
 

@@ -20,12 +20,16 @@ its deadline (`deadline_s`) after `start()`: kept, refused or failed, each with 
 A fetched message is handed to `on_message` (the store's "keep this message") on the fetcher's thread: it
 returns None when kept, or why it refused it, which becomes the fetch's reason (an exception in it too: it ends
 that fetch, never the fetcher).
+
+Each query names `area`, the store's incoming area, when there is one: a producer on this host answers with a
+file it wrote there (a same-host file message, adopted by the store as a push's) instead of the bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -38,7 +42,8 @@ import zmq
 from vitserve.connector.allowlist import DEFAULT_PULL_FROM, Allowlist
 from vitserve.connector.links import Link, Links
 from vitserve.endpoints import host_only
-from vitserve.rpc.pull import Missing, decode_answer, encode_fetch
+from vitserve.rpc.handoff import NAME, FileEmbedding
+from vitserve.rpc.pull import Area, Missing, decode_answer, encode_fetch
 from vitserve.rpc.tensors import DTYPES
 from vitserve.rpc.wire import ImageEmbedding, WireError
 
@@ -103,11 +108,12 @@ class Fetcher:
     def __init__(
         self,
         config: FetchConfig,
-        on_message: Callable[[ImageEmbedding], str | None],
+        on_message: Callable[[ImageEmbedding | FileEmbedding], str | None],
         *,
         log: logging.Logger | None = None,
+        area: Area | None = None,
     ) -> None:
-        self.config, self.on_message = config, on_message
+        self.config, self.on_message, self.area = config, on_message, area
         self.allow = Allowlist(config.pull_from)
         self.log = log or logging.getLogger(__name__)
         self.counts = dict.fromkeys(COUNTS, 0)
@@ -259,7 +265,7 @@ class Fetcher:
                     or nbytes + fetch.nbytes > self.config.max_bytes_in_flight
                 ):
                     break  # in start order: a later small fetch does not overtake an earlier large one
-                links.send(fetch.producer, encode_fetch(fetch.uuid, fetch.query_id))
+                links.send(fetch.producer, encode_fetch(fetch.uuid, fetch.query_id, self.area))
                 fetch.sent, count, nbytes = True, count + 1, nbytes + fetch.nbytes
 
     def _read(self, link: Link) -> None:
@@ -280,28 +286,44 @@ class Fetcher:
                 "vitserve connector: %s answered a pull with something not the wire: %s", producer, exc
             )
             return
+        if isinstance(answer, FileEmbedding) and self.area is None:
+            with self._lock:
+                self.counts["unreadable"] += 1
+            self.log.warning(
+                "vitserve connector: %s answered a pull with a file, but no area was named", producer
+            )
+            return
         query_id = answer.query_id if isinstance(answer, Missing) else answer.message_id
         with self._lock:
             fetch = self._live.get(answer.uuid or "")
             if fetch is None or fetch.query_id != query_id or fetch.producer != producer:
                 self.counts["late"] += 1  # an answer to a query given up on (or never asked)
+                self._discard(answer)
                 return
             if isinstance(answer, Missing):
                 self._end(fetch, f"{producer} does not hold it: {answer.reason}", "missing")
                 return
         reason = _disagrees(answer, fetch.expect) or self._keep(answer)
-        nbytes = sum(t.numel() * t.element_size() for t in (answer.embedding, *answer.deepstack))
+        if reason is not None:
+            self._discard(answer)
+        nbytes = _nbytes(answer)
         with self._lock:
             if self._live.get(fetch.uuid) is fetch:
                 why = reason and f"{producer} sent it, but it was refused: {reason}"
                 self._end(fetch, why, "refused", nbytes)
 
-    def _keep(self, message: ImageEmbedding) -> str | None:
+    def _keep(self, message: ImageEmbedding | FileEmbedding) -> str | None:
         try:
             return self.on_message(message)
         except Exception as exc:  # the store's failure ends this fetch, never the fetcher
             self.log.exception("vitserve connector: keeping a pulled %s failed", message.uuid)
             return f"keeping it failed: {type(exc).__name__}: {exc}"
+
+    def _discard(self, answer: ImageEmbedding | FileEmbedding | Missing) -> None:
+        """A file answer not kept: its file goes now (the store's sweep would take it after a minute)."""
+        if isinstance(answer, FileEmbedding) and self.area is not None and NAME.fullmatch(answer.name):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.area.incoming, answer.name))
 
     def _fail_producer(self, links: Links, producer: str, why: str) -> None:
         with self._lock:
@@ -322,11 +344,20 @@ class Fetcher:
         links.drop_unused({f.producer for f in late if f.sent} - busy, busy, now)
 
 
-def _disagrees(message: ImageEmbedding, expect: Expect | None) -> str | None:
+def _nbytes(message: ImageEmbedding | FileEmbedding) -> int:
+    if isinstance(message, FileEmbedding):
+        return message.nbytes
+    return sum(t.numel() * t.element_size() for t in (message.embedding, *message.deepstack))
+
+
+def _disagrees(message: ImageEmbedding | FileEmbedding, expect: Expect | None) -> str | None:
     if expect is None:
         return None
-    width = sum(int(t.shape[1]) for t in (message.embedding, *message.deepstack))
-    got = (message.num_tokens, width, message.dtype)
+    if isinstance(message, FileEmbedding):
+        got = (message.rows, message.width, message.dtype)
+    else:
+        width = sum(int(t.shape[1]) for t in (message.embedding, *message.deepstack))
+        got = (message.num_tokens, width, message.dtype)
     if got != (expect.rows, expect.width, expect.dtype):
         return f"it is {got[0]} x {got[1]} {got[2]}, the request announced {expect.rows} x {expect.width} {expect.dtype}"
     return None

@@ -1,7 +1,9 @@
 """The producer's end of a pull (SPEC §13; rpc/pull.py has the messages): a ZMQ ROUTER that answers each fetch
 query with the embedding message it holds under that uuid, or `missing` with a reason.
 
-What it holds is someone else's: `find(uuid)` returns the message to send (or None). vitserve's
+What it holds is someone else's: `find(uuid)` returns the message to send (or None). A query that names the
+connector's incoming area is answered by `to_file(area, message)` when it is given and returns a file message's
+frame (the connector is on this host: rpc/pull.py), else with the bytes. vitserve's
 `--llm_transport pull` backs it by its bounded store; tests by a dict. The answer's `message_id` is the query's id
 (the fetcher matches on it); nothing else of the held message changes, its `expires_at` included, so the
 consumer keeps it no longer than the producer would.
@@ -22,7 +24,7 @@ from collections.abc import Callable
 import zmq
 
 from vitserve.connector import keys
-from vitserve.rpc.pull import decode_fetch, encode_missing
+from vitserve.rpc.pull import Area, decode_fetch, encode_missing
 from vitserve.rpc.wire import ImageEmbedding, WireError, encode_embedding_message
 
 MAX_QUERY_BYTES = 64 * 1024  # a fetch query is ~100 bytes: a bigger frame is cut before it is allocated
@@ -39,10 +41,11 @@ class Producer:
         *,
         key: bytes | None = None,
         log: logging.Logger | None = None,
+        to_file: Callable[[Area, ImageEmbedding], bytes | None] | None = None,
     ) -> None:
-        self.find = find
+        self.find, self.to_file = find, to_file
         self.log = log or logging.getLogger(__name__)
-        self.counts = dict.fromkeys(("served", "missing", "rejected"), 0)
+        self.counts = dict.fromkeys(("served", "files", "missing", "rejected"), 0)  # files: of served
         self._closing = False
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -89,9 +92,22 @@ class Producer:
             ]
         else:
             self.counts["served"] += 1
-            reply = encode_embedding_message(dataclasses.replace(message, message_id=query.query_id))
+            message = dataclasses.replace(message, message_id=query.query_id)
+            file = self._file(query.area, message)
+            self.counts["files"] += file is not None
+            reply = [file] if file is not None else encode_embedding_message(message)
         with contextlib.suppress(zmq.ZMQError):  # a fetcher that is gone: the answer is dropped
             self._sock.send_multipart([peer, *reply], flags=zmq.NOBLOCK, copy=False)
+
+    def _file(self, area: Area | None, message: ImageEmbedding) -> bytes | None:
+        if area is None or self.to_file is None:
+            return None
+        try:
+            return self.to_file(area, message)
+        except Exception:  # a failed write (ENOSPC, ...): the bytes go instead
+            self.log.warning("vitserve pull producer: writing %s into %s failed; sending its bytes",
+                             message.uuid, area.incoming, exc_info=True)  # fmt: skip
+            return None
 
     def _stop_socket(self) -> None:
         self._sock.close(linger=0)

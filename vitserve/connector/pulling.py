@@ -35,7 +35,7 @@ class Puller:
         fetch = FetchConfig(
             pull_from=config.pull_from or DEFAULT_PULL_FROM, key=key, deadline_s=config.wait_s
         )
-        self.fetcher = Fetcher(fetch, on_message=store.accept, log=log)
+        self.fetcher = Fetcher(fetch, on_message=store.accept, log=log, area=store.area())
         self._started: dict[str, set[str]] = {}  # request id -> uuids fetched for it
 
     def step(

@@ -42,6 +42,7 @@ from vitserve.connector.keys import check_protected
 from vitserve.connector.ledger import HeldTensor, Ledger, as_dict
 from vitserve.connector.router import Router
 from vitserve.rpc.handoff import FileEmbedding, Hello, decode_handoff
+from vitserve.rpc.pull import Area
 from vitserve.rpc.replies import HoldsQuery, Release, decode_inbound, encode_held, encode_nack, message_id_of
 from vitserve.rpc.wire import ImageEmbedding, WireError, encode_ack
 
@@ -141,9 +142,10 @@ class EmbeddingStore:
             for uuid in uuids:
                 self._ledger.unpin(uuid, request_id, now + min(TOUCH_S, self.max_hold_s), now)
 
-    def accept(self, m: ImageEmbedding) -> str | None:
-        """Keep a message that came another way than the receiver (a pull's fetch), with the same checks and
-        counters as a push; None when kept, else why not."""
+    def accept(self, m: ImageEmbedding | FileEmbedding) -> str | None:
+        """Keep a message that came another way than the receiver (a pull's fetch: its bytes, or a file the
+        producer wrote into the incoming area), with the same checks and counters as a push; None when kept, else
+        why not (a file not kept is the caller's to remove)."""
         try:
             self._keep(m)
         except Refusal as refusal:
@@ -151,7 +153,13 @@ class EmbeddingStore:
             self.counts[f"refused_{refusal.code}"] += 1
             return str(refusal)
         self.counts["received"] += 1
+        self.counts["adopted"] += isinstance(m, FileEmbedding)
         return None
+
+    def area(self) -> Area:
+        """Where a producer on this host may write a pull's answer (rpc/pull.py)."""
+        incoming = self._incoming
+        return Area(str(incoming.path), str(incoming.token_file), incoming.token)
 
     def counters(self) -> dict[str, int | float]:
         with self._lock:

@@ -34,6 +34,7 @@ from vitserve.handover.base import Setup
 from vitserve.handover.by_uuid import UuidHandover, UuidTransport, strip
 from vitserve.handover.embeds import EmbeddingMismatch, video_rows
 from vitserve.handover.pull_store import PullStore
+from vitserve.handover.same_host import pull_file
 from vitserve.handover.wire import ItemUnavailable
 from vitserve.rpc.tensors import dtype_name
 from vitserve.rpc.wire import ImageEmbedding
@@ -72,7 +73,7 @@ class PullTransport(PullSpec, UuidTransport):
             raise ValueError("--llm_transport pull needs --pull_bind")
         self.store = store or PullStore(int(config.pull_store_gb * GIB))
         key = read_key_file(config.wire_key_file) if config.wire_key_file else None
-        self.producer = Producer(config.pull_bind, self.store.find, key=key)
+        self.producer = Producer(config.pull_bind, self.store.find, key=key, to_file=pull_file)
         bound_port = self.producer.endpoint.rpartition(":")[2]
         advertise = config.pull_advertise or config.pull_bind
         if advertise.endswith(":0"):  # an ephemeral bind (tests): announce the port it got

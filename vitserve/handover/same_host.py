@@ -7,6 +7,9 @@ token at the path it names (same host, same /dev/shm: containers share it with `
 each embedding is written once, straight into the connector's incoming area in vLLM's dtype, and the message
 carries its name, size and checksum; otherwise its bytes travel as before, cast to vLLM's dtype here, never after
 the wire. A write that fails (a full device: ENOSPC) removes its file and the bytes travel instead.
+
+A pull's answer goes the same way (`pull_file`): a connector's fetch names its incoming area, and the producer
+writes the tensor there when it sees that directory (rpc/pull.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from vitserve.rpc.handoff import (
     sampled_crc,
     write_rows,
 )
+from vitserve.rpc.pull import Area
 from vitserve.rpc.sender import LLMSender
 from vitserve.rpc.tensors import DTYPES
 from vitserve.rpc.wire import ImageEmbedding
@@ -134,6 +138,16 @@ class SameHost:
                 deepstack=[d.to(dtype) for d in message.deepstack],
             )
         return self.sender.send(message, deadline=deadline)
+
+
+def pull_file(area: Area, m: ImageEmbedding) -> bytes | None:
+    """The answer to a pull's fetch as a file in the connector's incoming area, in the message's own dtype (the
+    one the chat request announced), when this process sees that directory; None otherwise (the bytes go).
+    OSError when the write fails (its file removed)."""
+    if not shares_directory(Info("", area.incoming, area.token_file, area.token, "", 0)):
+        return None
+    f = write_file(Path(area.incoming), m, m.embedding.dtype, m.expires_at)
+    return encode_file(dataclasses.replace(f, message_id=m.message_id))
 
 
 def write_file(incoming: Path, m: ImageEmbedding, dtype: torch.dtype, expires: float) -> FileEmbedding:
