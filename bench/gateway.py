@@ -43,6 +43,9 @@ first equally often. Per point and arm: ttft p50 (p90 from
 10 rounds, p99 from 100), the ratio to vLLM alone of the same vLLM (the table), upstream bytes per request and
 vitserve's hand-over (`vitserve_upstream_body_bytes`, `vitserve_stage_seconds{stage="handover"}`; for pull,
 vitserve keeping the item: the fetch runs in vLLM once it schedules the request and shows in the ttft only).
+In the record, not the table: per arm `in_vllm_ms`, the means of vLLM's own per-request times (its ttft from
+arrival, queue, prefill: read around each request, one client), and for pull `fetch_ms`, the connector's mean
+fetch (`vllm:vitserve_connector_pull_ms_total` / `..._pull_kept_total`).
 """
 
 from __future__ import annotations
@@ -214,9 +217,15 @@ def _rounds(
     errors: dict[str, dict[str, int]] = {arm: {} for arm in arms}
     before = {arm: parts.metrics(urls[arm]) for arm in arms if arm != "vllm"}
     fetched = parts.fetches(urls["vllm"]) if "pull" in arms else (0.0, 0.0)
+    inside: dict[str, dict[str, float]] = {arm: {} for arm in arms}  # vLLM's own times of each arm's requests
     for r in range(rounds):
         for arm in harness.rotate(arms, r):
+            was = parts.vllm_times(
+                urls["vllm"]
+            )  # one client: the engine's counters move for this request only
             one = asyncio.run(parts.run_point(urls[arm], bodies[arm], 1, 3600.0, 1))
+            for k, v in parts.vllm_times(urls["vllm"]).items():
+                inside[arm][k] = inside[arm].get(k, 0.0) + v - was[k]
             ttft[arm] += one["ttft_s"]
             for kind, n in one["errors"].items():
                 errors[arm][kind] = errors[arm].get(kind, 0) + n
@@ -228,6 +237,11 @@ def _rounds(
             **parts.tails(ttft[arm]),
             "ttft_s": ttft[arm],
         }
+        n = inside[arm].get("requests") or 0.0
+        if n:  # means over the arm's requests, in ms: what vLLM says of them
+            out[arm]["in_vllm_ms"] = {
+                k: round(1000 * v / n, 1) for k, v in inside[arm].items() if k != "requests"
+            }
         if arm in before:
             out[arm].update(parts.handover(before[arm], parts.metrics(urls[arm])))
     if "pull" in arms:  # what the connector's fetches took inside vLLM, once it scheduled each request

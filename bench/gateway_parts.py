@@ -141,6 +141,25 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+VLLM_TIMES = {  # vLLM's own per-request histograms: where a request's time went inside the engine
+    "vllm:time_to_first_token_seconds_sum": "vllm_ttft_s",  # from its arrival at the engine
+    "vllm:request_queue_time_seconds_sum": "queue_s",  # waiting to be scheduled (a pull's fetch included)
+    "vllm:request_prefill_time_seconds_sum": "prefill_s",  # scheduled to first token (the load included)
+    "vllm:request_queue_time_seconds_count": "requests",
+}
+
+
+def vllm_times(url: str) -> dict[str, float]:
+    """VLLM_TIMES' sums from a vLLM's /metrics, summed over engines."""
+    text = httpx.get(url + "/metrics", timeout=30, trust_env=False).text
+    out = dict.fromkeys(VLLM_TIMES.values(), 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in VLLM_TIMES:
+            out[VLLM_TIMES[name]] += float(line.rpartition(" ")[2])
+    return out
+
+
 def fetches(url: str) -> tuple[float, float]:
     """(fetches kept, their milliseconds) from a vLLM's /metrics: vitserve's connector's pull counters, summed over
     engines (0, 0 where it has none)."""
