@@ -6,10 +6,12 @@ checked, and refuses (nack "bad_file", nothing left behind) every file that is n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 import zmq
@@ -19,10 +21,19 @@ from tests.unit.test_connector_store import REPLY_MS, WIDTH
 from vitserve.connector.store import EmbeddingStore, Shape, as_dict, read_entry
 from vitserve.handover.same_host import SameHost, probe, shares_directory, write_file
 from vitserve.rpc.delivery import WireRefused
-from vitserve.rpc.handoff import FileEmbedding, encode_file, sampled_crc
+from vitserve.rpc.handoff import (
+    LEGACY_SAMPLE_BYTES,
+    SAMPLE_BYTES,
+    FileEmbedding,
+    decode_handoff,
+    decode_info,
+    encode_file,
+    encode_info,
+    sampled_crc,
+)
 from vitserve.rpc.replies import Ack, Nack, decode_reply
 from vitserve.rpc.sender import LLMSender
-from vitserve.rpc.wire import ImageEmbedding
+from vitserve.rpc.wire import ImageEmbedding, WireError
 
 
 @pytest.fixture
@@ -157,6 +168,35 @@ def test_a_checksum_reads_a_sample_not_every_byte(tmp_path):
         assert sampled_crc(fd, 5 << 20) != before
     finally:
         os.close(fd)
+
+
+def test_the_checksums_sample_is_agreed_with_an_older_end_either_way(store):
+    """The connector's info names the 4 KiB sample and checks a message with the sample it names; an older
+    vitserve's message names none (64 KiB) and is adopted; an older connector's info names none, and vitserve
+    then sums 64 KiB; a sample of another size is malformed."""
+    info = probe(store.endpoint, None)
+    assert info is not None
+    assert info.sample == SAMPLE_BYTES
+    old = written(store, "b" * 64)  # an older vitserve: its checksum over 64 KiB windows, no `sample` field
+    fd = os.open(incoming(store) / old.name, os.O_RDONLY)
+    try:
+        crc = sampled_crc(fd, old.nbytes, LEGACY_SAMPLE_BYTES)
+    finally:
+        os.close(fd)
+    header = msgpack.unpackb(encode_file(dataclasses.replace(old, crc=crc)))
+    del header["sample"]
+    assert decode_handoff([msgpack.packb(header)]).sample == LEGACY_SAMPLE_BYTES  # type: ignore[union-attr]
+    with zmq.Context.instance().socket(zmq.DEALER) as sock:
+        sock.linger = 0
+        sock.connect(store.endpoint)
+        sock.send(msgpack.packb(header))
+        assert sock.poll(REPLY_MS)
+        assert isinstance(decode_reply(sock.recv()), Ack)
+    older_info = msgpack.unpackb(encode_info(info))
+    del older_info["sample"]
+    assert decode_info(msgpack.packb(older_info)).sample == LEGACY_SAMPLE_BYTES
+    with pytest.raises(WireError, match="sample must be one of"):
+        decode_handoff([msgpack.packb({**header, "sample": 1})])
 
 
 def test_a_full_device_the_write_fails_cleanly_and_the_bytes_are_refused_device_full(tmpfs):  # noqa: F811

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from vitserve.connector.checks import Refusal, Shape
 from vitserve.connector.pool import Pool
-from vitserve.rpc.handoff import NAME, FileEmbedding, Info, encode_info, sampled_crc
+from vitserve.rpc.handoff import NAME, SAMPLE_BYTES, FileEmbedding, Info, encode_info, sampled_crc
 from vitserve.rpc.tensors import DTYPES
 
 INCOMING = ".incoming"  # dot names: never a tensor's (64 hex characters)
@@ -49,7 +49,15 @@ class Incoming:
 
     def info(self, query_id: str) -> bytes:
         return encode_info(
-            Info(query_id, str(self.path), str(self.token_file), self.token, self.dtype, self.width)
+            Info(
+                query_id,
+                str(self.path),
+                str(self.token_file),
+                self.token,
+                self.dtype,
+                self.width,
+                SAMPLE_BYTES,
+            )
         )
 
     def adopt(self, m: FileEmbedding, dest: Path) -> Path:
@@ -73,7 +81,7 @@ class Incoming:
         try:
             st = os.fstat(fd)
             self._check(m, st)
-            if sampled_crc(fd, m.nbytes) != m.crc:
+            if sampled_crc(fd, m.nbytes, m.sample) != m.crc:
                 raise Refusal("bad_file", f"{m.name}: its sampled checksum is not the announced {m.crc}")
             os.rename(m.name, dest, src_dir_fd=self._fd)
             if os.stat(dest, follow_symlinks=False).st_ino != st.st_ino:  # replaced after the checks

@@ -29,6 +29,7 @@ import zmq
 from vitserve.connector.pool import claim
 from vitserve.rpc.delivery import Delivery, expires_at
 from vitserve.rpc.handoff import (
+    SAMPLE_BYTES,
     FileEmbedding,
     Info,
     decode_info,
@@ -127,7 +128,9 @@ class SameHost:
             self.ask()
         if self.local and self.info is not None:
             with contextlib.suppress(OSError):
-                f = write_file(Path(self.info.incoming), message, dtype, expires_at(deadline))
+                f = write_file(
+                    Path(self.info.incoming), message, dtype, expires_at(deadline), self.info.sample
+                )
                 self.files += 1
                 self.recycled += f.recycled
                 return self.sender.submit([encode_file(f)], message_id=f.message_id, deadline=deadline)
@@ -150,7 +153,9 @@ def pull_file(area: Area, m: ImageEmbedding) -> bytes | None:
     return encode_file(dataclasses.replace(f, message_id=m.message_id))
 
 
-def write_file(incoming: Path, m: ImageEmbedding, dtype: torch.dtype, expires: float) -> FileEmbedding:
+def write_file(
+    incoming: Path, m: ImageEmbedding, dtype: torch.dtype, expires: float, sample: int = SAMPLE_BYTES
+) -> FileEmbedding:
     """Write `m`'s rows (main and DeepStack levels side by side) in `dtype` into `incoming`: over a file of the
     connector's pool when it has one (its pages are there already: connector/pool.py), else a new file; OSError
     (ENOSPC, ...) with the file removed."""
@@ -163,7 +168,7 @@ def write_file(incoming: Path, m: ImageEmbedding, dtype: torch.dtype, expires: f
         fd = os.open(incoming / name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     try:
         nbytes = write_rows(fd, [m.embedding, *m.deepstack], dtype)
-        crc = sampled_crc(fd, nbytes)
+        crc = sampled_crc(fd, nbytes, sample)
     except BaseException as exc:
         os.unlink(incoming / name)
         log.warning("same-host hand-over: writing %s failed (%s); the bytes go on the wire", name, exc)
@@ -172,5 +177,5 @@ def write_file(incoming: Path, m: ImageEmbedding, dtype: torch.dtype, expires: f
         os.close(fd)  # a claimed file's lock goes with it: written, it is announced
     return FileEmbedding(name, nbytes, crc, message_id=uuid_mod.uuid4().hex, request_id=m.request_id,
                          uuid=str(m.uuid), expires_at=float(expires), grid_thw=m.grid_thw, rows=rows,
-                         width=nbytes // max(1, rows * itemsize), recycled=claimed is not None,
+                         width=nbytes // max(1, rows * itemsize), recycled=claimed is not None, sample=sample,
                          dtype=next(k for k, v in DTYPES.items() if v == dtype))  # fmt: skip

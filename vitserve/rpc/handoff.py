@@ -4,20 +4,26 @@ incoming area and sends its name, size and checksum instead of its bytes:
 
     vitserve -> connector   {"v": 3, "hello": query_id}
     connector -> vitserve   {"v": 3, "info": query_id, "incoming": dir, "token_file": path, "token": hex,
-                             "dtype": str, "width": int}
-    vitserve -> connector   {"v": 3, "file": name, "bytes": int, "crc": int, "message_id", "request_id", "uuid",
-                             "expires_at", "grid_thw", "rows", "width", "dtype"}   -> ack or nack
+                             "dtype": str, "width": int, "sample": int}
+    vitserve -> connector   {"v": 3, "file": name, "bytes": int, "crc": int, "sample": int, "message_id",
+                             "request_id", "uuid", "expires_at", "grid_thw", "rows", "width", "dtype"}
+                            -> ack or nack
 
 Each is one msgpack frame. vitserve reads `token_file` and finds `token` in it only when it sees the connector's
 very directory (same host, same /dev/shm); it then writes `incoming/<name>`, a name of its own choosing that
 matches NAME. `dtype` and `width` are what vLLM serves: vitserve casts to that dtype once, before the wire.
 
-The checksum is sampled (`sampled_crc`): crc32 of SAMPLE_BYTES at every STRIDE_BYTES and of the file's last
-SAMPLE_BYTES, with the size. A full crc32 of 88.5 MB costs ~37 ms on this project's machine (2.4 GB/s), more
-than the whole hand-over's target; the sample reads 1/16 of it. It is enough for what it guards against: a file
-vitserve did not finish, or a name that points at another tensor (the size, the head, the tail and one window
-per MiB); it is no defence against a writer of the same host and uid, which could as well change the file after
-any check (a process of the same uid can read and write the connector's memory anyway).
+The checksum is sampled (`sampled_crc`): crc32 of `sample` bytes at every STRIDE_BYTES and of the file's last
+`sample` bytes, with the size. A full crc32 of 88.5 MB costs ~37 ms on this project's machine (2.4 GB/s), more
+than the whole hand-over's target. It is enough for what it guards against: a file vitserve did not finish (on a
+recycled file the rest is another tensor's bytes), or a name that points at another tensor (the size, the head,
+the tail and one window per MiB, each of which differs between two tensors); it is no defence against a writer
+of the same host and uid, which could as well change the file after any check (a process of the same uid can
+read and write the connector's memory anyway). One 4 KiB page per MiB (SAMPLE_BYTES) guards as well as 64 KiB
+did and costs 0.16 ms a side for 88.5 MB instead of 1.8 (bench/RESULTS.md). A connector's info names the
+sample it prefers; a file message names the sample its checksum was summed with, and the connector checks with
+that one (either of SAMPLES); a field missing (an older end) means LEGACY_SAMPLE_BYTES, so an older vitserve or
+connector still agrees with a newer one.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from vitserve.rpc.tensors import tensor_to_buffer
 from vitserve.rpc.wire import WIRE_VERSION, WireError
 
 NAME = re.compile(r"in-[0-9a-f]{32}")  # the only names the connector adopts in its incoming area
-SAMPLE_BYTES = 64 << 10
+SAMPLE_BYTES = 4 << 10
+LEGACY_SAMPLE_BYTES = 64 << 10  # what a message or info without `sample` means (before the field existed)
+SAMPLES = (SAMPLE_BYTES, LEGACY_SAMPLE_BYTES)  # the only sample sizes a message may name
 STRIDE_BYTES = 1 << 20
 CHUNK_BYTES = 8 << 20  # rows cast and laid side by side per write: a bounded copy, not the whole tensor
 
@@ -54,6 +62,7 @@ class Info:
     token: str  # what it holds
     dtype: str  # the dtype vLLM serves ("" when unknown): vitserve casts to it before the wire
     width: int  # the row width vLLM's model needs (0: unchecked)
+    sample: int = LEGACY_SAMPLE_BYTES  # the checksum's sample this connector prefers (an older one: LEGACY)
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,7 @@ class FileEmbedding:
     rows: int
     width: int  # main columns and DeepStack levels side by side
     dtype: str
+    sample: int = LEGACY_SAMPLE_BYTES  # the checksum's sample (sampled_crc)
     recycled: bool = False  # not on the wire: vitserve wrote over a pool file (connector/pool.py)
 
 
@@ -79,7 +89,7 @@ def encode_hello(query_id: str) -> bytes:
 
 
 def encode_info(info: Info) -> bytes:
-    fields = {k: getattr(info, k) for k in ("incoming", "token_file", "token", "dtype", "width")}
+    fields = {k: getattr(info, k) for k in ("incoming", "token_file", "token", "dtype", "width", "sample")}
     return wire._pack({"v": WIRE_VERSION, "info": info.query_id, **fields})
 
 
@@ -89,6 +99,7 @@ def encode_file(f: FileEmbedding) -> bytes:
         "file": f.name,
         "bytes": f.nbytes,
         "crc": f.crc,
+        "sample": f.sample,
         "grid_thw": list(f.grid_thw),
     }
     for k in ("message_id", "request_id", "uuid", "expires_at", "rows", "width", "dtype"):
@@ -115,7 +126,7 @@ def decode_handoff(frames: Sequence[Any]) -> Hello | FileEmbedding | None:
         k: message[k] for k in ("message_id", "request_id", "uuid", "expires_at", "rows", "width", "dtype")
     }
     return FileEmbedding(message["file"], message["bytes"], message["crc"], **fields,
-                         grid_thw=tuple(message["grid_thw"]))  # fmt: skip
+                         grid_thw=tuple(message["grid_thw"]), sample=_sample(message))  # fmt: skip
 
 
 def decode_info(frame: Any) -> Info:
@@ -128,7 +139,16 @@ def decode_info(frame: Any) -> Info:
     incoming, token_file, token, dtype = (
         _string(message, k, empty=True) for k in ("incoming", "token_file", "token", "dtype")
     )
-    return Info(_string(message, "info"), incoming, token_file, token, dtype, int(width or 0))
+    return Info(
+        _string(message, "info"), incoming, token_file, token, dtype, int(width or 0), _sample(message)
+    )
+
+
+def _sample(message: dict[str, Any]) -> int:
+    sample = message.get("sample", LEGACY_SAMPLE_BYTES)
+    if sample not in SAMPLES or type(sample) is not int:
+        raise WireError(f"sample must be one of {list(SAMPLES)}, got {wire._kind(sample)}")
+    return int(sample)
 
 
 def _check_file(h: dict[str, Any]) -> None:
@@ -143,6 +163,7 @@ def _check_file(h: dict[str, Any]) -> None:
         raise WireError(f"expires_at must be a float (Unix time), got {wire._kind(h.get('expires_at'))}")
     if not wire._is_dims(h.get("grid_thw"), 3):
         raise WireError(f"grid_thw must be 3 non-negative integers, got {wire._kind(h.get('grid_thw'))}")
+    _sample(h)
     if h["dtype"] not in wire.EMBEDDING_DTYPES:
         raise WireError(f"dtype {wire._kind(h['dtype'])} is not one of {wire.EMBEDDING_DTYPES}")
 
@@ -154,12 +175,13 @@ def _string(message: dict[str, Any], name: str, *, empty: bool = False) -> str:
     return value
 
 
-def sampled_crc(fd: int, nbytes: int) -> int:
-    """crc32 of the size, of SAMPLE_BYTES at every STRIDE_BYTES and of the last SAMPLE_BYTES of the open file."""
+def sampled_crc(fd: int, nbytes: int, sample: int = SAMPLE_BYTES) -> int:
+    """crc32 of the size, of `sample` bytes at every STRIDE_BYTES and of the last `sample` bytes of the open
+    file."""
     crc = zlib.crc32(nbytes.to_bytes(8, "little"))
-    offsets = [*range(0, max(nbytes - SAMPLE_BYTES, 0), STRIDE_BYTES), max(nbytes - SAMPLE_BYTES, 0)]
+    offsets = [*range(0, max(nbytes - sample, 0), STRIDE_BYTES), max(nbytes - sample, 0)]
     for offset in offsets:
-        crc = zlib.crc32(os.pread(fd, SAMPLE_BYTES, offset), crc)
+        crc = zlib.crc32(os.pread(fd, sample, offset), crc)
     return crc
 
 
