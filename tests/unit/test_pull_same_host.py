@@ -88,6 +88,30 @@ def test_the_bytes_go_when_the_producer_cannot_write_the_file(store, tmp_path, h
     assert torch.equal(loaded(store), torch.cat([sent.embedding, *sent.deepstack], dim=1))
 
 
+@pytest.mark.parametrize("where", ["any directory", "an area of another mode"])
+def test_a_fetch_cannot_make_vitserve_write_where_it_names(store, tmp_path, where):
+    """A fetch comes from whoever the producer admits: it names a directory vitserve can write and a file whose
+    content it knows as the token. vitserve writes only into a connector's area: here the bytes go."""
+    if where == "any directory":
+        target = tmp_path / "elsewhere"
+        target.mkdir(mode=0o700)
+        token_file = tmp_path / "known"
+    else:  # the shape of an area, but not a connector's 0700 directory
+        target = tmp_path / "vitserve-ec-fake" / ".incoming"
+        target.mkdir(parents=True, mode=0o755)
+        target.chmod(0o755)
+        token_file = target.parent / ".host-token"
+    token_file.write_text("ab" * 16)
+    area = Area(str(target), str(token_file), "ab" * 16)
+    assert pull_file(area, message(UUID)) is None
+    with pulling(store, pull_file, area) as (producer, f, _):
+        f.start(UUID, producer.endpoint, EXPECT)
+        outcome = ended(f, UUID)
+    assert outcome.kept, outcome.reason
+    assert producer.counts["files"] == 0
+    assert list(target.iterdir()) == []
+
+
 def test_a_file_answer_the_request_does_not_expect_fails_the_fetch_and_leaves_nothing(store):
     with pulling(store, pull_file) as (producer, f, _):
         f.start(UUID, producer.endpoint, Expect(rows=12, width=24, dtype="bfloat16"))

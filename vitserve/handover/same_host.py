@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import stat
 import threading
 import time
 import uuid as uuid_mod
@@ -26,6 +27,8 @@ from pathlib import Path
 import torch
 import zmq
 
+from vitserve.connector.files import PREFIX
+from vitserve.connector.handoff import INCOMING, TOKEN_NAME
 from vitserve.connector.pool import claim
 from vitserve.rpc.delivery import Delivery, expires_at
 from vitserve.rpc.handoff import (
@@ -146,11 +149,34 @@ class SameHost:
 def pull_file(area: Area, m: ImageEmbedding) -> bytes | None:
     """The answer to a pull's fetch as a file in the connector's incoming area, in the message's own dtype (the
     one the chat request announced), when this process sees that directory; None otherwise (the bytes go).
-    OSError when the write fails (its file removed)."""
-    if not shares_directory(Info("", area.incoming, area.token_file, area.token, "", 0)):
+    OSError when the write fails (its file removed).
+
+    Unlike a push's hello, whose answer comes from the connector at --llm_endpoint, a fetch comes from whoever
+    the producer admits: so vitserve writes only into what has the shape of a connector's area (a directory
+    `<dir>/.incoming` of this uid, mode 0700, no link, beside `<dir>/.host-token`, `<dir>` named vitserve-ec-*),
+    never into a directory a fetch merely names."""
+    if not is_connector_area(area) or not shares_directory(
+        Info("", area.incoming, area.token_file, area.token, "", 0)
+    ):
         return None
     f = write_file(Path(area.incoming), m, m.embedding.dtype, m.expires_at)
     return encode_file(dataclasses.replace(f, message_id=m.message_id))
+
+
+def is_connector_area(area: Area) -> bool:
+    incoming = Path(area.incoming)
+    if not (
+        incoming.is_absolute()
+        and incoming.name == INCOMING
+        and incoming.parent.name.startswith(PREFIX)
+        and Path(area.token_file) == incoming.parent / TOKEN_NAME
+    ):
+        return False
+    try:
+        st = os.lstat(incoming)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
 
 
 def write_file(
