@@ -261,7 +261,8 @@ def gateway_table(res: dict) -> list[str]:
 def gateway_widths_table(res: dict) -> list[str]:
     """bench/gateway.py --widths: per model and image size, each arm's ttft against vLLM alone's in its own
     sitting (wire's and pull's: the vLLM with vitserve's connector, a point of its own; an older record names
-    none); p90 / p99 where the rounds reached them."""
+    none); p90 / p99 where the rounds reached them; vLLM's own queue and prefill means of the arm's requests and
+    pull's mean fetch, where the record has them."""
     rows = []
     for p in res["points"]:
         base = p["vllm"]["ttft_p50_s"]
@@ -272,11 +273,16 @@ def gateway_widths_table(res: dict) -> list[str]:
             rows.append([p["model"], p["size"], mode, f"{r['ttft_p50_s']:.3f}", tails,
                          f"**{r['ttft_p50_s'] / base:.2f}x**" if arm != "vllm" and base else "-",
                          f"{r['upstream_bytes']:,}" if "upstream_bytes" in r else "-",
-                         f"{r['handover_ms']:.1f}" if "handover_ms" in r else "-", r["requests"],
-                         f"{p['load_before']:.1f}"])  # fmt: skip
+                         f"{r['handover_ms']:.1f}" if "handover_ms" in r else "-", _inside(r.get("in_vllm_ms")),
+                         _f(r.get("fetch_ms"), 1), r["requests"], f"{p['load_before']:.1f}"])  # fmt: skip
     head = ["model (row width)", "image", "mode", "ttft p50 (s)", "p90 / p99 (s)", "/ vLLM alone",
-            "upstream bytes per request", "vitserve hand-over (ms)", "requests", "load"]  # fmt: skip
+            "upstream bytes per request", "vitserve hand-over (ms)", "in vLLM: queue / prefill (ms)",
+            "pull's fetch (ms)", "requests", "load"]  # fmt: skip
     return _table(head, rows)
+
+
+def _inside(times: dict | None) -> str:
+    return "-" if not times else f"{times['queue_s']:.0f} / {times['prefill_s']:.0f}"
 
 
 def video_decode_table(res: dict) -> list[str]:

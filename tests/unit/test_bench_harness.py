@@ -65,10 +65,10 @@ def test_gateway_widths_table_gives_each_arm_against_vllm_alone():
              "vllm": {"ttft_p50_s": 0.5, "requests": 4},
              "inline": {"ttft_p50_s": 0.75, "requests": 4, "upstream_bytes": 1234567, "handover_ms": 12.34}}  # fmt: skip
     lines = report.gateway_widths_table({"points": [point]})
-    assert lines[2] == "| qwen2_5_vl-3584 | 1080p | vllm | 0.500 | - / - | - | - | - | 4 | 2.0 |"
+    assert lines[2] == "| qwen2_5_vl-3584 | 1080p | vllm | 0.500 | - / - | - | - | - | - | - | 4 | 2.0 |"
     assert (
         lines[3]
-        == "| qwen2_5_vl-3584 | 1080p | inline | 0.750 | - / - | **1.50x** | 1,234,567 | 12.3 | 4 | 2.0 |"
+        == "| qwen2_5_vl-3584 | 1080p | inline | 0.750 | - / - | **1.50x** | 1,234,567 | 12.3 | - | - | 4 | 2.0 |"
     )
     assert len(lines) == 4  # no ec_storage arm measured, no row
 
@@ -81,9 +81,9 @@ def test_gateway_widths_table_gives_wire_against_vllm_alone_on_its_own_vllm():
               "vllm": {"ttft_p50_s": 0.4, "requests": 4},
               "wire": {"ttft_p50_s": 0.44, "requests": 4, "upstream_bytes": 2000, "handover_ms": 5.0}}  # fmt: skip
     lines = report.gateway_widths_table({"points": [first, second]})
-    assert lines[2] == "| m | 448px | vllm (ec_example) | 0.500 | - / - | - | - | - | 4 | 1.0 |"
-    assert lines[3] == "| m | 448px | vllm (vitserve) | 0.400 | - / - | - | - | - | 4 | 1.0 |"
-    assert lines[4] == "| m | 448px | wire | 0.440 | - / - | **1.10x** | 2,000 | 5.0 | 4 | 1.0 |"
+    assert lines[2] == "| m | 448px | vllm (ec_example) | 0.500 | - / - | - | - | - | - | - | 4 | 1.0 |"
+    assert lines[3] == "| m | 448px | vllm (vitserve) | 0.400 | - / - | - | - | - | - | - | 4 | 1.0 |"
+    assert lines[4] == "| m | 448px | wire | 0.440 | - / - | **1.10x** | 2,000 | 5.0 | - | - | 4 | 1.0 |"
 
 
 def test_process_tree_holds_the_descendants_and_their_cpu_counts():
