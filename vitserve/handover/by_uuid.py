@@ -16,13 +16,17 @@ encoder-cache connector loads the embedding named U. Each transport keeps only h
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from vitserve.contract import PreparedVideo
 from vitserve.errors import VitserveError
 from vitserve.handover.base import Handover, Setup, Transport
 from vitserve.handover.ec_files import ec_uuid
 from vitserve.handover.embeds import EmbedsLayout, video_timestamps
+from vitserve.rpc.wire import ImageEmbedding
 
 # What a vLLM that is not an EC consumer answers a metadata-only part with (400).
 NOT_CONSUMER = b"The data should contain the fields"
@@ -60,6 +64,8 @@ class UuidHandover(Handover):
 
     reuses = True
     not_consumer_hint: str  # the 502's advice: how to start vLLM as this transport's consumer
+    request_id: str  # what the connector knows this chat request by (a subclass names it)
+    messages: list[ImageEmbedding]  # the items' wire messages, in the request's order (a subclass keeps them)
 
     def __init__(self, transport: UuidTransport):
         self.transport = transport
@@ -84,6 +90,21 @@ class UuidHandover(Handover):
 
     def reused_part(self, index: int) -> dict[str, Any] | None:
         return self.hits[index] if index < len(self.hits) else None
+
+    def _message(self, item_id: str, grid: Sequence[int], main: torch.Tensor, deep: Sequence[torch.Tensor],
+                 uuid: str, num_images: int) -> ImageEmbedding:  # fmt: skip
+        """The next item's wire message (its tensors contiguous, its index the next of `messages`)."""
+        return ImageEmbedding(
+            request_id=self.request_id,
+            image_index=len(self.messages),
+            num_images=num_images,
+            image_id=item_id,
+            grid_thw=(grid[0], grid[1], grid[2]),
+            embedding=main.contiguous(),
+            deepstack=[d.contiguous() for d in deep],
+            model=self.transport.setup.config.model,
+            uuid=uuid,
+        )
 
     def named(self, uuid: str, kind: str, grid: list[int]) -> dict[str, Any]:
         """The metadata-only part naming `uuid` (kind "image" or "video"), grid [t, h, w]."""

@@ -141,17 +141,7 @@ class PullRequest(UuidHandover):
     ) -> None:
         """Refuse (500) rows or a width that are not what vLLM will assume; else the item joins the request."""
         self.layout.check_split(what, main, deep, grid)
-        message = ImageEmbedding(
-            request_id=self.request_id,
-            image_index=len(self.messages),
-            num_images=1,
-            image_id=item_id,
-            grid_thw=(grid[0], grid[1], grid[2]),
-            embedding=main.contiguous(),
-            deepstack=[d.contiguous() for d in deep],
-            model=self.pull.setup.config.model,
-            uuid=uuid,
-        )
+        message = self._message(item_id, grid, main, deep, uuid, num_images=1)
         self.messages.append(message)
         self._announce(message)
 

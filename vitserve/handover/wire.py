@@ -228,19 +228,7 @@ class WireRequest(UuidHandover):
         width = sum(int(t.shape[1]) for t in (main, *deep))
         dtype = dtype_name(self.handoff.dtype(main.dtype))  # what it travels in: vLLM's dtype
         self.items[uuid] = _announced(int(main.shape[0]), width, dtype)
-        self.messages.append(
-            ImageEmbedding(
-                request_id=self.request_id,
-                image_index=len(self.messages),
-                num_images=0,  # set in deliver, once every item is known
-                image_id=item_id,
-                grid_thw=(grid[0], grid[1], grid[2]),
-                embedding=main.contiguous(),
-                deepstack=[d.contiguous() for d in deep],
-                model=self.transport.setup.config.model,
-                uuid=uuid,
-            )
-        )
+        self.messages.append(self._message(item_id, grid, main, deep, uuid, num_images=0))  # set in deliver
 
     # ------------------------------------------------------------------------ the push (event loop)
 
