@@ -141,7 +141,8 @@ def read_entry(path: str, dtype: str, rows: int, width: int) -> torch.Tensor:
     tensor's memory (a large one in ranges read side by side: rpc/fileio.py), so the file may go at once and
     nothing of it stays mapped. torch.from_file(shared=False) would map the file copy-on-write instead: vLLM's
     encoder cache would then hold the deleted file's pages, and the connector's shared-memory device would never
-    get its space back (on the CPU platform `.to()` of the same dtype is that very tensor). A file shorter than rows x width raises ValueError.
+    get its space back (on the CPU platform `.to()` of the same dtype is that very tensor). A file shorter than
+    rows x width raises ValueError.
 
     The read holds a shared flock, and checks that `path` still names the file it opened: a file the connector
     let go may be recycled (pool.py), and vitserve writes one only under an exclusive flock, taken without waiting,

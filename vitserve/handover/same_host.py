@@ -74,10 +74,11 @@ def probe(endpoint: str, key_file: str | None, timeout_s: float = PROBE_WAIT_S) 
         ctx.term()
 
 
-def shares_directory(info: Info) -> bool:
-    """Whether this process sees the connector's very directory: its token file holds its token."""
+def shares_directory(where: Info | Area) -> bool:
+    """Whether this process sees the connector's very directory: its token file holds its token (a hello's
+    answer and a fetch's area name the same three things)."""
     try:
-        return Path(info.token_file).read_text() == info.token and os.access(info.incoming, os.W_OK)
+        return Path(where.token_file).read_text() == where.token and os.access(where.incoming, os.W_OK)
     except OSError:
         return False
 
@@ -155,9 +156,7 @@ def pull_file(area: Area, m: ImageEmbedding) -> bytes | None:
     the producer admits: so vitserve writes only into what has the shape of a connector's area (a directory
     `<dir>/.incoming` of this uid, mode 0700, no link, beside `<dir>/.host-token`, `<dir>` named vitserve-ec-*),
     never into a directory a fetch merely names."""
-    if not is_connector_area(area) or not shares_directory(
-        Info("", area.incoming, area.token_file, area.token, "", 0)
-    ):
+    if not is_connector_area(area) or not shares_directory(area):
         return None
     f = write_file(Path(area.incoming), m, m.embedding.dtype, m.expires_at)
     return encode_file(dataclasses.replace(f, message_id=m.message_id))

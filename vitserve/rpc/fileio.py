@@ -4,10 +4,10 @@ hand-over; bench/handover_split.py measures each).
 What tmpfs does with 88.5 MB on this project's machine (AMD EPYC x 2, /dev/shm, bench/RESULTS.md "The hand-over
 split copy by copy"): memcpy 5.5-7 ms; write(2) over an existing file 14-15 ms, whatever the number of threads
 (a tmpfs write holds the inode's lock, so writers of one file take turns); read(2) 10.5 ms in one thread and
-6.3 ms in two (reads of one file run side by side). So `read_into` reads a large file in up to READ_THREADS ranges at once. Writes stay one pass in one thread
-(rpc/handoff.py `write_rows`): overlapping the cast into each chunk with the write of the chunk before it was
-tried and measured slower (best 18.8-19.6 ms against 17.0-18.1, medians 22 against 17-19, alternating in one
-sitting): the two passes share the memory bus and the two cores.
+6.3 ms in two (reads of one file run side by side). So `read_into` reads a large file in up to READ_THREADS
+ranges at once. Writes stay one pass in one thread (rpc/handoff.py `write_rows`): overlapping the cast into each
+chunk with the write of the chunk before it was tried and measured slower (best 18.8-19.6 ms against 17.0-18.1,
+medians 22 against 17-19, alternating in one sitting): the two passes share the memory bus and the two cores.
 """
 
 from __future__ import annotations
