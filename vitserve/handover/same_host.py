@@ -30,6 +30,7 @@ import zmq
 from vitserve.connector.files import PREFIX
 from vitserve.connector.handoff import INCOMING, TOKEN_NAME
 from vitserve.connector.pool import claim
+from vitserve.handover.mapped import MAPPINGS
 from vitserve.rpc.delivery import Delivery, expires_at
 from vitserve.rpc.handoff import (
     SAMPLE_BYTES,
@@ -118,6 +119,7 @@ class SameHost:
     def forget(self) -> None:
         with self._lock:
             self.info, self.local, self._asked = None, False, -PROBE_EVERY_S
+        MAPPINGS.clear()  # the old connector's files: their pages go once nothing maps them
 
     def dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype an embedding travels in: vLLM's, when the connector said it."""
@@ -182,8 +184,8 @@ def write_file(
     incoming: Path, m: ImageEmbedding, dtype: torch.dtype, expires: float, sample: int = SAMPLE_BYTES
 ) -> FileEmbedding:
     """Write `m`'s rows (main and DeepStack levels side by side) in `dtype` into `incoming`: over a file of the
-    connector's pool when it has one (its pages are there already: connector/pool.py), else a new file; OSError
-    (ENOSPC, ...) with the file removed."""
+    connector's pool when it has one (its pages are there already: connector/pool.py; through a mapping kept of
+    it: mapped.py), else a new file; OSError (ENOSPC, ...) with the file removed."""
     rows = int(m.embedding.shape[0])
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = rows * sum(int(p.shape[1]) for p in (m.embedding, *m.deepstack)) * itemsize
@@ -191,8 +193,12 @@ def write_file(
     name, fd = claimed or (f"in-{uuid_mod.uuid4().hex}", -1)
     if fd < 0:
         fd = os.open(incoming / name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    parts = [m.embedding, *m.deepstack]
     try:
-        nbytes = write_rows(fd, [m.embedding, *m.deepstack], dtype)
+        if claimed is not None and MAPPINGS.write(incoming / name, fd, parts, dtype, expected):
+            nbytes = expected  # through the mapping kept of this pool file (mapped.py), or a new one
+        else:
+            nbytes = write_rows(fd, parts, dtype)
         crc = sampled_crc(fd, nbytes, sample)
     except BaseException as exc:
         os.unlink(incoming / name)
