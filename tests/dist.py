@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -19,18 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.ports import unused_port
 from vitserve import processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 30.0) -> list:
     with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
+        port = unused_port()  # below the ephemeral range: not taken by a connection before the store binds it
         mp.start_processes(
             _rank_main,
             args=(world_size, port, timeout_s, tmp, fn, args),

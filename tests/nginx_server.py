@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.vllm_server import unused_port
+from tests.ports import unused_port
 
 START_TIMEOUT_S = 30
 READY_PATH = "/nginx-ready"  # answered by nginx itself, never by a backend

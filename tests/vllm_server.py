@@ -23,15 +23,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.ports import unused_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # Measured 25-45 s alone on an idle 2-core machine, 81 and 149 s for the first two of three started at once
@@ -53,34 +53,6 @@ def vllm_python() -> Path:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"{message} (in CI the vLLM tests must run, not skip)")
     pytest.skip(message)
-
-
-_picked: set[int] = set()
-
-
-def unused_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a server that binds it only later (vLLM's HTTP port and its
-    connector's endpoint, a minute into its start). Picked below the kernel's ephemeral range: a port there is
-    never handed out by a bind to port 0 or an outgoing connection, which every vLLM and test makes by the
-    hundred meanwhile (a port of that range, free when picked, was taken before vLLM bound it: its engine
-    failed to start). Never the same one twice in a process."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(10_000, max(low, 10_001))
-        if port in _picked:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _picked.add(port)
-        return port
-    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 class VllmServer:

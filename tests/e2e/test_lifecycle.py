@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from tests.cli import Cli
 from tests.e2e.netcheck import children_of
 from tests.e2e.test_cli_process import BASE_ARGS, FAST_START
+from tests.ports import unused_port
 
 pytestmark = pytest.mark.timeout(300)
 STOP_LIMIT_S = 5.0
@@ -155,14 +155,8 @@ def test_sigterm_before_any_rank_exits_at_once(tmp_path, delay_s):
     assert "Traceback" not in out, out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_polling_ready_while_starting_is_quiet_and_kept_out_of_request_metrics(tmp_path):
-    port = _free_port()
+    port = unused_port()
     srv = Cli([*BASE_ARGS[:2], "--port", str(port), *BASE_ARGS[4:], *FAST_START], tmp_path)
     url = f"http://127.0.0.1:{port}"
     codes: list[int] = []

@@ -22,7 +22,7 @@ from tests.checkpoints import hf_reference, make_checkpoint
 from tests.cli import CLI, Cli
 from tests.e2e.test_tp2_exact import ATOL, decode_tensor, hf_rows
 from tests.imagegen import encode, noise
-from vitserve.worker.rendezvous import free_port
+from tests.ports import unused_port
 
 pytestmark = pytest.mark.timeout(300)
 FAMILY = "qwen3_vl"
@@ -46,7 +46,7 @@ def start_node(rank: int, args: list[str], tmp_path, *, ifname: str = "lo", pref
 
 def node_args(model: str, store_addr: str = "127.0.0.1") -> tuple[list[str], int]:
     """Flags every node gets (TP=2 over two nodes, one rank each), and the store's port."""
-    store_port = free_port()
+    store_port = unused_port()
     args = ["--model", model, "--tp", "2", "--nnodes", "2", "--master_addr", store_addr]
     args += ["--master_port", str(store_port), "--heartbeat_s", str(HEARTBEAT_S), "--device", "cpu"]
     args += ["--visual_reserved_mem_gb", "0.5"]  # skips the start-up stress only (see test_tp2_exact.py)

@@ -18,7 +18,7 @@ import pytest
 
 from tests.e2e.live import noise_png
 from tests.e2e.test_nodes import HEARTBEAT_S, node_args, poll_ready, start_node, start_pair
-from vitserve.worker.rendezvous import free_port
+from tests.ports import unused_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -96,7 +96,7 @@ def test_signals_on_a_node_that_waits_for_node_0(tmp_path):
 def test_two_nodes_under_torchrun_meet_at_its_agent_store(tmp_path):
     """torchrun --nproc_per_node 1 on each node: vitserve takes the node flags from torchrun's environment
     and joins the store torchrun's agent hosts (TORCHELASTIC_USE_AGENT_STORE=True)."""
-    store_port = free_port()
+    store_port = unused_port()
     args = ["--model", "demo", "--tp", "2", "--heartbeat_s", str(HEARTBEAT_S), "--device", "cpu"]
     args += ["--visual_reserved_mem_gb", "0.5"]
 

@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
+from tests.ports import unused_port
 from tests.unit.test_pull_fetch import EXPECT, Kept, ended, fetcher, message, running
-from tests.vllm_server import unused_port
 from vitserve.connector import counters
 from vitserve.connector.config import ConnectorConfig
 from vitserve.connector.pulling import Puller

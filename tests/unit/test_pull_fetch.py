@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from tests.vllm_server import unused_port
+from tests.ports import unused_port
 from vitserve.connector.fetch import Allowlist, Expect, FetchConfig, Fetcher, Outcome
 from vitserve.connector.producer import Producer
 from vitserve.rpc.pull import Missing, decode_answer, decode_fetch, encode_fetch, encode_missing

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.checkpoints import make_servable_checkpoint
-from tests.vllm_server import VllmServer, unused_port, vllm_python
+from tests.ports import unused_port
+from tests.vllm_server import VllmServer, vllm_python
 
 FAMILY = "qwen3_vl"
 SECRET = b"a test secret of 32 bytes, fixed"

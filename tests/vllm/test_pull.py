@@ -30,9 +30,9 @@ import pytest
 from tests.cli import Cli
 from tests.nginx_server import NginxServer
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
+from tests.ports import unused_port
 from tests.vllm.connector_server import ConnectorVllm, start_glue
 from tests.vllm.stack import cli_args, metric, png, vitserve_in_process
-from tests.vllm_server import unused_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 RECEIVED = "vllm:vitserve_connector_received_total"

@@ -42,12 +42,12 @@ import pytest
 from tests.cli import Cli
 from tests.e2e.live import cli_in_process
 from tests.openai_chat import assert_same_answer, chat_request, complete, image_url_part
+from tests.ports import unused_port
 from tests.videos import make_clip
 from tests.vllm import wire_docs
 from tests.vllm.connector_server import ConnectorVllm
 from tests.vllm.stack import BUDGET, cli_args, metric, png, vitserve_in_process
 from tests.vllm.test_connector import _send
-from tests.vllm_server import unused_port
 from vitserve.handover.wire import WireRequest
 from vitserve.rpc.replies import Held, encode_holds
 from vitserve.rpc.wirekey import read_key_file

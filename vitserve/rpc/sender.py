@@ -311,13 +311,18 @@ class LLMSender:
         d = self._unacked.pop(message_id, None) or self._queued_again(message_id)
         if d is None:
             self.late_acks += 1  # timed out (or sent twice and acknowledged already)
+        # counted before the future completes, so that whoever waited on it reads the count (taken back when the
+        # future was done already: cancelled)
         elif nack_reason is not None:
-            if _settle(
+            self.refused += 1
+            if not _settle(
                 d, WireRefused(f"the receiver at {self.endpoint} refused an embedding: {nack_reason}")
             ):
-                self.refused += 1
-        elif _settle(d, None):
+                self.refused -= 1
+        else:
             self.delivered += 1
+            if not _settle(d, None):
+                self.delivered -= 1
 
     def _queued_again(self, message_id: str) -> Delivery | None:
         """A sent message that a handshake put back in the outbox (_resend_unacked) before its
