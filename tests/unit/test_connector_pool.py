@@ -16,8 +16,9 @@ import torch
 
 from tests.unit.test_connector_handoff import incoming, message, send_file
 from tests.unit.test_connector_hostile import big, tmpfs  # noqa: F401  # the 1 MiB tmpfs fixture
-from tests.unit.test_connector_store import WIDTH, Peer
+from tests.unit.test_connector_store import WIDTH, Peer, frames
 from vitserve.connector.files import _still_held
+from vitserve.connector.mapped import MAPPINGS
 from vitserve.connector.pool import POOL, POOL_FILES, Pool, claim
 from vitserve.connector.store import EmbeddingStore, Shape, as_dict, read_entry
 from vitserve.handover.same_host import SameHost, write_file
@@ -209,10 +210,35 @@ def test_a_full_device_empties_the_pool_before_it_refuses(tmpfs):  # noqa: F811
             assert isinstance(peer.send(big(uuid)), Ack)
             s.pin(uuid, "vllm")
             s.unpin({uuid}, "vllm")  # loaded: spent
-        reply = peer.send(big("c" * 64))  # a goes to the pool, and its pages leave no room for c
+        # c (768 KiB) is evicted room for a (384 KiB), which goes to the pool; c's write claims a's file, and its
+        # 384 KiB more do not fit (ENOSPC: the claimed file goes); b is evicted to the pool too, the pool is
+        # drained, and c written fresh
+        reply = peer.send(big("c" * 64, rows=8192))
         assert isinstance(reply, Ack), reply
         counters = s.counters()
         assert counters["refused"] == 0
         assert (counters["pooled"], counters["pool_files"], counters["pool_bytes"]) == (2, 0, 0)
         assert s.get("c" * 64) is not None
         peer.close()
+
+
+def test_bytes_from_another_host_are_written_over_a_pool_file_then_through_its_kept_mapping(store):
+    """The connector's own write of what it received (no same-host path) recycles pool files as vitserve does:
+    each arrival evicts the one before (spent) into the pool, and is written over its file."""
+    MAPPINGS.clear()
+    before = MAPPINGS.mapped
+    peer = Peer(store)
+    inodes = []
+    g = torch.Generator().manual_seed(12)  # frames()'s tensor
+    want = torch.cat([torch.randn(12, 8, generator=g) for _ in range(3)], dim=-1).to(torch.bfloat16)
+    for k in range(3):
+        uuid = f"{k:064x}"
+        assert isinstance(peer.send(frames(uuid, dtype=torch.bfloat16)), Ack)
+        inodes.append(os.stat(as_dict(store.get(uuid))["path"]).st_ino)
+        assert torch.equal(loaded(store, uuid), want), k  # and spent
+    peer.close()
+    assert len(set(inodes)) == 1  # the first arrival's file, evicted to the pool, then claimed twice over
+    assert store._incoming.recycled == 2
+    assert MAPPINGS.mapped == before + 1  # the second time over the same file: through its mapping
+    assert store.counters()["pooled"] == 2
+    MAPPINGS.clear()

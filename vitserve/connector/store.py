@@ -366,9 +366,12 @@ class EmbeddingStore:
         """The file, written (or vitserve's, adopted); on ENOSPC, evict spent entries and try once more."""
         if isinstance(m, FileEmbedding):  # the same-host hand-over: vitserve wrote it, it becomes ours
             return self._incoming.adopt(m, self._dir.path / file_name(uuid))
+        parts, dest = [m.embedding, *m.deepstack], self._dir.path / file_name(uuid)
         for attempt in (1, 2):
             try:
-                return self._dir.write(uuid, [m.embedding, *m.deepstack], rows)
+                if self._incoming.recycle(parts, nbytes, dest):  # over a pool file's pages, when it has one
+                    return dest
+                return self._dir.write(uuid, parts, rows)
             except OSError as exc:
                 if not is_device_full(exc):
                     raise Refusal("write_failed", f"{self.dir}: {exc.strerror or exc}") from exc

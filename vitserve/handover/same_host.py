@@ -29,8 +29,8 @@ import zmq
 
 from vitserve.connector.files import PREFIX
 from vitserve.connector.handoff import INCOMING, TOKEN_NAME
+from vitserve.connector.mapped import MAPPINGS, write_claimed
 from vitserve.connector.pool import claim
-from vitserve.handover.mapped import MAPPINGS
 from vitserve.rpc.delivery import Delivery, expires_at
 from vitserve.rpc.handoff import (
     SAMPLE_BYTES,
@@ -185,7 +185,7 @@ def write_file(
 ) -> FileEmbedding:
     """Write `m`'s rows (main and DeepStack levels side by side) in `dtype` into `incoming`: over a file of the
     connector's pool when it has one (its pages are there already: connector/pool.py; through a mapping kept of
-    it: mapped.py), else a new file; OSError (ENOSPC, ...) with the file removed."""
+    it: connector/mapped.py), else a new file; OSError (ENOSPC, ...) with the file removed."""
     rows = int(m.embedding.shape[0])
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = rows * sum(int(p.shape[1]) for p in (m.embedding, *m.deepstack)) * itemsize
@@ -195,8 +195,8 @@ def write_file(
         fd = os.open(incoming / name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     parts = [m.embedding, *m.deepstack]
     try:
-        if claimed is not None and MAPPINGS.write(incoming / name, fd, parts, dtype, expected):
-            nbytes = expected  # through the mapping kept of this pool file (mapped.py), or a new one
+        if claimed is not None:
+            nbytes = write_claimed(incoming / name, fd, parts, dtype, expected)
         else:
             nbytes = write_rows(fd, parts, dtype)
         crc = sampled_crc(fd, nbytes, sample)

@@ -1,12 +1,13 @@
-"""Writable shared mappings of the connector's pool files that this process wrote (same_host.write_file over
-a file of connector/pool.py), kept, so that its next write over the same file is one cast into pages that are
-mapped already. write(2) over an existing 88.5 MB file on /dev/shm costs ~14 ms of kernel work per 4 KiB page;
+"""Writable shared mappings of the pool files (pool.py) that this process wrote over, kept, so that its next
+write over the same file is one cast into pages that are mapped already: vitserve's same-host hand-over
+(vitserve/handover/same_host.py) and the connector's own write of the bytes it received (store.py) both write
+over pool files with `write_claimed`. write(2) over an existing 88.5 MB file on /dev/shm costs ~14 ms of kernel work per 4 KiB page;
 a copy into a mapping whose page table is built costs what memcpy does (bench/RESULTS.md, issue 51). The first
 write through a new mapping costs what write(2) does (building the page table), so a file's first hand-over
 costs the same either way and every later one is cheaper.
 
 When a file is written through its mapping:
-- it is a pool file vitserve claimed (renamed to its own incoming name, locked exclusively: pool.claim), so no
+- it is a pool file the writer claimed (renamed to its own incoming name, locked exclusively: pool.claim), so no
   reader or other writer touches it meanwhile;
 - its every page is allocated (st_blocks covers st_size). A store through a mapping into a hole allocates a page,
   and on a full device the kernel answers with SIGBUS where write(2) answers ENOSPC; a file that a claim made
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 from vitserve.connector.pool import POOL_FILES
+from vitserve.rpc.handoff import write_rows
 
 MAX_MAPPED = POOL_FILES
 
@@ -122,3 +124,12 @@ def place_rows(buffer: mmap.mmap, parts: Sequence[torch.Tensor], dtype: torch.dt
 
 
 MAPPINGS = Mappings()
+
+
+def write_claimed(path: Path, fd: int, parts: Sequence[torch.Tensor], dtype: torch.dtype, nbytes: int) -> int:
+    """Write (rows, sum of widths) in `dtype` over the claimed pool file `path` (open as `fd`, sized to `nbytes`:
+    pool.claim): through its mapping when every page is there, else write(2) (OSError, ENOSPC for a full device,
+    as it raised it). Returns the bytes written."""
+    if MAPPINGS.write(path, fd, parts, dtype, nbytes):
+        return nbytes
+    return write_rows(fd, parts, dtype)
