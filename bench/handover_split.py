@@ -136,7 +136,10 @@ def wire_whole(parts: list[torch.Tensor], grid: tuple[int, int, int], root: Path
     nbytes = int(parts[0].shape[0]) * width * 2
     store = EmbeddingStore("tcp://127.0.0.1:*", nbytes * 3 // 2 if recycled else 4 << 30, Shape(width, 2),
                            directory=str(root), log=_LOG, key=SECRET if key else None)  # fmt: skip
-    times, warm = [], 3 if recycled else 1  # recycled: the first finds the pool empty, the second maps the file
+    times, warm = (
+        [],
+        3 if recycled else 1,
+    )  # recycled: the first finds the pool empty, the second maps the file
     with contextlib.closing(store), LLMSender(store.endpoint, key_file=key) as sender:
         assert sender.wait_reachable(30), f"no connection to the store on {store.endpoint}"
         for i in range(repeats + warm):
@@ -153,7 +156,9 @@ def wire_whole(parts: list[torch.Tensor], grid: tuple[int, int, int], root: Path
             store.pin(str(m.uuid), "bench")  # the request that loaded it finishes: spent
             store.unpin({str(m.uuid)}, "bench")
         if recycled:
-            assert store._incoming.recycled >= repeats, f"{store._incoming.recycled} writes recycled a pool file"
+            assert store._incoming.recycled >= repeats, (
+                f"{store._incoming.recycled} writes recycled a pool file"
+            )
     return ms(times[warm:])
 
 
