@@ -242,3 +242,31 @@ def test_bytes_from_another_host_are_written_over_a_pool_file_then_through_its_k
     assert MAPPINGS.mapped == before + 1  # the second time over the same file: through its mapping
     assert store.counters()["pooled"] == 2
     MAPPINGS.clear()
+
+
+def test_a_full_device_gets_back_the_pages_of_the_pool_files_this_process_mapped(tmpfs):  # noqa: F811
+    """On a 1 MiB tmpfs: a file the connector wrote through a kept mapping keeps its pages while mapped, even
+    deleted; the drain on ENOSPC lets go of those mappings, so the write after it finds the room."""
+    MAPPINGS.clear()
+    kib = 1 << 10
+    with contextlib.closing(
+        EmbeddingStore("tcp://127.0.0.1:*", 400 * kib, Shape(WIDTH, 2), directory=str(tmpfs))
+    ) as s:
+        peer = Peer(s)
+        for k in range(5):  # 192 KiB each: from the third on, each is written over an evicted one's file
+            uuid = f"{k:064x}"
+            assert isinstance(peer.send(big(uuid, rows=2048)), Ack)
+            s.pin(uuid, "vllm")
+            s.unpin({uuid}, "vllm")  # loaded: spent
+        assert s._incoming.recycled == 3
+        assert len(MAPPINGS) == 2  # the two files that went round
+        with open(tmpfs / "another-users-file", "wb", buffering=0) as f, pytest.raises(OSError):  # noqa: PT011, PT012
+            while True:  # the device fills up
+                f.write(b"\0" * 4096)
+        # 288 KiB: both held files are evicted to the pool, one is claimed and lengthened (ENOSPC, removed), the
+        # other drained; their pages come back only once the mappings go
+        reply = peer.send(big("f" * 64, rows=3072))
+        assert isinstance(reply, Ack), reply
+        assert len(MAPPINGS) == 0
+        peer.close()
+    MAPPINGS.clear()

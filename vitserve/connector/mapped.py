@@ -18,7 +18,9 @@ When a file is written through its mapping:
 What is kept, and for how long: at most MAX_MAPPED mappings (the pool's POOL_FILES), the least recently written
 dropped first. A mapped file keeps its pages while the mapping lives, even once the connector deleted it (its
 pool full, a full device's drain, a restart that removed its directory): so each write first drops the mappings
-of files that no longer have a name (st_nlink 0), and `clear` drops them all (the connector changed). A mapping
+of files that no longer have a name (st_nlink 0), and so does `prune`: vitserve's every same-host write, before it
+claims or creates a file, and the connector's drain of its pool when the device is full (pool.Pool.drain), so
+that the pages it deletes come back before it writes again. `clear` drops them all (the connector changed). A mapping
 is never unmapped under a write: dropping one only lets go of this cache's reference, and the tensor a write
 places through keeps the mapping alive until that write ends.
 """
@@ -35,10 +37,9 @@ from pathlib import Path
 
 import torch
 
-from vitserve.connector.pool import POOL_FILES
 from vitserve.rpc.handoff import write_rows
 
-MAX_MAPPED = POOL_FILES
+MAX_MAPPED = 4  # as many files as the pool keeps (pool.POOL_FILES is this number)
 
 
 @dataclass
@@ -77,7 +78,7 @@ class Mappings:
             return False
         key = (st.st_dev, st.st_ino)  # unique while kept: the mapping's open file keeps the inode in use
         with self._lock:
-            self._drop_deleted()
+            self._prune()
             entry = self._maps.pop(key, None)
             if entry is not None and len(entry.mm) != nbytes:
                 entry.drop()
@@ -103,10 +104,15 @@ class Mappings:
             while self._maps:
                 self._maps.popitem()[1].drop()
 
+    def prune(self) -> None:
+        """Drop the mappings of files that no longer have a name: their pages go back to the device."""
+        with self._lock:
+            self._prune()
+
     def __len__(self) -> int:
         return len(self._maps)
 
-    def _drop_deleted(self) -> None:
+    def _prune(self) -> None:
         for key in [k for k, e in self._maps.items() if not e.alive()]:
             self._maps.pop(key).drop()
 
