@@ -222,26 +222,30 @@ def test_a_full_device_empties_the_pool_before_it_refuses(tmpfs):  # noqa: F811
         peer.close()
 
 
-def test_bytes_from_another_host_are_written_over_a_pool_file_then_through_its_kept_mapping(store):
+def test_bytes_from_another_host_are_written_over_a_pool_file_then_through_its_kept_mapping(tmp_path):
     """The connector's own write of what it received (no same-host path) recycles pool files as vitserve does:
     each arrival evicts the one before (spent) into the pool, and is written over its file."""
     MAPPINGS.clear()
     before = MAPPINGS.mapped
-    peer = Peer(store)
-    inodes = []
     g = torch.Generator().manual_seed(12)  # frames()'s tensor
     want = torch.cat([torch.randn(12, 8, generator=g) for _ in range(3)], dim=-1).to(torch.bfloat16)
-    for k in range(3):
-        uuid = f"{k:064x}"
-        assert isinstance(peer.send(frames(uuid, dtype=torch.bfloat16)), Ack)
-        inodes.append(os.stat(as_dict(store.get(uuid))["path"]).st_ino)
-        assert torch.equal(loaded(store, uuid), want), k  # and spent
-    peer.close()
-    assert len(set(inodes)) == 1  # the first arrival's file, evicted to the pool, then claimed twice over
-    assert store._incoming.recycled == 2
-    assert MAPPINGS.mapped == before + 1  # the second time over the same file: through its mapping
-    assert store.counters()["pooled"] == 2
-    MAPPINGS.clear()
+    with contextlib.closing(
+        EmbeddingStore("tcp://127.0.0.1:*", ONE + 100, Shape(WIDTH, 2), directory=str(tmp_path), dtype="bfloat16")
+    ) as store:  # fmt: skip
+        peer = Peer(store)
+        inodes = []
+        for k in range(3):
+            uuid = f"{k:064x}"
+            assert isinstance(peer.send(frames(uuid, dtype=torch.bfloat16)), Ack)
+            inodes.append(os.stat(as_dict(store.get(uuid))["path"]).st_ino)
+            assert torch.equal(loaded(store, uuid), want), k  # and spent
+        peer.close()
+        assert len(set(inodes)) == 1  # the first arrival's file, evicted to the pool, then claimed twice over
+        assert store._incoming.recycled == 2
+        assert MAPPINGS.mapped == before + 1  # the second time over the same file: through its mapping
+        assert store.counters()["pooled"] == 2
+        assert len(MAPPINGS) == 1
+    assert len(MAPPINGS) == 0  # the store's directory is gone: so is the mapping that would keep its pages
 
 
 def test_a_full_device_gets_back_the_pages_of_the_pool_files_this_process_mapped(tmpfs):  # noqa: F811

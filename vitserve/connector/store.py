@@ -40,6 +40,7 @@ from vitserve.connector.files import TensorDir, file_name, is_device_full, read_
 from vitserve.connector.handoff import Incoming, check_file
 from vitserve.connector.keys import check_protected
 from vitserve.connector.ledger import HeldTensor, Ledger, as_dict
+from vitserve.connector.mapped import MAPPINGS
 from vitserve.connector.router import Router
 from vitserve.rpc.handoff import FileEmbedding, Hello, decode_handoff
 from vitserve.rpc.pull import Area
@@ -180,6 +181,7 @@ class EmbeddingStore:
         self.log.info("vitserve connector on %s closed: %s", self.endpoint, self.counters())
         self._incoming.close()
         self._dir.close()
+        MAPPINGS.prune()  # the directory's files are gone: their pages with them
 
     # ------------------------------------------------------------------ the receiver thread
 
