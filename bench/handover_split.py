@@ -16,9 +16,8 @@ Per point, best and median of the repeats, one thread (vitserve's pool thread se
 - file write: the connector's vitserve.connector.files.TensorDir.write (DeepStack levels side by side, in chunks);
 - read_entry: the worker's vitserve.connector.files.read_entry (one read(2) into a tensor of its own; the bench
   drops each tensor, so from the second on it reads into a reused buffer whose pages are there);
-- wire / wire+curve: the whole of the bytes' path (another host's), a real LLMSender to a real EmbeddingStore
-  (encode done -> acknowledged -> read_entry done: in the encoder cache on a CPU); `_recycled`: the same in a
-  steady stream into a full store, the connector writing each over the file of the one it evicted;
+- wire / wire+curve: the whole of today's path, a real LLMSender to a real EmbeddingStore (encode done ->
+  acknowledged -> read_entry done: in the encoder cache on a CPU);
 - ec_storage: vitserve's safetensors file (ec_files.write_file) + the header check + vLLM's ECExampleConnector
   load (`safetensors.torch.load_file(path)["ec_cache"].clone()`), the path the cross-host target compares with;
 - same host: vitserve writes the tensor into the connector's incoming area (vitserve/handover/same_host.py;
@@ -127,22 +126,15 @@ def zmq_round(
 
 
 def wire_whole(parts: list[torch.Tensor], grid: tuple[int, int, int], root: Path, key: str | None,
-               repeats: int, recycled: bool = False) -> tuple[float, float]:  # fmt: skip
-    """The bytes on the wire: LLMSender -> EmbeddingStore, acknowledged, then read_entry. recycled: the store's
-    bound holds one embedding and a half, so each arrival evicts the one before (spent) into the pool and the
-    connector writes it over that file's pages (connector/handoff.py Incoming.recycle), as in a steady stream
-    into a full store."""
+               repeats: int) -> tuple[float, float]:  # fmt: skip
+    """Today's path: LLMSender -> EmbeddingStore, acknowledged, then read_entry."""
     width = sum(int(p.shape[1]) for p in parts)
-    nbytes = int(parts[0].shape[0]) * width * 2
-    store = EmbeddingStore("tcp://127.0.0.1:*", nbytes * 3 // 2 if recycled else 4 << 30, Shape(width, 2),
-                           directory=str(root), log=_LOG, key=SECRET if key else None)  # fmt: skip
-    times, warm = (
-        [],
-        3 if recycled else 1,
-    )  # recycled: the first finds the pool empty, the second maps the file
+    store = EmbeddingStore("tcp://127.0.0.1:*", 4 << 30, Shape(width, 2), directory=str(root), log=_LOG,
+                           key=SECRET if key else None)  # fmt: skip
+    times = []
     with contextlib.closing(store), LLMSender(store.endpoint, key_file=key) as sender:
         assert sender.wait_reachable(30), f"no connection to the store on {store.endpoint}"
-        for i in range(repeats + warm):
+        for i in range(repeats + 1):
             m = message(parts, grid)
             t0 = time.perf_counter()
             sender.send(m, deadline=time.monotonic() + 60).wait(60)
@@ -153,13 +145,8 @@ def wire_whole(parts: list[torch.Tensor], grid: tuple[int, int, int], root: Path
             times.append(time.perf_counter() - t0)
             if i == 0:
                 assert torch.equal(loaded, torch.cat(parts, dim=1)), "the store's file is not the tensor sent"
-            store.pin(str(m.uuid), "bench")  # the request that loaded it finishes: spent
             store.unpin({str(m.uuid)}, "bench")
-        if recycled:
-            assert store._incoming.recycled >= repeats, (
-                f"{store._incoming.recycled} writes recycled a pool file"
-            )
-    return ms(times[warm:])
+    return ms(times[1:])
 
 
 def ec_storage(tensor: torch.Tensor, root: Path, repeats: int) -> tuple[float, float]:
@@ -200,8 +187,6 @@ def point(image: str, width: int, root: Path, key: str, repeats: int) -> dict:
         tdir.close()
     out["wire"] = wire_whole(parts, grid, root, None, repeats)
     out["wire_curve"] = wire_whole(parts, grid, root, key, repeats)
-    out["wire_recycled"] = wire_whole(parts, grid, root, None, repeats, recycled=True)
-    out["wire_curve_recycled"] = wire_whole(parts, grid, root, key, repeats, recycled=True)
     out["ec_storage"] = ec_storage(tensor, root, repeats)
     out.update(same_host(parts, grid, root, repeats))
     out.update(same_host(parts, grid, root, repeats, recycled=True))
@@ -255,7 +240,7 @@ def same_host(parts: list[torch.Tensor], grid: tuple[int, int, int], root: Path,
 
 
 COLUMNS = ("memcpy", "clone", "cast", "encode", "zmq", "zmq_curve", "file_write", "read_entry", "wire",
-           "wire_curve", "wire_recycled", "wire_curve_recycled", "ec_storage", "same_host_write", "same_host", "same_host_write_recycled",
+           "wire_curve", "ec_storage", "same_host_write", "same_host", "same_host_write_recycled",
            "same_host_recycled")  # fmt: skip
 
 

@@ -16,9 +16,8 @@ import torch
 
 from tests.unit.test_connector_handoff import incoming, message, send_file
 from tests.unit.test_connector_hostile import big, tmpfs  # noqa: F401  # the 1 MiB tmpfs fixture
-from tests.unit.test_connector_store import WIDTH, Peer, frames
+from tests.unit.test_connector_store import WIDTH, Peer
 from vitserve.connector.files import _still_held
-from vitserve.connector.mapped import MAPPINGS
 from vitserve.connector.pool import POOL, POOL_FILES, Pool, claim
 from vitserve.connector.store import EmbeddingStore, Shape, as_dict, read_entry
 from vitserve.handover.same_host import SameHost, write_file
@@ -210,67 +209,10 @@ def test_a_full_device_empties_the_pool_before_it_refuses(tmpfs):  # noqa: F811
             assert isinstance(peer.send(big(uuid)), Ack)
             s.pin(uuid, "vllm")
             s.unpin({uuid}, "vllm")  # loaded: spent
-        # c (768 KiB) is evicted room for a (384 KiB), which goes to the pool; c's write claims a's file, and its
-        # 384 KiB more do not fit (ENOSPC: the claimed file goes); b is evicted to the pool too, the pool is
-        # drained, and c written fresh
-        reply = peer.send(big("c" * 64, rows=8192))
+        reply = peer.send(big("c" * 64))  # a goes to the pool, and its pages leave no room for c
         assert isinstance(reply, Ack), reply
         counters = s.counters()
         assert counters["refused"] == 0
         assert (counters["pooled"], counters["pool_files"], counters["pool_bytes"]) == (2, 0, 0)
         assert s.get("c" * 64) is not None
         peer.close()
-
-
-def test_bytes_from_another_host_are_written_over_a_pool_file_then_through_its_kept_mapping(tmp_path):
-    """The connector's own write of what it received (no same-host path) recycles pool files as vitserve does:
-    each arrival evicts the one before (spent) into the pool, and is written over its file."""
-    MAPPINGS.clear()
-    before = MAPPINGS.mapped
-    g = torch.Generator().manual_seed(12)  # frames()'s tensor
-    want = torch.cat([torch.randn(12, 8, generator=g) for _ in range(3)], dim=-1).to(torch.bfloat16)
-    with contextlib.closing(
-        EmbeddingStore("tcp://127.0.0.1:*", ONE + 100, Shape(WIDTH, 2), directory=str(tmp_path), dtype="bfloat16")
-    ) as store:  # fmt: skip
-        peer = Peer(store)
-        inodes = []
-        for k in range(3):
-            uuid = f"{k:064x}"
-            assert isinstance(peer.send(frames(uuid, dtype=torch.bfloat16)), Ack)
-            inodes.append(os.stat(as_dict(store.get(uuid))["path"]).st_ino)
-            assert torch.equal(loaded(store, uuid), want), k  # and spent
-        peer.close()
-        assert len(set(inodes)) == 1  # the first arrival's file, evicted to the pool, then claimed twice over
-        assert store._incoming.recycled == 2
-        assert MAPPINGS.mapped == before + 1  # the second time over the same file: through its mapping
-        assert store.counters()["pooled"] == 2
-        assert len(MAPPINGS) == 1
-    assert len(MAPPINGS) == 0  # the store's directory is gone: so is the mapping that would keep its pages
-
-
-def test_a_full_device_gets_back_the_pages_of_the_pool_files_this_process_mapped(tmpfs):  # noqa: F811
-    """On a 1 MiB tmpfs: a file the connector wrote through a kept mapping keeps its pages while mapped, even
-    deleted; the drain on ENOSPC lets go of those mappings, so the write after it finds the room."""
-    MAPPINGS.clear()
-    kib = 1 << 10
-    with contextlib.closing(
-        EmbeddingStore("tcp://127.0.0.1:*", 400 * kib, Shape(WIDTH, 2), directory=str(tmpfs))
-    ) as s:
-        peer = Peer(s)
-        for k in range(5):  # 192 KiB each: from the third on, each is written over an evicted one's file
-            uuid = f"{k:064x}"
-            assert isinstance(peer.send(big(uuid, rows=2048)), Ack)
-            s.pin(uuid, "vllm")
-            s.unpin({uuid}, "vllm")  # loaded: spent
-        assert s._incoming.recycled == 3
-        assert len(MAPPINGS) == 2  # the two files that went round
-        with open(tmpfs / "another-users-file", "wb", buffering=0) as f, pytest.raises(OSError):  # noqa: PT011, PT012
-            while True:  # the device fills up
-                f.write(b"\0" * 4096)
-        # 288 KiB: both held files are evicted to the pool, one is claimed and lengthened (ENOSPC, removed), the
-        # other drained; their pages come back only once the mappings go
-        reply = peer.send(big("f" * 64, rows=3072))
-        assert isinstance(reply, Ack), reply
-        assert len(MAPPINGS) == 0
-        peer.close()
-    MAPPINGS.clear()

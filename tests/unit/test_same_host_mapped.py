@@ -1,4 +1,4 @@
-"""The kept mappings of pool files (vitserve/connector/mapped.py): a second write over the same pool file goes
+"""The kept mappings of pool files (vitserve/handover/mapped.py): a second write over the same pool file goes
 through the mapping kept from the first, with the bytes write(2) would have written; never into a hole (SIGBUS on
 a full device), never keeping a flock, never pinning a deleted file's pages past the next write. Real files and
 flocks, a real 1 MiB tmpfs where this machine lets a test mount one."""
@@ -15,8 +15,8 @@ import torch
 
 from tests.unit.test_connector_handoff import message
 from tests.unit.test_connector_hostile import tmpfs  # noqa: F401  # the 1 MiB tmpfs fixture
-from vitserve.connector.mapped import MAPPINGS, MAX_MAPPED
 from vitserve.connector.pool import POOL
+from vitserve.handover.mapped import MAPPINGS, MAX_MAPPED
 from vitserve.handover.same_host import write_file
 from vitserve.rpc.handoff import sampled_crc, write_rows
 

@@ -10,8 +10,7 @@ directory and checked to be still the file that was checked. Whatever fails is a
 the file under that name is removed: nothing is left behind. Files nobody announced are removed after
 STALE_S (from their last write: vitserve touches a pool file it claims before it moves it here).
 
-The pool of recycled files beside it (pool.py) is the incoming area's: `pool`. The connector writes the bytes it
-received from another host over a pool file too (`recycle`), as vitserve does on this host.
+The pool of recycled files beside it (pool.py) is the incoming area's: `pool`.
 """
 
 from __future__ import annotations
@@ -21,14 +20,10 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from vitserve.connector.checks import Refusal, Shape
-from vitserve.connector.mapped import write_claimed
-from vitserve.connector.pool import Pool, claim
+from vitserve.connector.pool import Pool
 from vitserve.rpc.handoff import NAME, SAMPLE_BYTES, FileEmbedding, Info, encode_info, sampled_crc
 from vitserve.rpc.tensors import DTYPES
 
@@ -50,7 +45,6 @@ class Incoming:
         self.token_file.write_text(self.token)
         self.dtype, self.width = dtype, width
         self.pool = Pool(store_dir, max_bytes)
-        self.recycled = 0  # received bytes written over a pool file (recycle)
         self._swept = time.monotonic()
 
     def info(self, query_id: str) -> bytes:
@@ -65,25 +59,6 @@ class Incoming:
                 SAMPLE_BYTES,
             )
         )
-
-    def recycle(self, parts: Sequence[torch.Tensor], nbytes: int, dest: Path) -> bool:
-        """Write (rows, sum of widths) of `parts`, in their dtype, over a pool file claimed as vitserve claims one
-        (pool.claim; through its kept mapping: mapped.py) and rename it to `dest`: True; False when the pool has
-        no file. OSError as the write raised it (ENOSPC), the claimed file removed."""
-        claimed = claim(self.path, nbytes)
-        if claimed is None:
-            return False
-        name, fd = claimed
-        try:
-            write_claimed(self.path / name, fd, parts, parts[0].dtype, nbytes)
-        except BaseException:
-            self.discard(name)
-            raise
-        finally:
-            os.close(fd)
-        os.rename(name, dest, src_dir_fd=self._fd)
-        self.recycled += 1
-        return True
 
     def adopt(self, m: FileEmbedding, dest: Path) -> Path:
         """Make `m`'s file `dest` (in the store's directory), checked; Refusal (and the file removed) otherwise."""

@@ -33,11 +33,9 @@ import uuid as uuid_mod
 from collections.abc import Iterable
 from pathlib import Path
 
-from vitserve.connector.mapped import MAPPINGS, MAX_MAPPED
-
 POOL = ".pool"  # in the store's directory, beside the incoming area (handoff.INCOMING): one device, renames
 POOL_NAME = re.compile(r"p-[0-9a-f]{32}")
-POOL_FILES = MAX_MAPPED  # vitserve keeps a mapping of each (mapped.py)
+POOL_FILES = 4
 POOL_MAX_BYTES = 1 << 30
 
 
@@ -66,13 +64,11 @@ class Pool:
                     path.unlink()
 
     def drain(self) -> None:
-        """Delete every pool file (the device is full: their pages are worth more as room), and let go of this
-        process's mappings of deleted files (mapped.py), which would keep their pages."""
+        """Delete every pool file (the device is full: their pages are worth more as room)."""
         with self._lock, contextlib.suppress(OSError), os.scandir(self.path) as it:
             for entry in it:
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
-        MAPPINGS.prune()
 
     def counters(self) -> dict[str, int]:
         files, nbytes = self._contents()

@@ -40,7 +40,6 @@ from vitserve.connector.files import TensorDir, file_name, is_device_full, read_
 from vitserve.connector.handoff import Incoming, check_file
 from vitserve.connector.keys import check_protected
 from vitserve.connector.ledger import HeldTensor, Ledger, as_dict
-from vitserve.connector.mapped import MAPPINGS
 from vitserve.connector.router import Router
 from vitserve.rpc.handoff import FileEmbedding, Hello, decode_handoff
 from vitserve.rpc.pull import Area
@@ -181,7 +180,6 @@ class EmbeddingStore:
         self.log.info("vitserve connector on %s closed: %s", self.endpoint, self.counters())
         self._incoming.close()
         self._dir.close()
-        MAPPINGS.prune()  # the directory's files are gone: their pages with them
 
     # ------------------------------------------------------------------ the receiver thread
 
@@ -368,12 +366,9 @@ class EmbeddingStore:
         """The file, written (or vitserve's, adopted); on ENOSPC, evict spent entries and try once more."""
         if isinstance(m, FileEmbedding):  # the same-host hand-over: vitserve wrote it, it becomes ours
             return self._incoming.adopt(m, self._dir.path / file_name(uuid))
-        parts, dest = [m.embedding, *m.deepstack], self._dir.path / file_name(uuid)
         for attempt in (1, 2):
             try:
-                if self._incoming.recycle(parts, nbytes, dest):  # over a pool file's pages, when it has one
-                    return dest
-                return self._dir.write(uuid, parts, rows)
+                return self._dir.write(uuid, [m.embedding, *m.deepstack], rows)
             except OSError as exc:
                 if not is_device_full(exc):
                     raise Refusal("write_failed", f"{self.dir}: {exc.strerror or exc}") from exc

@@ -29,8 +29,8 @@ import zmq
 
 from vitserve.connector.files import PREFIX
 from vitserve.connector.handoff import INCOMING, TOKEN_NAME
-from vitserve.connector.mapped import MAPPINGS, write_claimed
 from vitserve.connector.pool import claim
+from vitserve.handover.mapped import MAPPINGS
 from vitserve.rpc.delivery import Delivery, expires_at
 from vitserve.rpc.handoff import (
     SAMPLE_BYTES,
@@ -185,19 +185,18 @@ def write_file(
 ) -> FileEmbedding:
     """Write `m`'s rows (main and DeepStack levels side by side) in `dtype` into `incoming`: over a file of the
     connector's pool when it has one (its pages are there already: connector/pool.py; through a mapping kept of
-    it: connector/mapped.py), else a new file; OSError (ENOSPC, ...) with the file removed."""
+    it: mapped.py), else a new file; OSError (ENOSPC, ...) with the file removed."""
     rows = int(m.embedding.shape[0])
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = rows * sum(int(p.shape[1]) for p in (m.embedding, *m.deepstack)) * itemsize
-    MAPPINGS.prune()  # files the connector deleted (its pool full, a full device): their pages back first
     claimed = claim(incoming, expected)
     name, fd = claimed or (f"in-{uuid_mod.uuid4().hex}", -1)
     if fd < 0:
         fd = os.open(incoming / name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     parts = [m.embedding, *m.deepstack]
     try:
-        if claimed is not None:
-            nbytes = write_claimed(incoming / name, fd, parts, dtype, expected)
+        if claimed is not None and MAPPINGS.write(incoming / name, fd, parts, dtype, expected):
+            nbytes = expected  # through the mapping kept of this pool file (mapped.py), or a new one
         else:
             nbytes = write_rows(fd, parts, dtype)
         crc = sampled_crc(fd, nbytes, sample)

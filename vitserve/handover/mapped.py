@@ -1,13 +1,12 @@
-"""Writable shared mappings of the pool files (pool.py) that this process wrote over, kept, so that its next
-write over the same file is one cast into pages that are mapped already: vitserve's same-host hand-over
-(vitserve/handover/same_host.py) and the connector's own write of the bytes it received (store.py) both write
-over pool files with `write_claimed`. write(2) over an existing 88.5 MB file on /dev/shm costs ~14 ms of kernel work per 4 KiB page;
+"""Writable shared mappings of the connector's pool files that this process wrote (same_host.write_file over
+a file of connector/pool.py), kept, so that its next write over the same file is one cast into pages that are
+mapped already. write(2) over an existing 88.5 MB file on /dev/shm costs ~14 ms of kernel work per 4 KiB page;
 a copy into a mapping whose page table is built costs what memcpy does (bench/RESULTS.md, issue 51). The first
 write through a new mapping costs what write(2) does (building the page table), so a file's first hand-over
 costs the same either way and every later one is cheaper.
 
 When a file is written through its mapping:
-- it is a pool file the writer claimed (renamed to its own incoming name, locked exclusively: pool.claim), so no
+- it is a pool file vitserve claimed (renamed to its own incoming name, locked exclusively: pool.claim), so no
   reader or other writer touches it meanwhile;
 - its every page is allocated (st_blocks covers st_size). A store through a mapping into a hole allocates a page,
   and on a full device the kernel answers with SIGBUS where write(2) answers ENOSPC; a file that a claim made
@@ -18,9 +17,7 @@ When a file is written through its mapping:
 What is kept, and for how long: at most MAX_MAPPED mappings (the pool's POOL_FILES), the least recently written
 dropped first. A mapped file keeps its pages while the mapping lives, even once the connector deleted it (its
 pool full, a full device's drain, a restart that removed its directory): so each write first drops the mappings
-of files that no longer have a name (st_nlink 0), and so does `prune`: vitserve's every same-host write, before it
-claims or creates a file, and the connector's drain of its pool when the device is full (pool.Pool.drain), so
-that the pages it deletes come back before it writes again. `clear` drops them all (the connector changed). A mapping
+of files that no longer have a name (st_nlink 0), and `clear` drops them all (the connector changed). A mapping
 is never unmapped under a write: dropping one only lets go of this cache's reference, and the tensor a write
 places through keeps the mapping alive until that write ends.
 """
@@ -37,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from vitserve.rpc.handoff import write_rows
+from vitserve.connector.pool import POOL_FILES
 
-MAX_MAPPED = 4  # as many files as the pool keeps (pool.POOL_FILES is this number)
+MAX_MAPPED = POOL_FILES
 
 
 @dataclass
@@ -78,7 +75,7 @@ class Mappings:
             return False
         key = (st.st_dev, st.st_ino)  # unique while kept: the mapping's open file keeps the inode in use
         with self._lock:
-            self._prune()
+            self._drop_deleted()
             entry = self._maps.pop(key, None)
             if entry is not None and len(entry.mm) != nbytes:
                 entry.drop()
@@ -104,15 +101,10 @@ class Mappings:
             while self._maps:
                 self._maps.popitem()[1].drop()
 
-    def prune(self) -> None:
-        """Drop the mappings of files that no longer have a name: their pages go back to the device."""
-        with self._lock:
-            self._prune()
-
     def __len__(self) -> int:
         return len(self._maps)
 
-    def _prune(self) -> None:
+    def _drop_deleted(self) -> None:
         for key in [k for k, e in self._maps.items() if not e.alive()]:
             self._maps.pop(key).drop()
 
@@ -130,12 +122,3 @@ def place_rows(buffer: mmap.mmap, parts: Sequence[torch.Tensor], dtype: torch.dt
 
 
 MAPPINGS = Mappings()
-
-
-def write_claimed(path: Path, fd: int, parts: Sequence[torch.Tensor], dtype: torch.dtype, nbytes: int) -> int:
-    """Write (rows, sum of widths) in `dtype` over the claimed pool file `path` (open as `fd`, sized to `nbytes`:
-    pool.claim): through its mapping when every page is there, else write(2) (OSError, ENOSPC for a full device,
-    as it raised it). Returns the bytes written."""
-    if MAPPINGS.write(path, fd, parts, dtype, nbytes):
-        return nbytes
-    return write_rows(fd, parts, dtype)
