@@ -16,7 +16,7 @@ import torch
 from tests.unit.test_connector_handoff import message
 from tests.unit.test_connector_hostile import tmpfs  # noqa: F401  # the 1 MiB tmpfs fixture
 from vitserve.connector.pool import POOL
-from vitserve.handover.mapped import MAPPINGS, MAX_MAPPED
+from vitserve.handover.mapped import MAPPINGS, MAX_MAPPED, PRUNE_EVERY_S
 from vitserve.handover.same_host import write_file
 from vitserve.rpc.handoff import sampled_crc, write_rows
 
@@ -159,3 +159,17 @@ def test_on_a_full_device_a_mapped_write_needs_no_page_and_a_longer_one_is_enosp
     with pytest.raises(OSError, match="No space left"):  # longer than the pool file: its new pages do not fit
         write(incoming, "d" * 64, rows * 2)
     assert list(incoming.iterdir()) == []
+
+
+def test_a_file_the_connector_deletes_loses_its_mapping_within_a_few_prune_periods(tmp_path):
+    """No write comes after (an idle vitserve): the pruning thread lets go of the deleted file's mapping."""
+    incoming = area(tmp_path / "c")
+    first = write(incoming, "a" * 64)
+    give_back(incoming, first.name, 1)
+    second = write(incoming, "b" * 64)  # mapped
+    assert len(MAPPINGS) == 1
+    os.unlink(incoming / second.name)  # the connector deleted it
+    deadline = time.monotonic() + 30 * PRUNE_EVERY_S  # a deadline for liveness, not a timing claim
+    while len(MAPPINGS) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(MAPPINGS) == 0

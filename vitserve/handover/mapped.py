@@ -16,8 +16,10 @@ When a file is written through its mapping:
 
 What is kept, and for how long: at most MAX_MAPPED mappings (the pool's POOL_FILES), the least recently written
 dropped first. A mapped file keeps its pages while the mapping lives, even once the connector deleted it (its
-pool full, a full device's drain, a restart that removed its directory): so each write first drops the mappings
-of files that no longer have a name (st_nlink 0), and `clear` drops them all (the connector changed). A mapping
+pool full, a full device's drain, a restart that removed its directory): so the mappings of files that no longer
+have a name (st_nlink 0) are dropped (`prune`) before each write (same_host.write_file), and, while anything is
+mapped, by a daemon thread every PRUNE_EVERY_S, so that an idle vitserve keeps a deleted file's pages at most
+that long. `clear` drops them all (the connector changed). A mapping
 is never unmapped under a write: dropping one only lets go of this cache's reference, and the tensor a write
 places through keeps the mapping alive until that write ends.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ import torch
 from vitserve.connector.pool import POOL_FILES
 
 MAX_MAPPED = POOL_FILES
+PRUNE_EVERY_S = 1.0
 
 
 @dataclass
@@ -63,6 +67,7 @@ class Mappings:
         self.mapped = 0
         self._maps: OrderedDict[tuple[int, int], _Mapped] = OrderedDict()  # (st_dev, st_ino), oldest first
         self._lock = threading.Lock()
+        self._pruner: threading.Thread | None = None
 
     def write(
         self, path: Path, fd: int, parts: Sequence[torch.Tensor], dtype: torch.dtype, nbytes: int
@@ -75,7 +80,7 @@ class Mappings:
             return False
         key = (st.st_dev, st.st_ino)  # unique while kept: the mapping's open file keeps the inode in use
         with self._lock:
-            self._drop_deleted()
+            self._prune()
             entry = self._maps.pop(key, None)
             if entry is not None and len(entry.mm) != nbytes:
                 entry.drop()
@@ -89,6 +94,11 @@ class Mappings:
                     os.close(own)
                     raise
             self._maps[key] = entry
+            if self._pruner is None or not self._pruner.is_alive():  # a fork's child has none: started anew
+                self._pruner = threading.Thread(
+                    target=self._prune_while_mapped, name="vitserve-mappings", daemon=True
+                )
+                self._pruner.start()
             while len(self._maps) > self.max_mapped:
                 self._maps.popitem(last=False)[1].drop()
             self.mapped += kept
@@ -101,12 +111,26 @@ class Mappings:
             while self._maps:
                 self._maps.popitem()[1].drop()
 
+    def prune(self) -> None:
+        """Drop the mappings of files that no longer have a name: their pages go back to the device."""
+        with self._lock:
+            self._prune()
+
     def __len__(self) -> int:
         return len(self._maps)
 
-    def _drop_deleted(self) -> None:
+    def _prune(self) -> None:
         for key in [k for k, e in self._maps.items() if not e.alive()]:
             self._maps.pop(key).drop()
+
+    def _prune_while_mapped(self) -> None:
+        while True:
+            time.sleep(PRUNE_EVERY_S)
+            with self._lock:
+                self._prune()
+                if not self._maps:
+                    self._pruner = None
+                    return
 
 
 def place_rows(buffer: mmap.mmap, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> None:

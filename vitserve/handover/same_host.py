@@ -189,6 +189,7 @@ def write_file(
     rows = int(m.embedding.shape[0])
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = rows * sum(int(p.shape[1]) for p in (m.embedding, *m.deepstack)) * itemsize
+    MAPPINGS.prune()  # files the connector deleted (its pool full, a full device): their pages back first
     claimed = claim(incoming, expected)
     name, fd = claimed or (f"in-{uuid_mod.uuid4().hex}", -1)
     if fd < 0:
