@@ -17,11 +17,11 @@ When a file is written through its mapping:
 What is kept, and for how long: at most MAX_MAPPED mappings (the pool's POOL_FILES), the least recently written
 dropped first. A mapped file keeps its pages while the mapping lives, even once the connector deleted it (its
 pool full, a full device's drain, a restart that removed its directory): so the mappings of files that no longer
-have a name (st_nlink 0) are dropped (`prune`) before each write (same_host.write_file), and, while anything is
-mapped, by a daemon thread every PRUNE_EVERY_S, so that an idle vitserve keeps a deleted file's pages at most
-that long. `clear` drops them all (the connector changed). A mapping
-is never unmapped under a write: dropping one only lets go of this cache's reference, and the tensor a write
-places through keeps the mapping alive until that write ends.
+have a name (st_nlink 0) are dropped (`prune`) before each write (same_host.write_file, before its claim), and,
+while anything is mapped, by a daemon thread every PRUNE_EVERY_S, so that an idle vitserve keeps a deleted file's
+pages at most that long. `clear` drops them all (the connector changed). A mapping is never unmapped under a
+write: dropping one only lets go of this cache's reference, and the tensor a write places through keeps the
+mapping alive until that write ends.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from vitserve.connector.pool import POOL_FILES
+from vitserve.rpc.handoff import place_side_by_side
 
 MAX_MAPPED = POOL_FILES
 PRUNE_EVERY_S = 1.0
@@ -80,7 +81,6 @@ class Mappings:
             return False
         key = (st.st_dev, st.st_ino)  # unique while kept: the mapping's open file keeps the inode in use
         with self._lock:
-            self._prune()
             entry = self._maps.pop(key, None)
             if entry is not None and len(entry.mm) != nbytes:
                 entry.drop()
@@ -134,15 +134,9 @@ class Mappings:
 
 
 def place_rows(buffer: mmap.mmap, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
-    """Each row the main row then every DeepStack level's, cast into `buffer` as it is placed (the layout of
-    rpc/handoff.write_rows)."""
-    rows = int(parts[0].shape[0])
-    widths = [int(p.shape[1]) for p in parts]
-    dest = torch.frombuffer(buffer, dtype=dtype, count=rows * sum(widths)).view(rows, sum(widths))
-    column = 0
-    for part, width in zip(parts, widths, strict=True):
-        dest[:, column : column + width].copy_(part)
-        column += width
+    """The rows in `dtype` into `buffer`, in rpc/handoff.write_rows' layout."""
+    rows, width = int(parts[0].shape[0]), sum(int(p.shape[1]) for p in parts)
+    place_side_by_side(torch.frombuffer(buffer, dtype=dtype, count=rows * width).view(rows, width), parts)
 
 
 MAPPINGS = Mappings()

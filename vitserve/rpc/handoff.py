@@ -198,12 +198,19 @@ def write_rows(fd: int, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> in
     done = 0
     for start in range(0, rows, step):
         n = min(step, rows - start)
-        column = 0
-        for part, width in zip(parts, widths, strict=True):
-            chunk[:n, column : column + width].copy_(part[start : start + n])  # cast and place side by side
-            column += width
+        place_side_by_side(chunk[:n], [part[start : start + n] for part in parts])
         done += _write_all(fd, tensor_to_buffer(chunk[:n]))
     return done
+
+
+def place_side_by_side(dest: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Copy (and cast) each part into `dest`'s next columns: (rows, sum of widths), each row the main row then
+    every DeepStack level's (the file layout of docs/wire.md)."""
+    column = 0
+    for part in parts:
+        width = int(part.shape[1])
+        dest[:, column : column + width].copy_(part)
+        column += width
 
 
 def _write_all(fd: int, view: memoryview) -> int:
