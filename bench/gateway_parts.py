@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -128,15 +129,17 @@ def tails(ttft_s: Sequence[float]) -> dict[str, float | None]:
 
 
 def metrics(url: str) -> dict[str, float]:
-    """vitserve's counters of upstream body bytes and of its hand-over stage (0 where a tree has none)."""
+    """vitserve's counters of upstream body bytes and of every stage's time (0 where a tree has none):
+    `<stage>_s` and `<stage>s` (the count) for each vitserve_stage_seconds{stage} it exports."""
     text = httpx.get(url + "/metrics", timeout=30, trust_env=False).text
-    want = {"vitserve_upstream_body_bytes_sum": "bytes", "vitserve_upstream_body_bytes_count": "requests",
-            'vitserve_stage_seconds_sum{stage="handover"}': "handover_s",
-            'vitserve_stage_seconds_count{stage="handover"}': "handovers"}  # fmt: skip
-    out = dict.fromkeys(want.values(), 0.0)
+    want = {"vitserve_upstream_body_bytes_sum": "bytes", "vitserve_upstream_body_bytes_count": "requests"}
+    out = {"bytes": 0.0, "requests": 0.0, "handover_s": 0.0, "handovers": 0.0}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
-        if name in want:
+        stage = re.fullmatch(r'vitserve_stage_seconds_(sum|count)\{stage="(\w+)"\}', name)
+        if stage:
+            out[stage[2] + ("_s" if stage[1] == "sum" else "s")] = float(value)
+        elif name in want:
             out[want[name]] = float(value)
     return out
 
@@ -173,11 +176,17 @@ def fetches(url: str) -> tuple[float, float]:
 
 
 def handover(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """Upstream bytes per request and the hand-over stage's mean (ms) between two `metrics` readings."""
+    """Upstream bytes per request, the hand-over stage's mean (ms) and every stage's mean (`stages_ms`: where
+    vitserve's time went before vLLM saw the request) between two `metrics` readings."""
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     out: dict[str, Any] = {"upstream_bytes": round(delta["bytes"] / max(delta["requests"], 1.0))}
     if delta["handovers"]:  # a tree without the stage reports none
         out["handover_ms"] = round(1000 * delta["handover_s"] / delta["handovers"], 1)
+    stages = {
+        k[:-2]: delta[k] / delta[k[:-2] + "s"] for k in delta if k.endswith("_s") and delta.get(k[:-2] + "s")
+    }
+    if stages:
+        out["stages_ms"] = {k: round(1000 * v, 1) for k, v in sorted(stages.items())}
     return out
 
 

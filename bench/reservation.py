@@ -5,6 +5,7 @@ and, with --visual_mem_gb, the budget the search chooses against the largest bud
     python bench/reservation.py                              # ratios: every tiny tower, seeds 1 and 2
     python bench/reservation.py --families qwen2_vl --budget 1024 --batches 60 --seeds 1
     python bench/reservation.py --visual_mem_gb 2 4 6 --model demo --sittings 5 --load 2   # issue 52's sittings
+    python bench/reservation.py --visual_mem_gb 2 4 6 --model demo --together --load 1     # the targets at once
     python bench/reservation.py --visual_mem_gb 0.2 --families qwen2_vl   # a tiny checkpoint (tests/checkpoints.py)
     python bench/reservation.py --quick                      # a smoke run: qwen2_vl, budget 1024, 2 batches, seed 1
 
@@ -20,7 +21,8 @@ loading (meter.py):
 One JSON line per case (ratios serving/full, serving/predicted, full/predicted), then the worst of each.
 
 --visual_mem_gb (record `visual_mem_gb`), fp32, each target in a fresh process with a fresh model record (an
-independent start), --sittings times, with --load busy processes beside each sitting and `uptime` recorded: the
+independent start), --sittings times, with --load busy processes beside each sitting and `uptime` recorded (with
+--together a sitting's targets run at once, so each loads the cores for the others; one after another without): the
 search is vitserve/worker/reservation/sizing.py's size_for_memory, as a rank runs it. "Really fits" means the full-budget stress at that budget, measured as the
 search measures it (a fresh meter; the published bytes), is within the target. The largest such budget is found
 by bisection: first chosen / (1 - --tolerance) (over the target: the chosen budget is within tolerance), else
@@ -190,7 +192,8 @@ def _bisect(chosen: int, fits, tolerance: float, round_down) -> tuple[int, bool]
 
 
 def sittings(args: argparse.Namespace) -> list[dict]:
-    """--sittings of the targets, each target a fresh process, with --load busy processes running beside."""
+    """--sittings of the targets, each target a fresh process, with --load busy processes running beside;
+    with --together the targets of a sitting run at once, each the others' load."""
     out = []
     for k in range(args.sittings):
         busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
@@ -200,24 +203,18 @@ def sittings(args: argparse.Namespace) -> list[dict]:
                 "sitting": k + 1,
                 "uptime": uptime,
                 "busy_processes": args.load,
+                "together": args.together,
                 "targets": [],
             }
-            for gb in args.visual_mem_gb:
-                case = json.dumps(
-                    {"gb": gb, **{a: getattr(args, a) for a in ("model", "families", "batch", "tolerance")}}
-                )
-                run = subprocess.run([sys.executable, __file__, "--target_case", case], cwd=ROOT, capture_output=True,
-                                     text=True, check=True)  # fmt: skip
-                sitting["targets"].append(json.loads(run.stdout.strip().splitlines()[-1]))
-                print(
-                    json.dumps(
-                        {
-                            k2: sitting["targets"][-1][k2]
-                            for k2 in ("visual_mem_gb", "chosen", "largest", "ratio")
-                        }
-                    ),
-                    flush=True,
-                )
+            runs = [_target(args, gb) for gb in args.visual_mem_gb] if args.together else []
+            for i, gb in enumerate(args.visual_mem_gb):
+                run = runs[i] if runs else _target(args, gb)
+                stdout, stderr = run.communicate()
+                if run.returncode:
+                    raise subprocess.CalledProcessError(run.returncode, run.args, stdout, stderr)
+                sitting["targets"].append(json.loads(stdout.strip().splitlines()[-1]))
+                print(json.dumps({k2: sitting["targets"][-1][k2] for k2 in ("visual_mem_gb", "chosen", "largest", "ratio")}),
+                      flush=True)  # fmt: skip
             sitting["uptime_after"] = subprocess.run(
                 ["uptime"], capture_output=True, text=True
             ).stdout.strip()
@@ -233,6 +230,15 @@ def sittings(args: argparse.Namespace) -> list[dict]:
         )
         out.append(sitting)
     return out
+
+
+def _target(args: argparse.Namespace, gb: float) -> subprocess.Popen:
+    """One --visual_mem_gb target in a fresh process (an independent start), started."""
+    case = json.dumps(
+        {"gb": gb, **{a: getattr(args, a) for a in ("model", "families", "batch", "tolerance")}}
+    )
+    return subprocess.Popen([sys.executable, __file__, "--target_case", case], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
 def main() -> None:
@@ -254,6 +260,11 @@ def main() -> None:
         "--model", default=None, help="with --visual_mem_gb: --model (default: a tiny checkpoint)"
     )
     ap.add_argument("--batch", type=int, default=4, help="with --visual_mem_gb: --visual_infer_batch_size")
+    ap.add_argument(
+        "--together",
+        action="store_true",
+        help="with --visual_mem_gb: a sitting's targets at once, each the others' load",
+    )
     ap.add_argument(
         "--tolerance", type=float, default=0.1, help="with --visual_mem_gb: bisection stops within"
     )
