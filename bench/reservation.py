@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -234,11 +235,15 @@ def sittings(args: argparse.Namespace) -> list[dict]:
 
 def _target(args: argparse.Namespace, gb: float) -> subprocess.Popen:
     """One --visual_mem_gb target in a fresh process (an independent start), started."""
+    from vitserve.cli import openmp_defaults
+
+    env = dict(os.environ)
+    openmp_defaults(env)  # a rank's OpenMP wait (the CLI sets it before the ranks start)
     case = json.dumps(
         {"gb": gb, **{a: getattr(args, a) for a in ("model", "families", "batch", "tolerance")}}
     )
-    return subprocess.Popen([sys.executable, __file__, "--target_case", case], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen([sys.executable, __file__, "--target_case", case], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
 def main() -> None:
