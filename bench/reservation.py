@@ -4,6 +4,7 @@ and, with --visual_mem_gb, the budget the search chooses against the largest bud
 
     python bench/reservation.py                              # ratios: every tiny tower, seeds 1 and 2
     python bench/reservation.py --families qwen2_vl --budget 1024 --batches 60 --seeds 1
+    python bench/reservation.py --model demo --budget 4096 --batches 20 --seeds 1   # the demo's ratios
     python bench/reservation.py --visual_mem_gb 2 4 6 --model demo --sittings 5 --load 2   # issue 52's sittings
     python bench/reservation.py --visual_mem_gb 2 4 6 --model demo --together --load 1     # the targets at once
     python bench/reservation.py --visual_mem_gb 0.2 --families qwen2_vl   # a tiny checkpoint (tests/checkpoints.py)
@@ -68,24 +69,27 @@ def rank_encoder(model: str | None, family: str, tmp: Path) -> tuple[str, Any]:
     return path, load_encoder(path)
 
 
-def one_case(family: str, budget: int, max_images: int, batches: int, seed: int) -> dict:
-    """Runs inside its own process."""
+def one_case(
+    family: str, budget: int, max_images: int, batches: int, seed: int, model: str | None = None
+) -> dict:
+    """Runs inside its own process. `model`: a --model (e.g. demo) instead of the tiny tower of `family`."""
     import random
 
-    path, enc = rank_encoder(None, family, Path(tempfile.mkdtemp()))  # first: the rank's heap settings
+    path, enc = rank_encoder(model, family, Path(tempfile.mkdtemp()))  # first: the rank's heap settings
     import torch
 
     from vitserve.config import Config
     from vitserve.processors import load_image_processor
     from vitserve.worker.reservation import StressShape, stress
     from vitserve.worker.reservation import memory_model as mm
-    from vitserve.worker.reservation.meter import live_peak, meter_for
+    from vitserve.worker.reservation.meter import heap_extent, live_peak, meter_for
     from vitserve.worker.reservation.worst_case import worst_case_items, worst_case_units
 
     config = Config(model=path, visual_batch_max_tokens=budget, visual_infer_batch_size=max_images)
     shape = StressShape.of(config, load_image_processor(path, budget).clamp_info())
     units, _ = worst_case_units(enc, budget, max_images, **shape.bounds())
     meter = meter_for(enc.device)
+    extent = heap_extent()  # glibc's own count beside RSS: its growth over the probes, the stress, serving
     rng = random.Random(seed)
     with torch.inference_mode():
         est = mm.estimate(budget, mm.Shape.of_units(units),
@@ -93,6 +97,7 @@ def one_case(family: str, budget: int, max_images: int, batches: int, seed: int)
                           fast_enough_s=0.0, max_probes=mm.MIN_PROBES, quadratic_memory=False)  # fmt: skip
         assert est is not None
         full = meter.measure(lambda: stress.run_full(enc, shape, lambda line: None))
+        extent_full = heap_extent() - extent
         for _ in range(batches):
             if shape.max_tiles_per_image:  # InternVL: tiles are encoded alone; only their grouping varies
                 cap = rng.randint(1, shape.max_tiles_per_image)
@@ -105,7 +110,9 @@ def one_case(family: str, budget: int, max_images: int, batches: int, seed: int)
             enc.encode(items)
             del items  # one batch live at a time, as in the rank loop
     serving, predicted, mib = live_peak(enc.device) - meter.baseline, est.predicted_bytes, 2**20
-    return {"family": family, "budget": budget, "batches": batches, "seed": seed,
+    extent_serving = heap_extent() - extent
+    return {"family": model or family, "budget": budget, "batches": batches, "seed": seed,
+            "heap_extent_full_mib": round(extent_full / mib, 1), "heap_extent_serving_mib": round(extent_serving / mib, 1),
             "threads": torch.get_num_threads(), "predicted_mib": round(predicted / mib, 1),
             "full_mib": round(full / mib, 1), "serving_mib": round(serving / mib, 1),
             "serving_over_full": round(serving / full, 3), "serving_over_predicted": round(serving / predicted, 3),
@@ -115,9 +122,9 @@ def one_case(family: str, budget: int, max_images: int, batches: int, seed: int)
 def ratios(args: argparse.Namespace) -> list[dict]:
     results = []
     for seed in args.seeds:
-        for family in args.families:
+        for family in [None] if args.model else args.families:
             budget, images = LIMITS.get(family, (args.budget, 8))
-            case = json.dumps([family, budget, images, args.batches, seed])
+            case = json.dumps([family, budget, images, args.batches, seed, args.model])
             out = subprocess.run([sys.executable, __file__, "--case", case], cwd=ROOT, capture_output=True,
                                  text=True, check=True)  # fmt: skip
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -261,9 +268,7 @@ def main() -> None:
     ap.add_argument(
         "--load", type=int, default=0, help="with --visual_mem_gb: busy processes beside each sitting"
     )
-    ap.add_argument(
-        "--model", default=None, help="with --visual_mem_gb: --model (default: a tiny checkpoint)"
-    )
+    ap.add_argument("--model", default=None, help="a --model (e.g. demo) instead of the tiny checkpoints")
     ap.add_argument("--batch", type=int, default=4, help="with --visual_mem_gb: --visual_infer_batch_size")
     ap.add_argument(
         "--together",
