@@ -42,9 +42,11 @@ async def test_encode_matches_reference_and_shuts_down_clean(tmp_path, tp):
             assert json.load(f)["rank"] == 0
 
         items = [fake_item(4, 4, seed=1), fake_item(2, 8, seed=2), fake_item(8, 8, seed=3)]
+        read = engine._dispatch.slots.read
         results = await encode(
             engine, "r1", items, ["a", "b", "c"], deadline=deadline(), return_embeddings=True
         )
+        assert engine._dispatch.slots.read > read  # rank 0 (another process) wrote them into a result slot
         assert [r.num_tokens for r in results] == [16, 16, 64]
         for item, res in zip(items, results, strict=True):
             torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
@@ -62,6 +64,21 @@ async def test_encode_matches_reference_and_shuts_down_clean(tmp_path, tp):
     assert_gone(pids)
     # reservation files removed on clean shutdown; the reservation cache stays for the next start
     assert sorted(os.listdir(config.runtime_dir)) == [f"reservation_cache_cpu_{r}.json" for r in range(tp)]
+
+
+async def test_a_result_slot_rank_0_cannot_write_leaves_the_result_to_the_status_socket(tmp_path):
+    # worker/slots.py: a slot rank 0 cannot open (here: no such fd in its process) is no failure; the frames
+    # come as before, equal, and the slot is the engine's again
+    async with running_engine(make_config(tmp_path)) as engine:
+        slots = engine._dispatch.slots
+        slots.lend = lambda nbytes: "/proc/self/fd/999999"  # type: ignore[method-assign]
+        items = [fake_item(4, 4, seed=1), fake_item(2, 8, seed=2)]
+        read = slots.read
+        results = await encode(engine, "r1", items, ["a", "b"], deadline=deadline(), return_embeddings=True)
+        for item, res in zip(items, results, strict=True):
+            torch.testing.assert_close(res.embedding, fake_reference(item), rtol=1e-5, atol=1e-5)
+        assert slots.read == read
+        assert "held" not in slots.states()
 
 
 async def test_concurrent_requests_batch_within_budget(tmp_path):

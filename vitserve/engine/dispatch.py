@@ -28,6 +28,7 @@ from vitserve.engine.scheduler import Scheduler
 from vitserve.errors import EncoderFailed, Timeout
 from vitserve.metrics import Metrics
 from vitserve.worker import messages as m
+from vitserve.worker.slots import ResultSlots, slot_bytes
 
 log = logging.getLogger(__name__)
 ERROR_GRACE_S = 0.2  # collect the other ranks' errors before failing a group (root cause first)
@@ -44,6 +45,7 @@ class Dispatcher:
         self.queued: dict[int, Job] = {}  # job id -> Job, for the ids the scheduler hands back
         self.all_failed = asyncio.Event()  # set when no group is left to serve
         self.tokens_per_s = 0.0  # EWMA of encode throughput, for Retry-After
+        self.slots = ResultSlots()  # shared memory rank 0s write results into (worker/slots.py)
         self._batch_ids = 0
 
     def open(self, config: Config) -> None:
@@ -122,10 +124,19 @@ class Dispatcher:
         if budget := self._queue.visual_batch_max_tokens:
             self.metrics.batch_fill_ratio.observe(batch.tokens / budget)
         self._update_queue_gauges()
+        self._start(group, batch, "a batch")
+
+    def _start(self, group: WorkerGroup, batch: Batch, what: str) -> bool:
+        """Hand `batch` to the group with a result slot lent for its outputs; False (and the group failed)
+        when zmq refused it."""
+        batch.slot = self.slots.lend(slot_bytes(group.result_sizes(batch)))
         try:
             group.start_batch(batch)
         except Exception as exc:  # zmq refused the batch: the group cannot take work
-            self.fail_group(group, f"could not hand a batch to group {group.index}: {exc}")
+            self.slots.give_back(batch.slot)
+            self.fail_group(group, f"could not hand {what} to group {group.index}: {exc}")
+            return False
+        return True
 
     def _update_queue_gauges(self) -> None:
         if self.scheduler is not None:
@@ -139,7 +150,10 @@ class Dispatcher:
         while True:
             frames = await sock.recv_multipart(copy=False)
             try:
-                msg = m.decode([f.buffer for f in frames])
+                msg = m.decode([f.buffer for f in frames], self.slots.buffers)
+            except m.SlotError as exc:  # a result that cannot be read: its jobs fail, nothing waits forever
+                self._on_lost_result(exc)
+                continue
             except m.MessageError as exc:
                 log.warning("dropped a malformed message on the status socket: %s", exc)
                 continue
@@ -177,9 +191,11 @@ class Dispatcher:
         if self.warmup is not None:
             self._batch_ids += 1
             batch = Batch(self._batch_ids, [], time.monotonic(), warmup=self.warmup)
+            batch.slot = self.slots.lend(slot_bytes(group.result_sizes(batch)))
         try:
             group.warm_up(batch)
         except Exception as exc:  # zmq refused the batch: the group cannot take work
+            self.slots.give_back(batch.slot if batch is not None else "")
             self.fail_group(group, f"could not hand the warm-up encode to group {group.index}: {exc}")
             return
         if group.state is GroupState.READY:
@@ -216,6 +232,7 @@ class Dispatcher:
         if batch is None:
             log.warning("dropped a result for unknown batch %d from group %d", msg.batch_id, group.index)
             return
+        self.slots.give_back(batch.slot)  # the frames came instead (a slot its tensors use is held, not lent)
         if batch.warmup is not None:
             self._on_warmup(group, batch, msg.outputs)
             return
@@ -238,6 +255,22 @@ class Dispatcher:
 
     # ------------------------------------------------------------------------------------ faults
 
+    def _on_lost_result(self, exc: m.SlotError) -> None:
+        group = self._group(exc.group)
+        batch = group.finish_batch(exc.batch_id) if group is not None and group.alive else None
+        if group is None or batch is None:
+            log.warning("dropped an unreadable result of an unknown batch: %s", exc)
+            return
+        self.slots.give_back(batch.slot)
+        log.error("encoder group %d: %s", group.index, exc)
+        if batch.warmup is not None:
+            self.fail_group(group, f"the warm-up encode's result cannot be read: {exc}")
+            return
+        error = EncoderFailed(f"the encoder's result cannot be read: {exc}")
+        for job in batch.jobs:
+            job.settle(exc=error)
+        self.dispatch()
+
     def _on_error(self, group: WorkerGroup, msg: m.ErrorMsg) -> None:
         """A rank failed. Its peers usually fail a moment later in the collective ("connection reset");
         wait a beat so the error names the root cause first, then fail the group."""
@@ -255,6 +288,7 @@ class Dispatcher:
         reason = "; ".join([*group.errors, *([reason] if reason else [])])  # reported errors first
         batch = group.fail(reason)
         if batch is not None:
+            self.slots.retire(batch.slot)  # its rank may still write it while it is killed
             error = EncoderFailed(f"encoder group {group.index} failed: {reason}")
             for job in batch.jobs:
                 job.settle(exc=error)

@@ -215,6 +215,7 @@ class Engine:
         if self._shared is not None:
             await self._shared.close()
         self._status.close(linger=0)
+        self._dispatch.slots.close()
         self._zmq.term()
         self._sync_zmq.term()
         if self._ipc_dir is not None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from enum import Enum
 from multiprocessing.process import BaseProcess
 
+import torch
 import zmq
 
 from vitserve import processes
@@ -39,6 +40,7 @@ from vitserve.config import Config
 from vitserve.contract import ProcessedImage
 from vitserve.engine.jobs import Job
 from vitserve.model.base import Encoder
+from vitserve.rpc.tensors import DTYPES
 from vitserve.worker import messages as m
 from vitserve.worker.args import WorkerArgs
 from vitserve.worker.process import run_worker
@@ -66,6 +68,7 @@ class Batch:
     jobs: list[Job]
     started: float  # time.monotonic() at send
     warmup: ProcessedImage | None = None  # the warm-up encode: one image, no Jobs, kept out of the metrics
+    slot: str = ""  # the result slot lent for its outputs (worker/slots.py); "" for none
 
     @property
     def tokens(self) -> int:
@@ -235,7 +238,7 @@ class WorkerGroup:
             self.warmed()
             return
         self.state, self.batch = GroupState.WARMING, batch
-        self.send(m.BatchMsg(batch_id=batch.id, items=batch.items))
+        self.send(m.BatchMsg(batch_id=batch.id, items=batch.items, slot=batch.slot))
 
     def warmed(self) -> None:
         """The group passed its warm-up encode (or has none): it takes work from now on. Every rank took
@@ -256,7 +259,16 @@ class WorkerGroup:
         """Send a batch to rank 0 and hold it as in flight (an idle group only)."""
         assert self.idle, f"group {self.index} is not idle"
         self.batch = batch
-        self.send(m.BatchMsg(batch_id=batch.id, items=batch.items))
+        self.send(m.BatchMsg(batch_id=batch.id, items=batch.items, slot=batch.slot))
+
+    def result_sizes(self, batch: Batch) -> list[int]:
+        """The bytes of each tensor rank 0 returns for `batch` (an embedding and its DeepStack levels per
+        item), from what rank 0 said it is; [] before its READY."""
+        ready = self.ready.get(0)
+        if ready is None or ready.dtype not in DTYPES:
+            return []
+        row = ready.embed_dim * torch.empty((), dtype=DTYPES[ready.dtype]).element_size()
+        return [it.num_tokens * row for it in batch.items for _ in range(1 + ready.num_deepstack)]
 
     def finish_batch(self, batch_id: int) -> Batch | None:
         """The in-flight batch a RESULT answers, which is no longer in flight; None when it is not ours."""

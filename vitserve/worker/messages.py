@@ -10,7 +10,7 @@ broadcast.py); that path carries only int64 metadata and the pixel tensors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
@@ -26,6 +26,14 @@ VERSION = 1
 
 class MessageError(ValueError):
     """A frame that is not a well-formed vitserve internal message (garbage, pickle, wrong version)."""
+
+
+class SlotError(MessageError):
+    """A well-formed RESULT whose result slot cannot be read: the engine fails that batch's jobs."""
+
+    def __init__(self, message: str, group: int, batch_id: int):
+        super().__init__(message)
+        self.group, self.batch_id = group, batch_id
 
 
 class Kind(str, Enum):  # noqa: UP042 (str(Kind.X) stays "Kind.X" in logs; the wire uses .value)
@@ -45,6 +53,7 @@ class Kind(str, Enum):  # noqa: UP042 (str(Kind.X) stays "Kind.X" in logs; the w
 class BatchMsg:
     batch_id: int  # engine-assigned, unique per engine
     items: list[ProcessedImage]  # in queue order; outputs come back in the same order
+    slot: str = ""  # a result slot the engine lent for the outputs (worker/slots.py); "" for none
     kind: Kind = Kind.BATCH
 
 
@@ -137,7 +146,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
             for it in msg.items
         ]
         return _pack(
-            {"kind": msg.kind.value, "batch_id": msg.batch_id, "items": items},
+            {"kind": msg.kind.value, "batch_id": msg.batch_id, "items": items, "slot": msg.slot},
             [it.pixel_values for it in msg.items],
         )
     if isinstance(msg, ResultMsg):
@@ -157,10 +166,24 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     return _pack(fields, [])
 
 
+def in_slot(
+    frames: Sequence[bytes | memoryview], slot: str, spans: list[tuple[int, int]]
+) -> list[bytes | memoryview]:
+    """A message whose tensor frames were written into the result slot `slot` at `spans`
+    (worker/slots.py write_slot): its header alone, naming them."""
+    header = msgpack.unpackb(bytes(frames[0]), raw=False, strict_map_key=True)
+    return [msgpack.packb({**header, "slot": slot, "spans": [list(s) for s in spans]})]
+
+
 # ---------------------------------------------------------------------------------------------- decode
 
+# The engine's reading of a result slot: (slot, spans) -> one buffer per span (worker/slots.py ResultSlots.buffers)
+SlotReader = Callable[[str, list[list[int]]], list[memoryview]]
 
-def _unpack(frames: Sequence[bytes | memoryview]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+
+def _unpack(
+    frames: Sequence[bytes | memoryview], slots: SlotReader | None
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
     if not frames:
         raise MessageError("empty message")
     try:
@@ -170,23 +193,46 @@ def _unpack(frames: Sequence[bytes | memoryview]) -> tuple[dict[str, Any], list[
     if not isinstance(header, dict) or header.get("v") != VERSION:
         raise MessageError(f"not a version-{VERSION} vitserve message")
     specs = header.pop("tensors", [])
-    if not isinstance(specs, list) or len(specs) != len(frames) - 1:
+    buffers = _slot_buffers(header, frames, slots) if "spans" in header else list(frames[1:])
+    if not isinstance(specs, list) or len(specs) != len(buffers):
         raise MessageError(
             f"header describes {len(specs) if isinstance(specs, list) else '?'} tensors "
-            f"but {len(frames) - 1} frames follow"
+            f"but {len(buffers)} {'spans' if 'spans' in header else 'frames'} follow"
         )
     try:
         tensors = [
-            tensor_from_buffer(buf, dt, shape) for buf, (dt, shape) in zip(frames[1:], specs, strict=False)
+            tensor_from_buffer(buf, dt, shape) for buf, (dt, shape) in zip(buffers, specs, strict=False)
         ]
     except (ValueError, TypeError) as exc:
         raise MessageError(f"bad tensor frame: {exc}") from exc
     return header, tensors
 
 
-def decode(frames: Sequence[bytes | memoryview]) -> Message:
-    """One message from its ZMQ frames; raises MessageError on anything malformed."""
-    header, tensors = _unpack(frames)
+def _slot_buffers(
+    header: dict[str, Any], frames: Sequence[bytes | memoryview], slots: SlotReader | None
+) -> list[memoryview]:
+    slot, spans = header.pop("slot", None), header.pop("spans")
+    if slots is None or header.get("kind") != Kind.RESULT.value:
+        raise MessageError("a message in a result slot where none was lent")
+    if len(frames) != 1 or not isinstance(slot, str) or not isinstance(spans, list):
+        raise MessageError("a result slot's message is its header alone, naming the slot and spans")
+    if not all(isinstance(s, list) and len(s) == 2 and all(type(v) is int for v in s) for s in spans):
+        raise MessageError(f"bad result slot spans {spans!r}")
+    try:
+        return slots(slot, spans)
+    except (ValueError, OSError) as exc:  # not lent, spans past what was written, no memory to map it
+        group, batch_id = header.get("group"), header.get("batch_id")
+        if type(group) is not int or type(batch_id) is not int:
+            raise MessageError(f"a result slot's header without its group and batch: {exc}") from exc
+        raise SlotError(
+            f"result slot {slot!r} of batch {batch_id} cannot be read: {exc}", group, batch_id
+        ) from exc
+
+
+def decode(frames: Sequence[bytes | memoryview], slots: SlotReader | None = None) -> Message:
+    """One message from its ZMQ frames; raises MessageError on anything malformed. `slots`: the engine's
+    result slots, where a RESULT's tensors may be (in_slot)."""
+    header, tensors = _unpack(frames, slots)
     header.pop("v")
     try:
         kind = Kind(header.pop("kind", None))
@@ -215,7 +261,10 @@ def _decode_batch(header: dict[str, Any], tensors: list[torch.Tensor]) -> BatchM
         )
         for m, pv in zip(metas, tensors, strict=False)
     ]
-    return BatchMsg(batch_id=int(header["batch_id"]), items=items)
+    slot = header.get("slot", "")
+    if not isinstance(slot, str):
+        raise MessageError(f"bad result slot {slot!r}")
+    return BatchMsg(batch_id=int(header["batch_id"]), items=items, slot=slot)
 
 
 def _decode_result(header: dict[str, Any], tensors: list[torch.Tensor]) -> ResultMsg:

@@ -35,6 +35,7 @@ from vitserve.worker.liveness import LivenessThread, LoopCounters
 from vitserve.worker.rendezvous import beat_for, open_store
 from vitserve.worker.reservation import PeakWatch, Reservation, reserve_for_rank
 from vitserve.worker.reservation.published import publish_reservation, remove_reservation
+from vitserve.worker.slots import write_slot
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ class RankWorker:
             if self.peak_watch is not None:
                 self.peak_watch.check()  # a live peak above the reservation: warn, re-measure next start
             if self.args.rank == 0:
-                self._reply(batch.batch_id, outputs, started)  # 3) embeddings back to the engine
+                self._reply(batch, outputs, started)  # 3) embeddings back to the engine
             # Drop this batch's frames before waiting for the next: otherwise two batches' pixels are live in
             # zmq's receive arena at once, and the runtime peak outgrows the reservation (docs/design.md invariant 7).
             del batch, outputs
@@ -308,17 +309,20 @@ class RankWorker:
         item.pixel_values = item.pixel_values.to(self.device, non_blocking=True)
         return item
 
-    def _reply(self, batch_id: int, outputs: list[EncodedImage], started: float) -> None:
+    def _reply(self, batch: m.BatchMsg, outputs: list[EncodedImage], started: float) -> None:
         """The embeddings to the engine, with the forward's seconds since `started` (the copy to the host
-        included: on a GPU it waits for the forward's kernels)."""
+        included: on a GPU it waits for the forward's kernels): into the result slot the engine lent, else
+        as frames (worker/slots.py)."""
         cpu = [
             type(o)(embedding=o.embedding.cpu(), deepstack=[d.cpu() for d in o.deepstack]) for o in outputs
         ]
         forward_s = time.perf_counter() - started
-        self.status.send_multipart(
-            m.encode(m.ResultMsg(group=self.args.group, batch_id=batch_id, outputs=cpu, forward_s=forward_s)),
-            copy=False,
-        )
+        result = m.ResultMsg(group=self.args.group, batch_id=batch.batch_id, outputs=cpu, forward_s=forward_s)
+        frames = m.encode(result)
+        spans = write_slot(batch.slot, frames[1:]) if batch.slot else None
+        if spans is not None:
+            frames = m.in_slot(frames, batch.slot, spans)
+        self.status.send_multipart(frames, copy=False)
 
     # ------------------------------------------------------------------------------------ exit paths
 
