@@ -34,7 +34,7 @@ def test_spans_are_aligned_and_side_by_side():
 
 def test_a_result_written_into_its_slot_decodes_to_views_of_the_engines_mapping():
     # another process (a real rank 0) writes it in tests/integration/test_engine.py
-    slots = ResultSlots()
+    slots = ResultSlots(min_bytes=0)
     msg = _result()
     frames = m.encode(msg)
     name = slots.lend(slot_bytes([memoryview(f).nbytes for f in frames[1:]]))
@@ -57,7 +57,7 @@ def test_a_result_written_into_its_slot_decodes_to_views_of_the_engines_mapping(
 
 
 def test_the_slot_is_held_while_any_tensor_over_it_lives_then_lent_again():
-    slots = ResultSlots(max_slots=1)
+    slots = ResultSlots(max_slots=1, min_bytes=0)
     frames = m.encode(_result())
     name = slots.lend(100)
     spans = write_slot(name, frames[1:])
@@ -77,7 +77,7 @@ def test_the_slot_is_held_while_any_tensor_over_it_lives_then_lent_again():
 
 
 def test_free_slots_beyond_keep_free_are_closed_and_lend_prefers_one_that_fits():
-    slots = ResultSlots(max_slots=4, keep_free=1)
+    slots = ResultSlots(max_slots=4, keep_free=1, min_bytes=0)
     a, b = slots.lend(10), slots.lend(10)
     assert a != b
     assert slots.states() == ["lent", "lent"]
@@ -95,7 +95,7 @@ def test_free_slots_beyond_keep_free_are_closed_and_lend_prefers_one_that_fits()
 
 
 def test_a_slot_not_lent_or_a_span_past_what_was_written_is_refused_and_the_slot_freed():
-    slots = ResultSlots()
+    slots = ResultSlots(min_bytes=0)
     with pytest.raises(ValueError, match="was not lent"):
         slots.buffers("/proc/1/fd/3", [[0, 4]])
     name = slots.lend(64)
@@ -115,7 +115,7 @@ def test_decode_refuses_a_slot_message_where_none_was_lent_and_names_the_batch_o
     slotted = m.in_slot(frames, "/proc/1/fd/3", [(0, 8)] * 6)
     with pytest.raises(m.MessageError, match="none was lent"):
         m.decode(slotted)
-    slots = ResultSlots()
+    slots = ResultSlots(min_bytes=0)
     with pytest.raises(m.SlotError, match="batch 7") as err:
         m.decode(slotted, slots.buffers)
     assert (err.value.group, err.value.batch_id) == (0, 7)
@@ -126,7 +126,7 @@ def test_decode_refuses_a_slot_message_where_none_was_lent_and_names_the_batch_o
 
 def test_an_unwritable_slot_leaves_the_frames_and_a_retired_slot_is_never_lent_again():
     assert write_slot("/proc/self/fd/999999", [bytes(8)]) is None
-    slots = ResultSlots(max_slots=1)
+    slots = ResultSlots(max_slots=1, min_bytes=0)
     name = slots.lend(8)
     write_slot(name, [bytes(8)])
     slots.retire(name)
@@ -134,6 +134,13 @@ def test_an_unwritable_slot_leaves_the_frames_and_a_retired_slot_is_never_lent_a
     assert os.fstat(fd).st_size == 0  # emptied; its fd stays open so the number names nothing else
     assert slots.states() == []
     assert slots.lend(8) != name
+    slots.close()
+
+
+def test_a_result_under_min_bytes_comes_as_frames():
+    slots = ResultSlots(min_bytes=1000)
+    assert slots.lend(999) == ""
+    assert slots.lend(1000) != ""
     slots.close()
 
 

@@ -9,7 +9,7 @@ and the result's tensors are views of that mapping: no copy and no page fault on
 
 Protocol (engine/dispatch.py, worker/rank.py, worker/messages.py):
 - the engine lends one slot per batch (`BatchMsg.slot`: a /proc path to one of its memfds; "" for none) when
-  one of the result's size can be had (at most MAX_SLOTS slots, KEEP_FREE kept between uses);
+  the result has MIN_BYTES or more and a slot can be had (at most MAX_SLOTS slots, KEEP_FREE kept between uses);
 - rank 0 writes the result's tensor frames into it (`write_slot`) and sends the RESULT with their spans in
   place of the frames; where it cannot (any OSError: no /proc, no memory), it sends the frames as before;
 - the engine turns the spans into views (`ResultSlots.buffers`); the slot is held until the last tensor over
@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 ALIGN = 64  # bytes: every tensor starts on a 64-byte boundary of the slot
 MAX_SLOTS = 8  # lent + held + free: beyond it a batch's result comes through the socket
 KEEP_FREE = 2  # free slots kept for the next results (their pages already exist); more are closed
+# Smaller results come as frames: glibc serves an allocation below its mmap threshold (at most 32 MiB) from heap
+# pages it reuses, so zmq's copy of them costs no page faults, and a slot measured no faster there (3.7-29 MB:
+# 1.03-1.38x the frames' median; 133.7 MB: 0.33x; bench/RESULTS.md "The rank's result in shared memory")
+MIN_BYTES = 32 * 2**20
 
 
 def spans_for(sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -87,8 +91,8 @@ class ResultSlots:
     Thread-safe: the views' finalizers run wherever the last reference goes (the event loop, a hand-over
     thread)."""
 
-    def __init__(self, max_slots: int = MAX_SLOTS, keep_free: int = KEEP_FREE):
-        self.max_slots, self.keep_free = max_slots, keep_free
+    def __init__(self, max_slots: int = MAX_SLOTS, keep_free: int = KEEP_FREE, min_bytes: int = MIN_BYTES):
+        self.max_slots, self.keep_free, self.min_bytes = max_slots, keep_free, min_bytes
         self._lock = threading.Lock()
         self._slots: dict[str, _Slot] = {}
         self._retired: list[_Slot] = []
@@ -97,7 +101,7 @@ class ResultSlots:
 
     def lend(self, nbytes: int) -> str:
         """A slot for a result of `nbytes` (its name, now lent), or "" when none is to be had."""
-        if not self.enabled or nbytes <= 0:
+        if not self.enabled or nbytes <= 0 or nbytes < self.min_bytes:
             return ""
         with self._lock:
             free = [s for s in self._slots.values() if s.state == "free"]
