@@ -89,8 +89,9 @@ def test_free_slots_beyond_keep_free_are_closed_and_lend_prefers_one_that_fits()
     views = slots.buffers(big, [[0, 1000]])
     del views
     gc.collect()
-    small = slots.lend(10)
-    assert small == big  # the free one holds it
+    assert slots.lend(600) == big  # the free one holds it, and not more than twice it
+    slots.give_back(big)
+    assert slots.lend(10) != big  # 1000 bytes would be held for 10: a new slot instead
     slots.close()
 
 

@@ -104,12 +104,16 @@ class ResultSlots:
         if not self.enabled or nbytes <= 0 or nbytes < self.min_bytes:
             return ""
         with self._lock:
-            free = [s for s in self._slots.values() if s.state == "free"]
-            # the smallest that holds it without growing; else the largest (it grows the least); else a new one
-            fits = sorted((s for s in free if s.size >= nbytes), key=lambda s: s.size)
-            slot = fits[0] if fits else max(free, key=lambda s: s.size, default=None)
+            free = sorted((s for s in self._slots.values() if s.state == "free"), key=lambda s: s.size)
+            # one that holds it without growing and without pinning more than twice it (a held result keeps
+            # its whole slot); else one smaller (it grows); else a new one; else whatever is free
+            fits = [s for s in free if nbytes <= s.size <= 2 * nbytes]
+            smaller = [s for s in free if s.size < nbytes]
+            slot = fits[0] if fits else smaller[-1] if smaller else None
             if slot is None and len(self._slots) < self.max_slots:
                 slot = self._new()
+            if slot is None and free:
+                slot = free[0]
             if slot is None:
                 return ""
             slot.state = "lent"
