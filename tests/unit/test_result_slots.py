@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 
 import pytest
 import torch
@@ -135,6 +136,29 @@ def test_an_unwritable_slot_leaves_the_frames_and_a_retired_slot_is_never_lent_a
     assert os.fstat(fd).st_size == 0  # emptied; its fd stays open so the number names nothing else
     assert slots.states() == []
     assert slots.lend(8) != name
+    slots.close()
+
+
+def test_a_view_that_dies_while_the_slots_lock_is_held_frees_its_slot_later_without_a_deadlock():
+    # the cyclic GC may run a finalizer in the middle of one of ResultSlots' own methods, under its lock
+    slots = ResultSlots(min_bytes=0)
+    name = slots.lend(16)
+    write_slot(name, [bytes(16)])
+    views = slots.buffers(name, [[0, 16]])
+    done = threading.Event()
+
+    def drop_under_the_lock():
+        nonlocal views
+        with slots._lock:
+            views = None  # the last view goes: its finalizer runs here, in this thread
+            gc.collect()
+        done.set()
+
+    worker = threading.Thread(target=drop_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert done.is_set(), "a finalizer waited for the lock its own thread holds"
+    assert slots.states() == ["free"]
     slots.close()
 
 

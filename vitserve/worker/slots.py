@@ -22,6 +22,7 @@ the last process that holds it: nothing is left behind by a crash.
 
 from __future__ import annotations
 
+import collections
 import logging
 import mmap
 import os
@@ -89,13 +90,15 @@ class ResultSlots:
     """The engine's side: memfds lent to rank 0s, one per batch in flight, and views of what they wrote.
 
     Thread-safe: the views' finalizers run wherever the last reference goes (the event loop, a hand-over
-    thread)."""
+    thread, or the cyclic GC in the middle of one of these methods), so a finalizer only queues its slot, and
+    each method frees what is queued under the lock first."""
 
     def __init__(self, max_slots: int = MAX_SLOTS, keep_free: int = KEEP_FREE, min_bytes: int = MIN_BYTES):
         self.max_slots, self.keep_free, self.min_bytes = max_slots, keep_free, min_bytes
         self._lock = threading.Lock()
         self._slots: dict[str, _Slot] = {}
         self._retired: list[_Slot] = []
+        self._released: collections.deque[_Slot] = collections.deque()  # held slots whose views are gone
         self.read = 0  # results read from a slot (their tensors over it)
         self.enabled = hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
 
@@ -104,6 +107,7 @@ class ResultSlots:
         if not self.enabled or nbytes <= 0 or nbytes < self.min_bytes:
             return ""
         with self._lock:
+            self._drain()
             free = sorted((s for s in self._slots.values() if s.state == "free"), key=lambda s: s.size)
             # one that holds it without growing and without pinning more than twice it (a held result keeps
             # its whole slot); else one smaller (it grows); else a new one; else whatever is free
@@ -122,6 +126,7 @@ class ResultSlots:
     def give_back(self, name: str) -> None:
         """A lent slot its result did not use."""
         with self._lock:
+            self._drain()
             slot = self._slots.get(name)
             if slot is not None and slot.state == "lent":
                 self._free(slot)
@@ -130,6 +135,7 @@ class ResultSlots:
         """A lent slot whose rank failed: it may still be written, so it is emptied and never lent again (its
         fd stays open until close, so its number cannot name another slot meanwhile)."""
         with self._lock:
+            self._drain()
             slot = self._slots.get(name)
             if slot is None or slot.state != "lent":  # a held slot's views must keep their pages
                 return
@@ -143,6 +149,7 @@ class ResultSlots:
         """Writable views of the spans rank 0 wrote into the lent slot `name`, which is held until every view
         (and every tensor over one) is gone. ValueError for a slot not lent or a span outside what was written."""
         with self._lock:
+            self._drain()
             slot = self._slots.get(name)
             if slot is None or slot.state != "lent":
                 raise ValueError(f"result slot {name!r} was not lent")
@@ -162,11 +169,13 @@ class ResultSlots:
     def states(self) -> list[str]:
         """Each slot's state (free, lent, held), for tests and logs."""
         with self._lock:
+            self._drain()
             return sorted(s.state for s in self._slots.values())
 
     def close(self) -> None:
         """Close every slot (the views still alive keep their mappings)."""
         with self._lock:
+            self._drain()
             for slot in [*self._slots.values(), *self._retired]:
                 os.close(slot.fd)
             self._slots.clear()
@@ -197,7 +206,11 @@ class ResultSlots:
         return slot
 
     def _release(self, slot: _Slot) -> None:
-        with self._lock:
+        self._released.append(slot)  # no lock here: this may run inside a method that holds it
+
+    def _drain(self) -> None:
+        while self._released:
+            slot = self._released.popleft()
             if slot.state == "held" and self._slots.get(slot.name) is slot:
                 self._free(slot)
 
