@@ -121,6 +121,10 @@ def test_decode_refuses_a_slot_message_where_none_was_lent_and_names_the_batch_o
     with pytest.raises(m.SlotError, match="batch 7") as err:
         m.decode(slotted, slots.buffers)
     assert (err.value.group, err.value.batch_id) == (0, 7)
+    name = slots.lend(64)
+    write_slot(name, [bytes(8)])
+    with pytest.raises(m.MessageError, match="6 tensors but 1 spans follow"):  # the count, named as spans
+        m.decode(m.in_slot(frames, name, [(0, 8)]), slots.buffers)
     with pytest.raises(m.MessageError, match="bad result slot spans"):
         m.decode(m.in_slot(frames, "/proc/1/fd/3", [(0, "8")] * 6), slots.buffers)  # type: ignore[list-item]
     slots.close()

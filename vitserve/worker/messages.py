@@ -193,11 +193,12 @@ def _unpack(
     if not isinstance(header, dict) or header.get("v") != VERSION:
         raise MessageError(f"not a version-{VERSION} vitserve message")
     specs = header.pop("tensors", [])
-    buffers = _slot_buffers(header, frames, slots) if "spans" in header else list(frames[1:])
+    in_a_slot = "spans" in header  # _slot_buffers takes the spans out of the header
+    buffers = _slot_buffers(header, frames, slots) if in_a_slot else list(frames[1:])
     if not isinstance(specs, list) or len(specs) != len(buffers):
         raise MessageError(
             f"header describes {len(specs) if isinstance(specs, list) else '?'} tensors "
-            f"but {len(buffers)} {'spans' if 'spans' in header else 'frames'} follow"
+            f"but {len(buffers)} {'spans' if in_a_slot else 'frames'} follow"
         )
     try:
         tensors = [
