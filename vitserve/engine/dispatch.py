@@ -124,19 +124,16 @@ class Dispatcher:
         if budget := self._queue.visual_batch_max_tokens:
             self.metrics.batch_fill_ratio.observe(batch.tokens / budget)
         self._update_queue_gauges()
-        self._start(group, batch, "a batch")
-
-    def _start(self, group: WorkerGroup, batch: Batch, what: str) -> bool:
-        """Hand `batch` to the group with a result slot lent for its outputs; False (and the group failed)
-        when zmq refused it."""
-        batch.slot = self.slots.lend(slot_bytes(group.result_sizes(batch)))
+        self._lend(group, batch)
         try:
             group.start_batch(batch)
         except Exception as exc:  # zmq refused the batch: the group cannot take work
             self.slots.give_back(batch.slot)
-            self.fail_group(group, f"could not hand {what} to group {group.index}: {exc}")
-            return False
-        return True
+            self.fail_group(group, f"could not hand a batch to group {group.index}: {exc}")
+
+    def _lend(self, group: WorkerGroup, batch: Batch) -> None:
+        """A result slot for the batch's outputs, where one is worth it and can be had (worker/slots.py)."""
+        batch.slot = self.slots.lend(slot_bytes(group.result_sizes(batch)))
 
     def _update_queue_gauges(self) -> None:
         if self.scheduler is not None:
@@ -191,7 +188,7 @@ class Dispatcher:
         if self.warmup is not None:
             self._batch_ids += 1
             batch = Batch(self._batch_ids, [], time.monotonic(), warmup=self.warmup)
-            batch.slot = self.slots.lend(slot_bytes(group.result_sizes(batch)))
+            self._lend(group, batch)
         try:
             group.warm_up(batch)
         except Exception as exc:  # zmq refused the batch: the group cannot take work

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from enum import Enum
 from multiprocessing.process import BaseProcess
 
-import torch
 import zmq
 
 from vitserve import processes
@@ -267,7 +266,7 @@ class WorkerGroup:
         ready = self.ready.get(0)
         if ready is None or ready.dtype not in DTYPES:
             return []
-        row = ready.embed_dim * torch.empty((), dtype=DTYPES[ready.dtype]).element_size()
+        row = ready.embed_dim * DTYPES[ready.dtype].itemsize
         return [it.num_tokens * row for it in batch.items for _ in range(1 + ready.num_deepstack)]
 
     def finish_batch(self, batch_id: int) -> Batch | None:

@@ -81,8 +81,7 @@ class _Slot:
     fd: int
     name: str  # what a rank opens: /proc/<engine pid>/fd/<fd>
     size: int = 0  # bytes written into it so far (a memfd only grows here)
-    mapping: mmap.mmap | None = None  # the engine's, of `mapped` bytes; replaced when the slot grew
-    mapped: int = 0
+    mapping: mmap.mmap | None = None  # the engine's; replaced when the slot grew past it
     state: str = "free"  # free -> lent -> held (views alive) -> free; or retired
 
 
@@ -195,8 +194,8 @@ class ResultSlots:
         if end > size:
             raise ValueError(f"spans up to byte {end} of result slot {slot.name!r}, which holds {size}")
         slot.size = size
-        if slot.mapping is None or slot.mapped < size:  # views of an older mapping keep that one alive
-            slot.mapping, slot.mapped = mmap.mmap(slot.fd, size), size
+        if slot.mapping is None or len(slot.mapping) < size:  # views of an older mapping keep that one alive
+            slot.mapping = mmap.mmap(slot.fd, size)
         return np.frombuffer(slot.mapping, dtype=np.uint8, count=end)
 
     def _new(self) -> _Slot:
