@@ -69,7 +69,7 @@ async def test_encode_matches_reference_and_shuts_down_clean(tmp_path, tp):
 
 async def test_a_result_slot_rank_0_cannot_write_leaves_the_result_to_the_status_socket(tmp_path):
     # worker/slots.py: a slot rank 0 cannot open (here: no such fd in its process) is no failure; the frames
-    # come as before, equal, and the slot is the engine's again
+    # come as before, equal, and nothing is read from a slot
     async with running_engine(make_config(tmp_path)) as engine:
         slots = engine._dispatch.slots
         slots.lend = lambda nbytes: "/proc/self/fd/999999"  # type: ignore[method-assign]
