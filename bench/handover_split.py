@@ -17,7 +17,8 @@ Per point, best and median of the repeats, one thread (vitserve's pool thread se
 - read_entry: the worker's vitserve.connector.files.read_entry (one read(2) into a tensor of its own; the bench
   drops each tensor, so from the second on it reads into a reused buffer whose pages are there);
 - wire / wire+curve: the whole of today's path, a real LLMSender to a real EmbeddingStore (encode done ->
-  acknowledged -> read_entry done: in the encoder cache on a CPU);
+  acknowledged -> read_entry done: in the encoder cache on a CPU); wire+tag: the same keyed with
+  `wire_security: tag` (vitserve/rpc/tag.py: an AES-GMAC tag per message, no encryption);
 - ec_storage: vitserve's safetensors file (ec_files.write_file) + the header check + vLLM's ECExampleConnector
   load (`safetensors.torch.load_file(path)["ec_cache"].clone()`), the path the cross-host target compares with;
 - same host: vitserve writes the tensor into the connector's incoming area (vitserve/handover/same_host.py;
@@ -53,6 +54,7 @@ import zmq  # noqa: E402
 
 from bench import harness  # noqa: E402
 from vitserve.connector import keys  # noqa: E402
+from vitserve.connector.allowlist import DEFAULT_ACCEPT_FROM, Allowlist  # noqa: E402
 from vitserve.connector.files import TensorDir, read_entry  # noqa: E402
 from vitserve.connector.pool import POOL  # noqa: E402
 from vitserve.connector.store import EmbeddingStore, Shape, as_dict  # noqa: E402
@@ -126,13 +128,14 @@ def zmq_round(
 
 
 def wire_whole(parts: list[torch.Tensor], grid: tuple[int, int, int], root: Path, key: str | None,
-               repeats: int) -> tuple[float, float]:  # fmt: skip
+               repeats: int, security: str = "curve") -> tuple[float, float]:  # fmt: skip
     """Today's path: LLMSender -> EmbeddingStore, acknowledged, then read_entry."""
     width = sum(int(p.shape[1]) for p in parts)
+    accept_from = Allowlist(DEFAULT_ACCEPT_FROM, "accept_from") if security == "tag" else None
     store = EmbeddingStore("tcp://127.0.0.1:*", 4 << 30, Shape(width, 2), directory=str(root), log=_LOG,
-                           key=SECRET if key else None)  # fmt: skip
+                           key=SECRET if key else None, accept_from=accept_from)  # fmt: skip
     times = []
-    with contextlib.closing(store), LLMSender(store.endpoint, key_file=key) as sender:
+    with contextlib.closing(store), LLMSender(store.endpoint, key_file=key, security=security) as sender:
         assert sender.wait_reachable(30), f"no connection to the store on {store.endpoint}"
         for i in range(repeats + 1):
             m = message(parts, grid)
@@ -187,6 +190,7 @@ def point(image: str, width: int, root: Path, key: str, repeats: int) -> dict:
         tdir.close()
     out["wire"] = wire_whole(parts, grid, root, None, repeats)
     out["wire_curve"] = wire_whole(parts, grid, root, key, repeats)
+    out["wire_tag"] = wire_whole(parts, grid, root, key, repeats, security="tag")
     out["ec_storage"] = ec_storage(tensor, root, repeats)
     out.update(same_host(parts, grid, root, repeats))
     out.update(same_host(parts, grid, root, repeats, recycled=True))
@@ -210,7 +214,7 @@ def same_host(parts: list[torch.Tensor], grid: tuple[int, int, int], root: Path,
     whole, writes, warm = [], [], 2 if recycled else 1  # recycled: the first two writes find the pool empty
     with contextlib.closing(store), LLMSender(store.endpoint) as sender:
         assert sender.wait_reachable(30), f"no connection to the store on {store.endpoint}"
-        same = SameHost(sender, None)
+        same = SameHost(sender)
         assert same.dtype(torch.float32) == torch.bfloat16, "the connector did not say it serves bfloat16"
         assert same.local, "the same-host path is not taken"
         incoming = Path(same.info.incoming)  # type: ignore[union-attr]
@@ -240,7 +244,7 @@ def same_host(parts: list[torch.Tensor], grid: tuple[int, int, int], root: Path,
 
 
 COLUMNS = ("memcpy", "clone", "cast", "encode", "zmq", "zmq_curve", "file_write", "read_entry", "wire",
-           "wire_curve", "ec_storage", "same_host_write", "same_host", "same_host_write_recycled",
+           "wire_curve", "wire_tag", "ec_storage", "same_host_write", "same_host", "same_host_write_recycled",
            "same_host_recycled")  # fmt: skip
 
 

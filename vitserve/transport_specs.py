@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
-from vitserve.config import Config
+from vitserve.config import WIRE_SECURITIES, Config
 from vitserve.endpoints import host_only, rank_endpoint
 from vitserve.errors import ConfigError
 from vitserve.families import Family
@@ -119,7 +119,7 @@ class EcStorageSpec(_MetadataParts):
 class WireSpec(_MetadataParts):
     name = "wire"
     help = "pushed to vitserve's vLLM connector at --llm_endpoint (a metadata-only part)"
-    flags = ("wire_key_file", "llm_dp_size")
+    flags = ("wire_key_file", "wire_security", "llm_dp_size")
     banner = ("wire", ("llm_dp_size",))
     owns_llm_endpoint = True
 
@@ -140,6 +140,7 @@ class WireSpec(_MetadataParts):
                 "(tcp://127.0.0.1:PORT, ipc://PATH)"
             )
         _check_dp_size(config.llm_endpoint, config.llm_dp_size)
+        _check_security(config.wire_security, config.wire_key_file)
 
     @classmethod
     def info(cls, config: Config) -> dict[str, Any]:
@@ -151,6 +152,17 @@ class WireSpec(_MetadataParts):
         """A key file this process can read (its contents are the connector's shared secret: never logged)."""
         super().preflight(config, family)
         _readable_key(config)
+
+
+def _check_security(security: str | None, key_file: str | None) -> None:
+    if security is None:
+        return
+    if security not in WIRE_SECURITIES:
+        raise ConfigError(f"--wire_security must be one of {', '.join(WIRE_SECURITIES)}, not {security!r}")
+    if security == "tag" and key_file is None:
+        raise ConfigError(
+            "--wire_security tag tags each message with the connector's secret: set --wire_key_file"
+        )
 
 
 class PullSpec(_MetadataParts):

@@ -83,7 +83,7 @@ def test_the_hello_says_where_and_what_and_vitserve_sees_the_same_directory(stor
 def test_one_write_the_connector_adopts_it_whole_in_vllms_dtype_and_nothing_is_left(store):
     with LLMSender(store.endpoint) as sender:
         assert sender.wait_reachable(30)
-        same = SameHost(sender, None)
+        same = SameHost(sender)
         assert same.dtype(torch.float32) == torch.bfloat16
         assert same.local
         m = message("a" * 64)
@@ -101,7 +101,7 @@ def test_one_write_the_connector_adopts_it_whole_in_vllms_dtype_and_nothing_is_l
 def test_across_hosts_the_bytes_travel_already_cast(store):
     with LLMSender(store.endpoint) as sender:
         assert sender.wait_reachable(30)
-        same = SameHost(sender, None)
+        same = SameHost(sender)
         assert same.dtype(torch.float32) == torch.bfloat16
         same.local = False  # what a vitserve of another host finds: the token is not readable there
         same.send(message("b" * 64), time.monotonic() + 30, torch.bfloat16).wait(30)
@@ -204,7 +204,7 @@ def test_a_full_device_the_write_fails_cleanly_and_the_bytes_are_refused_device_
         EmbeddingStore("tcp://127.0.0.1:*", 10 << 20, Shape(WIDTH, 2), directory=str(tmpfs), dtype="float32")
     ) as s, LLMSender(s.endpoint) as sender:  # fmt: skip
         assert sender.wait_reachable(30)
-        same = SameHost(sender, None)
+        same = SameHost(sender)
         assert same.dtype(torch.float32) == torch.float32
         assert same.local
         (tmpfs / "filler").write_bytes(b"\0" * (700 << 10))
@@ -237,7 +237,7 @@ def test_a_restarted_connector_is_asked_again_and_its_new_area_is_used(tmp_path)
     endpoint = first.endpoint
     with LLMSender(endpoint) as sender:
         assert sender.wait_reachable(30)
-        same = SameHost(sender, None)
+        same = SameHost(sender)
         same.send(message("a" * 64), time.monotonic() + 30, torch.float32).wait(30)
         first.close()  # vLLM restarted: its directory and token are gone
         with contextlib.closing(

@@ -56,7 +56,7 @@ def expected(m) -> torch.Tensor:
 def test_a_spent_file_is_pooled_and_the_next_write_reuses_it_with_the_right_contents(store):
     with LLMSender(store.endpoint) as sender:
         assert sender.wait_reachable(30)
-        same = SameHost(sender, None)
+        same = SameHost(sender)
         assert same.dtype(torch.float32) == torch.bfloat16
         sent = {}
         for uuid, rows in (("a" * 64, 12), ("b" * 64, 12), ("c" * 64, 12), ("d" * 64, 8)):

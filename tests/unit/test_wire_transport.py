@@ -57,6 +57,21 @@ from vitserve.transport_specs import WireSpec
         ),
         (["--llm_url", "http://h:1", "--wire_key_file", "/k"], "--wire_key_file is used only with"),
         (["--llm_url", "http://h:1", "--llm_endpoint", "tcp://h:1"], "or both with --llm_transport wire"),
+        (
+            ["--llm_url", "http://h:1", "--llm_transport", "wire", "--llm_endpoint", "tcp://127.0.0.1:1",
+             "--wire_security", "tag"],
+            "--wire_security tag tags each message with the connector's secret: set --wire_key_file",
+        ),
+        (
+            ["--llm_url", "http://h:1", "--llm_transport", "wire", "--llm_endpoint", "tcp://127.0.0.1:1",
+             "--wire_security", "plain"],
+            "--wire_security must be one of curve, tag",
+        ),
+        (
+            ["--llm_url", "http://h:1", "--llm_transport", "pull", "--pull_bind", "tcp://127.0.0.1:1",
+             "--wire_security", "tag"],
+            "--wire_security is used only with --llm_transport wire",
+        ),
     ],
 )  # fmt: skip
 def test_a_wire_setting_that_cannot_work_is_refused_naming_its_flag(argv, message):

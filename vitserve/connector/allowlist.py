@@ -15,12 +15,14 @@ from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 DEFAULT_PULL_FROM = ("127.0.0.0/8", "::1", "localhost")
+DEFAULT_ACCEPT_FROM = DEFAULT_PULL_FROM  # who may push with wire_security tag when accept_from is not given
 
 
 class Allowlist:
-    """`pull_from` parsed: IP networks and host names."""
+    """`pull_from` (or `accept_from`, who may push with wire_security tag) parsed: IP networks and host names."""
 
-    def __init__(self, entries: Iterable[str]) -> None:
+    def __init__(self, entries: Iterable[str], name: str = "pull_from") -> None:
+        self.name = name
         self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
         self.names: set[str] = set()
         for entry in entries:
@@ -29,11 +31,11 @@ class Allowlist:
                 network = ipaddress.ip_network(text, strict=False)
             except ValueError:
                 if not text or "/" in text or text == "*":
-                    raise ValueError(f"pull_from entry {entry!r} is neither a host nor a CIDR") from None
+                    raise ValueError(f"{name} entry {entry!r} is neither a host nor a CIDR") from None
                 self.names.add(text.lower())
                 continue
             if "/" not in text and network.network_address.is_unspecified:  # 0.0.0.0 is a bind, not a host
-                raise ValueError(f"pull_from entry {entry!r} is neither a host nor a CIDR (0.0.0.0/0: any)")
+                raise ValueError(f"{name} entry {entry!r} is neither a host nor a CIDR (0.0.0.0/0: any)")
             self.networks.append(network)
         self.entries = tuple(entries)
 
@@ -44,7 +46,7 @@ class Allowlist:
             return (
                 None
                 if self._admits_host("127.0.0.1")
-                else "ipc:// is this host's, and pull_from admits no loopback"
+                else f"ipc:// is this host's, and {self.name} admits no loopback"
             )
         if scheme != "tcp" or not sep:
             return f"a producer is tcp://HOST:PORT (or ipc://), got {endpoint[:80]!r}"
@@ -58,8 +60,21 @@ class Allowlist:
         if host in ("0.0.0.0", "::", "*"):
             return f"{endpoint} is a bind address: the producer advertises where it is reached (--pull_advertise)"
         if not self._admits_host(host):
-            return f"host {host} is not admitted by pull_from {list(self.entries)}"
+            return f"host {host} is not admitted by {self.name} {list(self.entries)}"
         return None
+
+    def admits_peer(self, address: str) -> bool:
+        """Whether a peer whose ZMTP handshake comes from `address` (an IP; empty over ipc://, which never leaves
+        the host) is admitted. Names are not looked up: a peer is known by its address only."""
+        if not address:
+            return self._admits_host("127.0.0.1")
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        if ip.version == 6 and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip in network for network in self.networks if network.version == ip.version)
 
     def _admits_host(self, host: str) -> bool:
         try:

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vitserve.connector.allowlist import Allowlist
+from vitserve.config import WIRE_SECURITIES
+from vitserve.connector.allowlist import DEFAULT_ACCEPT_FROM, Allowlist
 from vitserve.connector.store import EmbeddingStore, Shape
 from vitserve.endpoints import rank_endpoint
 from vitserve.rpc.wirekey import read_key_file
@@ -31,6 +32,8 @@ KNOWN = (
     "allow_unauthenticated",
     "pull_from",
     "dp_push",
+    "wire_security",
+    "accept_from",
 )
 
 
@@ -48,6 +51,10 @@ class ConnectorConfig:
     # data parallel: vitserve --llm_transport wire --llm_dp_size N pins each request to a core and pushes to
     # that core's endpoint (for_rank), so a core past the first may bind one
     dp_push: bool = False
+    # how key_file keys the bound endpoint: "curve" (ZMQ CURVE, encrypted) or "tag" (a tag per message, in clear,
+    # senders admitted by address: accept_from; docs/vllm.md "Security"); pulls key with CURVE either way
+    wire_security: str = "curve"
+    accept_from: tuple[str, ...] | None = None  # wire_security tag's senders; None: this host's only
 
     @property
     def max_bytes(self) -> int:
@@ -71,25 +78,41 @@ def parse_config(extra: Mapping[str, Any]) -> tuple[ConnectorConfig, list[str]]:
         shm_dir=_text(extra, "shm_dir"),
         max_hold_s=_positive(extra, "max_hold_s", None),
         allow_unauthenticated=_flag(extra, "allow_unauthenticated"),
-        pull_from=_pull_from(extra),
+        pull_from=_hosts(extra, "pull_from"),
         dp_push=_flag(extra, "dp_push"),
+        **_security(extra),
     )
     return config, sorted(k for k in extra if k not in KNOWN)
 
 
-def _pull_from(extra: Mapping[str, Any]) -> tuple[str, ...] | None:
-    value = extra.get("pull_from")
+def _hosts(extra: Mapping[str, Any], key: str) -> tuple[str, ...] | None:
+    value = extra.get(key)
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(
-            f'{KEY}.pull_from must be a list of networks or host names, e.g. ["10.0.0.0/8"], not {value!r}'
+            f'{KEY}.{key} must be a list of networks or host names, e.g. ["10.0.0.0/8"], not {value!r}'
         )
     try:
-        Allowlist(tuple(value))
+        Allowlist(tuple(value), key)
     except ValueError as exc:
-        raise ValueError(f"{KEY}.pull_from: {exc}") from None
+        raise ValueError(f"{KEY}.{key}: {exc}") from None
     return tuple(value)
+
+
+def _security(extra: Mapping[str, Any]) -> dict[str, Any]:
+    security = extra.get("wire_security", "curve")
+    if security not in WIRE_SECURITIES:
+        raise ValueError(f"{KEY}.wire_security must be one of {', '.join(WIRE_SECURITIES)}, not {security!r}")
+    if security == "tag" and not extra.get("key_file"):
+        raise ValueError(f"{KEY}.wire_security tag tags each message with key_file's secret: set key_file")
+    accept_from = _hosts(extra, "accept_from")
+    if accept_from is not None and security != "tag":
+        raise ValueError(
+            f"{KEY}.accept_from admits senders by address for wire_security tag (CURVE admits by key): set "
+            '"wire_security": "tag", or leave accept_from out'
+        )
+    return {"wire_security": security, "accept_from": accept_from}
 
 
 def for_rank(config: ConnectorConfig, index: int, local_index: int | None = None) -> ConnectorConfig:
@@ -157,4 +180,6 @@ def start_store(
     if config.max_hold_s is not None:
         kwargs["max_hold_s"] = config.max_hold_s
     kwargs["allow_unauthenticated"] = config.allow_unauthenticated
+    if config.wire_security == "tag":
+        kwargs["accept_from"] = Allowlist(config.accept_from or DEFAULT_ACCEPT_FROM, "accept_from")
     return EmbeddingStore(config.endpoint, config.max_bytes, shape, **kwargs)

@@ -44,8 +44,8 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from vllm.logger import init_logger
 
 from vitserve.connector import admission, counters
-from vitserve.connector.allowlist import DEFAULT_PULL_FROM
-from vitserve.connector.config import KEY, for_rank, parse_config, start_store
+from vitserve.connector.allowlist import DEFAULT_ACCEPT_FROM, DEFAULT_PULL_FROM
+from vitserve.connector.config import KEY, ConnectorConfig, for_rank, parse_config, start_store
 from vitserve.connector.pulling import Puller
 from vitserve.connector.store import EmbeddingStore, Shape, as_dict, read_entry
 from vitserve.rpc.tensors import DTYPES
@@ -105,7 +105,7 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
             self.store.endpoint or "nothing (pull only)",
             ", ".join(config.pull_from or DEFAULT_PULL_FROM),
             config.max_gb,
-            "required" if config.key_file else "none",
+            _keying(config),
             config.wait_s,
             self.store.shape.width,
             self.store.shape.merge,
@@ -313,6 +313,14 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
 
     def save_caches(self, encoder_cache: dict[str, Any], mm_hash: str, **kwargs: Any) -> None:
         return None  # a consumer only
+
+
+def _keying(config: ConnectorConfig) -> str:
+    if config.key_file is None:
+        return "none"
+    if config.wire_security == "tag":
+        return f"required (wire_security tag: a tag per message, in clear, from {', '.join(config.accept_from or DEFAULT_ACCEPT_FROM)})"
+    return "required"
 
 
 def _model_shape(vllm_config: VllmConfig) -> Shape:

@@ -9,6 +9,7 @@ import logging
 import zmq
 import zmq.auth.thread
 
+from vitserve.connector.allowlist import Allowlist
 from vitserve.endpoints import host_only
 from vitserve.rpc.wirekey import ZAP_DOMAIN, keypair
 
@@ -30,6 +31,42 @@ def configure_server(sock: zmq.Socket[bytes], secret: bytes) -> zmq.auth.thread.
     return auth
 
 
+def configure_tagged_server(
+    sock: zmq.Socket[bytes], accept_from: Allowlist
+) -> zmq.auth.thread.ThreadAuthenticator:
+    """wire_security tag: no CURVE on `sock` (the messages carry tags, rpc/tag.py); a ZAP handler admits the
+    peers whose address `accept_from` admits, so nobody else sends a byte. The caller stops the returned
+    authenticator when it closes the socket."""
+    auth = _ByAddress(sock.context, log=log)
+    auth.accept_from = accept_from
+    auth.start()
+    sock.zap_domain = ZAP_DOMAIN.encode()
+    return auth
+
+
+class _ByAddress(zmq.auth.thread.ThreadAuthenticator):
+    """A ZAP handler that admits a NULL-mechanism peer by its address alone (CIDRs, not only zmq.auth's exact
+    addresses)."""
+
+    accept_from: Allowlist
+    refused = 0
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if len(msg) < 6:  # not a ZAP request: libzmq never sends one
+            return
+        version, request_id, _domain, address, _identity, mechanism = msg[:6]
+        peer = address.decode("utf-8", "replace")
+        if mechanism == b"NULL" and self.accept_from.admits_peer(peer):
+            self.zap_socket.send_multipart([version, request_id, b"200", b"OK", b"anonymous", b""])
+            return
+        self.refused += 1
+        log.warning(
+            "refused a wire peer at %r (%s): accept_from %s does not admit it (%d refused so far)",
+            peer, mechanism.decode("ascii", "replace"), list(self.accept_from.entries), self.refused,
+        )  # fmt: skip
+        self.zap_socket.send_multipart([version, request_id, b"400", b"Address not admitted", b"", b""])
+
+
 class _OnlyKey:
     """zmq.auth's credentials provider: admits one client public key."""
 
@@ -49,7 +86,9 @@ class _OnlyKey:
 
 def check_protected(
     endpoint: str, key: bytes | None, allow_unauthenticated: bool, log: logging.Logger
-) -> None:
+) -> (
+    None
+):  # wire_security tag has a key too: its peers are admitted by address (accept_from), its messages by tag
     """Protected mode: without a key, the connector binds only an endpoint of this host (loopback, ipc://), unless
     its config says `allow_unauthenticated` (then a WARNING says what that lets anyone do)."""
     if key is not None or host_only(endpoint):

@@ -19,6 +19,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from vitserve.connector import keys
+from vitserve.connector.allowlist import Allowlist
 from vitserve.rpc.wire import MAX_HEADER_BYTES
 
 MAX_FRAME_BYTES = 2**31  # ZMQ_MAXMSGSIZE never above this, whatever the bound
@@ -33,9 +34,12 @@ _REFUSED_EVENTS = (
 
 
 class Router:
-    """A bound ROUTER (CURVE server when `key` is given) and its monitor; OSError when it cannot bind."""
+    """A bound ROUTER (CURVE server when `key` is given, or admitting by address with `accept_from`: wire_security
+    tag) and its monitor; OSError when it cannot bind."""
 
-    def __init__(self, endpoint: str, max_bytes: int, key: bytes | None) -> None:
+    def __init__(
+        self, endpoint: str, max_bytes: int, key: bytes | None, accept_from: Allowlist | None = None
+    ) -> None:
         self._ctx = zmq.Context(io_threads=1)
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
@@ -43,7 +47,11 @@ class Router:
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        self._auth = keys.configure_server(self.sock, key) if key is not None else None
+        self._auth = None
+        if accept_from is not None:
+            self._auth = keys.configure_tagged_server(self.sock, accept_from)
+        elif key is not None:
+            self._auth = keys.configure_server(self.sock, key)
         self.monitor: zmq.Socket[bytes] | None = None
         try:
             self.sock.bind(endpoint)
@@ -59,9 +67,9 @@ class Router:
         poller.register(self.monitor, zmq.POLLIN)
         return poller
 
-    def reply(self, peer: zmq.Frame, frame: bytes) -> None:
+    def reply(self, peer: zmq.Frame, frames: list[bytes]) -> None:
         with contextlib.suppress(zmq.ZMQError):  # a peer that is gone, or not reading: the reply is dropped
-            self.sock.send_multipart([peer, frame], flags=zmq.NOBLOCK)
+            self.sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK)
 
     def failed_handshakes(self) -> list[str]:
         """The names of the handshake failures reported since the last call."""

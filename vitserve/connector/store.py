@@ -35,6 +35,7 @@ from pathlib import Path
 
 import zmq
 
+from vitserve.connector.allowlist import Allowlist
 from vitserve.connector.checks import REASONS, RateLimitedLog, Refusal, Shape, check_message
 from vitserve.connector.files import TensorDir, file_name, is_device_full, read_entry
 from vitserve.connector.handoff import Incoming, check_file
@@ -44,6 +45,7 @@ from vitserve.connector.router import Router
 from vitserve.rpc.handoff import FileEmbedding, Hello, decode_handoff
 from vitserve.rpc.pull import Area
 from vitserve.rpc.replies import HoldsQuery, Release, decode_inbound, encode_held, encode_nack, message_id_of
+from vitserve.rpc.tag import TO_SENDER, Tagger
 from vitserve.rpc.wire import ImageEmbedding, WireError, encode_ack
 
 __all__ = ["COUNTERS", "REASONS", "EmbeddingStore", "HeldTensor", "Shape", "as_dict", "read_entry"]
@@ -75,8 +77,14 @@ class EmbeddingStore:
         max_hold_s: float = DEFAULT_MAX_HOLD_S,
         allow_unauthenticated: bool = False,
         dtype: str = "",  # the dtype vLLM serves, said to vitserve (rpc/handoff.py info)
+        accept_from: Allowlist
+        | None = None,  # given: wire_security tag (rpc/tag.py), these senders' addresses
     ) -> None:
         self.shape, self.max_hold_s, self._key, self.dtype = shape, float(max_hold_s), key, dtype
+        self._accept_from = accept_from
+        if accept_from is not None and key is None:
+            raise ValueError("wire_security tag tags each message with key_file's secret: set key_file")
+        self._tagger = Tagger(key, sends=TO_SENDER) if accept_from is not None and key is not None else None
         self.log = log or logging.getLogger(__name__)
         if endpoint is not None:
             check_protected(endpoint, key, allow_unauthenticated, self.log)
@@ -114,7 +122,7 @@ class EmbeddingStore:
 
     def _init_socket(self, endpoint: str) -> None:
         try:
-            self._router = Router(endpoint, self.max_bytes, self._key)
+            self._router = Router(endpoint, self.max_bytes, self._key, self._accept_from)
         except BaseException:
             self._dir.close()
             raise
@@ -199,7 +207,7 @@ class EmbeddingStore:
 
     def _serve(self) -> None:
         if self._router is None:  # the one before failed: a fresh one on the same address
-            self._router = Router(self.endpoint, self.max_bytes, self._key)
+            self._router = Router(self.endpoint, self.max_bytes, self._key, self._accept_from)
         router, poller = self._router, self._router.poller()
         logged, last = time.monotonic(), self.counters()
         while not self._closing:
@@ -237,8 +245,8 @@ class EmbeddingStore:
             self._say(
                 "handshake",
                 logging.WARNING,
-                "vitserve connector on %s: a peer's handshake failed (%s): without the key, or not vitserve's "
-                "wire; nothing of it was read (%d so far)",
+                "vitserve connector on %s: a peer's handshake failed (%s): without the key, from an address "
+                "accept_from does not admit, or not vitserve's wire; nothing of it was read (%d so far)",
                 self.endpoint,
                 event,
                 self.counts["handshakes_failed"],
@@ -247,6 +255,10 @@ class EmbeddingStore:
     def _take(self, frames: list[zmq.Frame]) -> None:
         peer, body = frames[0], frames[1:]
         try:
+            if (
+                self._tagger is not None
+            ):  # wire_security tag: nothing of a message is read before its tag verified
+                body = self._tagger.open(body)
             message = decode_handoff(body) or decode_inbound(body)
         except Exception as exc:  # WireError, or a decoder bug: either way the message is not the wire
             self._reject(peer, body, exc)
@@ -310,7 +322,7 @@ class EmbeddingStore:
 
     def _reply(self, peer: zmq.Frame, frame: bytes) -> None:
         assert self._router is not None
-        self._router.reply(peer, frame)
+        self._router.reply(peer, [frame] if self._tagger is None else self._tagger.seal([frame]))
 
     def _holds(self, query: HoldsQuery) -> list[str]:
         now = time.time()

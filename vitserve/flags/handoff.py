@@ -38,6 +38,13 @@ HANDOFF: dict[str, Flag] = {
         "LLM handoff",
         "file holding the vLLM connector's key_file secret (wire only; never shown)",
     ),
+    "wire_security": Flag(
+        optional(str),
+        "LLM handoff",
+        "wire only: how --wire_key_file keys the wire, as the connector's wire_security: curve (ZMQ CURVE, "
+        "encrypted) or tag (a tag per message, the bytes in clear: a private network; ~10x cheaper per byte)",
+        "curve",
+    ),
     "llm_dp_size": Flag(
         optional(parse_int),
         "LLM handoff",

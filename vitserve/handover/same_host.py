@@ -46,7 +46,7 @@ from vitserve.rpc.pull import Area
 from vitserve.rpc.sender import LLMSender
 from vitserve.rpc.tensors import DTYPES
 from vitserve.rpc.wire import ImageEmbedding
-from vitserve.rpc.wirekey import configure_client, read_key_file
+from vitserve.rpc.wirekey import configure_dealer, read_key_file
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +54,22 @@ PROBE_WAIT_S = 1.0  # a hello unanswered this long: no same-host path, bytes as 
 PROBE_EVERY_S = 30.0
 
 
-def probe(endpoint: str, key_file: str | None, timeout_s: float = PROBE_WAIT_S) -> Info | None:
+def probe(
+    endpoint: str, key_file: str | None, timeout_s: float = PROBE_WAIT_S, security: str = "curve"
+) -> Info | None:
     """The connector's info answer, or None (it does not answer in time, or is an older connector)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     try:
         sock.setsockopt(zmq.LINGER, 0)
-        if key_file is not None:
-            configure_client(sock, read_key_file(key_file))
+        tagger = configure_dealer(sock, read_key_file(key_file), security) if key_file is not None else None
         sock.connect(endpoint)
-        sock.send(encode_hello(uuid_mod.uuid4().hex))
+        hello = [encode_hello(uuid_mod.uuid4().hex)]
+        sock.send_multipart(hello if tagger is None else tagger.seal(hello))
         if not sock.poll(int(timeout_s * 1000)):
             return None
-        return decode_info(sock.recv())
+        answer = sock.recv_multipart()
+        return decode_info((answer if tagger is None else tagger.open(answer))[0])
     except Exception as exc:  # an answer that is not an info (an older connector's nack): no same-host path
         log.info("vitserve connector at %s: no same-host hand-over (%s)", endpoint, exc)
         return None
@@ -87,8 +90,8 @@ def shares_directory(where: Info | Area) -> bool:
 class SameHost:
     """What the connector said (asked once; again after PROBE_EVERY_S while it did not answer)."""
 
-    def __init__(self, sender: LLMSender, key_file: str | None) -> None:
-        self.sender, self.endpoint, self.key_file = sender, sender.endpoint, key_file
+    def __init__(self, sender: LLMSender) -> None:
+        self.sender, self.endpoint = sender, sender.endpoint
         self.info: Info | None = None
         self.local = False  # the incoming area is this host's (and this /dev/shm's)
         self.files = 0  # embeddings handed over as files
@@ -105,7 +108,7 @@ class SameHost:
                 and time.monotonic() - self._asked >= PROBE_EVERY_S
             ):
                 self._asked = time.monotonic()
-                self.info = probe(self.endpoint, self.key_file)
+                self.info = probe(self.endpoint, self.sender.key_file, security=self.sender.security)
                 self.local = (
                     self.info is not None and bool(self.info.incoming) and shares_directory(self.info)
                 )

@@ -120,11 +120,14 @@ class WireTransport(WireSpec, UuidTransport):
             if config.llm_endpoint is None:  # flags refuse this; a guard for direct callers
                 raise ValueError("--llm_transport wire needs --llm_endpoint")
             ends = [rank_endpoint(config.llm_endpoint, i) for i in range(config.llm_dp_size or 1)]
-            senders = [LLMSender(end, key_file=config.wire_key_file) for end in ends]
+            senders = [
+                LLMSender(end, key_file=config.wire_key_file, security=config.wire_security or "curve")
+                for end in ends
+            ]
         else:
             senders = [sender]
         # per rank: one write on one host; vLLM's dtype on the wire (same_host.py)
-        self.ranks = Ranks(senders, config.wire_key_file)
+        self.ranks = Ranks(senders)
         self.sender, self.handoff = self.ranks.all[0].sender, self.ranks.all[0].handoff  # rank 0's
         self.hint = config_hint(self.sender.endpoint, config.wire_key_file, len(self.ranks))
         self._known: OrderedDict[str, tuple[list[int], str]] = OrderedDict()  # uuid -> grid, dtype

@@ -40,8 +40,8 @@ class Rank:
 class Ranks:
     """The engine cores' connectors and the pick of a rank per request (safe from any thread)."""
 
-    def __init__(self, senders: list[LLMSender], key_file: str | None):
-        self.all = [Rank(i, s, SameHost(s, key_file)) for i, s in enumerate(senders)]
+    def __init__(self, senders: list[LLMSender]):
+        self.all = [Rank(i, s, SameHost(s)) for i, s in enumerate(senders)]
         self._next = 0  # where the next tie-break starts
         self._lock = threading.Lock()
 

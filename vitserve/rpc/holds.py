@@ -17,10 +17,14 @@ import uuid
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import zmq
 
 from vitserve.rpc.replies import encode_holds
+
+if TYPE_CHECKING:
+    from vitserve.rpc.wirekey import Tagged
 
 
 @dataclass(eq=False)
@@ -58,7 +62,7 @@ class Queries:
     def unsent(self) -> bool:
         return any(not q.sent for q in self._open.values())
 
-    def send(self, sock: zmq.Socket[bytes]) -> None:
+    def send(self, sock: zmq.Socket[bytes] | Tagged) -> None:
         """Send each query not sent on this connection yet, while the socket takes them."""
         for q in self._open.values():
             if q.sent:
@@ -111,7 +115,7 @@ class Releases:
     def waiting(self) -> bool:
         return bool(self._waiting)
 
-    def send(self, sock: zmq.Socket[bytes]) -> None:
+    def send(self, sock: zmq.Socket[bytes] | Tagged) -> None:
         """Send the waiting releases in order while the socket takes them; drop those past their time."""
         now = time.monotonic()
         while self._waiting:

@@ -43,23 +43,48 @@ FAILURES = (
 KEYS = "the connector's key_file and --wire_key_file"
 
 
-def handshake_failure(event: int, value: int, *, keyed: bool) -> str:
+def handshake_failure(event: int, value: int, *, keyed: bool, tagged: bool = False) -> str:
     """Why a handshake failed (`event` one of FAILURES, `value` the monitor's), for a sender with or without a
-    key (--wire_key_file)."""
+    key (--wire_key_file), keyed by CURVE or by a tag per message (--wire_security tag: no key in the handshake)."""
+    if tagged:
+        return _tagged_failure(event, value)
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return f"the connector refused this sender's key (status {value}): {KEYS} hold different secrets"
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             if keyed:
-                return "the connector has no key_file but --wire_key_file is set: give both ends one key"
+                return (
+                    "the connector has no key_file, or its wire_security is tag, but --wire_key_file is set with "
+                    "--wire_security curve: give both ends one key and one wire_security"
+                )
             return "the connector requires a key: give --wire_key_file the file its key_file names"
         return f"the peer broke the ZMTP handshake (protocol error {value:#x}): not vitserve's connector"
     if keyed:
-        return f"the connector ended the key handshake: {KEYS} hold different secrets"
+        return (
+            f"the connector ended the key handshake: {KEYS} hold different secrets, or the connector's "
+            "wire_security is tag (give both ends one wire_security)"
+        )
     return (
         "the peer ended the ZMTP handshake: it wants a key (give --wire_key_file the file its key_file names), "
         "it is not a wire-v2 EmbeddingReceiver (a v1 PULL receiver?), or it does not speak ZMQ "
         "(is --llm_endpoint the connector's?)"
+    )
+
+
+def _tagged_failure(event: int, value: int) -> str:
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (
+            f"the connector refused this host's address (status {value}): its wire_security tag admits the "
+            "senders its accept_from lists"
+        )
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return (
+            "the connector keys its wire with CURVE (its wire_security is curve) and this sender has "
+            "--wire_security tag: give both ends one wire_security"
+        )
+    return (
+        "the peer ended the ZMTP handshake: it keys with CURVE (give both ends one wire_security), or it is not "
+        "vitserve's connector (is --llm_endpoint the connector's?)"
     )
 
 
@@ -78,9 +103,9 @@ class Link:
     reason the last handshake failed until one succeeds. Reaching the receiver and losing it are logged once
     each, every reason once until a handshake succeeds."""
 
-    def __init__(self, endpoint: str, *, keyed: bool) -> None:
+    def __init__(self, endpoint: str, *, keyed: bool, tagged: bool = False) -> None:
         self.endpoint = endpoint
-        self.keyed = keyed
+        self.keyed, self.tagged = keyed, tagged
         self.reachable = False
         self.refusal: str | None = None
         self.connected = threading.Event()  # set while reachable (LLMSender.wait_reachable)
@@ -100,8 +125,15 @@ class Link:
             return False
         elif event in FAILURES and not (event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._precise):
             self._precise = event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-            self._refused(handshake_failure(event, value, keyed=self.keyed))
+            self._refused(handshake_failure(event, value, keyed=self.keyed, tagged=self.tagged))
         return None
+
+    def tag_refused(self, why: str) -> None:
+        """A reply whose tag did not open (--wire_security tag): the connection stands, nothing it says is read."""
+        self._refused(
+            f"the connector's replies fail their tag ({why}); give the connector the key_file and wire_security "
+            "tag that --wire_key_file and --wire_security name"
+        )
 
     def _reached(self) -> None:
         if not self.reachable:

@@ -26,6 +26,9 @@ the receiver has room, reads acknowledgements, and fails each wait whose deadlin
   reason: its bound is full, the tensor is not what it can keep): the delivery fails with WireRefused at once.
   It also answers holds queries (`holds`): which of some uuids it still keeps, over the same connection, and
   takes releases (`release`: let go of what a failed request pushed; no answer).
+- With `security="tag"` (--wire_security tag) the socket has no CURVE: every message goes out sealed with a tag
+  and every reply is opened (rpc/tag.py); a reply whose tag does not verify is dropped, and `link.refusal` says
+  that the two ends hold different secrets.
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ from vitserve.rpc import link, wire
 from vitserve.rpc.delivery import Delivery, Unsent, WireRefused, expires_at
 from vitserve.rpc.holds import PendingHolds, Queries, Releases
 from vitserve.rpc.replies import Held, Nack, decode_reply
+from vitserve.rpc.tag import TagError, Tagger
 from vitserve.rpc.wire import ImageEmbedding, WireError, encode_embedding_message
-from vitserve.rpc.wirekey import configure_client, read_key_file
+from vitserve.rpc.wirekey import Tagged, configure_dealer, read_key_file
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +77,13 @@ class LLMSender:
         sndhwm: int = DEFAULT_SNDHWM,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         key_file: str | None = None,
+        security: str = "curve",
     ) -> None:
         self.endpoint = endpoint
+        self.key_file, self.security = (
+            key_file,
+            security,
+        )  # how the wire is keyed (same_host.py's probe keys so too)
         self.bytes_sent = 0  # header + tensor bytes handed to ZMQ (first sends only)
         self.messages_sent = 0
         self.delivered = 0  # acknowledged in time
@@ -82,20 +91,22 @@ class LLMSender:
         self.late_acks = 0  # acknowledgements that came after their message's deadline
         self.resent = 0  # sent again on a new connection
         self.refused = 0  # messages the receiver refused (nack)
-        self.link = link.Link(endpoint, keyed=key_file is not None)  # reachable? why not (`refusal`)?
+        self.link = link.Link(
+            endpoint, keyed=key_file is not None, tagged=security == "tag"
+        )  # reachable? why not (`refusal`)?
         self._queries = Queries()  # holds queries (rpc/holds.py)
         self._releases = Releases()  # and releases
         self._closing = False
         self._inbox: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
         self._outbox: deque[Delivery] = deque()  # submitted, not yet taken by ZMQ
         self._unacked: dict[str, Delivery] = {}  # taken by ZMQ, no ack yet
-        self._init_socket(sndhwm, heartbeat_s, key_file)
+        self._init_socket(sndhwm, heartbeat_s, key_file, security)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name="vitserve-llm-io", daemon=True)
         self._thread.start()
 
-    def _init_socket(self, sndhwm: int, heartbeat_s: float, key_file: str | None) -> None:
+    def _init_socket(self, sndhwm: int, heartbeat_s: float, key_file: str | None, security: str) -> None:
         if not self.endpoint.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"--llm_endpoint must be tcp://host:port or ipc:///path, got {self.endpoint!r}")
         self._ctx = zmq.Context(io_threads=1)  # private: close() terminates it without touching others
@@ -104,13 +115,20 @@ class LLMSender:
         self._sock.setsockopt(zmq.LINGER, 0)  # what is unacknowledged at close has failed already
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * heartbeat_s * 1000))
-        if key_file is not None:  # CURVE keys derived from the connector's secret (rpc/wirekey.py)
+        self._tagger: Tagger | None = None
+        if (
+            key_file is not None
+        ):  # CURVE keys derived from the connector's secret, or a tag per message (wirekey.py)
             try:
-                configure_client(self._sock, read_key_file(key_file))
+                self._tagger = configure_dealer(self._sock, read_key_file(key_file), security)
             except (OSError, ValueError) as exc:
                 self._sock.close(linger=0)
                 self._ctx.term()
                 raise ConfigError(f"--wire_key_file: {exc}") from None
+        # what the I/O thread sends through: the socket, or the socket sealing each message with its tag
+        self._out: zmq.Socket[bytes] | Tagged = (
+            self._sock if self._tagger is None else Tagged(self._sock, self._tagger)
+        )
         self._monitor = self._sock.get_monitor_socket(link.EVENTS)
         try:
             self._sock.connect(self.endpoint)  # asynchronous: the receiver may bind later
@@ -218,8 +236,8 @@ class LLMSender:
                 if events.get(self._sock, 0) & zmq.POLLIN:
                     self._read_acks()
                 if events.get(self._sock, 0) & zmq.POLLOUT:
-                    self._releases.send(self._sock)  # before a push that may reuse a released uuid
-                    self._queries.send(self._sock)
+                    self._releases.send(self._out)  # before a push that may reuse a released uuid
+                    self._queries.send(self._out)
                     self._send_queued()
         except Exception:
             log.exception("the sender to --llm_endpoint %s failed; it sends nothing more", self.endpoint)
@@ -270,9 +288,8 @@ class LLMSender:
         what = f"the LLM receiver at --llm_endpoint {self.endpoint} did not acknowledge an embedding before the request deadline (--request_timeout_s)"
         if d.sent_at is None:
             return Unsent(f"{what}: it could not be sent: no receiver is connected, or it is full")
-        return LLMTimeout(
-            f"{what}: it was sent but the receiver did not acknowledge it (it is slow, hung or gone)"
-        )
+        why = f": {self.link.refusal}" if self.link.refusal else " (it is slow, hung or gone)"
+        return LLMTimeout(f"{what}: it was sent but the receiver did not acknowledge it{why}")
 
     def _send_queued(self) -> None:
         while self._outbox:
@@ -280,7 +297,7 @@ class LLMSender:
             try:
                 # copy=False: ZMQ's I/O thread reads the tensor memory directly. POLLOUT means the
                 # whole multipart message fits: the high-water mark is checked at the first frame only.
-                self._sock.send_multipart(d.frames, flags=zmq.NOBLOCK, copy=False)
+                self._out.send_multipart(d.frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self._outbox.popleft()
@@ -298,7 +315,10 @@ class LLMSender:
             except zmq.Again:
                 return
             try:
-                reply = decode_reply(frames[0])
+                reply = decode_reply(self._opened(frames)[0])
+            except TagError as exc:
+                self.link.tag_refused(str(exc))
+                continue
             except WireError as exc:
                 log.error("ignored a reply from the LLM receiver at %s: %s", self.endpoint, exc)
                 continue
@@ -306,6 +326,10 @@ class LLMSender:
                 self._queries.answer(reply.query_id, reply.uuids)
             else:
                 self._settle_reply(reply.message_id, reply.reason if isinstance(reply, Nack) else None)
+
+    def _opened(self, frames: list[bytes]) -> list[bytes]:
+        """A reply's frames, its tag checked and removed with --wire_security tag (TagError otherwise)."""
+        return frames if self._tagger is None else self._tagger.open(frames)
 
     def _settle_reply(self, message_id: str, nack_reason: str | None) -> None:
         d = self._unacked.pop(message_id, None) or self._queued_again(message_id)

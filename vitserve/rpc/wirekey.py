@@ -9,15 +9,22 @@ The connector's ROUTER is a CURVE server whose ZAP handler admits only the deriv
 Traffic is encrypted too.
 
     sock = ctx.socket(zmq.DEALER); configure_client(sock, read_key_file(path)); sock.connect(endpoint)
+
+`wire_security` says how the secret is used on the push wire: "curve" (the default: the above) or "tag" (no CURVE:
+every message carries a tag made with the secret and the connector admits peers by address; rpc/tag.py). A
+`Tagged` socket seals what it sends: the sender's code sends through it as through the socket.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import zmq
 from zmq.utils import z85
+
+from vitserve.rpc.tag import TO_CONNECTOR, Tagger
 
 MIN_SECRET_BYTES = 16
 ZAP_DOMAIN = "vitserve"
@@ -45,3 +52,25 @@ def configure_client(sock: zmq.Socket[bytes], secret: bytes) -> None:
     sock.curve_secretkey = secret_key
     sock.curve_publickey = public
     sock.curve_serverkey = keypair(secret, "server")[0]
+
+
+def configure_dealer(sock: zmq.Socket[bytes], secret: bytes, security: str) -> Tagger | None:
+    """Key vitserve's DEALER to the connector before connect(): CURVE keys on the socket ("curve"), or nothing on
+    it and the Tagger that seals its messages and opens the replies ("tag")."""
+    if security == "tag":
+        return Tagger(secret, sends=TO_CONNECTOR)
+    configure_client(sock, secret)
+    return None
+
+
+class Tagged:
+    """A DEALER whose every message is sealed by a Tagger (`send` and `send_multipart` as zmq's)."""
+
+    def __init__(self, sock: zmq.Socket[bytes], tagger: Tagger) -> None:
+        self.sock, self.tagger = sock, tagger
+
+    def send(self, frame: Any, flags: int = 0, **kwargs: Any) -> None:
+        self.send_multipart([frame], flags, **kwargs)
+
+    def send_multipart(self, frames: list[Any], flags: int = 0, **kwargs: Any) -> None:
+        self.sock.send_multipart(self.tagger.seal(frames), flags, **kwargs)
