@@ -72,7 +72,7 @@ def prepare(tmp: Path, family: str = FAMILY, data_parallel: int = 1) -> Callable
     is ready or not, is what comes back (tests/vllm/servers.py starts it on a thread of its own).
     `data_parallel` > 1: that many engine cores (--data-parallel-size), each with its connector, which fetches
     (pull) and takes pushes pinned to its core (`dp_push`: core i binds `endpoint`'s port + i, for vitserve
-    --llm_transport wire --llm_dp_size; tests/vllm/test_pull.py), serving the checkpoint an earlier one of its
+    --llm_transport wire --llm_dp_size; tests/vllm/test_pull.py) keyed by `wire_security` tag, serving the checkpoint an earlier one of its
     family made (the same weights and model name, so a balancer may send a request to either)."""
     ckpt = _MADE.get(family) if data_parallel > 1 else None
     if ckpt is None:
@@ -107,6 +107,9 @@ def prepare(tmp: Path, family: str = FAMILY, data_parallel: int = 1) -> Callable
             True  # core i binds the port + i; vitserve --llm_dp_size pins each request to a core
         )
         extra["wait_s"] = PULL_WAIT_S
+        # its pushes keyed by a tag per message instead of CURVE (vitserve --wire_security tag): the one real vLLM
+        # whose connector takes them; its pulls are CURVE as every connector's
+        extra["wire_security"] = "tag"
 
     def launch(wait: bool) -> ConnectorVllm:
         server = VllmServer(

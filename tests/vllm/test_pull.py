@@ -170,12 +170,22 @@ def test_pull_behind_a_balancer_and_data_parallel_cores_every_answer_is_vllms_ow
 
 def test_push_to_data_parallel_cores_pins_each_request_to_the_core_it_pushed_to(connector_dp):
     """vitserve --llm_transport wire --llm_dp_size 2: each request's embeddings go to one core's connector (its
-    endpoint's port + the rank) and the request to that core (X-data-parallel-rank). vLLM's own answer is asked
+    endpoint's port + the rank) and the request to that core (X-data-parallel-rank), keyed by a tag per message
+    (--wire_security tag, as the cores' wire_security: each core's connector opens every push's tag). vLLM's own answer is asked
     before each: its balancer then turns to the other core, so a request that vitserve did not pin would land on
     the core without its embeddings and fail (after wait_s)."""
     dp = connector_dp
     vllm = dp.server
-    args = ("--llm_transport", "wire", "--llm_endpoint", dp.endpoint, "--llm_dp_size", "2")
+    args = (
+        "--llm_transport",
+        "wire",
+        "--llm_endpoint",
+        dp.endpoint,
+        "--llm_dp_size",
+        "2",
+        "--wire_security",
+        "tag",
+    )
     bodies = [
         chat_request(str(dp.ckpt), image_url_part(png(64 + 16 * i, 80, seed=130 + i))) for i in range(4)
     ]

@@ -109,6 +109,7 @@ def info_body(config: Config, engine: Engine, processor: VisionProcessor) -> dic
             "api_key": config.api_key is not None,
             "llm_api_key": config.llm_api_key is not None,
             "wire_key": config.wire_key_file is not None,  # the vLLM connector's shared secret is set
+            "wire_security": config.wire_security or "curve",  # how that secret keys the wire (curve | tag)
             "allow_image_urls": config.allow_image_urls,
             "allowed_url_domains": list(config.allowed_url_domains),
         },
