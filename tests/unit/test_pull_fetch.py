@@ -11,6 +11,7 @@ import pytest
 import torch
 import zmq
 
+from tests.connector_messages import message
 from tests.ports import unused_port
 from vitserve.connector.fetch import Allowlist, Expect, FetchConfig, Fetcher, Outcome
 from vitserve.connector.producer import Producer
@@ -22,22 +23,6 @@ SECRET = b"s" * 32
 OTHER = b"o" * 32
 QUIET_MS = 300  # no query beyond the bounds follows within this (the fetcher sends at once when it may)
 ENDS_S = 30.0  # a fetch that must end does so within its deadline; this only stops a broken test
-
-
-def message(uuid: str, rows: int = 12, dtype: torch.dtype = torch.float32) -> ImageEmbedding:
-    g = torch.Generator().manual_seed(rows)
-    parts = [torch.randn(rows, 8, generator=g).to(dtype) for _ in range(3)]
-    return ImageEmbedding(
-        request_id="r",
-        image_index=0,
-        num_images=1,
-        image_id="0" * 64,
-        grid_thw=(1, 6, 8),
-        embedding=parts[0],
-        deepstack=parts[1:],
-        expires_at=time.time() + 60,
-        uuid=uuid,
-    )
 
 
 EXPECT = Expect(rows=12, width=24, dtype="float32")

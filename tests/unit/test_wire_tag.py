@@ -12,6 +12,7 @@ import pytest
 import torch
 import zmq
 
+from tests.connector_messages import message
 from vitserve.connector.allowlist import Allowlist
 from vitserve.connector.config import parse_config
 from vitserve.connector.store import EmbeddingStore, Shape, read_entry
@@ -20,7 +21,7 @@ from vitserve.rpc.delivery import Unsent
 from vitserve.rpc.replies import Ack, decode_reply
 from vitserve.rpc.sender import LLMSender
 from vitserve.rpc.tag import TO_CONNECTOR, TO_SENDER, TagError, Tagger
-from vitserve.rpc.wire import ImageEmbedding, encode_embedding_message
+from vitserve.rpc.wire import encode_embedding_message
 
 SECRET = b"t" * 32
 WIDTH = 24  # 8 main columns and 2 DeepStack levels of 8
@@ -90,22 +91,6 @@ def test_a_message_that_failed_its_tag_leaves_its_nonce_free():
 
 
 # ---------------------------------------------------------------------------------- over ZMQ, a real store
-
-
-def message(uuid: str, rows: int = 12) -> ImageEmbedding:
-    g = torch.Generator().manual_seed(rows)
-    parts = [torch.randn(rows, 8, generator=g) for _ in range(3)]
-    return ImageEmbedding(
-        request_id="r",
-        image_index=0,
-        num_images=1,
-        image_id="0" * 64,
-        grid_thw=(1, 6, 8),
-        embedding=parts[0],
-        deepstack=parts[1:],
-        expires_at=time.time() + 60,
-        uuid=uuid,
-    )
 
 
 @contextlib.contextmanager
