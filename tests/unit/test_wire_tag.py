@@ -12,7 +12,7 @@ import pytest
 import torch
 import zmq
 
-from tests.connector_messages import message
+from tests.connector_messages import WIDTH, message
 from vitserve.connector.allowlist import Allowlist
 from vitserve.connector.config import parse_config
 from vitserve.connector.store import EmbeddingStore, Shape, read_entry
@@ -24,7 +24,6 @@ from vitserve.rpc.tag import TO_CONNECTOR, TO_SENDER, TagError, Tagger
 from vitserve.rpc.wire import encode_embedding_message
 
 SECRET = b"t" * 32
-WIDTH = 24  # 8 main columns and 2 DeepStack levels of 8
 LOOPBACK = Allowlist(["127.0.0.0/8"], "accept_from")
 REPLY_S = 30.0  # a reply that must come; one that must not is waited for 1 s
 
