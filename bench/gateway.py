@@ -83,8 +83,9 @@ PROFILES = {  # clients, seconds per point, request cap per point
 
 @contextmanager
 def serving(ckpt: Path, tmp: Path, fronts: dict[str, tuple[list[str], Path]], vllm_args: tuple[str, ...] = (),
-            vllm_env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:  # fmt: skip
-    """One vLLM and, in front of it, one vitserve per `fronts` entry (name: its arguments, its tree); the urls."""
+            vllm_env: dict[str, str] | None = None, keep_log: Path | None = None) -> Iterator[dict[str, str]]:  # fmt: skip
+    """One vLLM and, in front of it, one vitserve per `fronts` entry (name: its arguments, its tree); the urls.
+    `keep_log`: where vLLM's log is copied when it stops."""
     vllm = VllmServer(ckpt, tmp, limit_mm={"image": 1, "video": 0}, extra_args=vllm_args, extra_env=vllm_env)
     started: dict[str, Cli] = {}
     try:
@@ -101,6 +102,9 @@ def serving(ckpt: Path, tmp: Path, fronts: dict[str, tuple[list[str], Path]], vl
         for server in started.values():
             server.terminate()
         vllm.stop()
+        if keep_log is not None:
+            keep_log.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(vllm.log_path, keep_log)
 
 
 def cost_and_gain(args: argparse.Namespace, tmp: Path) -> list[dict]:
@@ -190,7 +194,12 @@ def _sittings(args: argparse.Namespace, ckpt: Path, tmp: Path, fronts: dict[str,
               vllm_args: tuple[str, ...], vllm_env: dict[str, str] | None, connector: str) -> list[dict]:  # fmt: skip
     """One vLLM (and `fronts` before it); per image size, one point: every arm's `--rounds` requests."""
     points = []
-    with serving(ckpt, tmp, fronts, vllm_args, vllm_env) as urls:
+    keep_log = None
+    if args.iterations:  # vLLM logs each engine step: its context tokens and elapsed ms, in order
+        vllm_args = (*vllm_args, "--enable-logging-iteration-details")
+        vllm_env = {**(vllm_env or {}), "VLLM_LOGGING_LEVEL": "INFO"}  # the lines are INFO
+        keep_log = Path(args.iterations) / f"vllm-{ckpt.name}-{connector}.log"
+    with serving(ckpt, tmp, fronts, vllm_args, vllm_env, keep_log) as urls:
         for i, size in enumerate(("448px", "1080p")):
             with harness.sitting(
                 model=ckpt.name, size=size, connector=connector, rounds=args.rounds
@@ -273,6 +282,9 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=None,
                     help=f"with --widths: requests per arm and point (default {WIDTHS_ROUNDS}, --quick 2); with "
                          f"--balancer: windows per arm (default {gateway_balancer.ROUNDS}, --quick 2)")  # fmt: skip
+    ap.add_argument("--iterations", default=None, metavar="DIR",
+                    help="with --widths: vLLM logs every engine step (--enable-logging-iteration-details) and its "
+                         "log is kept in DIR: which steps each request took, and each step's time")  # fmt: skip
     args = ap.parse_args(argv)
     if args.widths and args.balancer:
         ap.error("--widths and --balancer are two profiles: give one")
