@@ -16,6 +16,7 @@ from tests.connector_messages import WIDTH, message
 from vitserve.connector.allowlist import Allowlist
 from vitserve.connector.config import parse_config
 from vitserve.connector.store import EmbeddingStore, Shape, read_entry
+from vitserve.handover.same_host import SameHost, probe
 from vitserve.rpc import tag
 from vitserve.rpc.delivery import Unsent
 from vitserve.rpc.replies import Ack, decode_reply
@@ -125,6 +126,24 @@ def test_a_tagged_push_is_kept_whole_and_acknowledged(tmp_path):
         expected = torch.cat([m.embedding, *m.deepstack], dim=1)
         assert torch.equal(read_entry(str(entry.path), "float32", entry.rows, WIDTH), expected)
         assert sender.holds(["1" * 64, "2" * 64], REPLY_S, deadline=time.monotonic() + REPLY_S) == {"1" * 64}
+
+
+def test_the_same_host_hello_is_tagged_both_ways_and_one_write_follows(tmp_path):
+    """vitserve's hello (handover/same_host.py probe) goes tagged and its answer is opened: then a push from
+    this host is one file, adopted by the connector."""
+    with tag_store(tmp_path / "shm") as store, LLMSender(
+        store.endpoint, key_file=key_file(tmp_path), security="tag"
+    ) as sender:  # fmt: skip
+        assert sender.wait_reachable(REPLY_S)
+        info = probe(store.endpoint, key_file(tmp_path), security="tag")
+        assert info is not None
+        assert (info.incoming, info.width) == (str(store.dir / ".incoming"), WIDTH)
+        assert probe(store.endpoint, key_file(tmp_path, b"u" * 32), timeout_s=0.5, security="tag") is None
+        same = SameHost(sender)
+        m = message("9" * 64)
+        same.send(m, time.monotonic() + REPLY_S, torch.float32).acked.result(REPLY_S)
+        assert same.files == 1
+        assert store.counters()["adopted"] == 1
 
 
 def test_an_untagged_or_forged_message_is_never_kept_and_the_receiver_serves_on(tmp_path):
