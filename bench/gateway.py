@@ -204,7 +204,7 @@ def _sittings(args: argparse.Namespace, ckpt: Path, tmp: Path, fronts: dict[str,
             with harness.sitting(
                 model=ckpt.name, size=size, connector=connector, rounds=args.rounds
             ) as point:
-                point.update(_rounds(urls, str(ckpt), SIZES[size], args.rounds, 10 * i))
+                point.update(_rounds(urls, str(ckpt), SIZES[size], args.rounds, 10 * i, args.gap_s))
             print(json.dumps({k: ({a: b for a, b in v.items() if a != "ttft_s"} if isinstance(v, dict) else v)
                               for k, v in point.items()}), flush=True)  # fmt: skip
             points.append(point)
@@ -212,7 +212,7 @@ def _sittings(args: argparse.Namespace, ckpt: Path, tmp: Path, fronts: dict[str,
 
 
 def _rounds(
-    urls: dict[str, str], model: str, size: tuple[int, int], rounds: int, seed: int
+    urls: dict[str, str], model: str, size: tuple[int, int], rounds: int, seed: int, gap_s: float = 0.0
 ) -> dict[str, dict]:
     """One warm-up request per arm, then `rounds` rounds of one request per arm, each round's order rotated so
     every arm goes first equally often (a change of load meanwhile favours none). One client, a new image
@@ -229,6 +229,7 @@ def _rounds(
     inside: dict[str, dict[str, float]] = {arm: {} for arm in arms}  # vLLM's own times of each arm's requests
     for r in range(rounds):
         for arm in harness.rotate(arms, r):
+            time.sleep(gap_s)  # --gap_s: vLLM's engine core idle again before each request (see the option)
             was = parts.vllm_times(
                 urls["vllm"]
             )  # one client: the engine's counters move for this request only
@@ -285,6 +286,12 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--iterations", default=None, metavar="DIR",
                     help="with --widths: vLLM logs every engine step (--enable-logging-iteration-details) and its "
                          "log is kept in DIR: which steps each request took, and each step's time")  # fmt: skip
+    ap.add_argument("--gap_s", type=float, default=0.0,
+                    help="with --widths: seconds between requests. vLLM's engine core busy-waits (sched_yield) for "
+                         "the worker's output for 1 s after its last step (shm_broadcast's SpinCondition), on a "
+                         "core the worker's prefill then shares: a request that reaches vLLM within 1 s of the "
+                         "previous one's end pays it (vLLM alone always does back to back; wire, which reaches "
+                         "vLLM after vitserve's own encode, never). 1.5 puts every arm after an idle engine")  # fmt: skip
     args = ap.parse_args(argv)
     if args.widths and args.balancer:
         ap.error("--widths and --balancer are two profiles: give one")
