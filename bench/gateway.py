@@ -211,6 +211,18 @@ def _sittings(args: argparse.Namespace, ckpt: Path, tmp: Path, fronts: dict[str,
     return points
 
 
+def _one_request(urls: dict[str, str], arm: str, bodies: Bodies, inside: dict[str, float]) -> dict:
+    """One request of `arm`; what vLLM says of it (its /metrics sums) and the CPU seconds its engine core and worker
+    spent meanwhile are added to `inside` (one client: the counters move for this request only)."""
+    was, cpu = parts.vllm_times(urls["vllm"]), parts.vllm_cpu_s()
+    one = asyncio.run(parts.run_point(urls[arm], bodies, 1, 3600.0, 1))
+    for k, v in parts.vllm_times(urls["vllm"]).items():
+        inside[k] = inside.get(k, 0.0) + v - was[k]
+    for k, v in parts.vllm_cpu_s().items():
+        inside[f"cpu_{k}"] = inside.get(f"cpu_{k}", 0.0) + v - cpu[k]
+    return one
+
+
 def _rounds(
     urls: dict[str, str], model: str, size: tuple[int, int], rounds: int, seed: int, gap_s: float = 0.0
 ) -> dict[str, dict]:
@@ -230,12 +242,7 @@ def _rounds(
     for r in range(rounds):
         for arm in harness.rotate(arms, r):
             time.sleep(gap_s)  # --gap_s: vLLM's engine core idle again before each request (see the option)
-            was = parts.vllm_times(
-                urls["vllm"]
-            )  # one client: the engine's counters move for this request only
-            one = asyncio.run(parts.run_point(urls[arm], bodies[arm], 1, 3600.0, 1))
-            for k, v in parts.vllm_times(urls["vllm"]).items():
-                inside[arm][k] = inside[arm].get(k, 0.0) + v - was[k]
+            one = _one_request(urls, arm, bodies[arm], inside[arm])
             ttft[arm] += one["ttft_s"]
             for kind, n in one["errors"].items():
                 errors[arm][kind] = errors[arm].get(kind, 0) + n

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -160,6 +161,27 @@ def vllm_times(url: str) -> dict[str, float]:
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in VLLM_TIMES:
             out[VLLM_TIMES[name]] += float(line.rpartition(" ")[2])
+    return out
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+VLLM_PROCESSES = {"VLLM::EngineCor": "engine_core", "VLLM::Worker": "worker"}  # their names (comm) in /proc
+
+
+def vllm_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by this machine's vLLM engine-core and worker processes (one vLLM
+    at a time in these benches), read from /proc: around one request, what each side of vLLM spent on it."""
+    out = dict.fromkeys(VLLM_PROCESSES.values(), 0.0)
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if name in VLLM_PROCESSES:
+            out[VLLM_PROCESSES[name]] += (int(fields[11]) + int(fields[12])) / _TICK
     return out
 
 

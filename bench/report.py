@@ -276,13 +276,18 @@ def gateway_widths_table(res: dict) -> list[str]:
                          f"{r['handover_ms']:.1f}" if "handover_ms" in r else "-", _inside(r.get("in_vllm_ms")),
                          _f(r.get("fetch_ms"), 1), r["requests"], f"{p['load_before']:.1f}"])  # fmt: skip
     head = ["model (row width)", "image", "mode", "ttft p50 (s)", "p90 / p99 (s)", "/ vLLM alone",
-            "upstream bytes per request", "vitserve hand-over (ms)", "in vLLM: queue / prefill (ms)",
+            "upstream bytes per request", "vitserve hand-over (ms)", "in vLLM: queue / prefill (engine-core CPU) (ms)",
             "pull's fetch (ms)", "requests", "load"]  # fmt: skip
     return _table(head, rows)
 
 
 def _inside(times: dict | None) -> str:
-    return "-" if not times else f"{times['queue_s']:.0f} / {times['prefill_s']:.0f}"
+    """vLLM's queue / prefill means (ms), and its engine core's CPU ms per request where recorded (its busy-wait on
+    the worker: bench/gateway.py --gap_s)."""
+    if not times:
+        return "-"
+    core = f" (core {times['cpu_engine_core']:.0f})" if "cpu_engine_core" in times else ""
+    return f"{times['queue_s']:.0f} / {times['prefill_s']:.0f}{core}"
 
 
 def video_decode_table(res: dict) -> list[str]:

@@ -47,12 +47,13 @@ def test_gateway_widths_table_gives_pull_against_the_vllm_of_its_sitting_with_it
              "wire": {"ttft_p50_s": 2.1, "requests": 10, "upstream_bytes": 327, "handover_ms": 60.0},
              "pull": {"ttft_p50_s": 2.2, "ttft_p90_s": 2.75, "requests": 10, "upstream_bytes": 400,
                       "handover_ms": 1.5, "fetch_ms": 69.1,
-                      "in_vllm_ms": {"vllm_ttft_s": 1445.0, "queue_s": 71.0, "prefill_s": 1367.9}}}  # fmt: skip
+                      "in_vllm_ms": {"vllm_ttft_s": 1445.0, "queue_s": 71.0, "prefill_s": 1367.9,
+                                     "cpu_engine_core": 960.4, "cpu_worker": 2500.0}}}  # fmt: skip
     lines = report.gateway_widths_table({"points": [point]})
     assert lines[2] == "| m | 1080p | vllm (vitserve) | 2.000 | 2.500 / - | - | - | - | - | - | 10 | 1.0 |"
     assert (
         lines[4]
-        == "| m | 1080p | pull | 2.200 | 2.750 / - | **1.10x** | 400 | 1.5 | 71 / 1368 | 69.1 | 10 | 1.0 |"
+        == "| m | 1080p | pull | 2.200 | 2.750 / - | **1.10x** | 400 | 1.5 | 71 / 1368 (core 960) | 69.1 | 10 | 1.0 |"
     )
 
 
