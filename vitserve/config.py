@@ -15,12 +15,6 @@ GIB = 1024 * MIB
 TORCHRUN_MASTER_PORT = 29500  # torchrun's default --master_port, ours with --nnodes > 1
 
 
-WIRE_SECURITIES = (
-    "curve",
-    "tag",
-)  # how the wire's secret keys it (--wire_security, the connector's wire_security)
-
-
 @dataclass(frozen=True)
 class Config:
     model: str = DEMO  # a checkpoint directory, or the demo (vitserve/checkpoint.py)
@@ -45,7 +39,7 @@ class Config:
     wire_key_file: str | None = None  # the connector's shared secret (wire only); its path, never its bytes
     # how that secret keys the wire: None or "curve" (ZMQ CURVE: authenticated, encrypted), "tag" (a tag per
     # message, the bytes in clear: vitserve/rpc/tag.py), as the connector's wire_security
-    wire_security: str | None = None  # one of WIRE_SECURITIES
+    wire_security: str | None = None  # one of vitserve/endpoints.py WIRE_SECURITIES
     # wire to a vLLM with --data-parallel-size N: its engine cores' connectors, at --llm_endpoint + rank; None = 1
     llm_dp_size: int | None = None
     ec_storage_path: str | None = None

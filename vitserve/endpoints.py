@@ -7,6 +7,9 @@ import ipaddress
 from urllib.parse import urlsplit
 
 LOCAL_SCHEMES = ("ipc", "inproc")  # a Unix socket or one process: never reachable from another host
+# how the wire's secret keys it (vitserve --wire_security, the connector's wire_security): CURVE, or a tag per
+# message with the bytes in clear (vitserve/rpc/tag.py)
+WIRE_SECURITIES = ("curve", "tag")
 
 
 def host_only(endpoint: str) -> bool:

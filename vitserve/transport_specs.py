@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
-from vitserve.config import WIRE_SECURITIES, Config
-from vitserve.endpoints import host_only, rank_endpoint
+from vitserve.config import Config
+from vitserve.endpoints import WIRE_SECURITIES, host_only, rank_endpoint
 from vitserve.errors import ConfigError
 from vitserve.families import Family
 

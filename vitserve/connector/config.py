@@ -13,10 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vitserve.config import WIRE_SECURITIES
 from vitserve.connector.allowlist import DEFAULT_ACCEPT_FROM, Allowlist
 from vitserve.connector.store import EmbeddingStore, Shape
-from vitserve.endpoints import rank_endpoint
+from vitserve.endpoints import WIRE_SECURITIES, rank_endpoint
 from vitserve.rpc.wirekey import read_key_file
 
 DEFAULT_MAX_GB = 4.0

@@ -25,17 +25,17 @@ import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
-
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from typing import TYPE_CHECKING, Any
 
 from vitserve.rpc.wire import WireError
 
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers import Cipher, modes
+
 VERSION = 1
 WINDOW_S = 60.0  # a tag's time may differ this much from the receiver's clock (hosts' clocks: NTP)
-MAX_SEEN = (
-    1_000_000  # nonces remembered; only messages whose tag verified are, so only a holder of the key fills it
-)
+# nonces remembered; only messages whose tag verified are, so only a holder of the key fills it
+MAX_SEEN = 1_000_000
 TO_CONNECTOR, TO_SENDER = "to-connector", "to-sender"
 _HEAD = struct.Struct(">BQ12s")  # version, sent at (ns), nonce
 TAG_FRAME_BYTES = _HEAD.size + 16
@@ -49,6 +49,9 @@ class Tagger:
     """Seals messages in one direction and opens those of the other (both ends hold the same secret)."""
 
     def __init__(self, secret: bytes, *, sends: str) -> None:
+        # imported here: only wire_security tag needs it (the connector's import stays light in vLLM's environment)
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
         self._gcm: Callable[..., Cipher[modes.GCM]]
         aes = algorithms.AES(hashlib.sha256(b"vitserve-tag" + secret).digest())
         self._gcm = lambda nonce, tag=None: Cipher(aes, modes.GCM(nonce, tag))
