@@ -77,8 +77,8 @@ class EmbeddingStore:
         max_hold_s: float = DEFAULT_MAX_HOLD_S,
         allow_unauthenticated: bool = False,
         dtype: str = "",  # the dtype vLLM serves, said to vitserve (rpc/handoff.py info)
-        accept_from: Allowlist
-        | None = None,  # given: wire_security tag (rpc/tag.py), these senders' addresses
+        # given: wire_security tag (rpc/tag.py), the addresses of the senders admitted
+        accept_from: Allowlist | None = None,
     ) -> None:
         self.shape, self.max_hold_s, self._key, self.dtype = shape, float(max_hold_s), key, dtype
         self._accept_from = accept_from
@@ -255,9 +255,7 @@ class EmbeddingStore:
     def _take(self, frames: list[zmq.Frame]) -> None:
         peer, body = frames[0], frames[1:]
         try:
-            if (
-                self._tagger is not None
-            ):  # wire_security tag: nothing of a message is read before its tag verified
+            if self._tagger is not None:  # wire_security tag: nothing is read before the tag verified
                 body = self._tagger.open(body)
             message = decode_handoff(body) or decode_inbound(body)
         except Exception as exc:  # WireError, or a decoder bug: either way the message is not the wire
