@@ -142,6 +142,30 @@ def test_an_empty_scheduler_step_waits_for_a_running_fetch_until_it_ends():
     assert waited < ENDS_S, "woken by the fetch's end, not at the wait's timeout"
 
 
+def test_an_idle_scheduler_waits_for_its_requests_fetches_alone_until_they_end_or_its_bound():
+    """wait_for (the glue's wait in place when the engine has nothing else to run): False at once when none of
+    the uuids is being fetched; while one is, until it ends (another fetch still running does not hold it), or
+    until its bound."""
+    producer = BareProducer()
+    with contextlib.closing(producer.sock), fetcher(Kept(), deadline_s=ENDS_S) as f:
+        assert f.wait_for(["1" * 64], ENDS_S) is False, "no fetch of it runs: no wait"
+        f.start("1" * 64, producer.endpoint, EXPECT)
+        f.start("2" * 64, producer.endpoint, EXPECT)
+        producer.take(2)
+        start = time.monotonic()
+        assert f.wait_for(["1" * 64], 0.3) is True
+        assert time.monotonic() - start >= 0.3, "unanswered: it waits out its bound"
+        assert f.busy("1" * 64)
+        first = producer.queries.index(next(q for q in producer.queries if q[1] == "1" * 64))
+        producer.answer(first, message("1" * 64))
+        start = time.monotonic()
+        assert f.wait_for(["1" * 64], ENDS_S) is True
+        waited = time.monotonic() - start
+        assert f.result("1" * 64) is not None and f.result("1" * 64).kept
+        assert f.busy("2" * 64), "the other request's fetch still runs: not waited for"
+    assert waited < ENDS_S, "woken by its fetch's end, not at the bound"
+
+
 def test_a_producer_that_stops_fails_the_fetches_it_took():
     """A replica killed after it took a query: the connection drops, and the fetch fails then."""
     producer = BareProducer()

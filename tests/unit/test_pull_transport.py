@@ -260,7 +260,8 @@ def test_the_connector_fetches_an_announced_item_into_its_store_and_fails_what_i
         }
         (uuid,) = announced
         assert puller.step("vllm-1", (uuid,), announced, 5.0) is None  # started: the request waits
-        held = _wait(lambda: store.get(uuid))
+        assert puller.wait((uuid,), 5.0) is True  # an idle engine's wait in place: until it is kept
+        held = store.get(uuid)
         assert held is not None
         assert (held.rows, held.width, held.dtype) == (6, 8, "float32")
         assert store.counters()["received"] == 1
@@ -302,3 +303,25 @@ def test_the_documented_pull_commands_agree(tmp_path):
     assert config.llm_transport == "pull"
     assert config.wire_key_file == str(key)
     assert Allowlist(tuple(extra["pull_from"])).refuses(config.pull_advertise or "") is None
+
+
+def test_an_idle_engine_waits_in_place_once_per_step_and_never_beside_other_work():
+    """pulling.py `EngineSteps`, as the glue feeds it from vLLM's scheduler: a request may wait in place for its
+    fetches only when no other request runs (scheduled in an earlier step, not finished) and nothing was admitted
+    or waited for in this step."""
+    from vitserve.connector.pulling import EngineSteps
+
+    steps = EngineSteps()
+    assert steps.idle_but("a"), "a fresh engine runs nothing"
+    steps.has_work()  # "a" waited (or another request was admitted) in this step
+    assert not steps.idle_but("b"), "one wait in place per step"
+    steps.stepped(["a"], [])
+    assert steps.idle_but("a"), "its own later chunks: nothing else runs"
+    assert not steps.idle_but("b"), "a runs: b defers, its fetch beside a's step"
+    steps.finished("a")
+    assert steps.idle_but("b")
+    steps.stepped(["c", "d"], [])
+    steps.stepped([], ["c"])  # a finish vLLM reports in the next step's output
+    assert not steps.idle_but("b")
+    steps.finished("d")
+    assert steps.idle_but("b")

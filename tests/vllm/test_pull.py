@@ -39,6 +39,7 @@ RECEIVED = "vllm:vitserve_connector_received_total"
 PULLED = "vllm:vitserve_connector_pull_kept_total"
 PULLED_BYTES = "vllm:vitserve_connector_pull_bytes_total"
 ADOPTED = "vllm:vitserve_connector_adopted_total"  # files vitserve wrote into the connector's shared memory
+IDLE_WAITS = "vllm:vitserve_connector_pull_idle_waits_total"
 PULLED_MS = "vllm:vitserve_connector_pull_ms_total"  # may stay 0: a fetch can take under 0.5 ms
 
 
@@ -63,15 +64,16 @@ def pull(consumer):
 def test_pull_one_image_equals_vllms_own(consumer, pull):
     vllm = consumer.server
     body = chat_request(str(consumer.ckpt), image_url_part(png(96, 64, seed=81)))
-    names = (RECEIVED, PULLED, PULLED_BYTES, ADOPTED)
+    names = (RECEIVED, PULLED, PULLED_BYTES, ADOPTED, IDLE_WAITS)
     before = [metric(vllm.url, name) for name in names]
     through = complete(pull.url, body)
-    received, pulled, pulled_bytes, adopted = (
+    received, pulled, pulled_bytes, adopted, idle_waits = (
         metric(vllm.url, n) - b for n, b in zip(names, before, strict=True)
     )
     assert (received, pulled) == (1, 1)  # fetched from vitserve, not encoded by vLLM
     assert pulled_bytes > 0
     assert adopted == 1  # one host: vitserve wrote it into the connector's area, no bytes through the socket
+    assert idle_waits == 1  # nothing else ran: the scheduler waited for the fetch in place, no empty step
     assert PULLED_MS in httpx.get(vllm.url + "/metrics", timeout=10, trust_env=False).text
     assert_same_answer(complete(vllm.url, body), through)
 

@@ -39,6 +39,7 @@ COUNTERS = {
     "pull_kept": "Fetches that brought their embedding and kept it (also counted as received).",
     "pull_bytes": "Bytes of the embeddings fetches brought and kept.",
     "pull_ms": "Milliseconds the kept fetches took, each from its start to its embedding kept (/ pull_kept: the mean).",
+    "pull_idle_waits": "Requests whose fetches an idle engine waited for in place (at most 1 s) instead of stepping empty.",
     "pull_late": "Answers to fetches dropped: late (the fetch had ended) or not the wire.",
 }
 LABELLED = {  # a prefix of counter names -> (its metric, documentation); the rest of the name is the reason

@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 import uuid as uuids
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import zmq
@@ -184,6 +184,18 @@ class Fetcher:
         with self._lock:
             if self._live:
                 self._lock.wait(timeout_s)
+
+    def wait_for(self, uuids: Iterable[str], timeout_s: float) -> bool:
+        """Block until none of `uuids` is being fetched, or timeout_s; False at once when none was. For a
+        scheduler with nothing else to run (glue.py): the request is scheduled in the step that asked."""
+        wanted = set(uuids)
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            if not wanted & self._live.keys():
+                return False
+            while wanted & self._live.keys() and (left := deadline - time.monotonic()) > 0:
+                self._lock.wait(left)
+        return True
 
     def close(self) -> None:
         self._closing = True

@@ -19,7 +19,8 @@ ensure_cache_available, then has_cache_item for its items, then update_state_aft
 - ensure_cache_available decides with admission.py's pure rules: an item is supplied from here only when the
   request announced it and the tensor held agrees with the announcement, the placeholder and the model's width.
   One announced and not here yet defers the request, for at most `wait_s`, and not at all once the receiver has
-  failed; a malformed announcement, a mismatch, an item without pixels that is not announced, or a wait past
+  failed (pull: the fetches start, and an engine with nothing else to run waits for them in place, at most
+  pulling.IDLE_WAIT_S, rather than step empty); a malformed announcement, a mismatch, an item without pixels that is not announced, or a wait past
   `wait_s`: the request is named by take_unavailable_requests and vLLM fails it alone.
 - has_cache_item says True only for a uuid that ensure_cache_available just checked for the request being
   scheduled; items with pixels that are not announced are vLLM's own to encode.
@@ -46,7 +47,7 @@ from vllm.logger import init_logger
 from vitserve.connector import admission, counters
 from vitserve.connector.allowlist import DEFAULT_ACCEPT_FROM, DEFAULT_PULL_FROM
 from vitserve.connector.config import KEY, ConnectorConfig, for_rank, parse_config, start_store
-from vitserve.connector.pulling import Puller
+from vitserve.connector.pulling import EngineSteps, Puller
 from vitserve.connector.store import EmbeddingStore, Shape, as_dict, read_entry
 from vitserve.rpc.tensors import DTYPES
 from vitserve.rpc.wirekey import read_key_file
@@ -90,6 +91,7 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
         self._checking: frozenset[str] = frozenset()  # what has_cache_item may say True for (the request now)
         self._waiting_since: dict[str, float] = {}  # request id -> first deferral (monotonic)
         self._unavailable: set[str] = set()
+        self._steps = EngineSteps()
         self._counts: dict[str, int] = {}  # the glue's own counters (counters.py)
         self._reported: dict[str, int] = {}  # the last counters sent to vLLM's stats
         parallel = vllm_config.parallel_config
@@ -122,10 +124,13 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
         if request.request_id in self._unavailable:
             return False
         try:
-            return self._ensure(request, num_computed_tokens)
+            admitted = self._ensure(request, num_computed_tokens)
         except Exception:  # the connector's own error fails this request, never vLLM's scheduler
             log.exception("vitserve connector: checking request %s failed", request.request_id)
             return self._fail(request, "error", "the connector failed to check it (see the traceback above)")
+        if admitted:
+            self._steps.has_work()
+        return admitted
 
     def _ensure(self, request: Request, num_computed_tokens: int) -> bool:
         assert self.store is not None
@@ -143,6 +148,11 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
             why = self._puller.step(rid, verdict.missing, announced, self._left_s(rid))
             if why is not None:
                 return self._fail(request, "pull", why)
+            if self._steps.idle_but(rid):
+                self._steps.has_work()  # one wait in place per step: a second request defers as before
+                if self._puller.wait(verdict.missing, self._left_s(rid)):
+                    self._count("pull_idle_waits")
+                    return self._ensure(request, num_computed_tokens)  # checked again: all here, or defer
             return self._defer(request, verdict.missing)
         for uuid in verdict.supply - self._supplied.get(rid, set()):
             if self.store.pin(uuid, rid) is None:  # evicted since it was checked: wait for it as if missing
@@ -234,6 +244,10 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> VitserveECMetadata:
         meta, self._loads = VitserveECMetadata(self._loads), {}
+        self._steps.stepped(
+            getattr(scheduler_output, "num_scheduled_tokens", {}),
+            getattr(scheduler_output, "finished_req_ids", ()),
+        )
         if self._puller is not None and not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
             # A step with nothing to run while requests wait for their fetches: vLLM's engine core has work, so it
             # would step again at once and spin a core (and this process's GIL) the fetch needs.
@@ -241,6 +255,7 @@ class VitserveECConnector(ECConnectorBase):  # type: ignore[misc]
         return meta
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._steps.finished(request.request_id)
         self._release(request.request_id)
         return False, None
 
