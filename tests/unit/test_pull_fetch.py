@@ -161,7 +161,9 @@ def test_an_idle_scheduler_waits_for_its_requests_fetches_alone_until_they_end_o
         start = time.monotonic()
         assert f.wait_for(["1" * 64], ENDS_S) is True
         waited = time.monotonic() - start
-        assert f.result("1" * 64) is not None and f.result("1" * 64).kept
+        outcome = f.result("1" * 64)
+        assert outcome is not None
+        assert outcome.kept
         assert f.busy("2" * 64), "the other request's fetch still runs: not waited for"
     assert waited < ENDS_S, "woken by its fetch's end, not at the bound"
 
