@@ -20,8 +20,9 @@ ensure_cache_available, then has_cache_item for its items, then update_state_aft
   request announced it and the tensor held agrees with the announcement, the placeholder and the model's width.
   One announced and not here yet defers the request, for at most `wait_s`, and not at all once the receiver has
   failed (pull: the fetches start, and an engine with nothing else to run waits for them in place, at most
-  pulling.IDLE_WAIT_S, rather than step empty); a malformed announcement, a mismatch, an item without pixels that is not announced, or a wait past
-  `wait_s`: the request is named by take_unavailable_requests and vLLM fails it alone.
+  pulling.IDLE_WAIT_S, rather than step empty); a malformed announcement, a mismatch, an item without pixels
+  that is not announced, or a wait past `wait_s`: the request is named by take_unavailable_requests and vLLM
+  fails it alone.
 - has_cache_item says True only for a uuid that ensure_cache_available just checked for the request being
   scheduled; items with pixels that are not announced are vLLM's own to encode.
 Nothing here raises into vLLM's scheduler: an error of the connector's own fails the request concerned.
